@@ -1,0 +1,70 @@
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PY ?= python3
+VENV ?= .venv
+VENV_IO ?= .venv-io
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+
+LINT_PATHS := keras_stage tests examples
+
+PRIMARY_REQS := requirements/primary.txt requirements/primary-constraints.txt
+IO_REQS := requirements/io.txt requirements/io-constraints.txt
+
+# The venv markers depend only on the requirement files and setup.cfg (not
+# pyproject.toml, whose pytest/ruff config edits must not trigger reinstalls).
+# Rebuilds are incremental: pip re-applies the pins in the existing venv;
+# run `make clean` for a from-scratch rebuild.
+
+# Quieten TensorFlow's C++ logging for test/demo runs.
+export TF_CPP_MIN_LOG_LEVEL := 2
+
+.PHONY: help venv venv-io test test-io demo lint clean
+
+help:
+	@echo "Targets:"
+	@echo "  venv      build $(VENV) (primary: tensorflow-cpu 2.21, keras 3)"
+	@echo "  venv-io   build $(VENV_IO) (tensorflow-cpu 2.16 + tensorflow-io)"
+	@echo "  test      run pytest in $(VENV)        (PYTEST_ARGS=...)"
+	@echo "  test-io   run pytest in $(VENV_IO) with KERAS_STAGE_ENV=io"
+	@echo "  demo      run examples.demo in $(VENV) (DEMO_ARGS=...)"
+	@echo "  lint      ruff check + ruff format --check"
+	@echo "  clean     remove venvs, build artefacts and caches"
+
+$(VENV)/.done: $(PRIMARY_REQS) setup.cfg
+	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -r requirements/primary.txt \
+		-c requirements/primary-constraints.txt
+	$(VENV)/bin/python -m pip install -e . --no-deps
+	touch $@
+
+$(VENV_IO)/.done: $(IO_REQS) setup.cfg
+	test -x $(VENV_IO)/bin/python || $(PY) -m venv $(VENV_IO)
+	$(VENV_IO)/bin/python -m pip install -r requirements/io.txt \
+		-c requirements/io-constraints.txt
+	$(VENV_IO)/bin/python -m pip install -e . --no-deps
+	touch $@
+
+venv: $(VENV)/.done
+
+venv-io: $(VENV_IO)/.done
+
+test: venv
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+test-io: venv-io
+	KERAS_STAGE_ENV=io $(VENV_IO)/bin/python -m pytest $(PYTEST_ARGS)
+
+demo: venv
+	$(VENV)/bin/python -m examples.demo $(DEMO_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+
+clean:
+	rm -rf $(VENV) $(VENV_IO) build dist .eggs *.egg-info \
+		.pytest_cache .ruff_cache .hypothesis
+	find . -path ./.git -prune -o -type d -name __pycache__ -print0 \
+		| xargs -0 rm -rf

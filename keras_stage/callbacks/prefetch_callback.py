@@ -1,0 +1,276 @@
+"""`PrefetchCallback`: the lifecycle and the report of a staged run.
+
+The callback owns what happens to the stages of one `fit`, `evaluate` or
+`predict` call: it starts and ends the epochs of the data sources feeding
+them, reads the stages' counters at epoch boundaries (never per step), adds
+them to the epoch logs, prints a bottleneck verdict, and stops every thread
+the stages started when the run ends, however it ends.
+"""
+
+import logging
+import math
+import time
+
+import keras
+
+logger = logging.getLogger("keras_stage")
+
+# Above this fraction of the epoch spent waiting for data, a run is called
+# input-bound.
+_INPUT_BOUND_WAIT_RATIO = 0.1
+_MAX_SUGGESTED_CAPACITY = 64
+
+
+class _Binding:
+    """One stage feeding one phase (train, test or predict) of a run."""
+
+    def __init__(self, phase, staged, adapter):
+        self.phase = phase
+        self.staged = staged
+        self.adapter = adapter
+        self.in_epoch = False
+
+    def begin_epoch(self):
+        if self.adapter is not None and not self.in_epoch:
+            self.adapter.on_epoch_begin()
+        self.in_epoch = True
+
+    def end_epoch(self):
+        if self.adapter is not None and self.in_epoch:
+            self.adapter.on_epoch_end()
+        self.in_epoch = False
+
+
+class PrefetchCallback(keras.callbacks.Callback):
+    """Runs the stages of a staged model and reports what they are doing.
+
+    Pass it to `fit` (or `evaluate`/`predict`) of a `keras_stage.Model` or
+    `keras_stage.Sequential` with a `StagedInput`; the model adds one when
+    you do not, and moves it first in the callback list so that History,
+    the progress bar, EarlyStopping and TensorBoard all see its logs.
+
+    Each epoch it adds to the logs:
+
+    - `stage_wait_ratio`: fraction of the epoch's training time spent
+      waiting for input (0..1). Near 0: the stage keeps up.
+    - `stage_buffer_fill`: mean fill of the stage buffer when the training
+      step asked for a batch (0..1). Near 1: batches were waiting.
+    - `stage_skipped`: batches skipped this epoch by
+      `ignored_exception_types`.
+
+    With `verbose=1` it prints a one-line verdict per epoch: input-bound or
+    compute-bound, and what to change, by DeepRec's rules of thumb
+    (`num_threads >= preprocessing time / training time`,
+    `capacity ~ compute time / wait time`). The latest verdict is also in
+    `callback.verdict` as a dict.
+
+    Args:
+        verbose: 1 prints the verdict each epoch, 0 only logs it at debug
+            level. Defaults to `0`.
+
+    Example:
+
+    >>> import numpy as np, keras, keras_stage
+    >>> inputs = keras.Input(shape=(2,))
+    >>> x = keras_stage.layers.StagedInput(num_threads=2, capacity=2)(inputs)
+    >>> model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> cb = keras_stage.callbacks.PrefetchCallback()
+    >>> h = model.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=4,
+    ...               callbacks=[cb], verbose=0)
+    >>> sorted(k for k in h.history if k.startswith("stage_"))
+    ['stage_buffer_fill', 'stage_skipped', 'stage_wait_ratio']
+    """
+
+    def __init__(self, verbose=0):
+        super().__init__()
+        if verbose not in (0, 1, True, False):
+            raise ValueError(
+                "Invalid value for argument `verbose`. Expected 0 or 1. "
+                f"Received: verbose={verbose!r}"
+            )
+        self.verbose = int(verbose)
+        self.verdict = None
+        self._bindings = {}
+        self._epoch_start = None
+        self._train_time = None
+        self._snapshot = None
+
+    # -- wiring, called by the staged model ---------------------------------
+
+    def attach(self, phase, staged, adapter=None):
+        """Registers the stage feeding `phase` ("train", "test", "predict").
+
+        Called by `keras_stage.Model`; users do not need it.
+        """
+        self._bindings[phase] = _Binding(phase, staged, adapter)
+
+    def close(self, timeout=5.0):
+        """Ends the sources' epochs and stops every stage thread.
+
+        Returns:
+            True if no thread was left behind.
+        """
+        clean = True
+        for binding in self._bindings.values():
+            try:
+                binding.end_epoch()
+            finally:
+                clean = binding.staged.close(timeout) and clean
+        self._bindings = {}
+        return clean
+
+    # -- Keras hooks ----------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        self.verdict = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        binding = self._bindings.get("train")
+        if binding is None:
+            return
+        binding.begin_epoch()
+        self._snapshot = binding.staged.stats.snapshot()
+        self._epoch_start = time.time()
+        self._train_time = None
+
+    def on_test_begin(self, logs=None):
+        if self._epoch_start is not None and self._train_time is None:
+            # Validation inside fit: the training part of the epoch ends.
+            self._train_time = time.time() - self._epoch_start
+        binding = self._bindings.get("test")
+        if binding is not None:
+            binding.begin_epoch()
+
+    def on_test_end(self, logs=None):
+        binding = self._bindings.get("test")
+        if binding is not None:
+            binding.end_epoch()
+            self._report_skips(binding, binding.staged.stats.snapshot())
+
+    def on_predict_begin(self, logs=None):
+        binding = self._bindings.get("predict")
+        if binding is not None:
+            binding.begin_epoch()
+
+    def on_predict_end(self, logs=None):
+        binding = self._bindings.get("predict")
+        if binding is not None:
+            binding.end_epoch()
+            self._report_skips(binding, binding.staged.stats.snapshot())
+
+    def on_epoch_end(self, epoch, logs=None):
+        binding = self._bindings.get("train")
+        if binding is None or self._snapshot is None:
+            return
+        binding.end_epoch()
+        now = binding.staged.stats.snapshot()
+        seconds = self._train_time or (time.time() - self._epoch_start)
+        stats = epoch_statistics(
+            self._snapshot, now, seconds, binding.staged.stage_options
+        )
+        self._snapshot = None
+        self._epoch_start = None
+        if logs is not None:
+            logs["stage_wait_ratio"] = stats["wait_ratio"]
+            logs["stage_buffer_fill"] = stats["buffer_fill"]
+            logs["stage_skipped"] = stats["skipped"]
+        self.verdict = verdict(stats, binding.staged.stage_options)
+        self.verdict["epoch"] = epoch
+        if self.verbose:
+            print(self.verdict["message"])
+        else:
+            logger.debug(self.verdict["message"])
+        self._report_skips(binding, now, stats["skipped"])
+
+    def on_train_end(self, logs=None):
+        self.close()
+
+    def _report_skips(self, binding, snapshot, skipped=None):
+        if skipped is None:
+            skipped = snapshot["skipped"]
+        if not skipped:
+            return
+        messages = snapshot["skipped_messages"]
+        binding.staged.stats.clear_skipped_messages()
+        first = "\n  ".join(messages) if messages else "(no message)"
+        logger.warning(
+            "Stage '%s' skipped %d element(s) in this %s epoch "
+            "(ignored_exception_types). First errors:\n  %s",
+            binding.staged.name,
+            skipped,
+            binding.phase,
+            first,
+        )
+
+
+def epoch_statistics(before, after, seconds, options):
+    """Turns two stage snapshots into one epoch's statistics."""
+    consumed = after["consumed"] - before["consumed"]
+    produced = after["produced"] - before["produced"]
+    wait = after["wait_seconds"] - before["wait_seconds"]
+    busy = after["busy_seconds"] - before["busy_seconds"]
+    buffered = after["buffered_sum"] - before["buffered_sum"]
+    if isinstance(options.capacity, int):
+        capacity = options.capacity
+    else:  # "auto": tf.data sizes the buffer; use the largest fill seen.
+        capacity = max(1, after["buffered_peak"])
+    seconds = max(seconds, 1e-9)
+    return {
+        "consumed": consumed,
+        "produced": produced,
+        "skipped": after["skipped"] - before["skipped"],
+        "seconds": seconds,
+        "wait_seconds": wait,
+        "busy_seconds": busy,
+        "wait_ratio": min(1.0, max(0.0, wait / seconds)),
+        "buffer_fill": (
+            min(1.0, buffered / (consumed * capacity)) if consumed else 0.0
+        ),
+    }
+
+
+def verdict(stats, options):
+    """The bottleneck verdict of one epoch, by DeepRec's rules of thumb."""
+    consumed = max(stats["consumed"], 1)
+    prepare = stats["busy_seconds"] / max(stats["produced"], 1)
+    compute = max(stats["seconds"] - stats["wait_seconds"], 0.0) / consumed
+    needed_threads = max(1, math.ceil(prepare / max(compute, 1e-9)))
+    if stats["wait_seconds"] > 0:
+        capacity = math.ceil(
+            (stats["seconds"] - stats["wait_seconds"]) / stats["wait_seconds"]
+        )
+    else:
+        capacity = 1
+    capacity = min(max(capacity, 1), _MAX_SUGGESTED_CAPACITY)
+    input_bound = stats["wait_ratio"] >= _INPUT_BOUND_WAIT_RATIO
+    name = options.name
+    timing = (
+        f"a batch takes {prepare * 1e3:.1f} ms to prepare (per thread) and "
+        f"{compute * 1e3:.1f} ms to train"
+    )
+    if input_bound:
+        message = (
+            f"Stage '{name}': input-bound, the training step waited "
+            f"{stats['wait_ratio']:.0%} of the epoch for data; {timing}. "
+            f"Use num_threads >= {needed_threads} (now "
+            f"{options.num_threads}) and capacity ~{capacity} (now "
+            f"{options.capacity})."
+        )
+    else:
+        message = (
+            f"Stage '{name}': compute-bound, the training step waited "
+            f"{stats['wait_ratio']:.0%} of the epoch for data; {timing}. "
+            f"The input keeps up; num_threads={needed_threads} would be "
+            f"enough (now {options.num_threads})."
+        )
+    return {
+        "input_bound": input_bound,
+        "wait_ratio": stats["wait_ratio"],
+        "buffer_fill": stats["buffer_fill"],
+        "prepare_seconds_per_batch": prepare,
+        "train_seconds_per_batch": compute,
+        "suggested_num_threads": needed_threads,
+        "suggested_capacity": capacity,
+        "message": message,
+    }

@@ -1,0 +1,47 @@
+"""Errors a stage raises, and how stage errors keep their type.
+
+A failure inside the staged computation must reach the user with its
+original TensorFlow type and message, plus the stage it came from. This
+module owns that annotation and the timeout error.
+"""
+
+import tensorflow as tf
+
+_MARK = "[keras_stage]"
+
+
+class StageTimeoutError(tf.errors.DeadlineExceededError):
+    """The consumer waited longer than the stage's `timeout` for an element.
+
+    A subclass of `tf.errors.DeadlineExceededError`, so code that handles
+    TensorFlow deadlines handles it too.
+    """
+
+    def __init__(self, message):
+        super().__init__(None, None, message)
+
+
+def annotate(error, stage_name, hint=None):
+    """Returns `error` re-created with the stage named in its message.
+
+    The type is kept (an `InvalidArgumentError` stays one), so `except`
+    clauses written for plain tf.data keep working.
+    """
+    message = getattr(error, "message", None)
+    if message is None or _MARK in message:
+        return error
+    note = f"{_MARK} raised inside stage '{stage_name}'"
+    if hint:
+        note += f": {hint}"
+    text = f"{message}\n{note}"
+    if isinstance(error, tf.errors.OpError):
+        try:
+            new = type(error)(error.node_def, error.op, text)
+        except TypeError:  # an OpError subclass with its own signature
+            return error
+    else:
+        try:
+            new = type(error)(text)
+        except TypeError:
+            return error
+    return new

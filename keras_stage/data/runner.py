@@ -1,0 +1,203 @@
+"""The Python boundary of a stage: exception policies and the timeout.
+
+tf.data's C++ threads produce and buffer the elements; what they cannot do
+is skip only some error types, end the data on a user-chosen error, or stop
+a consumer that waits forever. `StageRunner` does those three things around
+each blocking call made by the consumer (`next(iterator)` in an eager loop,
+one Keras train/test/predict step), and runs no Python per element
+otherwise.
+
+A blocked TensorFlow call cannot be interrupted, so with a timeout the call
+runs on one helper thread while the caller waits with a deadline. Only the
+time the consumer spends waiting for input counts against the timeout (the
+pipeline marks it in a variable), never a slow training step.
+"""
+
+import logging
+import threading
+import time
+
+import tensorflow as tf
+
+from keras_stage.data.errors import StageTimeoutError, annotate
+
+logger = logging.getLogger("keras_stage")
+
+# How often the waiting caller re-checks the input-wait clock.
+_POLL_SECONDS = 0.5
+
+
+class SkipElement(Exception):
+    """Raised by `StageRunner.call` when the element was ignored."""
+
+
+class EndOfData(Exception):
+    """Raised by `StageRunner.call` when a closed exception type ended it."""
+
+
+class _CallThread:
+    """One daemon thread that runs blocking calls handed to it."""
+
+    def __init__(self, name):
+        self._cond = threading.Condition()
+        self._job = None
+        self._result = None
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._loop, name=name, daemon=True
+        )
+        self._thread.start()
+
+    def _loop(self):
+        while True:
+            with self._cond:
+                while self._job is None and not self._closed:
+                    self._cond.wait()
+                if self._job is None:
+                    return
+                fn, args = self._job
+            try:
+                result = (True, fn(*args))
+            except BaseException as e:  # handed to the caller
+                result = (False, e)
+            with self._cond:
+                self._job = None
+                self._result = result
+                self._cond.notify_all()
+
+    @property
+    def busy(self):
+        return self._job is not None
+
+    def submit(self, fn, args):
+        with self._cond:
+            if self._job is not None:
+                raise RuntimeError("a stage call is still running")
+            self._result = None
+            self._job = (fn, args)
+            self._cond.notify_all()
+
+    def wait(self, seconds):
+        """Returns (ok, value) or None if still running after `seconds`."""
+        with self._cond:
+            if self._result is None:
+                self._cond.wait(seconds)
+            result, self._result = self._result, None
+            return result
+
+    def close(self, timeout=None):
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if not self.busy:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self):
+        return self._thread.is_alive()
+
+
+class StageRunner:
+    """Applies a stage's exception policies and timeout to blocking calls.
+
+    Args:
+        options: The stage's `StageOptions`.
+        stats: The stage's `StageStats`.
+    """
+
+    def __init__(self, options, stats):
+        self.options = options
+        self.stats = stats
+        self._caller = None
+        self._abandoned = []
+
+    @property
+    def name(self):
+        return self.stats.name
+
+    def raised_by_stage(self, error):
+        """Whether `error` came out of this stage's pipeline.
+
+        For calls that also run other work (a training step), so that a
+        model error is never skipped or blamed on the stage. tf.data names
+        the failing transformation, and a compiled step names the iterator
+        op, in the message.
+        """
+        message = getattr(error, "message", None) or str(error)
+        return f"{self.name}_" in message or "IteratorGetNext" in message
+
+    def call(self, fn, *args, check_origin=False):
+        """Runs `fn(*args)` under the stage's policies.
+
+        With `check_origin`, errors not raised by the stage's pipeline (see
+        `raised_by_stage`) pass through untouched.
+
+        Raises:
+            SkipElement: the element failed with an ignored exception type.
+            EndOfData: the data ended (a closed exception type).
+            StageTimeoutError: the consumer waited longer than `timeout`.
+            Any other error: re-raised with its type, the stage named.
+        """
+        try:
+            if self.options.timeout is None:
+                return fn(*args)
+            return self._call_with_timeout(fn, args)
+        except StageTimeoutError:
+            raise
+        except Exception as e:
+            if check_origin and not self.raised_by_stage(e):
+                raise
+            return self._apply_policies(e)
+
+    def _apply_policies(self, error):
+        options = self.options
+        if isinstance(error, options.ignored_exception_types):
+            self.stats.record_skip(error)
+            logger.debug("stage %r skipped an element: %s", self.name, error)
+            raise SkipElement() from error
+        if isinstance(error, options.closed_exception_types + (StopIteration,)):
+            raise EndOfData() from error
+        if isinstance(error, tf.errors.OpError):
+            raise annotate(error, self.name) from None
+        raise error
+
+    def _call_with_timeout(self, fn, args):
+        if self._caller is None or not self._caller.alive:
+            self._caller = _CallThread(f"keras_stage-{self.name}")
+        caller = self._caller
+        caller.submit(fn, args)
+        while True:
+            result = caller.wait(_POLL_SECONDS)
+            if result is not None:
+                ok, value = result
+                if ok:
+                    return value
+                raise value
+            waited = self.stats.seconds_waiting()
+            if waited > self.options.timeout:
+                # The blocked call cannot be interrupted: leave its thread
+                # (a daemon) behind and give the next call a fresh one.
+                self._abandoned.append(caller)
+                self._caller = None
+                raise self._timeout_error(waited)
+
+    def _timeout_error(self, waited):
+        snap = self.stats.snapshot()
+        return StageTimeoutError(
+            f"Stage '{self.name}' timed out: the consumer waited "
+            f"{waited:.1f} s for the next element (timeout="
+            f"{self.options.timeout:g} s). {snap['produced']} elements were "
+            f"produced and {snap['consumed']} consumed so far. Likely cause: "
+            "the source or the staged computation is blocked (a hung read, "
+            "a generator that never yields, a remote store not answering). "
+            "Fix the source, or raise `timeout` if elements legitimately "
+            "take this long."
+        )
+
+    def close(self, timeout=5.0):
+        """Stops the helper thread; returns True if no thread is left."""
+        if self._caller is not None:
+            self._caller.close(timeout)
+            self._caller = None
+        self._abandoned = [c for c in self._abandoned if c.alive]
+        return not self._abandoned

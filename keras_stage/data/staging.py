@@ -1,0 +1,253 @@
+"""`stage()`: a bounded, multi-threaded prefetch stage on tf.data.
+
+This module owns the staged pipeline. It is DeepRec's `tf.staged` built from
+tf.data's C++ machinery: a parallel map runs the staged computation on
+`num_threads` workers of a private thread pool, a prefetch buffer keeps at
+most `capacity` finished elements, and two tiny synchronous maps around the
+consumer's fetch update the stage's counters. Exception policies and the
+timeout are applied where the consumer fetches (see `runner.py`).
+"""
+
+import itertools
+import weakref
+
+import tensorflow as tf
+
+from keras_stage import _compat
+from keras_stage.data.options import AUTO, StageOptions
+from keras_stage.data.runner import EndOfData, SkipElement, StageRunner
+from keras_stage.data.stats import StageStats
+
+_name_counter = itertools.count()
+# Live stages, so a test or a callback can check that none left a thread.
+_live_stages = weakref.WeakSet()
+
+
+def _default_name():
+    return f"stage_{next(_name_counter)}"
+
+
+def _map_input(fn, element):
+    # tf.data unpacks tuples into positional arguments; the staged
+    # computation always receives the element as one structure.
+    return fn(element)
+
+
+def _build_pipeline(dataset, fn, options, stats):
+    name = options.name
+    num_threads = (
+        tf.data.AUTOTUNE if options.num_threads == AUTO else options.num_threads
+    )
+    capacity = tf.data.AUTOTUNE if options.capacity == AUTO else options.capacity
+
+    def produce(*element):
+        element = element[0] if len(element) == 1 else element
+        started = tf.timestamp()
+        with tf.control_dependencies([started]):
+            out = element if fn is None else _map_input(fn, element)
+        # Count only elements whose computation finished.
+        with tf.control_dependencies(tf.nest.flatten(out, True)):
+            counted = stats.count_produced(started)
+        with tf.control_dependencies([counted]):
+            return tf.nest.map_structure(
+                tf.identity, out, expand_composites=True
+            )
+
+    staged = dataset.map(
+        produce,
+        num_parallel_calls=num_threads,
+        deterministic=options.deterministic,
+        name=f"{name}_map",
+    ).prefetch(capacity, name=f"{name}_buffer")
+
+    # The consumer's fetch: mark the wait, fetch, record it. zip pulls the
+    # marker first, in the consumer's own thread, so the marked interval is
+    # exactly the time the consumer is blocked on the buffer.
+    markers = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).repeat()
+    markers = markers.map(lambda _: stats.begin_wait(), name=f"{name}_wait")
+
+    def consume(started, element):
+        with tf.control_dependencies([stats.end_wait(started)]):
+            return tf.nest.map_structure(
+                tf.identity, element, expand_composites=True
+            )
+
+    out = tf.data.Dataset.zip((markers, staged)).map(
+        consume, name=f"{name}_fetch"
+    )
+
+    opts = tf.data.Options()
+    opts.threading.private_threadpool_size = options.resolved_pool_size()
+    # Keep the buffer where the user put it: an injected prefetch would add
+    # an unbounded-by-us buffer and hide the consumer's wait.
+    opts.experimental_optimization.inject_prefetch = False
+    if options.num_threads == AUTO:
+        # tf.data's autotuner caps parallelism at the core count; a stage
+        # that waits on IO needs more, up to the private pool.
+        opts.autotune.cpu_budget = options.resolved_pool_size()
+    return out.with_options(opts)
+
+
+class StagedDataset(tf.data.Dataset):
+    """A `tf.data.Dataset` produced by `stage()`.
+
+    It is a normal dataset: it can be passed to Keras, distributed, or
+    transformed further. Iterating it eagerly (`for x in staged:`) applies
+    the stage's exception policies and timeout; inside a `tf.function`
+    errors still surface with their original types.
+    """
+
+    def __init__(self, pipeline, options, stats):
+        self._pipeline = pipeline
+        self.stage_options = options
+        self.stats = stats
+        self.runner = StageRunner(options, stats)
+        super().__init__(_compat.dataset_variant(pipeline))
+        _live_stages.add(self)
+
+    @property
+    def name(self):
+        return self.stage_options.name
+
+    @property
+    def pipeline(self):
+        """The tf.data pipeline without the Python-side policies.
+
+        For consumers that apply `runner` themselves around a compiled
+        step that iterates in-graph (the Keras integration does).
+        """
+        return self._pipeline
+
+    @property
+    def element_spec(self):
+        return self._pipeline.element_spec
+
+    def _inputs(self):
+        return [self._pipeline]
+
+    def __iter__(self):
+        if not tf.executing_eagerly():
+            return super().__iter__()
+        return StageIterator(self)
+
+    def close(self, timeout=5.0):
+        """Stops the stage's helper thread; True if none is left behind."""
+        return self.runner.close(timeout)
+
+
+class StageIterator:
+    """Eager iterator of a `StagedDataset` applying its policies."""
+
+    def __init__(self, staged):
+        self._staged = staged
+        self._runner = staged.runner
+        self._iterator = iter(staged.pipeline)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        while True:
+            try:
+                return self._runner.call(next, self._iterator)
+            except SkipElement:
+                continue
+            except EndOfData:
+                raise StopIteration from None
+
+    @property
+    def element_spec(self):
+        return self._iterator.element_spec
+
+    def get_next(self):
+        return self.__next__()
+
+
+def stage(
+    dataset,
+    fn=None,
+    capacity=AUTO,
+    num_threads=AUTO,
+    closed_exception_types=(tf.errors.OutOfRangeError,),
+    ignored_exception_types=(),
+    timeout=300.0,
+    thread_pool_size=None,
+    deterministic=True,
+    name=None,
+):
+    """Runs `fn` over `dataset` ahead of the consumer, in parallel, buffered.
+
+    The tf.data counterpart of DeepRec's `tf.staged`: elements of `dataset`
+    go through `fn` (the staged computation: parsing, decoding, hashing,
+    IO) on `num_threads` workers of a private thread pool, and at most
+    `capacity` finished elements wait for the consumer. Usable from any TF2
+    loop; Keras users get it through `StagedInput`.
+
+    Args:
+        dataset: A `tf.data.Dataset`.
+        fn: A function of one element (the element's structure, as one
+            argument) returning the staged element; `None` stages the
+            elements as they are. Defaults to `None`.
+        capacity: Maximum number of finished elements buffered: a positive
+            int or `"auto"`. Defaults to `"auto"`.
+        num_threads: Elements produced at once: a positive int or `"auto"`.
+            With ints, at no time are more than `capacity` finished elements
+            buffered plus `num_threads` in production. Defaults to `"auto"`.
+        closed_exception_types: Errors that end the data gracefully.
+            Defaults to `(tf.errors.OutOfRangeError,)`.
+        ignored_exception_types: Errors whose element is skipped and
+            counted. Defaults to `()`.
+        timeout: Seconds the consumer may wait for one element, or `None`.
+            Defaults to `300.0`.
+        thread_pool_size: Size of the private thread pool; `None` sizes it
+            from `num_threads`. Defaults to `None`.
+        deterministic: Keep the element order. Defaults to `True`.
+        name: Name of the stage in errors and logs. Defaults to `None`.
+
+    Returns:
+        A `StagedDataset` (a `tf.data.Dataset`).
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> from keras_stage.data import stage
+    >>> lines = tf.data.Dataset.from_tensor_slices(["1,a", "2,b"]).batch(2)
+    >>> staged = stage(
+    ...     lines,
+    ...     lambda x: tf.io.decode_csv(x, [[0], [""]]),
+    ...     capacity=2,
+    ...     num_threads=2,
+    ... )
+    >>> [n.numpy().tolist() for n, _ in staged]
+    [[1, 2]]
+    """
+    if not isinstance(dataset, tf.data.Dataset):
+        raise TypeError(
+            "Invalid value for argument `dataset`. Expected a "
+            "tf.data.Dataset; wrap arrays with "
+            "tf.data.Dataset.from_tensor_slices and generators with "
+            f"tf.data.Dataset.from_generator. Received: dataset={dataset!r}"
+        )
+    if fn is not None and not callable(fn):
+        raise TypeError(
+            "Invalid value for argument `fn`. Expected a callable of one "
+            f"element or None. Received: fn={fn!r}"
+        )
+    options = StageOptions(
+        capacity=capacity,
+        num_threads=num_threads,
+        closed_exception_types=closed_exception_types,
+        ignored_exception_types=ignored_exception_types,
+        timeout=timeout,
+        thread_pool_size=thread_pool_size,
+        deterministic=deterministic,
+        name=name or _default_name(),
+    )
+    stats = StageStats(options.name)
+    pipeline = _build_pipeline(dataset, fn, options, stats)
+    return StagedDataset(pipeline, options, stats)
+
+
+def live_stages():
+    """Stages that have not been garbage-collected (for leak checks)."""
+    return list(_live_stages)

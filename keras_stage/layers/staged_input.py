@@ -1,0 +1,161 @@
+"""`StagedInput`: the layer that marks a model's stage boundary.
+
+The layer owns the stage's options and nothing else. In a staged run (`fit`,
+`evaluate`, `predict` of a `keras_stage.Model`) the data reaching it comes
+out of a stage built with those options; everywhere else (a plain call,
+`export`, serving) it is an identity, so the saved model is a normal model.
+"""
+
+import builtins
+import importlib
+
+import keras
+import tensorflow as tf
+
+from keras_stage.data.options import AUTO, StageOptions
+from keras_stage.data.staging import stage
+
+
+def _exception_to_name(cls):
+    if getattr(tf.errors, cls.__name__, None) is cls:
+        return f"tf.errors.{cls.__name__}"
+    if getattr(builtins, cls.__name__, None) is cls:
+        return cls.__name__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _exception_from_name(name):
+    if not isinstance(name, str):
+        return name
+    if name.startswith("tf.errors."):
+        return getattr(tf.errors, name[len("tf.errors.") :])
+    if "." not in name:
+        return getattr(builtins, name)
+    module, _, qualname = name.rpartition(".")
+    return getattr(importlib.import_module(module), qualname)
+
+
+@keras.saving.register_keras_serializable(package="keras_stage")
+class StagedInput(keras.layers.Layer):
+    """Marks where the stage ends: everything before it runs ahead of training.
+
+    Put it first in a `keras_stage.Model` or `keras_stage.Sequential`. During
+    `fit`, `evaluate` and `predict` the model's data goes through a stage
+    (`keras_stage.data.stage`) with these options: produced on `num_threads`
+    parallel workers of a private thread pool and buffered up to `capacity`
+    batches ahead of the training step. Outside a staged run the layer is an
+    identity: `model(x)`, `export` and serving see a normal model.
+
+    It accepts a tensor, a list or a dict (dense, ragged or sparse leaves)
+    and returns the same structure. The layer's name names the stage in
+    errors and logs.
+
+    Args:
+        capacity: Maximum number of finished batches waiting for the
+            training step: a positive int or `"auto"`. Defaults to `"auto"`.
+        num_threads: Batches produced at once: a positive int or `"auto"`
+            (tf.data autotuning, allowed to grow past the core count for
+            stages that wait on IO). Defaults to `"auto"`.
+        closed_exception_types: Errors that end the data gracefully.
+            Defaults to `(tf.errors.OutOfRangeError,)`.
+        ignored_exception_types: Errors whose batch is skipped, counted and
+            reported per epoch; training goes on. Defaults to `()`.
+        timeout: Seconds the training step may wait for one batch before a
+            `keras_stage.data.StageTimeoutError`; `None` waits forever.
+            Defaults to `300.0`.
+        thread_pool_size: Size of the stage's private thread pool; `None`
+            sizes it from `num_threads`. Defaults to `None`.
+        deterministic: Keep the batch order, so a staged run trains exactly
+            like an unstaged one. Defaults to `True`.
+        **kwargs: Base layer arguments (`name`, ...).
+
+    Example:
+
+    >>> import keras
+    >>> import keras_stage
+    >>> inputs = keras.Input(shape=(4,))
+    >>> x = keras_stage.layers.StagedInput(capacity=4, num_threads=2)(inputs)
+    >>> outputs = keras.layers.Dense(1)(x)
+    >>> model = keras_stage.Model(inputs, outputs)
+    >>> model.layers[1].get_config()["capacity"]
+    4
+
+    Threads: the stage's workers are tf.data threads, not Python threads;
+    the only Python thread a staged run adds is the one that enforces
+    `timeout` (none with `timeout=None`).
+    """
+
+    def __init__(
+        self,
+        capacity=AUTO,
+        num_threads=AUTO,
+        closed_exception_types=(tf.errors.OutOfRangeError,),
+        ignored_exception_types=(),
+        timeout=300.0,
+        thread_pool_size=None,
+        deterministic=True,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        if isinstance(closed_exception_types, (list, tuple)):
+            closed_exception_types = tuple(
+                _exception_from_name(t) for t in closed_exception_types
+            )
+        if isinstance(ignored_exception_types, (list, tuple)):
+            ignored_exception_types = tuple(
+                _exception_from_name(t) for t in ignored_exception_types
+            )
+        self.stage_options = StageOptions(
+            capacity=capacity,
+            num_threads=num_threads,
+            closed_exception_types=closed_exception_types,
+            ignored_exception_types=ignored_exception_types,
+            timeout=timeout,
+            thread_pool_size=thread_pool_size,
+            deterministic=deterministic,
+            name=self.name,
+        )
+        self.supports_masking = True
+        self.built = True
+
+    def call(self, inputs):
+        return inputs
+
+    def compute_output_spec(self, inputs):
+        # New tensors of the same kind: Keras's traced default drops the
+        # ragged flag, and returning the inputs themselves would rewrite
+        # their Keras history.
+        return keras.tree.map_structure(
+            lambda t: keras.KerasTensor(
+                t.shape, dtype=t.dtype, sparse=t.sparse, ragged=t.ragged
+            ),
+            inputs,
+        )
+
+    def stage(self, dataset, fn=None, name=None):
+        """Stages `dataset` with this layer's options.
+
+        Args:
+            dataset: A `tf.data.Dataset`.
+            fn: The staged computation, or `None`. Defaults to `None`.
+            name: Stage name; defaults to the layer's name.
+
+        Returns:
+            A `keras_stage.data.StagedDataset`.
+        """
+        config = self.stage_options.get_config()
+        config["name"] = name or self.name
+        return stage(dataset, fn, **config)
+
+    def get_config(self):
+        config = super().get_config()
+        options = self.stage_options.get_config()
+        options.pop("name")  # the layer's own name
+        options["closed_exception_types"] = [
+            _exception_to_name(t) for t in options["closed_exception_types"]
+        ]
+        options["ignored_exception_types"] = [
+            _exception_to_name(t) for t in options["ignored_exception_types"]
+        ]
+        config.update(options)
+        return config

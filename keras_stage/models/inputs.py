@@ -1,0 +1,76 @@
+"""Turning the data of fit/evaluate/predict into a staged dataset.
+
+This module owns the step from what users pass to Keras (arrays and dicts
+of arrays with `batch_size`/`shuffle`/`class_weight`, `tf.data` datasets,
+generators, `keras.utils.PyDataset`) to a `StagedDataset`: Keras's own data
+adapter batches and shuffles exactly as plain Keras would, so labels and
+sample weights stay aligned with their inputs and a staged run sees the
+same batches in the same order.
+"""
+
+import tensorflow as tf
+
+from keras_stage import _compat
+from keras_stage.data.staging import StagedDataset
+
+
+class StagedData:
+    """A staged dataset and the Keras adapter whose epochs feed it."""
+
+    def __init__(self, staged, adapter):
+        self.staged = staged
+        self.adapter = adapter
+
+    @property
+    def pipeline(self):
+        return self.staged.pipeline
+
+
+def stage_data(
+    layer,
+    phase,
+    x,
+    y=None,
+    sample_weight=None,
+    batch_size=None,
+    steps=None,
+    shuffle=False,
+    class_weight=None,
+    fn=None,
+):
+    """Stages the data of one phase ("train", "val", "test", "predict")."""
+    if isinstance(x, StagedDataset):
+        # Already staged by the user with keras_stage.data.stage.
+        if y is not None or sample_weight is not None:
+            raise ValueError(
+                "When `x` is a staged dataset, pass labels and sample "
+                "weights inside it, not as `y`/`sample_weight`. Received: "
+                f"y={type(y).__name__}, "
+                f"sample_weight={type(sample_weight).__name__}"
+            )
+        return StagedData(x, None)
+    adapter = _compat.get_data_adapter(
+        x=x,
+        y=y,
+        sample_weight=sample_weight,
+        batch_size=batch_size,
+        steps_per_epoch=steps,
+        shuffle=shuffle,
+        class_weight=class_weight,
+    )
+    dataset = adapter.get_tf_dataset()
+    num_batches = adapter.num_batches
+    if (
+        num_batches is not None
+        and dataset.cardinality() == tf.data.UNKNOWN_CARDINALITY
+        and not layer.stage_options.ignored_exception_types
+    ):
+        # Keras knows the batch count of arrays but its dataset does not
+        # carry it; without it the progress bar and the epoch end would
+        # be guessed. Skipped batches would make the count wrong, so it is
+        # asserted only when nothing can be skipped.
+        dataset = dataset.apply(
+            tf.data.experimental.assert_cardinality(num_batches)
+        )
+    staged = layer.stage(dataset, fn=fn, name=f"{layer.name}_{phase}")
+    return StagedData(staged, adapter)

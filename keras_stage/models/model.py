@@ -1,0 +1,62 @@
+"""`keras_stage.Model`: `keras.Model` whose data can go through a stage.
+
+Keras turns a `Model(inputs, outputs)` call into a `Functional` model by
+rewriting the class's bases, which would break the subclassing style of
+the same class afterwards. So functional construction returns a
+`keras_stage` functional class of its own, still an instance of
+`keras_stage.Model`.
+"""
+
+import keras
+
+from keras_stage import _compat
+from keras_stage.models.staging_mixin import StagingMixin
+
+
+def _functional_init_arguments(args, kwargs):
+    # The same test as Keras's Model.__new__ (tests/compat_test.py checks
+    # that they agree).
+    return (
+        (len(args) == 2)
+        or (len(args) == 1 and "outputs" in kwargs)
+        or ("inputs" in kwargs and "outputs" in kwargs)
+    )
+
+
+@keras.saving.register_keras_serializable(package="keras_stage")
+class Model(StagingMixin, keras.Model):
+    """A `keras.Model` that stages its data when it has a `StagedInput`.
+
+    A drop-in replacement for `keras.Model` in both styles, functional
+    (`keras_stage.Model(inputs, outputs)`) and subclassing
+    (`class MyModel(keras_stage.Model)`). With a `StagedInput` applied to
+    its inputs, `fit`, `evaluate` and `predict` run the input data through
+    a stage with that layer's options (see `keras_stage.data.stage`);
+    without one, it is exactly a `keras.Model`. `compile` also takes
+    `smart_stage` (kept through `.keras` save/load).
+
+    Example:
+
+    >>> import numpy as np, keras, keras_stage
+    >>> inputs = keras.Input(shape=(3,))
+    >>> x = keras_stage.layers.StagedInput(capacity=2, num_threads=2)(inputs)
+    >>> model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    >>> model.compile(optimizer="sgd", loss="mse", smart_stage=False)
+    >>> history = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4,
+    ...                     epochs=2, verbose=0)
+    >>> len(history.history["loss"])
+    2
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is Model and _functional_init_arguments(args, kwargs):
+            return Functional.__new__(Functional, *args, **kwargs)
+        return super().__new__(cls, *args, **kwargs)
+
+
+@keras.saving.register_keras_serializable(package="keras_stage")
+class Functional(_compat.keras_functional_class(), Model):
+    """The class of `keras_stage.Model(inputs, outputs)` models."""
+
+    def __new__(cls, *args, **kwargs):
+        return keras.Model.__new__(cls)
