@@ -25,11 +25,7 @@ def _cpu_count():
 
 
 def _is_positive_int(value):
-    return (
-        isinstance(value, int)
-        and not isinstance(value, bool)
-        and value > 0
-    )
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _check_auto_or_positive_int(name, value):

@@ -15,7 +15,6 @@ pipeline marks it in a variable), never a slow training step.
 
 import logging
 import threading
-import time
 
 import tensorflow as tf
 

@@ -38,7 +38,9 @@ def _build_pipeline(dataset, fn, options, stats):
     num_threads = (
         tf.data.AUTOTUNE if options.num_threads == AUTO else options.num_threads
     )
-    capacity = tf.data.AUTOTUNE if options.capacity == AUTO else options.capacity
+    capacity = (
+        tf.data.AUTOTUNE if options.capacity == AUTO else options.capacity
+    )
 
     def produce(*element):
         element = element[0] if len(element) == 1 else element
@@ -66,8 +68,8 @@ def _build_pipeline(dataset, fn, options, stats):
     markers = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).repeat()
     markers = markers.map(lambda _: stats.begin_wait(), name=f"{name}_wait")
 
-    def consume(started, element):
-        with tf.control_dependencies([stats.end_wait(started)]):
+    def consume(mark, element):
+        with tf.control_dependencies([stats.end_wait(*mark)]):
             return tf.nest.map_structure(
                 tf.identity, element, expand_composites=True
             )
@@ -243,7 +245,7 @@ def stage(
         deterministic=deterministic,
         name=name or _default_name(),
     )
-    stats = StageStats(options.name)
+    stats = StageStats(options.name, track_peak=options.capacity == AUTO)
     pipeline = _build_pipeline(dataset, fn, options, stats)
     return StagedDataset(pipeline, options, stats)
 

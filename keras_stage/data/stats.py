@@ -1,10 +1,11 @@
 """In-graph statistics of one stage.
 
 `StageStats` owns the counters a stage keeps while it runs: elements
-produced, consumed and skipped, seconds the consumer waited, and buffer fill
-sampled at every fetch. Counters are TensorFlow variables updated by the
-pipeline's own ops, so measuring costs no Python on the hot path; only
-skipped elements (an error path) are counted from Python.
+produced, consumed and skipped, seconds the producers computed and the
+consumer waited, and buffer fill sampled at every fetch. Counters are
+TensorFlow variables updated by the pipeline's own ops (one update per
+element on each side, packed in a vector), so measuring costs no Python on
+the hot path; only skipped elements (an error path) are counted in Python.
 """
 
 import threading
@@ -12,42 +13,43 @@ import time
 
 import tensorflow as tf
 
-# How many error messages of skipped elements a stage keeps per snapshot.
+# How many error messages of skipped elements a stage keeps per report.
 MAX_SKIPPED_MESSAGES = 5
+
+# Slots of the producer vector and of the consumer vector. Counts are kept
+# in float64, exact up to 2**53 elements.
+_PRODUCED, _BUSY = 0, 1
+_CONSUMED, _WAIT, _BUFFERED = 0, 1, 2
+
+
+def _vector(size, name):
+    return tf.Variable(tf.zeros([size], tf.float64), trainable=False, name=name)
 
 
 class StageStats:
-    """Counters of one stage, read with `snapshot()`."""
+    """Counters of one stage, read with `snapshot()`.
 
-    def __init__(self, name):
+    Args:
+        name: The stage's name.
+        track_peak: Also track the largest buffer fill seen (one more
+            update per fetch; needed to scale the fill of `"auto"`
+            buffers). Defaults to `False`.
+    """
+
+    def __init__(self, name, track_peak=False):
         self.name = name
+        self.track_peak = track_peak
         # Created outside any function or strategy scope: these belong to
         # the stage, not to a model or a replica.
         with tf.init_scope(), tf.device("/CPU:0"):
-            self.produced = tf.Variable(
-                0, dtype=tf.int64, trainable=False, name="produced"
-            )
-            self.consumed = tf.Variable(
-                0, dtype=tf.int64, trainable=False, name="consumed"
-            )
-            self.wait_seconds = tf.Variable(
-                0.0, dtype=tf.float64, trainable=False, name="wait_seconds"
-            )
-            # Seconds the producers spent computing elements, summed over
-            # threads: the per-element preprocessing cost.
-            self.busy_seconds = tf.Variable(
-                0.0, dtype=tf.float64, trainable=False, name="busy_seconds"
-            )
-            self.buffered_sum = tf.Variable(
-                0, dtype=tf.int64, trainable=False, name="buffered_sum"
-            )
-            self.buffered_peak = tf.Variable(
-                0, dtype=tf.int64, trainable=False, name="buffered_peak"
-            )
-            # Time the consumer started waiting for the current element, 0
-            # when it is not waiting: read by the timeout watchdog.
-            self.waiting_since = tf.Variable(
-                0.0, dtype=tf.float64, trainable=False, name="waiting_since"
+            self._producer = _vector(2, "producer")  # produced, busy s
+            self._consumer = _vector(3, "consumer")  # consumed, wait s, fill
+            # (time the current fetch began, elements consumed before it):
+            # the fetch is still waiting while the consumed count has not
+            # moved past it. Read by the timeout watchdog.
+            self._fetch = _vector(2, "fetch")
+            self._peak = tf.Variable(
+                0.0, dtype=tf.float64, trainable=False, name="peak"
             )
         self._lock = threading.Lock()
         self.skipped = 0
@@ -57,34 +59,29 @@ class StageStats:
 
     def count_produced(self, started):
         """Counts one finished element that began computing at `started`."""
-        return tf.group(
-            self.produced.assign_add(1),
-            self.busy_seconds.assign_add(tf.timestamp() - started),
+        busy = tf.timestamp() - started
+        return self._producer.assign_add(
+            tf.stack([tf.constant(1.0, tf.float64), busy])
         )
 
     def begin_wait(self):
-        """Marks the consumer as waiting; returns (start time, buffered)."""
+        """Marks a fetch as begun; returns (start time, elements buffered)."""
         now = tf.timestamp()
+        consumed = self._consumer[_CONSUMED]
         buffered = tf.maximum(
-            self.produced.read_value() - self.consumed.read_value(),
-            tf.constant(0, tf.int64),
+            self._producer[_PRODUCED] - consumed,
+            tf.constant(0.0, tf.float64),
         )
-        ops = [
-            self.waiting_since.assign(now),
-            self.buffered_sum.assign_add(buffered),
-            self.buffered_peak.assign(
-                tf.maximum(self.buffered_peak.read_value(), buffered)
-            ),
-        ]
+        ops = [self._fetch.assign(tf.stack([now, consumed]))]
+        if self.track_peak:
+            ops.append(self._peak.assign(tf.maximum(self._peak, buffered)))
         with tf.control_dependencies(ops):
-            return tf.identity(now)
+            return tf.identity(now), tf.identity(buffered)
 
-    def end_wait(self, started):
-        now = tf.timestamp()
-        return tf.group(
-            self.wait_seconds.assign_add(now - started),
-            self.consumed.assign_add(1),
-            self.waiting_since.assign(0.0),
+    def end_wait(self, started, buffered):
+        waited = tf.timestamp() - started
+        return self._consumer.assign_add(
+            tf.stack([tf.constant(1.0, tf.float64), waited, buffered])
         )
 
     # -- Python side ---------------------------------------------------------
@@ -100,23 +97,27 @@ class StageStats:
 
     def seconds_waiting(self):
         """Seconds the consumer has been waiting for its current element."""
-        since = float(self.waiting_since.numpy())
-        return time.time() - since if since > 0 else 0.0
+        started, consumed_before = self._fetch.numpy()
+        if started <= 0 or self._consumer.numpy()[_CONSUMED] > consumed_before:
+            return 0.0
+        return time.time() - started
 
     def snapshot(self):
         """Returns the counters as a dict of Python numbers."""
         with self._lock:
             skipped = self.skipped
             messages = list(self.skipped_messages)
+        produced, busy = self._producer.numpy()
+        consumed, wait, buffered = self._consumer.numpy()
         return {
-            "produced": int(self.produced.numpy()),
-            "consumed": int(self.consumed.numpy()),
+            "produced": int(produced),
+            "consumed": int(consumed),
             "skipped": skipped,
             "skipped_messages": messages,
-            "wait_seconds": float(self.wait_seconds.numpy()),
-            "busy_seconds": float(self.busy_seconds.numpy()),
-            "buffered_sum": int(self.buffered_sum.numpy()),
-            "buffered_peak": int(self.buffered_peak.numpy()),
+            "wait_seconds": float(wait),
+            "busy_seconds": float(busy),
+            "buffered_sum": int(buffered),
+            "buffered_peak": int(self._peak.numpy()),
             "time": time.time(),
         }
 

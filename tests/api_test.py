@@ -1,0 +1,93 @@
+"""Pins the public names of keras_stage: an API change is a visible diff."""
+
+import inspect
+
+import keras_stage
+
+
+def _public(module):
+    return sorted(module.__all__)
+
+
+def test_top_level_names():
+    assert _public(keras_stage) == [
+        "Model",
+        "Sequential",
+        "callbacks",
+        "data",
+        "layers",
+    ]
+
+
+def test_submodule_names():
+    assert _public(keras_stage.layers) == ["StagedInput"]
+    assert _public(keras_stage.callbacks) == ["PrefetchCallback"]
+    assert _public(keras_stage.data) == [
+        "AUTO",
+        "StageIterator",
+        "StageOptions",
+        "StageStats",
+        "StageTimeoutError",
+        "StagedDataset",
+        "live_stages",
+        "stage",
+    ]
+
+
+def test_every_exported_name_resolves():
+    for module in (
+        keras_stage,
+        keras_stage.layers,
+        keras_stage.callbacks,
+        keras_stage.data,
+    ):
+        for name in module.__all__:
+            assert getattr(module, name) is not None, name
+
+
+_STAGE_OPTIONS = [
+    "capacity",
+    "num_threads",
+    "closed_exception_types",
+    "ignored_exception_types",
+    "timeout",
+    "thread_pool_size",
+    "deterministic",
+]
+
+
+def test_stage_signature():
+    params = inspect.signature(keras_stage.data.stage).parameters
+    assert list(params) == ["dataset", "fn", *_STAGE_OPTIONS, "name"]
+    assert params["capacity"].default == "auto"
+    assert params["num_threads"].default == "auto"
+    assert params["timeout"].default == 300.0
+    assert params["ignored_exception_types"].default == ()
+    assert params["deterministic"].default is True
+    assert params["thread_pool_size"].default is None
+
+
+def test_staged_input_signature():
+    params = inspect.signature(keras_stage.layers.StagedInput).parameters
+    assert list(params) == [*_STAGE_OPTIONS, "kwargs"]
+
+
+def test_callback_signature_and_log_keys():
+    params = inspect.signature(keras_stage.callbacks.PrefetchCallback)
+    assert list(params.parameters) == ["verbose"]
+    doc = keras_stage.callbacks.PrefetchCallback.__doc__
+    for key in ("stage_wait_ratio", "stage_buffer_fill", "stage_skipped"):
+        assert key in doc
+
+
+def test_compile_takes_smart_stage():
+    for cls in (keras_stage.Model, keras_stage.Sequential):
+        params = inspect.signature(cls.compile).parameters
+        assert params["smart_stage"].default is False
+
+
+def test_models_are_keras_models():
+    import keras
+
+    assert issubclass(keras_stage.Model, keras.Model)
+    assert issubclass(keras_stage.Sequential, keras.Sequential)
