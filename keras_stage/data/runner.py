@@ -176,8 +176,10 @@ class StageRunner:
             if waited > self.options.timeout:
                 # The blocked call cannot be interrupted: leave its thread
                 # (a daemon) behind and give the next call a fresh one.
+                caller.close(timeout=0)  # exits once the call returns
                 self._abandoned.append(caller)
                 self._caller = None
+                self.stats.close()
                 raise self._timeout_error(waited)
 
     def _timeout_error(self, waited):

@@ -51,6 +51,10 @@ class StageStats:
             self._peak = tf.Variable(
                 0.0, dtype=tf.float64, trainable=False, name="peak"
             )
+            # Set when the stage is closed after a timeout: a fetch that was
+            # abandoned blocked must not deliver its element late (it would
+            # train a step nobody waits for).
+            self._closed = tf.Variable(False, trainable=False, name="closed")
         self._lock = threading.Lock()
         self.skipped = 0
         self.skipped_messages = []
@@ -79,12 +83,24 @@ class StageStats:
             return tf.identity(now), tf.identity(buffered)
 
     def end_wait(self, started, buffered):
-        waited = tf.timestamp() - started
+        check = tf.debugging.Assert(
+            tf.logical_not(self._closed),
+            [
+                f"Stage '{self.name}' was closed after a timeout; its late "
+                "element is dropped. Build a new stage to retry."
+            ],
+        )
+        with tf.control_dependencies([check]):
+            waited = tf.timestamp() - started
         return self._consumer.assign_add(
             tf.stack([tf.constant(1.0, tf.float64), waited, buffered])
         )
 
     # -- Python side ---------------------------------------------------------
+
+    def close(self):
+        """Makes any element still in flight fail instead of arriving."""
+        self._closed.assign(True)
 
     def record_skip(self, error):
         with self._lock:
