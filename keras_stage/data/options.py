@@ -160,6 +160,13 @@ class StageOptions:
                 "Invalid value for argument `name`. Expected a non-empty "
                 f"string or None. Received: name={name!r}"
             )
+        if name is not None and not name.isidentifier():
+            raise ValueError(
+                "Invalid value for argument `name`. Expected letters, digits "
+                "and underscores, not starting with a digit (tf.data names "
+                "the stage's transformations after it). "
+                f"Received: name={name!r}"
+            )
         self.name = name
 
     def resolved_pool_size(self):

@@ -14,6 +14,7 @@ pipeline marks it in a variable), never a slow training step.
 """
 
 import logging
+import re
 import threading
 
 import tensorflow as tf
@@ -59,10 +60,14 @@ class _CallThread:
                 result = (True, fn(*args))
             except BaseException as e:  # handed to the caller
                 result = (False, e)
+            # Drop references while idle: they would keep the iterator and
+            # its stage alive.
+            del fn, args
             with self._cond:
                 self._job = None
                 self._result = result
                 self._cond.notify_all()
+            del result
 
     @property
     def busy(self):
@@ -109,6 +114,10 @@ class StageRunner:
         self.stats = stats
         self._caller = None
         self._abandoned = []
+        # The names staging.py gives the stage's tf.data transformations.
+        self._own_ops = re.compile(
+            rf"\b{re.escape(stats.name)}_(map|buffer|wait|fetch)\b"
+        )
 
     @property
     def name(self):
@@ -123,7 +132,10 @@ class StageRunner:
         op, in the message.
         """
         message = getattr(error, "message", None) or str(error)
-        return f"{self.name}_" in message or "IteratorGetNext" in message
+        return (
+            self._own_ops.search(message) is not None
+            or "IteratorGetNext" in message
+        )
 
     def call(self, fn, *args, check_origin=False):
         """Runs `fn(*args)` under the stage's policies.

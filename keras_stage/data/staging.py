@@ -42,8 +42,11 @@ def _build_pipeline(dataset, fn, options, stats):
         tf.data.AUTOTUNE if options.capacity == AUTO else options.capacity
     )
 
+    # tf.data unpacks exactly tuples into positional arguments.
+    unpacked = type(dataset.element_spec) is tuple
+
     def produce(*element):
-        element = element[0] if len(element) == 1 else element
+        element = element if unpacked else element[0]
         started = tf.timestamp()
         with tf.control_dependencies([started]):
             out = element if fn is None else _map_input(fn, element)
@@ -84,8 +87,10 @@ def _build_pipeline(dataset, fn, options, stats):
     # an unbounded-by-us buffer and hide the consumer's wait.
     opts.experimental_optimization.inject_prefetch = False
     if options.num_threads == AUTO:
-        # tf.data's autotuner caps parallelism at the core count; a stage
-        # that waits on IO needs more, up to the private pool.
+        # The private pool is what lets "auto" run more elements at once
+        # than there are cores (a stage waiting on IO needs that); the
+        # autotuner's CPU budget is set to the same size so its model of
+        # the pipeline agrees with the threads it really has.
         opts.autotune.cpu_budget = options.resolved_pool_size()
     return out.with_options(opts)
 
@@ -106,6 +111,8 @@ class StagedDataset(tf.data.Dataset):
         self.runner = StageRunner(options, stats)
         super().__init__(_compat.dataset_variant(pipeline))
         _live_stages.add(self)
+        # A stage iterated without close() still ends its helper thread.
+        weakref.finalize(self, self.runner.close, 0)
 
     @property
     def name(self):
@@ -243,7 +250,7 @@ def stage(
         timeout=timeout,
         thread_pool_size=thread_pool_size,
         deterministic=deterministic,
-        name=name or _default_name(),
+        name=_default_name() if name is None else name,
     )
     stats = StageStats(options.name, track_peak=options.capacity == AUTO)
     pipeline = _build_pipeline(dataset, fn, options, stats)

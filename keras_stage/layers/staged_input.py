@@ -8,6 +8,7 @@ out of a stage built with those options; everywhere else (a plain call,
 
 import builtins
 import importlib
+import re
 
 import keras
 import tensorflow as tf
@@ -33,6 +34,12 @@ def _exception_from_name(name):
         return getattr(builtins, name)
     module, _, qualname = name.rpartition(".")
     return getattr(importlib.import_module(module), qualname)
+
+
+def _stage_name(layer_name):
+    # tf.data names must be identifiers; Keras layer names may not be.
+    name = re.sub(r"\W", "_", layer_name)
+    return name if name.isidentifier() else f"stage_{name}"
 
 
 @keras.saving.register_keras_serializable(package="keras_stage")
@@ -113,7 +120,7 @@ class StagedInput(keras.layers.Layer):
             timeout=timeout,
             thread_pool_size=thread_pool_size,
             deterministic=deterministic,
-            name=self.name,
+            name=_stage_name(self.name),
         )
         self.supports_masking = True
         self.built = True
@@ -144,7 +151,7 @@ class StagedInput(keras.layers.Layer):
             A `keras_stage.data.StagedDataset`.
         """
         config = self.stage_options.get_config()
-        config["name"] = name or self.name
+        config["name"] = name or self.stage_options.name
         return stage(dataset, fn, **config)
 
     def get_config(self):

@@ -72,5 +72,7 @@ def stage_data(
         dataset = dataset.apply(
             tf.data.experimental.assert_cardinality(num_batches)
         )
-    staged = layer.stage(dataset, fn=fn, name=f"{layer.name}_{phase}")
+    staged = layer.stage(
+        dataset, fn=fn, name=f"{layer.stage_options.name}_{phase}"
+    )
     return StagedData(staged, adapter)

@@ -1,0 +1,160 @@
+"""Tests of the stage's Python boundary: `StageRunner` and error annotation."""
+
+import threading
+
+import pytest
+import tensorflow as tf
+
+from keras_stage.data import StageOptions, StageStats, StageTimeoutError
+from keras_stage.data.errors import annotate
+from keras_stage.data.runner import EndOfData, SkipElement, StageRunner
+
+
+def _runner(**options):
+    options = StageOptions(name="unit", **options)
+    return StageRunner(options, StageStats(options.name))
+
+
+def _raise(error):
+    raise error
+
+
+def _csv_error(text="Field 0 in record 0 is not a valid int32: x"):
+    return tf.errors.InvalidArgumentError(None, None, text)
+
+
+# -- annotate ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "error_type",
+    [
+        tf.errors.InvalidArgumentError,
+        tf.errors.NotFoundError,
+        tf.errors.DataLossError,
+        tf.errors.UnknownError,
+    ],
+)
+def test_annotate_keeps_type_and_message(error_type):
+    error = error_type(None, None, "original text")
+    annotated = annotate(error, "parse", hint="check the shards")
+    assert type(annotated) is error_type
+    assert annotated.message.startswith("original text")
+    assert "raised inside stage 'parse': check the shards" in annotated.message
+
+
+def test_annotate_marks_once():
+    once = annotate(_csv_error(), "parse")
+    assert annotate(once, "parse") is once
+    assert once.message.count("raised inside stage") == 1
+
+
+def test_annotate_leaves_errors_without_message_alone():
+    error = ValueError("plain python")
+    assert annotate(error, "parse") is error
+
+
+def test_stage_timeout_error_is_a_deadline_error():
+    error = StageTimeoutError("too slow")
+    assert isinstance(error, tf.errors.DeadlineExceededError)
+    assert error.message == "too slow"
+    assert error.error_code == tf.errors.DEADLINE_EXCEEDED
+
+
+# -- policies ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("timeout", [None, 5.0])
+def test_call_returns_the_value(timeout):
+    runner = _runner(timeout=timeout)
+    try:
+        assert runner.call(lambda a, b: a + b, 2, 3) == 5
+    finally:
+        assert runner.close() is True
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("timeout", [None, 5.0])
+def test_ignored_error_skips_and_is_recorded(timeout):
+    runner = _runner(
+        timeout=timeout,
+        ignored_exception_types=(tf.errors.InvalidArgumentError,),
+    )
+    try:
+        for _ in range(7):
+            with pytest.raises(SkipElement):
+                runner.call(_raise, _csv_error())
+        snap = runner.stats.snapshot()
+        assert snap["skipped"] == 7
+        # Messages are capped, the count is not.
+        assert 1 <= len(snap["skipped_messages"]) < 7
+        assert snap["skipped_messages"][0] == (
+            "InvalidArgumentError: Field 0 in record 0 is not a valid int32: x"
+        )
+    finally:
+        runner.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("timeout", [None, 5.0])
+def test_closed_error_and_stop_iteration_end_the_data(timeout):
+    runner = _runner(
+        timeout=timeout, closed_exception_types=(tf.errors.DataLossError,)
+    )
+    try:
+        with pytest.raises(EndOfData):
+            runner.call(_raise, tf.errors.DataLossError(None, None, "eof"))
+        with pytest.raises(EndOfData):
+            runner.call(next, iter(()))
+    finally:
+        runner.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("timeout", [None, 5.0])
+def test_other_errors_keep_their_type_with_the_stage_named(timeout):
+    runner = _runner(
+        timeout=timeout,
+        ignored_exception_types=(tf.errors.InvalidArgumentError,),
+    )
+    try:
+        with pytest.raises(tf.errors.NotFoundError) as info:
+            runner.call(_raise, tf.errors.NotFoundError(None, None, "no file"))
+        assert info.value.message.startswith("no file")
+        assert "raised inside stage 'unit'" in info.value.message
+        with pytest.raises(KeyError, match="plain"):
+            runner.call(_raise, KeyError("plain"))
+    finally:
+        runner.close()
+
+
+@pytest.mark.timeout(30)
+def test_without_timeout_calls_run_in_the_caller_thread():
+    runner = _runner(timeout=None)
+    assert runner.call(threading.get_ident) == threading.get_ident()
+    assert runner.close() is True
+
+
+@pytest.mark.timeout(30)
+def test_with_timeout_calls_run_in_one_named_helper_thread():
+    runner = _runner(timeout=5.0)
+    names = {runner.call(lambda: threading.current_thread().name)}
+    names.add(runner.call(lambda: threading.current_thread().name))
+    assert names == {"keras_stage-unit"}
+    assert runner.close() is True
+    assert not [
+        t for t in threading.enumerate() if t.name == "keras_stage-unit"
+    ]
+
+
+@pytest.mark.timeout(30)
+def test_slow_call_outside_an_input_wait_never_times_out():
+    # Only the consumer's wait for input counts against the timeout; a call
+    # that is not waiting on the pipeline (a training step) may take long.
+    runner = _runner(timeout=0.2)
+    done = threading.Event()
+    try:
+        assert runner.call(lambda: done.wait(1.2) or "finished") == "finished"
+    finally:
+        assert runner.close() is True
