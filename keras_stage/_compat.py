@@ -1,10 +1,31 @@
 """The only place keras_stage touches private TensorFlow/Keras symbols.
 
 Each function wraps one private attribute with a comment saying why it is
-unavoidable; `tests/compat_test.py` fails loudly when a new release moves
-one. Keras is imported inside the functions that need it, so the Keras-free
-engine (`keras_stage.data`) can use this module too.
+unavoidable. `_keras_private` turns a moved symbol into an error naming the
+installed Keras and the versions keras_stage was tested with, and
+`tests/compat_test.py` fails loudly when a new release moves one. Keras is
+imported inside the functions that need it, so the Keras-free engine
+(`keras_stage.data`) can use this module too.
 """
+
+import importlib
+
+# Keras releases whose private symbols below were checked.
+TESTED_KERAS = ("3.15",)
+
+
+def _keras_private(module, name):
+    import keras
+
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ImportError(
+            f"keras_stage needs the private Keras symbol {module}.{name}, "
+            f"which Keras {keras.__version__} does not have. keras_stage is "
+            f"tested with Keras {', '.join(TESTED_KERAS)}: install one of "
+            "those (pip install 'keras==3.15.*') or upgrade keras_stage."
+        ) from e
 
 
 def dataset_variant(dataset):
@@ -23,17 +44,16 @@ def get_data_adapter(**kwargs):
     dataset exactly as Keras does (same batching, same shuffling, same
     class weights) before staging it; Keras has no public API for this.
     """
-    from keras.src.trainers.data_adapters import get_data_adapter as get
-
+    get = _keras_private("keras.src.trainers.data_adapters", "get_data_adapter")
     return get(**kwargs)
 
 
 def train_validation_split(arrays, validation_split):
     """Keras's split of arrays for `validation_split` (last fraction)."""
-    from keras.src.trainers.data_adapters.array_slicing import (
-        train_validation_split as split,
+    split = _keras_private(
+        "keras.src.trainers.data_adapters.array_slicing",
+        "train_validation_split",
     )
-
     return split(arrays, validation_split=validation_split)
 
 
@@ -44,6 +64,4 @@ def keras_functional_class():
     keras_stage class without letting Keras rewrite `keras_stage.Model`'s
     bases (see `models/model.py`); Keras exports no public name for it.
     """
-    from keras.src.models.functional import Functional
-
-    return Functional
+    return _keras_private("keras.src.models.functional", "Functional")

@@ -210,6 +210,7 @@ def epoch_statistics(before, after, seconds, options):
     produced = after["produced"] - before["produced"]
     wait = after["wait_seconds"] - before["wait_seconds"]
     busy = after["busy_seconds"] - before["busy_seconds"]
+    source = after["source_seconds"] - before["source_seconds"]
     buffered = after["buffered_sum"] - before["buffered_sum"]
     if isinstance(options.capacity, int):
         capacity = options.capacity
@@ -223,6 +224,7 @@ def epoch_statistics(before, after, seconds, options):
         "seconds": seconds,
         "wait_seconds": wait,
         "busy_seconds": busy,
+        "source_seconds": source,
         "wait_ratio": min(1.0, max(0.0, wait / seconds)),
         "buffer_fill": (
             min(1.0, buffered / (consumed * capacity)) if consumed else 0.0
@@ -231,9 +233,17 @@ def epoch_statistics(before, after, seconds, options):
 
 
 def verdict(stats, options):
-    """The bottleneck verdict of one epoch, by DeepRec's rules of thumb."""
+    """The bottleneck verdict of one epoch, by DeepRec's rules of thumb.
+
+    The stage delivers a batch every max(source, prepare / num_threads)
+    seconds: the pipeline before the stage hands it one batch at a time
+    (`source`), and `num_threads` workers run the staged computation
+    (`prepare`). Input-bound runs are told which of the two to fix.
+    """
+    produced = max(stats["produced"], 1)
     consumed = max(stats["consumed"], 1)
-    prepare = stats["busy_seconds"] / max(stats["produced"], 1)
+    source = stats["source_seconds"] / produced
+    prepare = stats["busy_seconds"] / produced
     compute = max(stats["seconds"] - stats["wait_seconds"], 0.0) / consumed
     needed_threads = max(1, math.ceil(prepare / max(compute, 1e-9)))
     if stats["wait_seconds"] > 0:
@@ -243,31 +253,49 @@ def verdict(stats, options):
     else:
         capacity = 1
     capacity = min(max(capacity, 1), _MAX_SUGGESTED_CAPACITY)
+    threads = (
+        options.num_threads
+        if isinstance(options.num_threads, int)
+        else options.resolved_pool_size()
+    )
+    source_bound = source >= prepare / threads
     input_bound = stats["wait_ratio"] >= _INPUT_BOUND_WAIT_RATIO
     name = options.name
     timing = (
-        f"a batch takes {prepare * 1e3:.1f} ms to prepare (per thread) and "
+        f"per batch: {source * 1e3:.1f} ms to read from the source, "
+        f"{prepare * 1e3:.1f} ms of staged computation (per thread), "
         f"{compute * 1e3:.1f} ms to train"
     )
-    if input_bound:
+    waited = (
+        f"the training step waited {stats['wait_ratio']:.0%} of the epoch "
+        "for data"
+    )
+    if input_bound and source_bound:
         message = (
-            f"Stage '{name}': input-bound, the training step waited "
-            f"{stats['wait_ratio']:.0%} of the epoch for data; {timing}. "
-            f"Use num_threads >= {needed_threads} (now "
-            f"{options.num_threads}) and capacity ~{capacity} (now "
-            f"{options.capacity})."
+            f"Stage '{name}': input-bound, {waited}; {timing}. The pipeline "
+            "before the stage is the bottleneck (the stage pulls from it one "
+            "batch at a time): parallelize its maps (num_parallel_calls) and "
+            "reads (interleave), or move that work into the model and "
+            "compile(smart_stage=True) so the stage's threads run it."
+        )
+    elif input_bound:
+        message = (
+            f"Stage '{name}': input-bound, {waited}; {timing}. Use "
+            f"num_threads >= {needed_threads} (now {options.num_threads}) "
+            f"and capacity ~{capacity} (now {options.capacity})."
         )
     else:
         message = (
-            f"Stage '{name}': compute-bound, the training step waited "
-            f"{stats['wait_ratio']:.0%} of the epoch for data; {timing}. "
-            f"The input keeps up; num_threads={needed_threads} would be "
-            f"enough (now {options.num_threads})."
+            f"Stage '{name}': compute-bound, {waited}; {timing}. The input "
+            f"keeps up; num_threads={needed_threads} would be enough (now "
+            f"{options.num_threads})."
         )
     return {
         "input_bound": input_bound,
+        "source_bound": source_bound,
         "wait_ratio": stats["wait_ratio"],
         "buffer_fill": stats["buffer_fill"],
+        "source_seconds_per_batch": source,
         "prepare_seconds_per_batch": prepare,
         "train_seconds_per_batch": compute,
         "suggested_num_threads": needed_threads,

@@ -16,6 +16,7 @@ pipeline marks it in a variable), never a slow training step.
 import logging
 import re
 import threading
+import time
 
 import tensorflow as tf
 
@@ -65,7 +66,11 @@ class _CallThread:
             del fn, args
             with self._cond:
                 self._job = None
-                self._result = result
+                # An abandoned call's result has no reader: dropping it
+                # releases the iterator (and its pipeline) now rather than
+                # at interpreter exit, where tearing down a pipeline that
+                # still runs Python functions can deadlock.
+                self._result = None if self._closed else result
                 self._cond.notify_all()
             del result
 
@@ -90,11 +95,11 @@ class _CallThread:
             return result
 
     def close(self, timeout=None):
+        """Ends the thread after its current call, waiting up to `timeout`."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if not self.busy:
-            self._thread.join(timeout)
+        self._thread.join(timeout)
 
     @property
     def alive(self):
@@ -209,8 +214,13 @@ class StageRunner:
 
     def close(self, timeout=5.0):
         """Stops the helper thread; returns True if no thread is left."""
+        deadline = time.monotonic() + timeout
         if self._caller is not None:
             self._caller.close(timeout)
             self._caller = None
+        # A thread abandoned by a timeout ends once its blocked call
+        # returns; wait for it within the same deadline.
+        for caller in self._abandoned:
+            caller.close(max(0.0, deadline - time.monotonic()))
         self._abandoned = [c for c in self._abandoned if c.alive]
         return not self._abandoned

@@ -27,7 +27,7 @@ def _default_name():
     return f"stage_{next(_name_counter)}"
 
 
-def _map_input(fn, element):
+def fn(element):
     # tf.data unpacks tuples into positional arguments; the staged
     # computation always receives the element as one structure.
     return fn(element)
@@ -42,28 +42,34 @@ def _build_pipeline(dataset, fn, options, stats):
         tf.data.AUTOTUNE if options.capacity == AUTO else options.capacity
     )
 
-    # tf.data unpacks exactly tuples into positional arguments.
-    unpacked = type(dataset.element_spec) is tuple
-
-    def produce(*element):
-        element = element if unpacked else element[0]
+    def produce(pulled, element):
         started = tf.timestamp()
         with tf.control_dependencies([started]):
-            out = element if fn is None else _map_input(fn, element)
+            out = element if fn is None else fn(element)
         # Count only elements whose computation finished.
         with tf.control_dependencies(tf.nest.flatten(out, True)):
-            counted = stats.count_produced(started)
+            counted = stats.count_produced(pulled, started)
         with tf.control_dependencies([counted]):
             return tf.nest.map_structure(
                 tf.identity, out, expand_composites=True
             )
 
-    staged = dataset.map(
-        produce,
-        num_parallel_calls=num_threads,
-        deterministic=options.deterministic,
-        name=f"{name}_map",
-    ).prefetch(capacity, name=f"{name}_buffer")
+    # The source's pull: zip takes a timestamp just before it pulls the
+    # source element, so `started - pulled` in `produce` is the time the
+    # pipeline before the stage took to deliver it (it is pulled one
+    # element at a time, whatever num_threads is).
+    pulls = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).repeat()
+    pulls = pulls.map(lambda _: tf.timestamp(), name=f"{name}_pull")
+    staged = (
+        tf.data.Dataset.zip((pulls, dataset))
+        .map(
+            produce,
+            num_parallel_calls=num_threads,
+            deterministic=options.deterministic,
+            name=f"{name}_map",
+        )
+        .prefetch(capacity, name=f"{name}_buffer")
+    )
 
     # The consumer's fetch: mark the wait, fetch, record it. zip pulls the
     # marker first, in the consumer's own thread, so the marked interval is

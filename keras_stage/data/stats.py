@@ -18,7 +18,7 @@ MAX_SKIPPED_MESSAGES = 5
 
 # Slots of the producer vector and of the consumer vector. Counts are kept
 # in float64, exact up to 2**53 elements.
-_PRODUCED, _BUSY = 0, 1
+_PRODUCED, _BUSY, _SOURCE = 0, 1, 2
 _CONSUMED, _WAIT, _BUFFERED = 0, 1, 2
 
 
@@ -42,7 +42,8 @@ class StageStats:
         # Created outside any function or strategy scope: these belong to
         # the stage, not to a model or a replica.
         with tf.init_scope(), tf.device("/CPU:0"):
-            self._producer = _vector(2, "producer")  # produced, busy s
+            # produced, busy s, source s
+            self._producer = _vector(3, "producer")
             self._consumer = _vector(3, "consumer")  # consumed, wait s, fill
             # (time the current fetch began, elements consumed before it):
             # the fetch is still waiting while the consumed count has not
@@ -61,11 +62,16 @@ class StageStats:
 
     # -- graph side: called inside tf.data functions -------------------------
 
-    def count_produced(self, started):
-        """Counts one finished element that began computing at `started`."""
+    def count_produced(self, pulled, started):
+        """Counts one finished element.
+
+        Args:
+            pulled: When the stage began pulling it from its source.
+            started: When the staged computation began on it.
+        """
         busy = tf.timestamp() - started
         return self._producer.assign_add(
-            tf.stack([tf.constant(1.0, tf.float64), busy])
+            tf.stack([tf.constant(1.0, tf.float64), busy, started - pulled])
         )
 
     def begin_wait(self):
@@ -123,7 +129,7 @@ class StageStats:
         with self._lock:
             skipped = self.skipped
             messages = list(self.skipped_messages)
-        produced, busy = self._producer.numpy()
+        produced, busy, source = self._producer.numpy()
         consumed, wait, buffered = self._consumer.numpy()
         return {
             "produced": int(produced),
@@ -132,6 +138,7 @@ class StageStats:
             "skipped_messages": messages,
             "wait_seconds": float(wait),
             "busy_seconds": float(busy),
+            "source_seconds": float(source),
             "buffered_sum": int(buffered),
             "buffered_peak": int(self._peak.numpy()),
             "time": time.time(),

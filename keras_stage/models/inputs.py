@@ -8,10 +8,14 @@ sample weights stay aligned with their inputs and a staged run sees the
 same batches in the same order.
 """
 
+import logging
+
 import tensorflow as tf
 
 from keras_stage import _compat
 from keras_stage.data.staging import StagedDataset
+
+logger = logging.getLogger("keras_stage")
 
 
 class StagedData:
@@ -47,6 +51,13 @@ def stage_data(
                 "weights inside it, not as `y`/`sample_weight`. Received: "
                 f"y={type(y).__name__}, "
                 f"sample_weight={type(sample_weight).__name__}"
+            )
+        if x.stage_options.get_config() != layer.stage_options.get_config():
+            logger.info(
+                "`x` is already staged by stage '%s'; its own options are "
+                "used, not those of StagedInput '%s'.",
+                x.name,
+                layer.name,
             )
         return StagedData(x, None)
     adapter = _compat.get_data_adapter(
