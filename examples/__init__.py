@@ -1,0 +1,1 @@
+"""Runnable examples of keras_stage (`python -m examples.demo`)."""
