@@ -29,11 +29,18 @@ class _Binding:
         self.staged = staged
         self.adapter = adapter
         self.in_epoch = False
+        # Skips counted before this epoch: the stage's counter is cumulative.
+        self.skipped_before = 0
 
     def begin_epoch(self):
-        if self.adapter is not None and not self.in_epoch:
-            self.adapter.on_epoch_begin()
+        if not self.in_epoch:
+            if self.adapter is not None:
+                self.adapter.on_epoch_begin()
+            self.skipped_before = self.staged.stats.snapshot()["skipped"]
         self.in_epoch = True
+
+    def skipped_this_epoch(self, snapshot):
+        return snapshot["skipped"] - self.skipped_before
 
     def end_epoch(self):
         if self.adapter is not None and self.in_epoch:
@@ -146,7 +153,10 @@ class PrefetchCallback(keras.callbacks.Callback):
         binding = self._bindings.get("test")
         if binding is not None:
             binding.end_epoch()
-            self._report_skips(binding, binding.staged.stats.snapshot())
+            snapshot = binding.staged.stats.snapshot()
+            self._report_skips(
+                binding, snapshot, binding.skipped_this_epoch(snapshot)
+            )
 
     def on_predict_begin(self, logs=None):
         binding = self._bindings.get("predict")
@@ -157,7 +167,10 @@ class PrefetchCallback(keras.callbacks.Callback):
         binding = self._bindings.get("predict")
         if binding is not None:
             binding.end_epoch()
-            self._report_skips(binding, binding.staged.stats.snapshot())
+            snapshot = binding.staged.stats.snapshot()
+            self._report_skips(
+                binding, snapshot, binding.skipped_this_epoch(snapshot)
+            )
 
     def on_epoch_end(self, epoch, logs=None):
         binding = self._bindings.get("train")
@@ -275,8 +288,9 @@ def verdict(stats, options):
             f"Stage '{name}': input-bound, {waited}; {timing}. The pipeline "
             "before the stage is the bottleneck (the stage pulls from it one "
             "batch at a time): parallelize its maps (num_parallel_calls) and "
-            "reads (interleave), or move that work into the model and "
-            "compile(smart_stage=True) so the stage's threads run it."
+            "reads (interleave), or make that work the stage's own "
+            "computation (the `fn` of keras_stage.data.stage) so the "
+            "stage's threads run it."
         )
     elif input_bound:
         message = (

@@ -27,12 +27,6 @@ def _default_name():
     return f"stage_{next(_name_counter)}"
 
 
-def fn(element):
-    # tf.data unpacks tuples into positional arguments; the staged
-    # computation always receives the element as one structure.
-    return fn(element)
-
-
 def _build_pipeline(dataset, fn, options, stats):
     name = options.name
     num_threads = (

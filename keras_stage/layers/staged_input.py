@@ -32,8 +32,21 @@ def _exception_from_name(name):
         return getattr(tf.errors, name[len("tf.errors.") :])
     if "." not in name:
         return getattr(builtins, name)
-    module, _, qualname = name.rpartition(".")
-    return getattr(importlib.import_module(module), qualname)
+    # "package.module.Outer.Inner": the module is the longest importable
+    # prefix, the rest is the class's __qualname__.
+    parts = name.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for attribute in parts[split:]:
+            found = getattr(found, attribute)
+        return found
+    raise ValueError(
+        f"Cannot find the exception class {name!r}: no importable module "
+        "in its name. Import the module that defines it before loading."
+    )
 
 
 def _stage_name(layer_name):

@@ -14,9 +14,13 @@ engine for `keras_stage.Model` and `keras_stage.Sequential`:
 A model without a `StagedInput` behaves exactly like its Keras base class.
 """
 
+import contextlib
+import warnings
+
 import keras
 
 from keras_stage.callbacks.prefetch_callback import PrefetchCallback
+from keras_stage.data.errors import StageTimeoutError
 from keras_stage.data.runner import EndOfData, SkipElement
 from keras_stage.layers.staged_input import StagedInput
 from keras_stage.models.inputs import stage_data
@@ -90,9 +94,36 @@ def _guard(model, phase, function):
             except EndOfData:
                 # Keras ends the epoch on StopIteration.
                 raise StopIteration from None
+            except StageTimeoutError:
+                # The abandoned call still runs this compiled function, and
+                # TensorFlow runs the calls of one tf.function one at a
+                # time: the next fit/evaluate must trace a fresh one.
+                if phase == "train":
+                    model.train_function = None
+                else:
+                    model.test_function = None
+                raise
 
     guarded.keras_stage_guarded = True
     return guarded
+
+
+@contextlib.contextmanager
+def _skips_end_epochs_early(layer):
+    """Silences Keras's "ran out of data" warning when batches may be skipped.
+
+    With `ignored_exception_types`, an epoch can end before the batch count
+    Keras expects (or Keras cannot know the count); that is the policy at
+    work, reported by the PrefetchCallback, not a short dataset.
+    """
+    with warnings.catch_warnings():
+        if layer.stage_options.ignored_exception_types:
+            warnings.filterwarnings(
+                "ignore",
+                message="Your input ran out of data",
+                category=UserWarning,
+            )
+        yield
 
 
 def _with_prefetch_callback(callbacks):
@@ -258,18 +289,19 @@ class StagingMixin:
                 prefetch.attach("test", val.staged, val.adapter)
                 state.runners["test"] = val.staged.runner
                 val_pipeline = val.pipeline
-            return super().fit(
-                x=train.pipeline,
-                epochs=epochs,
-                verbose=verbose,
-                callbacks=callbacks,
-                validation_data=val_pipeline,
-                shuffle=False,
-                initial_epoch=initial_epoch,
-                steps_per_epoch=steps_per_epoch,
-                validation_steps=validation_steps,
-                validation_freq=validation_freq,
-            )
+            with _skips_end_epochs_early(layer):
+                return super().fit(
+                    x=train.pipeline,
+                    epochs=epochs,
+                    verbose=verbose,
+                    callbacks=callbacks,
+                    validation_data=val_pipeline,
+                    shuffle=False,
+                    initial_epoch=initial_epoch,
+                    steps_per_epoch=steps_per_epoch,
+                    validation_steps=validation_steps,
+                    validation_freq=validation_freq,
+                )
         finally:
             state.runners.clear()
             prefetch.close()
@@ -302,6 +334,9 @@ class StagingMixin:
             )
         callbacks, prefetch = _with_prefetch_callback(callbacks)
         state = _state(self)
+        # Set when evaluate runs inside fit (from a callback): the runner of
+        # the fit's validation stage, restored afterwards.
+        outer_runner = state.runners.get("test")
         try:
             test = stage_data(
                 layer,
@@ -314,16 +349,20 @@ class StagingMixin:
             )
             prefetch.attach("test", test.staged, test.adapter)
             state.runners["test"] = test.staged.runner
-            return super().evaluate(
-                x=test.pipeline,
-                verbose=verbose,
-                steps=steps,
-                callbacks=callbacks,
-                return_dict=return_dict,
-                **kwargs,
-            )
+            with _skips_end_epochs_early(layer):
+                return super().evaluate(
+                    x=test.pipeline,
+                    verbose=verbose,
+                    steps=steps,
+                    callbacks=callbacks,
+                    return_dict=return_dict,
+                    **kwargs,
+                )
         finally:
-            state.runners.pop("test", None)
+            if outer_runner is None:
+                state.runners.pop("test", None)
+            else:
+                state.runners["test"] = outer_runner
             prefetch.close()
 
     def predict(

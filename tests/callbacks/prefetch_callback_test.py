@@ -1,0 +1,387 @@
+"""`PrefetchCallback`: the stage's epoch logs and the bottleneck verdict.
+
+End to end, the logs are present and in range every epoch, and a source
+slower than the training step shows as a high wait ratio and an
+"input-bound" verdict, a trunk slower than the source as "compute-bound".
+The pure functions behind them are checked on hand-made snapshots.
+"""
+
+import copy
+import logging
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_stage
+from keras_stage.callbacks import PrefetchCallback
+from keras_stage.callbacks.prefetch_callback import epoch_statistics, verdict
+from keras_stage.data import StageOptions
+from keras_stage.layers import StagedInput
+
+SLEEP_SECONDS = 0.03
+NUM_BATCHES = 12
+
+
+def _sleep_then_return(x):
+    time.sleep(SLEEP_SECONDS)
+    return x
+
+
+def _sleepy(x):
+    y = tf.py_function(_sleep_then_return, [x], tf.float32)
+    return tf.ensure_shape(y, x.shape)
+
+
+def _dataset(slow_source=False):
+    x = np.ones((NUM_BATCHES * 4, 2), "float32")
+    y = np.ones((NUM_BATCHES * 4, 1), "float32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    if slow_source:
+        # Preprocessing before the stage: 30 ms per batch.
+        dataset = dataset.map(lambda a, b: (_sleepy(a), b))
+    return dataset
+
+
+class SlowLayer(keras.layers.Layer):
+    """A trunk layer that takes 30 ms per batch."""
+
+    def call(self, x):
+        return _sleepy(x)
+
+
+def _model(slow_trunk=False, name="bench"):
+    inputs = keras.Input(shape=(2,))
+    x = StagedInput(capacity=1, num_threads=1, name=name)(inputs)
+    if slow_trunk:
+        x = SlowLayer()(x)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+# -- end to end --------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_stage_logs_are_present_and_in_range_every_epoch():
+    model = _model()
+    x = np.ones((16, 2), "float32")
+    y = np.ones((16, 1), "float32")
+    history = model.fit(
+        x, y, batch_size=4, epochs=3, validation_split=0.25, verbose=0
+    ).history
+
+    for key in ("stage_wait_ratio", "stage_buffer_fill", "stage_skipped"):
+        assert len(history[key]) == 3, key
+    for ratio in history["stage_wait_ratio"]:
+        assert 0.0 <= ratio <= 1.0
+    for fill in history["stage_buffer_fill"]:
+        assert 0.0 <= fill <= 1.0
+    for skipped in history["stage_skipped"]:
+        assert isinstance(skipped, int)
+        assert skipped == 0
+
+
+@pytest.mark.timeout(120)
+def test_slow_source_waits_more_and_is_called_input_bound(capsys):
+    slow_cb = PrefetchCallback(verbose=1)
+    slow = _model(name="slow_source").fit(
+        _dataset(slow_source=True),
+        epochs=2,
+        verbose=0,
+        shuffle=False,
+        callbacks=[slow_cb],
+    )
+    slow_out = capsys.readouterr().out
+
+    fast_cb = PrefetchCallback(verbose=1)
+    fast = _model(slow_trunk=True, name="slow_trunk").fit(
+        _dataset(), epochs=2, verbose=0, shuffle=False, callbacks=[fast_cb]
+    )
+    fast_out = capsys.readouterr().out
+
+    # The last epoch: the first one also pays for tracing the step.
+    slow_ratio = slow.history["stage_wait_ratio"][-1]
+    fast_ratio = fast.history["stage_wait_ratio"][-1]
+    assert slow_ratio > fast_ratio
+    assert slow_ratio > 0.3
+
+    # One verdict line per epoch, naming the stage.
+    assert slow_out.count("Stage 'slow_source_train': input-bound") == 2
+    assert fast_out.count("Stage 'slow_trunk_train': compute-bound") == 2
+    assert slow_cb.verdict["input_bound"] is True
+    assert fast_cb.verdict["input_bound"] is False
+    # The slow part is the pipeline before the stage, and the verdict says
+    # so instead of asking for more stage threads.
+    assert slow_cb.verdict["source_bound"] is True
+    assert "The pipeline before the stage is the bottleneck" in slow_out
+    assert (
+        slow_cb.verdict["source_seconds_per_batch"]
+        > (slow_cb.verdict["prepare_seconds_per_batch"])
+    )
+    for cb in (slow_cb, fast_cb):
+        assert cb.verdict["epoch"] == 1
+        assert cb.verdict["suggested_num_threads"] >= 1
+        assert cb.verdict["suggested_capacity"] >= 1
+        assert cb.verdict["message"] in (slow_out + fast_out)
+    assert slow_cb.verdict["wait_ratio"] == slow_ratio
+
+
+@pytest.mark.timeout(60)
+def test_verbose_0_prints_nothing_and_logs_the_verdict_at_debug(capsys, caplog):
+    cb = PrefetchCallback()
+    with caplog.at_level(logging.DEBUG, logger="keras_stage"):
+        _model(name="quiet").fit(
+            _dataset(), epochs=2, verbose=0, shuffle=False, callbacks=[cb]
+        )
+    assert capsys.readouterr().out == ""
+    verdicts = [
+        r
+        for r in caplog.records
+        if r.name == "keras_stage" and "Stage 'quiet_train'" in r.getMessage()
+    ]
+    assert len(verdicts) == 2
+    assert all(r.levelno == logging.DEBUG for r in verdicts)
+    assert verdicts[-1].getMessage() == cb.verdict["message"]
+
+
+def test_callback_survives_deepcopy_before_and_after_a_fit():
+    # keras-tuner deep-copies callbacks; no lock or thread may live in one.
+    cb = PrefetchCallback(verbose=1)
+    clone = copy.deepcopy(cb)
+    assert clone.verbose == 1
+    assert clone.verdict is None
+
+    model = _model(name="copied")
+    model.fit(_dataset(), epochs=1, verbose=0, shuffle=False, callbacks=[cb])
+    cb.set_model(None)  # Keras leaves the model on the callback
+    clone = copy.deepcopy(cb)
+    assert clone.verdict == cb.verdict
+
+
+def test_callback_on_a_model_without_a_stage_does_nothing():
+    inputs = keras.Input(shape=(2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    cb = PrefetchCallback(verbose=1)
+    history = model.fit(
+        _dataset(), epochs=1, verbose=0, shuffle=False, callbacks=[cb]
+    ).history
+    assert "stage_wait_ratio" not in history
+    assert cb.verdict is None
+
+
+# -- epoch_statistics ----------------------------------------------------------
+
+
+def _snapshot(**counters):
+    snapshot = dict(
+        produced=0,
+        consumed=0,
+        skipped=0,
+        skipped_messages=[],
+        wait_seconds=0.0,
+        busy_seconds=0.0,
+        source_seconds=0.0,
+        buffered_sum=0,
+        buffered_peak=0,
+        time=0.0,
+    )
+    snapshot.update(counters)
+    return snapshot
+
+
+BEFORE = _snapshot(
+    produced=10,
+    consumed=8,
+    skipped=1,
+    wait_seconds=1.0,
+    busy_seconds=2.0,
+    source_seconds=0.5,
+    buffered_sum=10,
+    buffered_peak=2,
+)
+AFTER = _snapshot(
+    produced=30,
+    consumed=28,
+    skipped=3,
+    wait_seconds=3.0,
+    busy_seconds=6.0,
+    source_seconds=2.5,
+    buffered_sum=50,
+    buffered_peak=4,
+)
+
+
+def test_epoch_statistics_are_the_differences_of_two_snapshots():
+    options = StageOptions(capacity=4, num_threads=2, name="s")
+    stats = epoch_statistics(BEFORE, AFTER, 8.0, options)
+    assert stats == {
+        "consumed": 20,
+        "produced": 20,
+        "skipped": 2,
+        "seconds": 8.0,
+        "wait_seconds": 2.0,
+        "busy_seconds": 4.0,
+        "source_seconds": 2.0,
+        "wait_ratio": 0.25,  # 2 s waited of 8 s
+        "buffer_fill": 0.5,  # 40 buffered over 20 fetches of 4 slots
+    }
+
+
+def test_epoch_statistics_scale_an_auto_buffer_by_its_peak_fill():
+    options = StageOptions(capacity="auto", name="s")
+    stats = epoch_statistics(BEFORE, AFTER, 8.0, options)
+    assert stats["buffer_fill"] == 0.5  # peak 4 stands in for capacity
+
+    never_filled = dict(AFTER, buffered_peak=0)
+    stats = epoch_statistics(BEFORE, never_filled, 8.0, options)
+    assert stats["buffer_fill"] == 1.0  # 40 / (20 * 1), clipped to 1
+
+
+def test_epoch_statistics_of_an_empty_or_instant_epoch():
+    options = StageOptions(capacity=4, name="s")
+    stats = epoch_statistics(AFTER, AFTER, 5.0, options)
+    assert stats["consumed"] == 0
+    assert stats["buffer_fill"] == 0.0
+    assert stats["wait_ratio"] == 0.0
+
+    stats = epoch_statistics(BEFORE, AFTER, 0.0, options)
+    assert stats["seconds"] == 1e-9
+    assert stats["wait_ratio"] == 1.0  # clipped
+
+
+# -- verdict -------------------------------------------------------------------
+
+
+def _stats(**overrides):
+    stats = dict(
+        consumed=20,
+        produced=20,
+        skipped=0,
+        seconds=8.0,
+        wait_seconds=2.0,
+        busy_seconds=16.0,
+        source_seconds=2.0,
+        wait_ratio=0.25,
+        buffer_fill=0.5,
+    )
+    stats.update(overrides)
+    return stats
+
+
+def test_verdict_of_an_epoch_bound_by_the_staged_computation():
+    options = StageOptions(capacity=4, num_threads=2, name="s")
+    result = verdict(_stats(), options)
+    # Per batch: source 2 s / 20 = 0.1 s, staged computation 16 s / 20 =
+    # 0.8 s (0.4 s with 2 threads), training (8 - 2) s / 20 = 0.3 s; threads
+    # ceil(0.8 / 0.3) = 3; capacity ceil(6 / 2) = 3.
+    assert result == {
+        "input_bound": True,
+        "source_bound": False,
+        "wait_ratio": 0.25,
+        "buffer_fill": 0.5,
+        "source_seconds_per_batch": 0.1,
+        "prepare_seconds_per_batch": 0.8,
+        "train_seconds_per_batch": pytest.approx(0.3),
+        "suggested_num_threads": 3,
+        "suggested_capacity": 3,
+        "message": (
+            "Stage 's': input-bound, the training step waited 25% of the "
+            "epoch for data; per batch: 100.0 ms to read from the source, "
+            "800.0 ms of staged computation (per thread), 300.0 ms to "
+            "train. Use num_threads >= 3 (now 2) and capacity ~3 (now 4)."
+        ),
+    }
+
+
+def test_verdict_of_an_epoch_bound_by_the_pipeline_before_the_stage():
+    options = StageOptions(capacity=4, num_threads=2, name="s")
+    # Source 10 s / 20 = 0.5 s per batch, more than 0.8 s over 2 threads.
+    result = verdict(_stats(source_seconds=10.0), options)
+    assert result["input_bound"] is True
+    assert result["source_bound"] is True
+    assert result["source_seconds_per_batch"] == 0.5
+    assert result["message"] == (
+        "Stage 's': input-bound, the training step waited 25% of the epoch "
+        "for data; per batch: 500.0 ms to read from the source, 800.0 ms of "
+        "staged computation (per thread), 300.0 ms to train. The pipeline "
+        "before the stage is the bottleneck (the stage pulls from it one "
+        "batch at a time): parallelize its maps (num_parallel_calls) and "
+        "reads (interleave), or make that work the stage's own computation "
+        "(the `fn` of keras_stage.data.stage) so the stage's threads run it."
+    )
+    # Exactly at the stage's rate counts as the source's fault.
+    at_rate = verdict(_stats(source_seconds=8.0), options)
+    assert at_rate["source_bound"] is True
+
+
+def test_verdict_of_a_compute_bound_epoch():
+    options = StageOptions(capacity="auto", num_threads="auto", name="s")
+    result = verdict(
+        _stats(
+            wait_seconds=0.0,
+            wait_ratio=0.0,
+            busy_seconds=1.0,
+            source_seconds=0.0,
+        ),
+        options,
+    )
+    # Source 0 ms, staged computation 1 s / 20 = 50 ms, training 8 s / 20 =
+    # 400 ms per batch.
+    assert result["input_bound"] is False
+    assert result["source_bound"] is False
+    assert result["suggested_num_threads"] == 1
+    assert result["suggested_capacity"] == 1  # nothing waited
+    assert result["message"] == (
+        "Stage 's': compute-bound, the training step waited 0% of the epoch "
+        "for data; per batch: 0.0 ms to read from the source, 50.0 ms of "
+        "staged computation (per thread), 400.0 ms to train. The input "
+        "keeps up; num_threads=1 would be enough (now auto)."
+    )
+
+
+def test_compute_bound_verdict_ignores_a_slow_source():
+    # A slow source does not matter while the training step never waits.
+    options = StageOptions(capacity=4, num_threads=2, name="s")
+    result = verdict(
+        _stats(wait_seconds=0.0, wait_ratio=0.0, source_seconds=10.0),
+        options,
+    )
+    assert result["input_bound"] is False
+    assert "compute-bound" in result["message"]
+
+
+def test_verdict_threshold_and_capacity_cap():
+    options = StageOptions(capacity=4, num_threads=2, name="s")
+    # Exactly 10% waiting is input-bound.
+    assert verdict(_stats(wait_ratio=0.1), options)["input_bound"] is True
+    assert verdict(_stats(wait_ratio=0.099), options)["input_bound"] is False
+    # ceil(99.5 / 0.5) = 199 is capped at 64.
+    capped = verdict(
+        _stats(seconds=100.0, wait_seconds=0.5, wait_ratio=0.005), options
+    )
+    assert capped["suggested_capacity"] == 64
+
+
+def test_verdict_of_an_epoch_without_batches():
+    options = StageOptions(capacity=4, num_threads=2, name="s")
+    result = verdict(
+        _stats(
+            consumed=0,
+            produced=0,
+            seconds=1e-9,
+            wait_seconds=0.0,
+            busy_seconds=0.0,
+            source_seconds=0.0,
+            wait_ratio=0.0,
+        ),
+        options,
+    )
+    assert result["suggested_num_threads"] == 1
+    assert result["suggested_capacity"] == 1
+    assert result["input_bound"] is False
+    assert "compute-bound" in result["message"]

@@ -1,0 +1,244 @@
+"""The private TensorFlow/Keras symbols in `keras_stage/_compat.py` still fit.
+
+Each test fails with a message naming the symbol and the `_compat` function
+to update when a new TensorFlow or Keras release moves or changes it.
+"""
+
+import importlib
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_stage import _compat
+from keras_stage.data import stage
+from keras_stage.models.model import _functional_init_arguments
+
+UPDATE = "update keras_stage/_compat.py:{}"
+
+
+def _private(module_name, attribute, compat_function):
+    module = importlib.import_module(module_name)
+    assert hasattr(module, attribute), (
+        f"{module_name}.{attribute} is gone in Keras {keras.__version__} / "
+        f"TensorFlow {tf.__version__}; " + UPDATE.format(compat_function)
+    )
+    return getattr(module, attribute)
+
+
+def test_installed_versions_are_the_supported_ones():
+    major = int(keras.__version__.split(".")[0])
+    assert major == 3, (
+        f"keras_stage targets Keras 3; found Keras {keras.__version__}."
+    )
+    tf_minor = tuple(int(p) for p in tf.__version__.split(".")[:2])
+    assert (2, 16) <= tf_minor <= (2, 21), (
+        f"keras_stage supports TensorFlow 2.16-2.21; found {tf.__version__}. "
+        "Run this suite on the new release and widen the range in "
+        "keras_stage/__init__.py and pyproject.toml."
+    )
+    assert keras.backend.backend() == "tensorflow"
+
+
+def test_installed_keras_is_one_the_private_symbols_were_checked_with():
+    assert keras.__version__.startswith(_compat.TESTED_KERAS), (
+        f"Keras {keras.__version__} is not in _compat.TESTED_KERAS "
+        f"{_compat.TESTED_KERAS}: run this file against it, then add it."
+    )
+
+
+def test_a_moved_private_keras_symbol_fails_with_a_clear_message():
+    with pytest.raises(
+        ImportError,
+        match=(
+            r"keras_stage needs the private Keras symbol "
+            r"keras\.src\.no_such_module\.thing, which Keras "
+            + keras.__version__.replace(".", r"\.")
+            + r" does not have\. keras_stage is tested with Keras 3\.15"
+        ),
+    ):
+        _compat._keras_private("keras.src.no_such_module", "thing")
+    with pytest.raises(ImportError, match=r"keras\.src\.models\.nothing"):
+        _compat._keras_private("keras.src.models", "nothing")
+
+
+# -- dataset_variant -------------------------------------------------------
+
+
+def test_dataset_variant_is_the_variant_tensor_a_dataset_is_built_from():
+    dataset = tf.data.Dataset.range(3)
+    assert hasattr(dataset, "_variant_tensor"), (
+        "tf.data.Dataset._variant_tensor is gone in TensorFlow "
+        f"{tf.__version__}; " + UPDATE.format("dataset_variant")
+    )
+    variant = _compat.dataset_variant(dataset)
+    assert isinstance(variant, tf.Tensor)
+    assert variant.dtype == tf.variant
+    # What StagedDataset relies on: a Dataset subclass built on it works.
+    staged = stage(dataset, capacity=1, num_threads=1, name="compat")
+    assert [int(x) for x in staged] == [0, 1, 2]
+    assert staged.close()
+
+
+# -- get_data_adapter ----------------------------------------------------------
+
+
+class _Batches(keras.utils.PyDataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        return np.full((2, 1), index, "float32"), np.zeros((2, 1), "float32")
+
+
+def _generator():
+    for i in range(3):
+        yield np.full((2, 1), i, "float32"), np.zeros((2, 1), "float32")
+
+
+@pytest.mark.parametrize(
+    "kwargs, num_batches",
+    [
+        (dict(x=np.ones((10, 1)), y=np.ones((10, 1)), batch_size=4), 3),
+        (dict(x={"a": np.ones((6, 1))}, y=np.ones((6, 1)), batch_size=3), 2),
+        (dict(x=tf.data.Dataset.range(5).batch(2)), 3),
+        (dict(x=_Batches()), 2),
+        (dict(x=_generator()), None),
+    ],
+    ids=["arrays", "dict", "dataset", "py_dataset", "generator"],
+)
+def test_get_data_adapter_gives_what_keras_stage_uses(kwargs, num_batches):
+    _private(
+        "keras.src.trainers.data_adapters",
+        "get_data_adapter",
+        "get_data_adapter",
+    )
+    adapter = _compat.get_data_adapter(
+        **{
+            "y": None,
+            "sample_weight": None,
+            "batch_size": None,
+            "steps_per_epoch": None,
+            "shuffle": False,
+            "class_weight": None,
+            **kwargs,
+        }
+    )
+    # Everything models/inputs.py and the PrefetchCallback call on it.
+    for name in ("get_tf_dataset", "on_epoch_begin", "on_epoch_end"):
+        assert callable(getattr(adapter, name, None)), (
+            f"Keras data adapters lost `{name}`; "
+            + UPDATE.format("get_data_adapter")
+        )
+    assert adapter.num_batches == num_batches
+    adapter.on_epoch_begin()
+    dataset = adapter.get_tf_dataset()
+    assert isinstance(dataset, tf.data.Dataset)
+    assert len(list(dataset)) == (num_batches or 3)
+    adapter.on_epoch_end()
+
+
+def test_get_data_adapter_shuffles_with_the_global_seed():
+    # A staged fit and a plain one see the same order only if Keras's
+    # shuffle draws from the seed set by keras.utils.set_random_seed.
+    def order():
+        keras.utils.set_random_seed(3)
+        adapter = _compat.get_data_adapter(
+            x=np.arange(16, dtype="float32").reshape(16, 1),
+            y=None,
+            sample_weight=None,
+            batch_size=4,
+            steps_per_epoch=None,
+            shuffle=True,
+            class_weight=None,
+        )
+        return np.concatenate([b[0] for b in adapter.get_tf_dataset()]).ravel()
+
+    first, second = order(), order()
+    np.testing.assert_array_equal(first, second)
+    assert not np.array_equal(first, np.arange(16))
+
+
+# -- train_validation_split ---------------------------------------------------
+
+
+def test_train_validation_split_keeps_the_last_fraction_for_validation():
+    _private(
+        "keras.src.trainers.data_adapters.array_slicing",
+        "train_validation_split",
+        "train_validation_split",
+    )
+    x = np.arange(10).reshape(10, 1)
+    y = np.arange(10)
+    (train_x, train_y, train_w), (val_x, val_y, val_w) = (
+        _compat.train_validation_split((x, y, None), 0.2)
+    )
+    np.testing.assert_array_equal(train_x.ravel(), np.arange(8))
+    np.testing.assert_array_equal(val_y, [8, 9])
+    assert train_w is None and val_w is None
+
+    (train, _, _), (val, _, _) = _compat.train_validation_split(
+        ({"a": x}, y, None), 0.5
+    )
+    assert set(train) == {"a"}
+    assert len(train["a"]) == 5 and len(val["a"]) == 5
+
+
+def test_train_validation_split_rejects_datasets_like_keras():
+    with pytest.raises(ValueError, match="validation_split"):
+        _compat.train_validation_split(
+            (tf.data.Dataset.range(4), None, None), 0.5
+        )
+
+
+# -- keras_functional_class ----------------------------------------------------
+
+
+def test_keras_functional_class_is_what_keras_model_inputs_outputs_builds():
+    functional = _private(
+        "keras.src.models.functional", "Functional", "keras_functional_class"
+    )
+    assert _compat.keras_functional_class() is functional
+    assert issubclass(functional, keras.Model)
+    inputs = keras.Input(shape=(2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    assert type(model) is functional, (
+        "keras.Model(inputs, outputs) no longer builds "
+        "keras.src.models.functional.Functional; "
+        + UPDATE.format("keras_functional_class")
+    )
+
+
+# -- _functional_init_arguments --------------------------------------------
+
+
+_A, _B, _C = object(), object(), object()
+
+INIT_CASES = [
+    ((), {}),
+    ((_A,), {}),
+    ((_A, _B), {}),
+    ((_A, _B, _C), {}),
+    ((_A,), {"outputs": _B}),
+    ((_A,), {"inputs": _B}),
+    ((), {"inputs": _A, "outputs": _B}),
+    ((), {"inputs": _A}),
+    ((), {"outputs": _B}),
+    ((), {"name": "m"}),
+    ((_A, _B), {"name": "m"}),
+    ((), {"inputs": _A, "outputs": _B, "name": "m"}),
+    ((_A,), {"outputs": _B, "trainable": False}),
+]
+
+
+@pytest.mark.parametrize("args, kwargs", INIT_CASES)
+def test_functional_init_arguments_agrees_with_keras(args, kwargs):
+    keras_test = _private(
+        "keras.src.models.model",
+        "functional_init_arguments",
+        "(models/model.py) _functional_init_arguments",
+    )
+    assert _functional_init_arguments(args, kwargs) == keras_test(
+        args, kwargs
+    ), f"disagree on args={len(args)} kwargs={sorted(kwargs)}"

@@ -1,0 +1,253 @@
+"""Staged fit/evaluate/predict start and stop their threads cleanly.
+
+However a call ends (normally, by `stop_training`, or by an error in a
+user callback), the stage's helper thread is gone when it returns, the
+PrefetchCallback is wired in first, and the next call works.
+"""
+
+import gc
+import threading
+
+import keras
+import numpy as np
+import psutil
+import pytest
+
+import keras_stage
+from keras_stage.callbacks import PrefetchCallback
+from keras_stage.layers import StagedInput
+
+STAGE_KEYS = ("stage_wait_ratio", "stage_buffer_fill", "stage_skipped")
+# TF and Keras may park a worker or two between calls; a leak of one thread
+# per call would exceed this after 15 cycles.
+MAX_EXTRA_OS_THREADS = 4
+
+X = np.linspace(0.0, 1.0, 32, dtype="float32").reshape(16, 2)
+Y = X.sum(axis=1, keepdims=True)
+
+
+def _staged_model():
+    inputs = keras.Input(shape=(2,))
+    # The default timeout runs each step on a keras_stage helper thread,
+    # which is the thread these tests watch.
+    x = StagedInput(capacity=2, num_threads=2, name="life")(inputs)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def _stage_threads():
+    return {
+        t for t in threading.enumerate() if t.name.startswith("keras_stage")
+    }
+
+
+class _ThreadSpy(keras.callbacks.Callback):
+    """Records the keras_stage threads alive while a step has run."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen |= {t.name for t in _stage_threads()}
+
+
+class _RaiseAt(keras.callbacks.Callback):
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            raise RuntimeError(f"user callback failed at batch {batch}")
+
+
+class _StopAt(keras.callbacks.Callback):
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+        self.batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+        if batch == self.batch:
+            self.model.stop_training = True
+
+
+class _EpochLogsSpy(keras.callbacks.Callback):
+    """Records the keys of the epoch logs this callback receives."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.keys.append(set(logs))
+
+
+def _cycle(model, callbacks=()):
+    model.fit(
+        X, Y, batch_size=4, epochs=1, verbose=0, callbacks=list(callbacks)
+    )
+    model.evaluate(X, Y, batch_size=4, verbose=0)
+    model.predict(X, batch_size=4, verbose=0)
+
+
+@pytest.mark.timeout(180)
+def test_fifteen_cycles_leave_no_thread_behind():
+    model = _staged_model()
+    spy = _ThreadSpy()
+    # TF starts its own pools on first use: warm up before the baseline.
+    _cycle(model, [spy])
+    gc.collect()
+    before = set(threading.enumerate())
+    os_threads_before = psutil.Process().num_threads()
+
+    for _ in range(15):
+        _cycle(model, [spy])
+
+    gc.collect()
+    new = {t.name for t in set(threading.enumerate()) - before}
+    assert new == set()
+    assert _stage_threads() <= before
+    # The check is meaningful: the stage did run a helper thread.
+    assert spy.seen == {"keras_stage-life_train"}
+    os_threads_after = psutil.Process().num_threads()
+    assert os_threads_after <= os_threads_before + MAX_EXTRA_OS_THREADS, (
+        f"the process went from {os_threads_before} to {os_threads_after} "
+        "OS threads over 15 cycles"
+    )
+
+
+@pytest.mark.timeout(60)
+def test_prefetch_callback_is_added_when_none_is_passed():
+    model = _staged_model()
+    spy = _EpochLogsSpy()
+    history = model.fit(
+        X, Y, batch_size=4, epochs=2, verbose=0, callbacks=[spy]
+    ).history
+    for key in STAGE_KEYS:
+        assert len(history[key]) == 2
+    # Added first: the user's callback already sees the stage's logs.
+    assert all(set(STAGE_KEYS) <= keys for keys in spy.keys)
+
+
+@pytest.mark.timeout(60)
+def test_prefetch_callback_passed_last_is_moved_first():
+    model = _staged_model()
+    spy = _EpochLogsSpy()
+    prefetch = PrefetchCallback()
+    history = model.fit(
+        X,
+        Y,
+        batch_size=4,
+        epochs=2,
+        verbose=0,
+        callbacks=[spy, prefetch],
+    ).history
+    assert len(spy.keys) == 2
+    assert all(set(STAGE_KEYS) <= keys for keys in spy.keys)
+    # The user's instance served the run (no second one was added).
+    assert prefetch.verdict is not None
+    assert prefetch.verdict["epoch"] == 1
+    assert history["stage_wait_ratio"][-1] == prefetch.verdict["wait_ratio"]
+
+
+@pytest.mark.timeout(60)
+def test_one_prefetch_callback_serves_two_fits():
+    model = _staged_model()
+    prefetch = PrefetchCallback()
+    before = _stage_threads()
+
+    first = model.fit(
+        X, Y, batch_size=4, epochs=2, verbose=0, callbacks=[prefetch]
+    ).history
+    assert prefetch.verdict["epoch"] == 1
+    second = model.fit(
+        X,
+        Y,
+        batch_size=4,
+        epochs=3,
+        verbose=0,
+        validation_data=(X, Y),
+        callbacks=[prefetch],
+    ).history
+
+    for key in STAGE_KEYS:
+        assert len(first[key]) == 2
+        assert len(second[key]) == 3
+    assert second["stage_skipped"] == [0, 0, 0]
+    assert prefetch.verdict["epoch"] == 2
+    assert _stage_threads() == before
+
+
+@pytest.mark.timeout(60)
+def test_user_callback_error_mid_epoch_closes_the_stage():
+    model = _staged_model()
+    prefetch = PrefetchCallback()
+    spy = _ThreadSpy()
+    before = _stage_threads()
+
+    with pytest.raises(RuntimeError, match="user callback failed at batch 1"):
+        model.fit(
+            X,
+            Y,
+            batch_size=4,
+            epochs=2,
+            verbose=0,
+            callbacks=[spy, _RaiseAt(batch=1), prefetch],
+        )
+    assert spy.seen == {"keras_stage-life_train"}
+    assert _stage_threads() == before
+
+    # The same model and callback work again in the same process.
+    history = model.fit(
+        X, Y, batch_size=4, epochs=2, verbose=0, callbacks=[prefetch]
+    ).history
+    assert len(history["loss"]) == 2
+    assert history["stage_skipped"] == [0, 0]
+    assert prefetch.verdict["epoch"] == 1
+    assert _stage_threads() == before
+
+
+@pytest.mark.timeout(60)
+def test_stop_training_from_a_callback_ends_cleanly():
+    model = _staged_model()
+    stop = _StopAt(batch=1)
+    before = _stage_threads()
+
+    history = model.fit(
+        X, Y, batch_size=4, epochs=3, verbose=0, callbacks=[stop]
+    ).history
+
+    assert stop.batches == 2
+    assert len(history["loss"]) == 1
+    for key in STAGE_KEYS:
+        assert len(history[key]) == 1
+    assert _stage_threads() == before
+    # Training can resume on the same model.
+    history = model.fit(X, Y, batch_size=4, epochs=1, verbose=0).history
+    assert len(history["loss"]) == 1
+
+
+@pytest.mark.timeout(60)
+def test_error_in_evaluate_and_predict_callbacks_closes_the_stage():
+    model = _staged_model()
+    before = _stage_threads()
+
+    class FailingTest(keras.callbacks.Callback):
+        def on_test_batch_end(self, batch, logs=None):
+            raise RuntimeError("evaluate callback failed")
+
+        def on_predict_batch_end(self, batch, logs=None):
+            raise RuntimeError("predict callback failed")
+
+    with pytest.raises(RuntimeError, match="evaluate callback failed"):
+        model.evaluate(X, Y, batch_size=4, verbose=0, callbacks=[FailingTest()])
+    with pytest.raises(RuntimeError, match="predict callback failed"):
+        model.predict(X, batch_size=4, verbose=0, callbacks=[FailingTest()])
+    assert _stage_threads() == before
+
+    assert np.isfinite(model.evaluate(X, Y, batch_size=4, verbose=0))
+    assert model.predict(X, batch_size=4, verbose=0).shape == (16, 1)
