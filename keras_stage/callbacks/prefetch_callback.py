@@ -145,26 +145,24 @@ class PrefetchCallback(keras.callbacks.Callback):
         if self._epoch_start is not None and self._train_time is None:
             # Validation inside fit: the training part of the epoch ends.
             self._train_time = time.time() - self._epoch_start
-        binding = self._bindings.get("test")
-        if binding is not None:
-            binding.begin_epoch()
+        self._begin_phase("test")
 
     def on_test_end(self, logs=None):
-        binding = self._bindings.get("test")
-        if binding is not None:
-            binding.end_epoch()
-            snapshot = binding.staged.stats.snapshot()
-            self._report_skips(
-                binding, snapshot, binding.skipped_this_epoch(snapshot)
-            )
+        self._end_phase("test")
 
     def on_predict_begin(self, logs=None):
-        binding = self._bindings.get("predict")
+        self._begin_phase("predict")
+
+    def on_predict_end(self, logs=None):
+        self._end_phase("predict")
+
+    def _begin_phase(self, phase):
+        binding = self._bindings.get(phase)
         if binding is not None:
             binding.begin_epoch()
 
-    def on_predict_end(self, logs=None):
-        binding = self._bindings.get("predict")
+    def _end_phase(self, phase):
+        binding = self._bindings.get(phase)
         if binding is not None:
             binding.end_epoch()
             snapshot = binding.staged.stats.snapshot()
