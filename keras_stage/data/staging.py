@@ -71,8 +71,8 @@ def _build_pipeline(dataset, fn, options, stats):
     markers = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).repeat()
     markers = markers.map(lambda _: stats.begin_wait(), name=f"{name}_wait")
 
-    def consume(mark, element):
-        with tf.control_dependencies([stats.end_wait(*mark)]):
+    def consume(started, element):
+        with tf.control_dependencies([stats.end_wait(started)]):
             return tf.nest.map_structure(
                 tf.identity, element, expand_composites=True
             )

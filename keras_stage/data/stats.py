@@ -16,14 +16,23 @@ import tensorflow as tf
 # How many error messages of skipped elements a stage keeps per report.
 MAX_SKIPPED_MESSAGES = 5
 
-# Slots of the producer vector and of the consumer vector. Counts are kept
-# in float64, exact up to 2**53 elements.
+# Slots of the one counter vector, float64 (counts exact up to 2**53).
+# One vector, so each side of the pipeline updates it with a single op:
+# variable ops are the costly part of a tf.data function.
 _PRODUCED, _BUSY, _SOURCE = 0, 1, 2
-_CONSUMED, _WAIT, _BUFFERED = 0, 1, 2
+_CONSUMED, _WAIT, _BUFFERED = 3, 4, 5
+# Start time of the fetch in progress, 0 when none: each fetch adds its
+# start when it begins and subtracts it when it ends.
+_OPEN_FETCH = 6
+_SLOTS = 7
 
 
-def _vector(size, name):
-    return tf.Variable(tf.zeros([size], tf.float64), trainable=False, name=name)
+def _slots(values):
+    """A counter-vector update: `values` ({slot: value}), zeros elsewhere."""
+    parts = [tf.constant(0.0, tf.float64)] * _SLOTS
+    for slot, value in values.items():
+        parts[slot] = tf.cast(value, tf.float64)
+    return tf.stack(parts)
 
 
 class StageStats:
@@ -42,19 +51,15 @@ class StageStats:
         # Created outside any function or strategy scope: these belong to
         # the stage, not to a model or a replica.
         with tf.init_scope(), tf.device("/CPU:0"):
-            # produced, busy s, source s
-            self._producer = _vector(3, "producer")
-            self._consumer = _vector(3, "consumer")  # consumed, wait s, fill
-            # (time the current fetch began, elements consumed before it):
-            # the fetch is still waiting while the consumed count has not
-            # moved past it. Read by the timeout watchdog.
-            self._fetch = _vector(2, "fetch")
+            self._counters = tf.Variable(
+                tf.zeros([_SLOTS], tf.float64), trainable=False, name="counters"
+            )
             self._peak = tf.Variable(
                 0.0, dtype=tf.float64, trainable=False, name="peak"
             )
-            # Set when the stage is closed after a timeout: a fetch that was
-            # abandoned blocked must not deliver its element late (it would
-            # train a step nobody waits for).
+            # Set when the stage is closed after a timeout: an element that
+            # was abandoned blocked must not arrive late (it would train a
+            # step nobody waits for).
             self._closed = tf.Variable(False, trainable=False, name="closed")
         self._lock = threading.Lock()
         self.skipped = 0
@@ -63,32 +68,12 @@ class StageStats:
     # -- graph side: called inside tf.data functions -------------------------
 
     def count_produced(self, pulled, started):
-        """Counts one finished element.
+        """Counts one finished element; fails it if the stage was closed.
 
         Args:
             pulled: When the stage began pulling it from its source.
             started: When the staged computation began on it.
         """
-        busy = tf.timestamp() - started
-        return self._producer.assign_add(
-            tf.stack([tf.constant(1.0, tf.float64), busy, started - pulled])
-        )
-
-    def begin_wait(self):
-        """Marks a fetch as begun; returns (start time, elements buffered)."""
-        now = tf.timestamp()
-        consumed = self._consumer[_CONSUMED]
-        buffered = tf.maximum(
-            self._producer[_PRODUCED] - consumed,
-            tf.constant(0.0, tf.float64),
-        )
-        ops = [self._fetch.assign(tf.stack([now, consumed]))]
-        if self.track_peak:
-            ops.append(self._peak.assign(tf.maximum(self._peak, buffered)))
-        with tf.control_dependencies(ops):
-            return tf.identity(now), tf.identity(buffered)
-
-    def end_wait(self, started, buffered):
         check = tf.debugging.Assert(
             tf.logical_not(self._closed),
             [
@@ -97,9 +82,40 @@ class StageStats:
             ],
         )
         with tf.control_dependencies([check]):
-            waited = tf.timestamp() - started
-        return self._consumer.assign_add(
-            tf.stack([tf.constant(1.0, tf.float64), waited, buffered])
+            busy = tf.timestamp() - started
+        return self._counters.assign_add(
+            _slots({_PRODUCED: 1, _BUSY: busy, _SOURCE: started - pulled})
+        )
+
+    def begin_wait(self):
+        """Marks a fetch as begun; returns its start time."""
+        now = tf.timestamp()
+        with tf.control_dependencies(
+            [self._counters.assign_add(_slots({_OPEN_FETCH: now}))]
+        ):
+            return tf.identity(now)
+
+    def end_wait(self, started):
+        """Records a finished fetch that began at `started`."""
+        counters = self._counters.read_value()
+        buffered = tf.maximum(
+            counters[_PRODUCED] - counters[_CONSUMED],
+            tf.constant(0.0, tf.float64),
+        )
+        update = self._counters.assign_add(
+            _slots(
+                {
+                    _CONSUMED: 1,
+                    _WAIT: tf.timestamp() - started,
+                    _BUFFERED: buffered,
+                    _OPEN_FETCH: -started,
+                }
+            )
+        )
+        if not self.track_peak:
+            return update
+        return tf.group(
+            update, self._peak.assign(tf.maximum(self._peak, buffered))
         )
 
     # -- Python side ---------------------------------------------------------
@@ -119,27 +135,25 @@ class StageStats:
 
     def seconds_waiting(self):
         """Seconds the consumer has been waiting for its current element."""
-        started, consumed_before = self._fetch.numpy()
-        if started <= 0 or self._consumer.numpy()[_CONSUMED] > consumed_before:
-            return 0.0
-        return time.time() - started
+        since = float(self._counters.numpy()[_OPEN_FETCH])
+        # The slot returns to 0 up to float rounding when no fetch is open.
+        return time.time() - since if since > 1.0 else 0.0
 
     def snapshot(self):
         """Returns the counters as a dict of Python numbers."""
         with self._lock:
             skipped = self.skipped
             messages = list(self.skipped_messages)
-        produced, busy, source = self._producer.numpy()
-        consumed, wait, buffered = self._consumer.numpy()
+        counters = self._counters.numpy()
         return {
-            "produced": int(produced),
-            "consumed": int(consumed),
+            "produced": int(counters[_PRODUCED]),
+            "consumed": int(counters[_CONSUMED]),
             "skipped": skipped,
             "skipped_messages": messages,
-            "wait_seconds": float(wait),
-            "busy_seconds": float(busy),
-            "source_seconds": float(source),
-            "buffered_sum": int(buffered),
+            "wait_seconds": float(counters[_WAIT]),
+            "busy_seconds": float(counters[_BUSY]),
+            "source_seconds": float(counters[_SOURCE]),
+            "buffered_sum": int(counters[_BUFFERED]),
             "buffered_peak": int(self._peak.numpy()),
             "time": time.time(),
         }
