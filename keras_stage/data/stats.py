@@ -98,8 +98,9 @@ class StageStats:
     def end_wait(self, started):
         """Records a finished fetch that began at `started`."""
         counters = self._counters.read_value()
+        # Finished elements still waiting, not counting the one just taken.
         buffered = tf.maximum(
-            counters[_PRODUCED] - counters[_CONSUMED],
+            counters[_PRODUCED] - counters[_CONSUMED] - 1.0,
             tf.constant(0.0, tf.float64),
         )
         update = self._counters.assign_add(
