@@ -21,9 +21,10 @@ MAX_SKIPPED_MESSAGES = 5
 # variable ops are the costly part of a tf.data function.
 _PRODUCED, _BUSY, _SOURCE = 0, 1, 2
 _CONSUMED, _WAIT, _BUFFERED = 3, 4, 5
-# Start time of the fetch in progress, 0 when none: each fetch adds its
-# start when it begins and subtracts it when it ends.
-_OPEN_FETCH = 6
+# Start time of the last fetch that finished. A fetch is in progress while
+# the last fetch started (a separate variable: fetches can end without
+# finishing, at the end of the data or on an error) is later than this.
+_DONE_FETCH = 6
 _SLOTS = 7
 
 
@@ -53,6 +54,9 @@ class StageStats:
         with tf.init_scope(), tf.device("/CPU:0"):
             self._counters = tf.Variable(
                 tf.zeros([_SLOTS], tf.float64), trainable=False, name="counters"
+            )
+            self._fetch_start = tf.Variable(
+                0.0, dtype=tf.float64, trainable=False, name="fetch_start"
             )
             self._peak = tf.Variable(
                 0.0, dtype=tf.float64, trainable=False, name="peak"
@@ -90,9 +94,7 @@ class StageStats:
     def begin_wait(self):
         """Marks a fetch as begun; returns its start time."""
         now = tf.timestamp()
-        with tf.control_dependencies(
-            [self._counters.assign_add(_slots({_OPEN_FETCH: now}))]
-        ):
+        with tf.control_dependencies([self._fetch_start.assign(now)]):
             return tf.identity(now)
 
     def end_wait(self, started):
@@ -109,7 +111,8 @@ class StageStats:
                     _CONSUMED: 1,
                     _WAIT: tf.timestamp() - started,
                     _BUFFERED: buffered,
-                    _OPEN_FETCH: -started,
+                    # Only the consumer's thread writes this slot.
+                    _DONE_FETCH: started - counters[_DONE_FETCH],
                 }
             )
         )
@@ -136,9 +139,9 @@ class StageStats:
 
     def seconds_waiting(self):
         """Seconds the consumer has been waiting for its current element."""
-        since = float(self._counters.numpy()[_OPEN_FETCH])
-        # The slot returns to 0 up to float rounding when no fetch is open.
-        return time.time() - since if since > 1.0 else 0.0
+        started = float(self._fetch_start.numpy())
+        done = float(self._counters.numpy()[_DONE_FETCH])
+        return time.time() - started if started > done else 0.0
 
     def snapshot(self):
         """Returns the counters as a dict of Python numbers."""

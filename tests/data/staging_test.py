@@ -810,3 +810,35 @@ def test_errors_keep_their_type_inside_tf_function(tmp_path):
         consume(bad_csv)
     with pytest.raises(tf.errors.NotFoundError, match="no_file"):
         consume(missing)
+
+
+@pytest.mark.timeout(60)
+def test_timeout_still_fires_after_a_full_pass():
+    # The end of the data is a fetch that never finishes: the next pass's
+    # waits must still be measured from their own start.
+    release = threading.Event()
+    passes = []
+
+    def gen():
+        passes.append(1)
+        for i in range(3):
+            if len(passes) == 2 and i == 1:
+                release.wait(30)
+            yield i
+
+    source = tf.data.Dataset.from_generator(
+        gen, output_signature=tf.TensorSpec((), tf.int64)
+    )
+    staged = stage(
+        source, capacity=1, num_threads=1, timeout=1.0, name="second_pass"
+    )
+    try:
+        assert [int(x) for x in staged] == [0, 1, 2]
+        iterator = iter(staged)
+        assert int(next(iterator)) == 0
+        started = time.monotonic()
+        with pytest.raises(StageTimeoutError, match="Stage 'second_pass'"):
+            next(iterator)
+        assert time.monotonic() - started < 10
+    finally:
+        release.set()
