@@ -126,6 +126,12 @@ def _skips_end_epochs_early(layer):
         yield
 
 
+def _bind(prefetch, state, phase, data):
+    """Hands `data`'s stage to the callback and its runner to the step guard."""
+    prefetch.attach(phase, data.staged, data.adapter)
+    state.runners[phase] = data.staged.runner
+
+
 def _with_prefetch_callback(callbacks):
     """The callback list with a PrefetchCallback first, and that callback."""
     if isinstance(callbacks, keras.callbacks.CallbackList):
@@ -270,8 +276,7 @@ class StagingMixin:
                 shuffle=shuffle,
                 class_weight=class_weight,
             )
-            prefetch.attach("train", train.staged, train.adapter)
-            state.runners["train"] = train.staged.runner
+            _bind(prefetch, state, "train", train)
             val_pipeline = None
             if validation_data is not None:
                 val_x, val_y, val_sw = keras.utils.unpack_x_y_sample_weight(
@@ -286,8 +291,7 @@ class StagingMixin:
                     batch_size=validation_batch_size or batch_size,
                     steps=validation_steps,
                 )
-                prefetch.attach("test", val.staged, val.adapter)
-                state.runners["test"] = val.staged.runner
+                _bind(prefetch, state, "test", val)
                 val_pipeline = val.pipeline
             with _skips_end_epochs_early(layer):
                 return super().fit(
@@ -347,8 +351,7 @@ class StagingMixin:
                 batch_size=batch_size,
                 steps=steps,
             )
-            prefetch.attach("test", test.staged, test.adapter)
-            state.runners["test"] = test.staged.runner
+            _bind(prefetch, state, "test", test)
             with _skips_end_epochs_early(layer):
                 return super().evaluate(
                     x=test.pipeline,

@@ -20,6 +20,7 @@ import keras_stage
 from keras_stage.callbacks import PrefetchCallback
 from keras_stage.data import StageTimeoutError
 from keras_stage.layers import StagedInput
+from tests.helpers import stage_threads
 
 NUM_BATCHES = 10
 BAD_BATCHES = (2, 7)
@@ -64,12 +65,6 @@ def _model(trunk=None, name="parse", **stage_kwargs):
     model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
     model.compile(optimizer="sgd", loss="mse")
     return model
-
-
-def _stage_threads():
-    return {
-        t for t in threading.enumerate() if t.name.startswith("keras_stage")
-    }
 
 
 class _BatchCounter(keras.callbacks.Callback):
@@ -204,7 +199,7 @@ def test_ignored_types_on_clean_arrays_add_no_keras_warning(method):
 )
 def test_stage_error_keeps_its_type_and_names_the_stage(method, stage):
     model = _model()
-    before = _stage_threads()
+    before = stage_threads()
     kwargs = {"shuffle": False} if method == "fit" else {}
     data = _csv_dataset()
     if method == "predict":
@@ -216,7 +211,7 @@ def test_stage_error_keeps_its_type_and_names_the_stage(method, stage):
     message = str(info.value)
     assert "could not correctly convert string: oops" in message
     assert f"raised inside stage '{stage}'" in message
-    assert _stage_threads() == before
+    assert stage_threads() == before
 
 
 @pytest.mark.timeout(30)
@@ -250,7 +245,7 @@ def test_model_error_is_neither_skipped_nor_blamed_on_the_stage():
     x = np.ones((12, 2), "float32")
     x[7] = 1000.0
     y = np.ones((12, 1), "float32")
-    before = _stage_threads()
+    before = stage_threads()
 
     with pytest.raises(tf.errors.InvalidArgumentError) as info:
         model.fit(x, y, batch_size=2, epochs=1, verbose=0, shuffle=False)
@@ -259,7 +254,7 @@ def test_model_error_is_neither_skipped_nor_blamed_on_the_stage():
     assert "model saw a value too large" in message
     assert "raised inside stage" not in message
     assert "[keras_stage]" not in message
-    assert _stage_threads() == before
+    assert stage_threads() == before
 
 
 # -- timeout ---------------------------------------------------------------
@@ -337,15 +332,15 @@ def test_same_model_fits_again_after_a_stage_timeout(release):
 @pytest.mark.timeout(60)
 def test_thread_left_by_a_timeout_ends_when_the_source_unblocks(release):
     model = _model(name="hang", timeout=1.0, capacity=1, num_threads=1)
-    before = _stage_threads()
+    before = stage_threads()
     with pytest.raises(StageTimeoutError):
         model.fit(_hanging_dataset(release), verbose=0, shuffle=False)
 
     release.set()
     deadline = time.monotonic() + 15
-    while _stage_threads() - before and time.monotonic() < deadline:
+    while stage_threads() - before and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert {t.name for t in _stage_threads() - before} == set()
+    assert {t.name for t in stage_threads() - before} == set()
 
 
 # -- argument checks -------------------------------------------------------

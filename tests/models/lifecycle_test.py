@@ -16,6 +16,7 @@ import pytest
 import keras_stage
 from keras_stage.callbacks import PrefetchCallback
 from keras_stage.layers import StagedInput
+from tests.helpers import stage_threads
 
 STAGE_KEYS = ("stage_wait_ratio", "stage_buffer_fill", "stage_skipped")
 # TF and Keras may park a worker or two between calls; a leak of one thread
@@ -36,12 +37,6 @@ def _staged_model():
     return model
 
 
-def _stage_threads():
-    return {
-        t for t in threading.enumerate() if t.name.startswith("keras_stage")
-    }
-
-
 class _ThreadSpy(keras.callbacks.Callback):
     """Records the keras_stage threads alive while a step has run."""
 
@@ -50,7 +45,7 @@ class _ThreadSpy(keras.callbacks.Callback):
         self.seen = set()
 
     def on_train_batch_end(self, batch, logs=None):
-        self.seen |= {t.name for t in _stage_threads()}
+        self.seen |= {t.name for t in stage_threads()}
 
 
 class _RaiseAt(keras.callbacks.Callback):
@@ -110,7 +105,7 @@ def test_fifteen_cycles_leave_no_thread_behind():
     gc.collect()
     new = {t.name for t in set(threading.enumerate()) - before}
     assert new == set()
-    assert _stage_threads() <= before
+    assert stage_threads() <= before
     # The check is meaningful: the stage did run a helper thread.
     assert spy.seen == {"keras_stage-life_train"}
     os_threads_after = psutil.Process().num_threads()
@@ -158,7 +153,7 @@ def test_prefetch_callback_passed_last_is_moved_first():
 def test_one_prefetch_callback_serves_two_fits():
     model = _staged_model()
     prefetch = PrefetchCallback()
-    before = _stage_threads()
+    before = stage_threads()
 
     first = model.fit(
         X, Y, batch_size=4, epochs=2, verbose=0, callbacks=[prefetch]
@@ -179,7 +174,7 @@ def test_one_prefetch_callback_serves_two_fits():
         assert len(second[key]) == 3
     assert second["stage_skipped"] == [0, 0, 0]
     assert prefetch.verdict["epoch"] == 2
-    assert _stage_threads() == before
+    assert stage_threads() == before
 
 
 @pytest.mark.timeout(60)
@@ -187,7 +182,7 @@ def test_user_callback_error_mid_epoch_closes_the_stage():
     model = _staged_model()
     prefetch = PrefetchCallback()
     spy = _ThreadSpy()
-    before = _stage_threads()
+    before = stage_threads()
 
     with pytest.raises(RuntimeError, match="user callback failed at batch 1"):
         model.fit(
@@ -199,7 +194,7 @@ def test_user_callback_error_mid_epoch_closes_the_stage():
             callbacks=[spy, _RaiseAt(batch=1), prefetch],
         )
     assert spy.seen == {"keras_stage-life_train"}
-    assert _stage_threads() == before
+    assert stage_threads() == before
 
     # The same model and callback work again in the same process.
     history = model.fit(
@@ -208,14 +203,14 @@ def test_user_callback_error_mid_epoch_closes_the_stage():
     assert len(history["loss"]) == 2
     assert history["stage_skipped"] == [0, 0]
     assert prefetch.verdict["epoch"] == 1
-    assert _stage_threads() == before
+    assert stage_threads() == before
 
 
 @pytest.mark.timeout(60)
 def test_stop_training_from_a_callback_ends_cleanly():
     model = _staged_model()
     stop = _StopAt(batch=1)
-    before = _stage_threads()
+    before = stage_threads()
 
     history = model.fit(
         X, Y, batch_size=4, epochs=3, verbose=0, callbacks=[stop]
@@ -225,7 +220,7 @@ def test_stop_training_from_a_callback_ends_cleanly():
     assert len(history["loss"]) == 1
     for key in STAGE_KEYS:
         assert len(history[key]) == 1
-    assert _stage_threads() == before
+    assert stage_threads() == before
     # Training can resume on the same model.
     history = model.fit(X, Y, batch_size=4, epochs=1, verbose=0).history
     assert len(history["loss"]) == 1
@@ -234,7 +229,7 @@ def test_stop_training_from_a_callback_ends_cleanly():
 @pytest.mark.timeout(60)
 def test_error_in_evaluate_and_predict_callbacks_closes_the_stage():
     model = _staged_model()
-    before = _stage_threads()
+    before = stage_threads()
 
     class FailingTest(keras.callbacks.Callback):
         def on_test_batch_end(self, batch, logs=None):
@@ -247,7 +242,7 @@ def test_error_in_evaluate_and_predict_callbacks_closes_the_stage():
         model.evaluate(X, Y, batch_size=4, verbose=0, callbacks=[FailingTest()])
     with pytest.raises(RuntimeError, match="predict callback failed"):
         model.predict(X, batch_size=4, verbose=0, callbacks=[FailingTest()])
-    assert _stage_threads() == before
+    assert stage_threads() == before
 
     assert np.isfinite(model.evaluate(X, Y, batch_size=4, verbose=0))
     assert model.predict(X, batch_size=4, verbose=0).shape == (16, 1)
