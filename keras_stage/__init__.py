@@ -23,7 +23,17 @@ from keras_stage import data as data
 from keras_stage import layers as layers
 from keras_stage.models import Model as Model
 from keras_stage.models import Sequential as Sequential
+from keras_stage.planner import BoundaryTensor as BoundaryTensor
+from keras_stage.planner import StagePlan as StagePlan
 
 __version__ = "0.1.0"
 
-__all__ = ["Model", "Sequential", "callbacks", "data", "layers"]
+__all__ = [
+    "BoundaryTensor",
+    "Model",
+    "Sequential",
+    "StagePlan",
+    "callbacks",
+    "data",
+    "layers",
+]

@@ -65,3 +65,51 @@ def keras_functional_class():
     bases (see `models/model.py`); Keras exports no public name for it.
     """
     return _keras_private("keras.src.models.functional", "Functional")
+
+
+def functional_nodes(model):
+    """The call nodes of a functional model, producers first.
+
+    The planner must see which layer call feeds which; Keras keeps that
+    only in `Function._nodes_by_depth` (a layer's own inbound-node list also
+    holds nodes of other models built on it, so it cannot be used).
+    Input nodes are left out.
+    """
+    by_depth = model._nodes_by_depth
+    nodes = []
+    for depth in sorted(by_depth, reverse=True):
+        nodes.extend(
+            node
+            for node in by_depth[depth]
+            if node.operation is not None and not node.is_input
+        )
+    return nodes
+
+
+def call_node(node, values, **kwargs):
+    """Calls a node's layer on computed values, as Keras's Functional does.
+
+    `values` maps `id(KerasTensor)` to the value computed for it. Returns
+    the node's outputs as a flat list, aligned with `node.outputs`. Keras's
+    `Node` and `SymbolicArguments` classes are not exported.
+    """
+    import keras
+
+    args, call_kwargs = node.arguments.fill_in(values)
+    call_kwargs = {**call_kwargs, **kwargs}
+    return keras.tree.flatten(node.operation(*args, **call_kwargs))
+
+
+def node_inputs(node):
+    """The KerasTensors a node consumes (flat) and those it produces."""
+    return list(node.input_tensors), list(node.outputs)
+
+
+def clear_layer_losses(layer):
+    """Drops the losses a layer recorded in its last outermost call.
+
+    The planner's trace calls layers in a graph of its own; Keras clears a
+    layer's losses only at its next outermost call and has no public way
+    to do it now.
+    """
+    layer._clear_losses()

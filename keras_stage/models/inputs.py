@@ -21,9 +21,11 @@ logger = logging.getLogger("keras_stage")
 class StagedData:
     """A staged dataset and the Keras adapter whose epochs feed it."""
 
-    def __init__(self, staged, adapter):
+    def __init__(self, staged, adapter, split=None):
         self.staged = staged
         self.adapter = adapter
+        # The SmartStage split whose prefix the stage runs, or None.
+        self.split = split
 
     @property
     def pipeline(self):
@@ -40,9 +42,13 @@ def stage_data(
     steps=None,
     shuffle=False,
     class_weight=None,
-    fn=None,
+    split=None,
 ):
-    """Stages the data of one phase ("train", "val", "test", "predict")."""
+    """Stages the data of one phase ("train", "val", "test", "predict").
+
+    With a SmartStage `split`, the stage also runs the split's prefix of
+    the model (in training mode for "train").
+    """
     if isinstance(x, StagedDataset):
         # Already staged by the user with keras_stage.data.stage.
         if y is not None or sample_weight is not None:
@@ -58,6 +64,13 @@ def stage_data(
                 "used, not those of StagedInput '%s'.",
                 x.name,
                 layer.name,
+            )
+        if split is not None:
+            logger.info(
+                "`x` is already staged by stage '%s', so smart_stage cannot "
+                "add the model's prefix to it: the whole model runs in the "
+                "step for this call.",
+                x.name,
             )
         return StagedData(x, None)
     adapter = _compat.get_data_adapter(
@@ -83,7 +96,11 @@ def stage_data(
         dataset = dataset.apply(
             tf.data.experimental.assert_cardinality(num_batches)
         )
+    fn = None
+    if split is not None:
+        dataset = split.number(dataset)
+        fn = split.stage_fn(training=phase == "train")
     staged = layer.stage(
         dataset, fn=fn, name=f"{layer.stage_options.name}_{phase}"
     )
-    return StagedData(staged, adapter)
+    return StagedData(staged, adapter, split)

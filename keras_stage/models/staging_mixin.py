@@ -11,10 +11,19 @@ engine for `keras_stage.Model` and `keras_stage.Sequential`:
 - the compiled train/test steps are guarded by the stage's runner, which
   applies the exception policies and the timeout around each step.
 
-A model without a `StagedInput` behaves exactly like its Keras base class.
+With `compile(smart_stage=True)` the stage also runs the model's prefix
+that training does not change (see `keras_stage.planner`): the stage
+yields the cut tensors, and while Keras traces the train/test/predict step
+the model's call runs the trunk on them. Staged and plain runs keep
+separate compiled steps.
+
+A model without a `StagedInput` and without `smart_stage` behaves exactly
+like its Keras base class.
 """
 
 import contextlib
+import logging
+import threading
 import warnings
 
 import keras
@@ -24,8 +33,17 @@ from keras_stage.data.errors import StageTimeoutError
 from keras_stage.data.runner import EndOfData, SkipElement
 from keras_stage.layers.staged_input import StagedInput
 from keras_stage.models.inputs import stage_data
+from keras_stage.planner.planner import plan_model
+
+logger = logging.getLogger("keras_stage")
 
 _SMART_STAGE_VALUES = (True, False)
+# Keras's compiled steps, by the phase keras_stage stages for them.
+_FUNCTIONS = {
+    "train": "train_function",
+    "test": "test_function",
+    "predict": "predict_function",
+}
 
 
 class _StagingState:
@@ -34,6 +52,20 @@ class _StagingState:
     def __init__(self):
         self.smart_stage = False
         self.runners = {}
+        # SmartStage: the plan and split (computed on first use after
+        # compile), the split each phase's step runs, and the compiled
+        # steps of staged runs, kept apart from Keras's plain ones.
+        self.plan = None
+        self.split = None
+        self.active = {}
+        self.staged_functions = {}
+        self.requested_jit = "auto"
+        self.staged_jit = None
+        self.default_input = None
+        self.announced = False
+        # Set, in the thread tracing a step, to the trunk the model's call
+        # runs instead of the whole model.
+        self.local = threading.local()
 
 
 def _state(model):
@@ -98,10 +130,7 @@ def _guard(model, phase, function):
                 # The abandoned call still runs this compiled function, and
                 # TensorFlow runs the calls of one tf.function one at a
                 # time: the next fit/evaluate must trace a fresh one.
-                if phase == "train":
-                    model.train_function = None
-                else:
-                    model.test_function = None
+                setattr(model, _FUNCTIONS[phase], None)
                 raise
 
     guarded.keras_stage_guarded = True
@@ -130,6 +159,89 @@ def _bind(prefetch, state, phase, data):
     """Hands `data`'s stage to the callback and its runner to the step guard."""
     prefetch.attach(phase, data.staged, data.adapter)
     state.runners[phase] = data.staged.runner
+
+
+@contextlib.contextmanager
+def _staged_steps(model, phases, splits):
+    """Runs a fit/evaluate/predict call with the steps of its splits.
+
+    `splits` maps each phase to its SmartStage split or None. While the call
+    runs, the model's compiled steps of those phases are the staged ones
+    (traced on the trunk), cached between calls; the plain ones are put
+    back afterwards. Restores the outer call's splits, for an evaluate run
+    from a callback of a staged fit.
+    """
+    state = _state(model)
+    saved = {p: state.active.get(p) for p in phases}
+    if not any(splits.values()) and not any(saved.values()):
+        yield
+        return
+    plain = {}
+    for phase in phases:
+        attr = _FUNCTIONS[phase]
+        plain[phase] = getattr(model, attr, None)
+        key = (phase, id(splits[phase]) if splits[phase] else None)
+        setattr(model, attr, state.staged_functions.get(key))
+        state.active[phase] = splits[phase]
+    jit = state.staged_jit
+    if splits.get("train") is not None or splits.get("test") is not None:
+        state.staged_jit = _trunk_jit(model, splits)
+    try:
+        yield
+    finally:
+        for phase in phases:
+            attr = _FUNCTIONS[phase]
+            key = (phase, id(splits[phase]) if splits[phase] else None)
+            state.staged_functions[key] = getattr(model, attr, None)
+            setattr(model, attr, plain[phase])
+            state.active[phase] = saved[phase]
+        state.staged_jit = jit
+
+
+def _trunk_jit(model, splits):
+    """Whether staged steps are XLA-compiled, or None for Keras's choice.
+
+    Keras turns `jit_compile=True` off for a model with a layer XLA cannot
+    compile (string ops, lookups); those are usually the staged ones, so
+    the trunk can honour the user's request.
+    """
+    requested = _state(model).requested_jit
+    if requested is not True:
+        return None
+    for split in splits.values():
+        if split is None:
+            continue
+        layers = _all_layers(split.trunk)
+        if not all(getattr(layer, "supports_jit", True) for layer in layers):
+            warnings.warn(
+                f"jit_compile=True: the trunk of model '{model.name}' still "
+                "has a layer XLA cannot compile; its steps run without XLA.",
+                stacklevel=4,
+            )
+            return False
+    return True
+
+
+def _all_layers(model):
+    out, stack = [], list(model.layers)
+    while stack:
+        layer = stack.pop()
+        out.append(layer)
+        stack.extend(getattr(layer, "layers", []))
+    return out
+
+
+@contextlib.contextmanager
+def _calling_trunk(model, phase):
+    """Within a step's trace, makes the model's call run `phase`'s trunk."""
+    state = _state(model)
+    split = state.active.get(phase)
+    previous = getattr(state.local, "trunk", None)
+    state.local.trunk = None if split is None else split.trunk
+    try:
+        yield
+    finally:
+        state.local.trunk = previous
 
 
 def _with_prefetch_callback(callbacks):
@@ -174,8 +286,111 @@ class StagingMixin:
                 "Invalid value for argument `smart_stage`. Expected True or "
                 f"False. Received: smart_stage={smart_stage!r}"
             )
-        super().compile(*args, **kwargs)
-        _state(self).smart_stage = smart_stage
+        state = _state(self)
+        state.requested_jit = kwargs.get("jit_compile", "auto")
+        with warnings.catch_warnings():
+            if smart_stage and state.requested_jit is True:
+                # Keras drops jit_compile for a model with string ops; the
+                # staged trunk may still take it (see `_trunk_jit`).
+                warnings.filterwarnings(
+                    "ignore", message="Model doesn't support `jit_compile"
+                )
+            super().compile(*args, **kwargs)
+        state.smart_stage = smart_stage
+        state.plan = state.split = None
+        state.staged_functions.clear()
+        state.announced = False
+
+    def get_stage_plan(self):
+        """The SmartStage plan of this model: what the stage runs, and why.
+
+        Available once the model is built and compiled, whatever the
+        `smart_stage` value (with `smart_stage=False` it shows what
+        `smart_stage=True` would stage).
+
+        Returns:
+            A `keras_stage.StagePlan`.
+        """
+        return self._stage_plan()[0]
+
+    def stage_summary(self, print_fn=None, line_length=None):
+        """Prints the SmartStage plan, in the look of `model.summary()`.
+
+        Args:
+            print_fn: Called with each line; defaults to `print`.
+            line_length: Total width of the tables. Defaults to 98.
+        """
+        self.get_stage_plan().summary(print_fn, line_length=line_length)
+
+    def _stage_plan(self):
+        state = _state(self)
+        if not self.compiled:
+            raise ValueError(
+                f"Model '{self.name}' has no stage plan yet: call "
+                "`compile(..., smart_stage=True)` first."
+            )
+        if state.plan is None:
+            state.plan, state.split = plan_model(self, find_staged_input(self))
+        return state.plan, state.split
+
+    def _stage_setup(self):
+        """The stage boundary layer and SmartStage split of a run.
+
+        Returns `(layer, split)`; `layer` is None when nothing is staged.
+        """
+        state = _state(self)
+        layer = find_staged_input(self)
+        if not state.smart_stage:
+            return layer, None
+        plan, split = self._stage_plan()
+        if not state.announced:
+            state.announced = True
+            if plan.note:
+                warnings.warn(plan.note, stacklevel=3)
+            elif layer is None:
+                logger.info(
+                    "smart_stage: model '%s' has no StagedInput, so the "
+                    "stage starts at its inputs with default options. Add "
+                    "keras_stage.layers.StagedInput after the inputs to set "
+                    "them.",
+                    self.name,
+                )
+        if layer is None:
+            if state.default_input is None:
+                state.default_input = StagedInput(name=f"{self.name}_stage")
+            layer = state.default_input
+        return layer, split
+
+    # -- the model's call in staged steps ---------------------------------
+
+    def __call__(self, *args, **kwargs):
+        trunk = getattr(_state(self).local, "trunk", None)
+        if trunk is not None:
+            return trunk(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def train_step(self, data):
+        with _calling_trunk(self, "train"):
+            return super().train_step(data)
+
+    def test_step(self, data):
+        with _calling_trunk(self, "test"):
+            return super().test_step(data)
+
+    def predict_step(self, data):
+        with _calling_trunk(self, "predict"):
+            return super().predict_step(data)
+
+    @property
+    def jit_compile(self):
+        staged = _state(self).staged_jit
+        if staged is not None:
+            return staged
+        return keras.Model.jit_compile.fget(self)
+
+    @jit_compile.setter
+    def jit_compile(self, value):
+        keras.Model.jit_compile.fset(self, value)
 
     @property
     def smart_stage(self):
@@ -234,7 +449,7 @@ class StagingMixin:
         validation_batch_size=None,
         validation_freq=1,
     ):
-        layer = find_staged_input(self)
+        layer, split = self._stage_setup()
         if layer is None:
             return super().fit(
                 x=x,
@@ -275,9 +490,10 @@ class StagingMixin:
                 steps=steps_per_epoch,
                 shuffle=shuffle,
                 class_weight=class_weight,
+                split=split,
             )
             _bind(prefetch, state, "train", train)
-            val_pipeline = None
+            val_pipeline, val_split = None, None
             if validation_data is not None:
                 val_x, val_y, val_sw = keras.utils.unpack_x_y_sample_weight(
                     validation_data
@@ -290,10 +506,15 @@ class StagingMixin:
                     val_sw,
                     batch_size=validation_batch_size or batch_size,
                     steps=validation_steps,
+                    split=split,
                 )
                 _bind(prefetch, state, "test", val)
-                val_pipeline = val.pipeline
-            with _skips_end_epochs_early(layer):
+                val_pipeline, val_split = val.pipeline, val.split
+            splits = {"train": train.split, "test": val_split}
+            with (
+                _skips_end_epochs_early(layer),
+                _staged_steps(self, ("train", "test"), splits),
+            ):
                 return super().fit(
                     x=train.pipeline,
                     epochs=epochs,
@@ -322,7 +543,7 @@ class StagingMixin:
         return_dict=False,
         **kwargs,
     ):
-        layer = find_staged_input(self)
+        layer, split = self._stage_setup()
         if layer is None or kwargs.get("_use_cached_eval_dataset"):
             # Unstaged, or the validation of a staged fit (already staged).
             return super().evaluate(
@@ -350,9 +571,13 @@ class StagingMixin:
                 sample_weight,
                 batch_size=batch_size,
                 steps=steps,
+                split=split,
             )
             _bind(prefetch, state, "test", test)
-            with _skips_end_epochs_early(layer):
+            with (
+                _skips_end_epochs_early(layer),
+                _staged_steps(self, ("test",), {"test": test.split}),
+            ):
                 return super().evaluate(
                     x=test.pipeline,
                     verbose=verbose,
@@ -371,7 +596,7 @@ class StagingMixin:
     def predict(
         self, x, batch_size=None, verbose="auto", steps=None, callbacks=None
     ):
-        layer = find_staged_input(self)
+        layer, split = self._stage_setup()
         if layer is None:
             return super().predict(
                 x,
@@ -383,13 +608,22 @@ class StagingMixin:
         callbacks, prefetch = _with_prefetch_callback(callbacks)
         try:
             data = stage_data(
-                layer, "predict", x, batch_size=batch_size, steps=steps
+                layer,
+                "predict",
+                x,
+                batch_size=batch_size,
+                steps=steps,
+                split=split,
             )
             prefetch.attach("predict", data.staged, data.adapter)
             # Keras fetches predict batches in Python: the staged dataset's
             # own iterator applies the stage's policies there.
-            return super().predict(
-                data.staged, verbose=verbose, steps=steps, callbacks=callbacks
-            )
+            with _staged_steps(self, ("predict",), {"predict": data.split}):
+                return super().predict(
+                    data.staged,
+                    verbose=verbose,
+                    steps=steps,
+                    callbacks=callbacks,
+                )
         finally:
             prefetch.close()

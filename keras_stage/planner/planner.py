@@ -1,0 +1,349 @@
+"""SmartStage's planner: finds the longest prefix training does not change.
+
+This module owns the decision and the split. `plan_model` walks a
+functional model's call nodes from the inputs, stages every node whose
+inputs all come from the stage and whose trace (see `state_access.py`)
+shows it touches no state training changes, and explains every node it
+leaves in the trunk. `StageSplit` turns the plan into two runnable halves
+that share the user's layers and weights: a prefix (model inputs -> cut
+tensors) run by the staging pipeline, and a trunk (cut tensors -> model
+outputs) run by the train step. The user's model is never modified.
+
+DeepRec's SmartStage stops at the first op that touches any variable. Here
+the rule is about what training changes: trainable weights, variables
+some layer assigns during training (BatchNormalization's moving
+statistics) and anything read from them. A frozen layer's weights and an
+adapted preprocessing layer's tables stay fixed, so those are staged;
+random layers only advance their seed state, which is random state, not
+model state, so those are staged too, with a seed stream of their own.
+"""
+
+import re
+
+import keras
+import tensorflow as tf
+
+from keras_stage import _compat
+from keras_stage.planner.stage_plan import BoundaryTensor, StagePlan
+from keras_stage.planner.state_access import seed_states, trace_access
+
+
+def graph_model(model):
+    """The functional graph of `model`, or None for a subclassed model."""
+    if isinstance(model, keras.Sequential):
+        try:
+            inputs, outputs = model.inputs, model.outputs
+        except (AttributeError, ValueError):
+            return None
+        if not inputs:
+            return None
+        # A throwaway functional view of the Sequential's own graph: the
+        # same layers and nodes.
+        return keras.Model(inputs, outputs, name=model.name)
+    if hasattr(model, "_nodes_by_depth") and getattr(model, "inputs", None):
+        return model
+    return None
+
+
+def _names(items):
+    out = []
+    for name in items:
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def _variable_list(variables):
+    return ", ".join(v.name for v in variables)
+
+
+def _own_reason(layer, access, changing, seeds):
+    """Why `layer`'s call cannot be staged, from its trace; or None."""
+    if layer.trainable_weights:
+        return "has trainable weights"
+    writes = [v for v in access.writes if id(v) not in seeds]
+    if writes:
+        return f"updates {_variable_list(writes)} during training"
+    if access.table_writes:
+        return "updates a lookup table during training"
+    changed = [v for v in access.reads if id(v) in changing]
+    if changed:
+        return f"reads variable '{changed[0].name}' that training changes"
+    if access.foreign:
+        _, op_type = access.foreign[0]
+        return (
+            f"uses a tf.Variable that is not a model weight (in a {op_type} "
+            "op): training may change it. Make it a weight of the layer "
+            "(add_weight(trainable=False)) to let it be staged"
+        )
+    if access.adds_loss:
+        return "adds a loss during training"
+    if any(
+        isinstance(s, tf.TensorSpec) and s.shape.rank == 0
+        for s in access.outputs
+    ):
+        return "returns a tensor without a batch dimension"
+    return None
+
+
+class _Tensors:
+    """Names of the tensors of a functional graph, for the plan."""
+
+    def __init__(self, model, nodes):
+        self._names = {}
+        for t in model.inputs:
+            self._names[id(t)] = t.name
+        calls = {}
+        for node in nodes:
+            layer = node.operation
+            calls[id(layer)] = calls.get(id(layer), 0) + 1
+        seen = {}
+        for node in nodes:
+            layer = node.operation
+            _, outputs = _compat.node_inputs(node)
+            k = seen.get(id(layer), 0)
+            seen[id(layer)] = k + 1
+            base = layer.name + (f"@{k}" if calls[id(layer)] > 1 else "")
+            for i, t in enumerate(outputs):
+                self._names[id(t)] = base + (
+                    f"[{i}]" if len(outputs) > 1 else ""
+                )
+
+    def name(self, tensor):
+        return self._names.get(id(tensor), tensor.name)
+
+
+def _kind(spec):
+    if isinstance(spec, tf.SparseTensorSpec):
+        return "sparse"
+    if isinstance(spec, tf.RaggedTensorSpec):
+        return "ragged"
+    return "dense"
+
+
+def plan_model(model, boundary_layer=None):
+    """Plans `model`; returns `(StagePlan, StageSplit or None)`.
+
+    Args:
+        model: A built keras_stage model.
+        boundary_layer: Its `StagedInput`, or None to stage from the model
+            inputs.
+
+    The split is None when nothing past the boundary can be staged, or
+    when the model has no functional graph (the plan's `note` says so).
+    """
+    graph = graph_model(model)
+    if graph is None:
+        note = (
+            f"Model '{model.name}' is a subclassed model (or not built): it "
+            "has no functional graph for smart_stage to look inside, so the "
+            "stage covers the input data only."
+        )
+        names = [layer.name for layer in model.layers]
+        plan = StagePlan(
+            model.name,
+            [],
+            names,
+            dict.fromkeys(names, "inside a subclassed model"),
+            [],
+            automatic=boundary_layer is None,
+            note=note,
+        )
+        return plan, None
+
+    nodes = _compat.functional_nodes(graph)
+    accesses, specs = trace_access(graph, nodes)
+    seeds = {id(s) for s in seed_states(model)}
+    changing = {id(v) for v in model.trainable_variables}
+    for access in accesses.values():
+        changing |= {id(v) for v in access.writes if id(v) not in seeds}
+
+    available = {id(t) for t in graph.inputs}
+    producer = {}
+    staged_nodes, trunk_nodes = [], []
+    reasons = {}
+    for node in nodes:
+        layer = node.operation
+        inputs, outputs = _compat.node_inputs(node)
+        access = accesses.get(node)
+        if access is None:
+            reason = "is not connected to the model inputs"
+        elif layer is boundary_layer:
+            reason = None
+        else:
+            reason = _own_reason(layer, access, changing, seeds)
+            if reason is None:
+                for t in inputs:
+                    if id(t) not in available:
+                        reason = (
+                            f"depends on trunk layer '{producer[id(t)].name}'"
+                        )
+                        break
+        for t in outputs:
+            producer[id(t)] = layer
+        if reason is None:
+            staged_nodes.append(node)
+            available |= {id(t) for t in outputs}
+        else:
+            trunk_nodes.append(node)
+            reasons.setdefault(layer.name, reason)
+
+    # The cut: staged values the trunk consumes or the model returns.
+    names = _Tensors(graph, nodes)
+    cut, cut_ids = [], set()
+    consumed = [t for node in trunk_nodes for t in _compat.node_inputs(node)[0]]
+    for t in consumed + list(graph.outputs):
+        if id(t) in available and id(t) not in cut_ids:
+            cut.append(t)
+            cut_ids.add(id(t))
+    boundary = []
+    for t in cut:
+        spec = specs[id(t)]
+        boundary.append(
+            BoundaryTensor(
+                names.name(t),
+                spec.dtype.name,
+                tuple(spec.shape.as_list()),
+                _kind(spec),
+            )
+        )
+    plan = StagePlan(
+        model.name,
+        _names(n.operation.name for n in staged_nodes),
+        _names(n.operation.name for n in trunk_nodes),
+        reasons,
+        boundary,
+        automatic=boundary_layer is None,
+        layer_types={
+            n.operation.name: type(n.operation).__name__ for n in nodes
+        },
+    )
+    real_staged = [n for n in staged_nodes if n.operation is not boundary_layer]
+    if not real_staged:
+        return plan, None
+    staged_seeds = []
+    for node in real_staged:
+        for v in accesses[node].writes:
+            if id(v) in seeds and all(v is not s for s in staged_seeds):
+                staged_seeds.append(v)
+    split = StageSplit(graph, cut, specs, trunk_nodes, plan, staged_seeds)
+    return plan, split
+
+
+def _input_name(name, taken):
+    base = re.sub(r"\W", "_", name) + "_cut"
+    candidate, i = base, 1
+    while candidate in taken:
+        candidate = f"{base}_{i}"
+        i += 1
+    taken.add(candidate)
+    return candidate
+
+
+class StageSplit:
+    """The two runnable halves of a planned model.
+
+    Attributes:
+        prefix: A functional model from the model inputs to the cut
+            tensors (a list), built on the user's own layers.
+        trunk: A functional model from the cut tensors to the model
+            outputs, built by calling the user's trunk layers again on new
+            inputs: it shares their weights, so training it trains the
+            model.
+        seed_states: Seed-state variables of the staged random layers.
+    """
+
+    def __init__(self, graph, cut, specs, trunk_nodes, plan, staged_seeds):
+        self.plan = plan
+        self.seed_states = list(staged_seeds)
+        self.prefix = keras.Model(
+            graph.input, list(cut), name=f"{graph.name}_stage"
+        )
+        taken = set()
+        values = {}
+        trunk_inputs = []
+        for t, b in zip(cut, plan.boundary, strict=True):
+            spec = specs[id(t)]
+            new = keras.Input(
+                shape=tuple(spec.shape.as_list())[1:],
+                dtype=spec.dtype.name,
+                sparse=b.kind == "sparse",
+                ragged=b.kind == "ragged",
+                name=_input_name(b.name, taken),
+            )
+            values[id(t)] = new
+            trunk_inputs.append(new)
+        for node in trunk_nodes:
+            inputs, outputs = _compat.node_inputs(node)
+            if any(id(t) not in values for t in inputs):
+                continue
+            for t, v in zip(
+                outputs, _compat.call_node(node, values), strict=True
+            ):
+                values[id(t)] = v
+        outputs = keras.tree.pack_sequence_as(
+            graph.output, [values[id(t)] for t in graph.outputs]
+        )
+        self.trunk = keras.Model(
+            trunk_inputs, outputs, name=f"{graph.name}_trunk"
+        )
+        # Counts the elements entering the stage (across epochs and fits),
+        # so each gets its own random seeds whatever thread runs it.
+        self._ordinal = (
+            tf.Variable(0, dtype=tf.int64, trainable=False)
+            if self.seed_states
+            else None
+        )
+
+    def number(self, dataset):
+        """Tags each element with its ordinal, in order, if seeds need it.
+
+        A sequential map before the stage: the ordinal follows the data
+        order, not the order the stage's threads happen to run in.
+        """
+        if self._ordinal is None:
+            return dataset
+        ordinal = self._ordinal
+        return dataset.map(lambda *e: (ordinal.assign_add(1), e))
+
+    def stage_fn(self, training):
+        """The staged computation of one element of a `number`ed dataset.
+
+        The element is Keras's `(x,)`, `(x, y)`, `(x, y, sample_weight)` or
+        a bare `x`; `x` is replaced by the cut tensors.
+        """
+        prefix = self.prefix
+        numbered = self._ordinal is not None
+
+        def fn(element):
+            ordinal = None
+            if numbered:
+                ordinal, element = element
+                if len(element) == 1:
+                    element = element[0]
+            if isinstance(element, (tuple, list)):
+                x, rest = element[0], tuple(element[1:])
+            else:
+                x, rest = element, None
+            if numbered and training:
+                with keras.StatelessScope(
+                    state_mapping=self._seeds_for(ordinal)
+                ):
+                    cut = prefix(x, training=training)
+            else:
+                cut = prefix(x, training=training)
+            # Keras returns a one-output model's output bare.
+            cut = keras.tree.flatten(cut)
+            cut = cut[0] if len(cut) == 1 else tuple(cut)
+            return (cut,) if rest is None else (cut,) + rest
+
+        return fn
+
+    def _seeds_for(self, ordinal):
+        """Each staged seed state, folded with the element's ordinal."""
+        mapping = []
+        for state in self.seed_states:
+            base = tf.cast(state.value, tf.int64)
+            folded = tf.random.experimental.stateless_fold_in(base, ordinal)
+            mapping.append((state, tf.cast(folded, state.dtype)))
+        return mapping

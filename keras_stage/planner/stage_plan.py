@@ -1,0 +1,249 @@
+"""`StagePlan`: what SmartStage stages in a model, and why the rest is not.
+
+This module owns the plan as users see it: the staged and trunk layers in
+topological order, a reason for every trunk layer, the tensors that cross
+the cut, and the table `Model.stage_summary()` prints. It computes
+nothing; `planner.py` fills it in.
+"""
+
+import math
+
+
+class BoundaryTensor:
+    """A tensor that crosses the cut, from the stage to the trunk.
+
+    Attributes:
+        name: The producing layer's name (with `[i]` for the i-th output of
+            a multi-output layer, `@k` for its k-th call), or the model
+            input's name.
+        dtype: The dtype's name, from a trace (e.g. `"string"`, `"int64"`).
+        shape: The shape, a tuple with `None` for unknown dimensions; the
+            first is the batch.
+        kind: `"dense"`, `"sparse"` or `"ragged"`.
+        bytes_per_example: Bytes of one example when its shape is static
+            and dense and the dtype has a fixed size, else `None`.
+        bytes_per_batch: `bytes_per_example` times the batch size, when
+            the batch size is static too, else `None`.
+    """
+
+    def __init__(self, name, dtype, shape, kind="dense"):
+        self.name = name
+        self.dtype = dtype
+        self.shape = tuple(shape)
+        self.kind = kind
+
+    @property
+    def bytes_per_example(self):
+        if self.kind != "dense" or self.dtype == "string":
+            return None
+        if any(d is None for d in self.shape[1:]):
+            return None
+        import tensorflow as tf
+
+        return math.prod(self.shape[1:]) * tf.as_dtype(self.dtype).size
+
+    @property
+    def bytes_per_batch(self):
+        per_example = self.bytes_per_example
+        if per_example is None or not self.shape or self.shape[0] is None:
+            return None
+        return per_example * self.shape[0]
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": self.shape,
+            "kind": self.kind,
+        }
+
+    def __eq__(self, other):
+        return (
+            isinstance(other, BoundaryTensor)
+            and self.get_config() == other.get_config()
+        )
+
+    def __repr__(self):
+        return (
+            f"BoundaryTensor(name={self.name!r}, dtype={self.dtype!r}, "
+            f"shape={self.shape}, kind={self.kind!r})"
+        )
+
+
+class StagePlan:
+    """Which layers of a model SmartStage runs in the stage, and why not.
+
+    Returned by `keras_stage.Model.get_stage_plan()`. The staged layers run
+    inside the staging pipeline during fit/evaluate/predict (parallel,
+    buffered, ahead of the train step); the trunk layers run in the train
+    step. A layer called on both sides of the cut (a shared layer) is in
+    both lists.
+
+    Attributes:
+        model_name: The planned model's name.
+        staged_layers: Names of the staged layers, in topological order
+            (the `StagedInput` first; input layers are not listed).
+        trunk_layers: Names of the trunk layers, in topological order.
+        reasons: For every trunk layer, a short reason it is not staged.
+        boundary: The `BoundaryTensor`s crossing the cut, in the order the
+            stage hands them to the trunk.
+        automatic: Whether the stage starts at the model inputs because
+            the model has no `StagedInput`.
+        note: Why nothing could be planned (a subclassed model), or `""`.
+
+    Example:
+
+    >>> import keras, keras_stage
+    >>> inputs = keras.Input(shape=(), dtype="string")
+    >>> x = keras_stage.layers.StagedInput()(inputs)
+    >>> x = keras.layers.Hashing(num_bins=100)(x)
+    >>> x = keras.layers.Embedding(100, 4, name="emb")(x)
+    >>> outputs = keras.layers.Dense(1, name="head")(x)
+    >>> model = keras_stage.Model(inputs, outputs)
+    >>> model.compile(optimizer="adam", loss="mse", smart_stage=True)
+    >>> plan = model.get_stage_plan()
+    >>> plan.trunk_layers
+    ['emb', 'head']
+    >>> plan.reasons["head"]
+    'has trainable weights'
+    >>> [(t.dtype, t.shape) for t in plan.boundary]
+    [('int64', (None,))]
+    """
+
+    def __init__(
+        self,
+        model_name,
+        staged_layers,
+        trunk_layers,
+        reasons,
+        boundary,
+        automatic=False,
+        note="",
+        layer_types=None,
+    ):
+        self.model_name = model_name
+        self.staged_layers = list(staged_layers)
+        self.trunk_layers = list(trunk_layers)
+        self.reasons = dict(reasons)
+        self.boundary = list(boundary)
+        self.automatic = automatic
+        self.note = note
+        self.layer_types = dict(layer_types or {})
+
+    @property
+    def bytes_per_example(self):
+        """Bytes crossing the cut per example, or `None` if not static."""
+        sizes = [t.bytes_per_example for t in self.boundary]
+        if not sizes or any(s is None for s in sizes):
+            return None
+        return sum(sizes)
+
+    def get_config(self):
+        return {
+            "model_name": self.model_name,
+            "staged_layers": self.staged_layers,
+            "trunk_layers": self.trunk_layers,
+            "reasons": self.reasons,
+            "boundary": [t.get_config() for t in self.boundary],
+            "automatic": self.automatic,
+            "note": self.note,
+        }
+
+    def __eq__(self, other):
+        return (
+            isinstance(other, StagePlan)
+            and self.get_config() == other.get_config()
+        )
+
+    def __repr__(self):
+        return (
+            f"StagePlan(model_name={self.model_name!r}, "
+            f"staged_layers={self.staged_layers}, "
+            f"trunk_layers={self.trunk_layers}, "
+            f"boundary={[t.name for t in self.boundary]})"
+        )
+
+    def summary(self, print_fn=None, line_length=None):
+        """Prints the plan as a table, in the look of `model.summary()`.
+
+        Args:
+            print_fn: Called with each line; defaults to `print`.
+            line_length: Total width of the tables. Defaults to 98.
+        """
+        print_fn = print_fn or print
+        width = line_length or 98
+        for line in _render(self, width):
+            print_fn(line)
+
+
+def _table(headers, rows, widths):
+    def fit(text, size):
+        text = str(text)
+        return text if len(text) <= size else text[: size - 1] + "…"
+
+    def line(cells):
+        return " ".join(
+            fit(c, w).ljust(w) for c, w in zip(cells, widths, strict=True)
+        ).rstrip()
+
+    total = sum(widths) + len(widths) - 1
+    out = ["━" * total, line(headers), "━" * total]
+    out += [line(r) for r in rows]
+    out.append("━" * total)
+    return out
+
+
+def _render(plan, width):
+    lines = [f'Stage plan: "{plan.model_name}"']
+    if plan.note:
+        lines.append(plan.note)
+    if plan.automatic:
+        lines.append(
+            "No StagedInput: the stage starts at the model inputs with "
+            "default options."
+        )
+    layer_width = max(24, width * 3 // 10)
+    where_width = 7
+    reason_width = max(20, width - layer_width - where_width - 2)
+    rows = []
+    seen = []
+    for name in plan.staged_layers + plan.trunk_layers:
+        if name not in seen:
+            seen.append(name)
+    for name in seen:
+        staged = name in plan.staged_layers
+        trunk = name in plan.trunk_layers
+        where = "both" if staged and trunk else "stage" if staged else "trunk"
+        kind = plan.layer_types.get(name)
+        label = f"{name} ({kind})" if kind else name
+        rows.append((label, where, plan.reasons.get(name, "")))
+    lines += _table(
+        ("Layer (type)", "Runs in", "Why not staged"),
+        rows,
+        (layer_width, where_width, reason_width),
+    )
+    rows = []
+    for t in plan.boundary:
+        size = t.bytes_per_example
+        rows.append(
+            (
+                t.name,
+                t.dtype if t.kind == "dense" else f"{t.dtype} ({t.kind})",
+                str(t.shape),
+                "?" if size is None else f"{size:,}",
+            )
+        )
+    cut_width = max(24, width * 3 // 10)
+    lines += _table(
+        ("Cut tensor", "Dtype", "Shape", "Bytes/example"),
+        rows,
+        (cut_width, 18, max(16, width - cut_width - 18 - 16 - 3), 16),
+    )
+    total = plan.bytes_per_example
+    lines.append(
+        f" Staged layers: {len(plan.staged_layers)}"
+        f"  Trunk layers: {len(plan.trunk_layers)}"
+        f"  Cut: {len(plan.boundary)} tensors, "
+        + ("size not static" if total is None else f"{total:,} bytes/example")
+    )
+    return lines

@@ -1,0 +1,378 @@
+"""Which state each layer call of a functional model reads and writes.
+
+This module owns the evidence the planner decides on. It traces every
+call node of a model once, in training mode, inside one `tf.function`,
+and reads the resulting graph: each captured resource a node's ops touch
+is mapped back to the Keras variable (or lookup table) it belongs to, and
+each use is classified as a read or a write by the op that makes it,
+following resources into nested functions (`tf.cond`, `tf.while_loop`,
+inner `tf.function`s). Anything it cannot classify counts as a write, so
+the planner errs towards the trunk.
+
+The same trace gives the true dtype and shape of every tensor, which the
+symbolic KerasTensors do not always have (a Lambda returning strings or
+int64 is labelled float32).
+"""
+
+import inspect
+
+import keras
+import tensorflow as tf
+
+from keras_stage import _compat
+
+# Ops that only read the resource they are given.
+_READ_OPS = frozenset(
+    {
+        "ReadVariableOp",
+        "ResourceGather",
+        "ResourceGatherNd",
+        "VariableShape",
+        "VarIsInitializedOp",
+        "LookupTableFindV2",
+        "LookupTableSizeV2",
+        "LookupTableExportV2",
+    }
+)
+# Ops that pass a resource through unchanged.
+_FORWARD_OPS = frozenset({"Identity", "IdentityN"})
+# Lookup-table ops: a resource used only by these is a table, not a
+# variable.
+_TABLE_OPS = frozenset(
+    {
+        "LookupTableFindV2",
+        "LookupTableSizeV2",
+        "LookupTableExportV2",
+        "LookupTableInsertV2",
+        "LookupTableRemoveV2",
+        "LookupTableImportV2",
+    }
+)
+# Ops calling functions, and where the function arguments start among
+# the op's inputs.
+_CALL_OPS = {
+    "PartitionedCall": 0,
+    "StatefulPartitionedCall": 0,
+    "If": 1,
+    "StatelessIf": 1,
+    "Case": 1,
+    "StatelessCase": 1,
+    "While": 0,
+    "StatelessWhile": 0,
+}
+_MAX_FUNCTION_DEPTH = 16
+
+
+class NodeAccess:
+    """What one call node touched, found in the trace.
+
+    Attributes:
+        reads: Keras variables the call reads.
+        writes: Keras variables the call assigns.
+        table_writes: Whether it modifies a lookup table.
+        foreign: `(kind, op_type)` for each captured resource that is no
+            Keras variable of the model ("variable" for a raw
+            `tf.Variable`, "table" for a lookup table), when used in a
+            way that could see training's changes.
+        adds_loss: Whether the call added a loss.
+        outputs: The traced output tensors (`tf.TypeSpec`s), aligned with
+            the node's outputs.
+    """
+
+    def __init__(self):
+        self.reads = []
+        self.writes = []
+        self.table_writes = False
+        self.foreign = []
+        self.adds_loss = False
+        self.outputs = []
+
+
+def _spec(value):
+    return tf.type_spec_from_value(value)
+
+
+def _input_spec(tensor):
+    """The TypeSpec of a model input KerasTensor."""
+    shape = tuple(tensor.shape)
+    if getattr(tensor, "ragged", False):
+        return tf.RaggedTensorSpec(shape, tensor.dtype)
+    if getattr(tensor, "sparse", False):
+        return tf.SparseTensorSpec(shape, tensor.dtype)
+    return tf.TensorSpec(shape, tensor.dtype)
+
+
+def _accepts_training(layer):
+    try:
+        parameters = inspect.signature(layer.call).parameters
+    except (TypeError, ValueError):
+        return False
+    return "training" in parameters
+
+
+def _variable_handles(model):
+    """`id(resource handle)` -> Keras variable, for every model variable."""
+    handles = {}
+    for variable in model.variables:
+        value = getattr(variable, "value", None)
+        handle = getattr(value, "handle", None)
+        if handle is not None:
+            handles[id(handle)] = variable
+    return handles
+
+
+class _Library:
+    """The function definitions of a traced graph, by name."""
+
+    def __init__(self, graph):
+        self._functions = {
+            f.signature.name: f for f in graph.as_graph_def().library.function
+        }
+
+    def get(self, name):
+        return self._functions.get(name)
+
+
+def _called_functions(node_def):
+    """Names of the functions a call op's NodeDef calls."""
+    names = []
+    for value in node_def.attr.values():
+        if value.HasField("func"):
+            names.append(value.func.name)
+        names.extend(f.name for f in value.list.func)
+    return names
+
+
+def _classify_in_function(library, name, arg_index, depth, uses):
+    """Adds the uses of argument `arg_index` inside function `name`."""
+    fdef = library.get(name)
+    if fdef is None or depth > _MAX_FUNCTION_DEPTH:
+        uses.add(("write", "call to unknown function"))
+        return
+    if arg_index >= len(fdef.signature.input_arg):
+        return
+    refs = {fdef.signature.input_arg[arg_index].name}
+    # Nodes are listed in no particular order: sweep until no new
+    # forwarded reference appears.
+    seen = set()
+    changed = True
+    while changed:
+        changed = False
+        for node_def in fdef.node_def:
+            if node_def.name in seen:
+                continue
+            positions = [
+                i
+                for i, source in enumerate(node_def.input)
+                if not source.startswith("^")
+                and (source in refs or source.split(":")[0] in refs)
+            ]
+            if not positions:
+                continue
+            seen.add(node_def.name)
+            changed = True
+            op_type = node_def.op
+            if op_type in _FORWARD_OPS:
+                refs.add(node_def.name)
+            elif op_type in _CALL_OPS:
+                offset = _CALL_OPS[op_type]
+                for function in _called_functions(node_def):
+                    for position in positions:
+                        if position >= offset:
+                            _classify_in_function(
+                                library,
+                                function,
+                                position - offset,
+                                depth + 1,
+                                uses,
+                            )
+            else:
+                uses.add(_classify_op(op_type))
+
+
+def _classify_op(op_type):
+    if op_type in _READ_OPS:
+        return ("read", op_type)
+    # Assign*, ResourceApply*, ResourceScatter*, table inserts and any op
+    # this module does not know: a write, to be safe.
+    return ("write", op_type)
+
+
+def _resource_uses(op_consumers, library, tensor, depth=0):
+    """{(kind, op_type)} for every use of resource `tensor` in the graph."""
+    uses = set()
+    for op in op_consumers(tensor):
+        if op.type in _FORWARD_OPS:
+            for out in op.outputs:
+                uses |= _resource_uses(op_consumers, library, out, depth)
+        elif op.type in _CALL_OPS:
+            offset = _CALL_OPS[op.type]
+            positions = [i for i, t in enumerate(op.inputs) if t is tensor]
+            for function in _called_functions(op.node_def):
+                for position in positions:
+                    if position >= offset:
+                        _classify_in_function(
+                            library,
+                            function,
+                            position - offset,
+                            depth + 1,
+                            uses,
+                        )
+        else:
+            uses.add(_classify_op(op.type))
+    return uses
+
+
+def trace_access(model, nodes):
+    """Traces `nodes` of `model` in training mode; returns their access.
+
+    Args:
+        model: A built functional model.
+        nodes: Its call nodes, producers first (`_compat.functional_nodes`).
+
+    Returns:
+        A dict `node -> NodeAccess`, and a dict `id(KerasTensor) ->
+        tf.TypeSpec` for every tensor of the model (inputs included).
+    """
+    model_inputs = list(model.inputs)
+    specs = [_input_spec(t) for t in model_inputs]
+    accesses = {}
+    tensor_specs = {}
+    node_ops = {}
+
+    def walk(*flat):
+        graph = tf.compat.v1.get_default_graph()
+        values = {id(t): v for t, v in zip(model_inputs, flat, strict=True)}
+        for t, v in zip(model_inputs, flat, strict=True):
+            tensor_specs[id(t)] = _spec(v)
+        for node in nodes:
+            inputs, outputs = _compat.node_inputs(node)
+            if any(id(t) not in values for t in inputs):
+                continue
+            first = len(graph.get_operations())
+            layer = node.operation
+            extra = {}
+            if _accepts_training(layer):
+                extra["training"] = True
+            out = _compat.call_node(node, values, **extra)
+            access = NodeAccess()
+            access.adds_loss = bool(getattr(layer, "losses", None)) and any(
+                _is_graph_tensor(loss, graph) for loss in layer.losses
+            )
+            for t, v in zip(outputs, out, strict=True):
+                values[id(t)] = v
+                tensor_specs[id(t)] = _spec(v)
+                access.outputs.append(_spec(v))
+            accesses[node] = access
+            node_ops[node] = graph.get_operations()[first:]
+        return tf.constant(0)
+
+    traced = tf.function(walk, autograph=False)
+    graph = traced.get_concrete_function(*specs).graph
+    _clear_trace_losses(nodes)
+
+    handles = _variable_handles(model)
+    internal_to_external = {id(i): e for e, i in graph.captures}
+    library = _Library(graph)
+    consumers = {}
+    for op in graph.get_operations():
+        for t in op.inputs:
+            consumers.setdefault(id(t), []).append(op)
+
+    def op_consumers(tensor):
+        return consumers.get(id(tensor), [])
+
+    for node, ops in node_ops.items():
+        access = accesses[node]
+        own = {id(op) for op in ops}
+        for external_id, internal in _resources_used(ops, graph):
+            external = internal_to_external.get(external_id)
+            uses = _resource_uses(
+                lambda t, own=own: [o for o in op_consumers(t) if id(o) in own],
+                library,
+                internal,
+            )
+            if not uses:
+                continue
+            variable = handles.get(id(external))
+            kinds = {kind for kind, _ in uses}
+            if variable is not None:
+                # By identity: Keras variables compare by value.
+                if "read" in kinds and not _has(access.reads, variable):
+                    access.reads.append(variable)
+                if "write" in kinds and not _has(access.writes, variable):
+                    access.writes.append(variable)
+                continue
+            op_types = {op_type for _, op_type in uses}
+            if op_types <= _TABLE_OPS:
+                if "write" in kinds:
+                    access.table_writes = True
+                # A table only read: fixed during fit (the vocabulary of a
+                # lookup layer).
+                continue
+            access.foreign.append(("variable", sorted(op_types)[0]))
+    return accesses, tensor_specs
+
+
+def _has(variables, variable):
+    return any(v is variable for v in variables)
+
+
+def _is_graph_tensor(value, graph):
+    return getattr(value, "graph", None) is graph
+
+
+def _resources_used(ops, graph):
+    """(id of the capture placeholder, placeholder) for resources `ops` use."""
+    placeholders = {id(i): i for _, i in graph.captures}
+    found = {}
+    for op in ops:
+        for t in op.inputs:
+            if t.dtype == tf.resource and id(t) in placeholders:
+                found[id(t)] = t
+    return list(found.items())
+
+
+def _clear_trace_losses(nodes):
+    """Drops the graph losses the trace left on the traced layers.
+
+    A layer keeps the losses of its last call until its next outermost
+    call; ours belong to a graph that is gone and must not reach
+    `model.losses`.
+    """
+    for node in nodes:
+        layer = node.operation
+        if isinstance(layer, keras.layers.Layer) and layer.losses:
+            _compat.clear_layer_losses(layer)
+
+
+def seed_states(model):
+    """The state variables of the SeedGenerators of `model`'s layers.
+
+    Random layers (Dropout, GaussianNoise, Random* augmentation) assign
+    them on every call; they hold random state, not model state.
+    """
+    states = []
+    for layer in _all_layers(model):
+        for value in vars(layer).values():
+            for item in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(item, keras.random.SeedGenerator):
+                    states.append(item.state)
+    return states
+
+
+def _all_layers(model):
+    layers = []
+    stack = list(model.layers)
+    seen = set()
+    while stack:
+        layer = stack.pop(0)
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        layers.append(layer)
+        for value in vars(layer).values():
+            for item in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(item, keras.layers.Layer):
+                    stack.append(item)
+    return layers

@@ -1,0 +1,328 @@
+"""SmartStage's planner decides what to stage from a trace, not class names.
+
+Each test builds a small functional model around one rule and asserts the
+plan layer by layer: staged and trunk layers in topological order, the
+reason for every trunk layer and the tensors crossing the cut.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_stage
+from keras_stage.layers import StagedInput
+
+
+@keras.saving.register_keras_serializable(package="keras_stage_tests")
+class ScaleByVariable(keras.layers.Layer):
+    """Multiplies by a raw tf.Variable it captures (DeepRec issue #384)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.scale = tf.Variable(2.0, trainable=False)
+
+    def call(self, x):
+        return x * self.scale
+
+
+class ReadsOtherLayer(keras.layers.Layer):
+    """Reads another layer's kernel: state that training changes."""
+
+    def __init__(self, other, **kwargs):
+        super().__init__(**kwargs)
+        # A closure, so Keras does not track the other layer as ours.
+        self._other = lambda: other
+
+    def call(self, x):
+        return x * keras.ops.sum(self._other().kernel)
+
+
+class AddsLoss(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(keras.ops.mean(x))
+        return x
+
+
+class CondOnSeed(keras.layers.Layer):
+    """Reads a fixed weight inside a tf.cond (a nested function)."""
+
+    def build(self, input_shape):
+        self.threshold = self.add_weight(
+            shape=(), initializer="zeros", trainable=False
+        )
+
+    def call(self, x):
+        # The weight is read inside the branches: the If op gets it.
+        return tf.cond(
+            tf.reduce_sum(x) > 0,
+            lambda: x + self.threshold,
+            lambda: x - self.threshold,
+        )
+
+
+class CondAssign(keras.layers.Layer):
+    """Assigns a non-trainable weight inside a tf.cond during training."""
+
+    def build(self, input_shape):
+        self.count = self.add_weight(
+            shape=(), initializer="zeros", trainable=False, name="count"
+        )
+
+    def call(self, x, training=None):
+        def count(step):
+            def branch():
+                self.count.assign_add(step)
+                return tf.constant(0.0)
+
+            return branch
+
+        if training:
+            tf.cond(tf.reduce_sum(x) > 0, count(1.0), count(0.0))
+        return x
+
+
+def _plan(inputs, outputs, staged_input=True):
+    model = keras_stage.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    return model.get_stage_plan()
+
+
+def _dense_model(*middle, staged=True):
+    inputs = keras.Input(shape=(4,), name="x")
+    x = StagedInput(name="stage")(inputs) if staged else inputs
+    for layer in middle:
+        x = layer(x)
+    outputs = keras.layers.Dense(1, name="head")(x)
+    return inputs, outputs
+
+
+def test_stateless_and_fixed_layers_are_staged():
+    norm = keras.layers.Normalization(name="norm")
+    norm.adapt(np.random.default_rng(0).normal(size=(32, 4)))
+    plan = _plan(
+        *_dense_model(
+            keras.layers.Rescaling(0.5, name="rescale"),
+            norm,
+            keras.layers.Activation("tanh", name="act"),
+        )
+    )
+    assert plan.staged_layers == ["stage", "rescale", "norm", "act"]
+    assert plan.trunk_layers == ["head"]
+    assert plan.reasons == {"head": "has trainable weights"}
+    [cut] = plan.boundary
+    assert (cut.name, cut.dtype, cut.shape) == ("act", "float32", (None, 4))
+    assert cut.bytes_per_example == 16
+    assert not plan.automatic
+
+
+def test_trainable_weights_stop_the_stage_and_downstream_follows():
+    plan = _plan(
+        *_dense_model(
+            keras.layers.Dense(3, name="hidden"),
+            keras.layers.Activation("relu", name="relu"),
+        )
+    )
+    assert plan.staged_layers == ["stage"]
+    assert plan.trunk_layers == ["hidden", "relu", "head"]
+    assert plan.reasons["hidden"] == "has trainable weights"
+    assert plan.reasons["relu"] == "depends on trunk layer 'hidden'"
+
+
+def test_batch_norm_without_weights_updates_moving_statistics():
+    # No trainable weights at all: only the trace shows the writes.
+    bn = keras.layers.BatchNormalization(center=False, scale=False, name="bn")
+    plan = _plan(*_dense_model(bn))
+    assert plan.trunk_layers == ["bn", "head"]
+    assert plan.reasons["bn"] == (
+        "updates moving_mean, moving_variance during training"
+    )
+
+
+def test_frozen_layers_are_staged():
+    frozen = keras.layers.Dense(3, name="frozen")
+    frozen.trainable = False
+    bn = keras.layers.BatchNormalization(name="frozen_bn")
+    bn.trainable = False  # inference mode: no moving-statistics updates
+    plan = _plan(*_dense_model(frozen, bn))
+    assert plan.staged_layers == ["stage", "frozen", "frozen_bn"]
+    assert plan.trunk_layers == ["head"]
+
+
+def test_random_layers_are_staged():
+    plan = _plan(
+        *_dense_model(
+            keras.layers.GaussianNoise(0.1, seed=1, name="noise"),
+            keras.layers.Dropout(0.5, seed=2, name="drop"),
+        )
+    )
+    assert plan.staged_layers == ["stage", "noise", "drop"]
+    assert plan.trunk_layers == ["head"]
+
+
+def test_lambda_capturing_a_raw_variable_stays_in_the_trunk():
+    plan = _plan(*_dense_model(ScaleByVariable(name="scaled")))
+    assert plan.staged_layers == ["stage"]
+    assert plan.trunk_layers == ["scaled", "head"]
+    assert "tf.Variable" in plan.reasons["scaled"]
+    assert "add_weight(trainable=False)" in plan.reasons["scaled"]
+
+
+def test_reading_a_weight_that_training_changes_stays_in_the_trunk():
+    inputs = keras.Input(shape=(4,), name="x")
+    x = StagedInput(name="stage")(inputs)
+    head = keras.layers.Dense(1, name="head")
+    head.build((None, 4))
+    y = ReadsOtherLayer(head, name="reader")(x)
+    outputs = head(y)
+    plan = _plan(inputs, outputs)
+    assert plan.trunk_layers == ["reader", "head"]
+    assert plan.reasons["reader"] == (
+        "reads variable 'kernel' that training changes"
+    )
+
+
+def test_reading_a_moving_statistic_stays_in_the_trunk():
+    # Reads BN's moving_mean, which BN assigns during training.
+    inputs = keras.Input(shape=(4,), name="x")
+    x = StagedInput(name="stage")(inputs)
+    bn = keras.layers.BatchNormalization(center=False, scale=False, name="bn")
+    bn.build((None, 4))
+
+    class ReadsMean(keras.layers.Layer):
+        def call(self, x):
+            return x - bn.moving_mean
+
+    y = ReadsMean(name="reader")(x)
+    outputs = keras.layers.Dense(1, name="head")(bn(y))
+    plan = _plan(inputs, outputs)
+    assert plan.reasons["reader"] == (
+        "reads variable 'moving_mean' that training changes"
+    )
+
+
+def test_variables_inside_nested_functions_are_followed():
+    plan = _plan(
+        *_dense_model(CondOnSeed(name="cond_read"), CondAssign(name="assign"))
+    )
+    assert plan.staged_layers == ["stage", "cond_read"]
+    assert plan.reasons["assign"] == "updates count during training"
+
+
+def test_layers_adding_losses_stay_in_the_trunk():
+    plan = _plan(
+        *_dense_model(
+            AddsLoss(name="adds"),
+            keras.layers.ActivityRegularization(l1=0.1, name="reg"),
+        )
+    )
+    assert plan.staged_layers == ["stage"]
+    assert plan.reasons["adds"] == "adds a loss during training"
+
+
+def test_nothing_stageable_gives_an_empty_stage():
+    plan = _plan(*_dense_model())
+    assert plan.staged_layers == ["stage"]
+    assert plan.trunk_layers == ["head"]
+    [cut] = plan.boundary
+    assert cut.name == "stage"
+
+
+def test_shared_layer_on_both_sides_of_the_cut():
+    inputs = keras.Input(shape=(4,), name="x")
+    x = StagedInput(name="stage")(inputs)
+    shared = keras.layers.Activation("tanh", name="shared")
+    a = shared(x)  # staged
+    h = keras.layers.Dense(4, name="hidden")(a)
+    b = shared(h)  # after a trainable layer: trunk
+    outputs = keras.layers.Dense(1, name="head")(b)
+    plan = _plan(inputs, outputs)
+    assert plan.staged_layers == ["stage", "shared"]
+    assert plan.trunk_layers == ["hidden", "shared", "head"]
+    assert plan.reasons["shared"] == "depends on trunk layer 'hidden'"
+    assert [t.name for t in plan.boundary] == ["shared@0"]
+
+
+def test_shared_trainable_layer_is_trunk_on_every_call():
+    inputs = [keras.Input(shape=(4,), name="a"), keras.Input((4,), name="b")]
+    staged = StagedInput(name="stage")(inputs)
+    dense = keras.layers.Dense(2, name="shared_dense")
+    merged = keras.layers.Concatenate(name="concat")(
+        [dense(staged[0]), dense(staged[1])]
+    )
+    plan = _plan(inputs, merged)
+    assert plan.staged_layers == ["stage"]
+    assert plan.trunk_layers == ["shared_dense", "concat"]
+    assert [t.name for t in plan.boundary] == ["stage[0]", "stage[1]"]
+
+
+def test_trace_dtypes_not_symbolic_ones():
+    # A Lambda returning int64 ids is labelled float32 symbolically.
+    inputs = keras.Input(shape=(), dtype="string", name="s")
+    x = StagedInput(name="stage")(inputs)
+    ids = keras.layers.Lambda(
+        lambda s: tf.strings.to_hash_bucket_fast(s, 1 << 40),
+        output_shape=(),
+        name="ids",
+    )(x)
+    outputs = keras.layers.Embedding(16, 2, name="emb")(
+        keras.layers.Lambda(lambda i: i % 16, output_shape=(), name="mod")(ids)
+    )
+    plan = _plan(inputs, outputs)
+    assert plan.staged_layers == ["stage", "ids", "mod"]
+    [cut] = plan.boundary
+    assert (cut.dtype, cut.shape, cut.bytes_per_example) == (
+        "int64",
+        (None,),
+        8,
+    )
+
+
+def test_without_staged_input_the_stage_starts_at_the_inputs():
+    plan = _plan(
+        *_dense_model(keras.layers.Rescaling(2.0, name="rescale"), staged=False)
+    )
+    assert plan.automatic
+    assert plan.staged_layers == ["rescale"]
+    assert plan.trunk_layers == ["head"]
+
+
+def test_summary_prints_every_layer_reason_and_cut():
+    inputs, outputs = _dense_model(
+        keras.layers.Rescaling(0.5, name="rescale"),
+        keras.layers.Dense(3, name="hidden"),
+    )
+    model = keras_stage.Model(inputs, outputs, name="m")
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    lines = []
+    model.stage_summary(print_fn=lines.append)
+    text = "\n".join(lines)
+    assert 'Stage plan: "m"' in text
+    assert "rescale (Rescaling)" in text
+    assert "hidden (Dense)" in text and "has trainable weights" in text
+    assert "float32" in text and "(None, 4)" in text
+    assert "Staged layers: 2  Trunk layers: 2" in text
+
+
+def test_plan_needs_compile():
+    model = keras_stage.Model(*_dense_model())
+    with pytest.raises(ValueError, match="call `compile"):
+        model.get_stage_plan()
+
+
+def test_plan_of_a_subclassed_model_explains_itself():
+    class Sub(keras_stage.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = Sub()
+    model(np.zeros((1, 4), "float32"))
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    plan = model.get_stage_plan()
+    assert plan.staged_layers == []
+    assert "subclassed" in plan.note
+    assert plan.boundary == []
