@@ -16,7 +16,10 @@ Modes, timed over interleaved epochs after a warm-up epoch:
   `StagedInput` first and a `PrefetchCallback` in `fit`, fed the same
   dataset as plain;
 - stage(fn=parse_and_read): the engine, `keras_stage.data.stage`, with the
-  read and the parse as the staged computation, run on 8 threads at once.
+  read and the parse as the staged computation, run on 8 threads at once;
+- smart_stage: the read and the parse are layers of the model itself
+  (`ReadAndParse`), fed raw text lines, and `compile(smart_stage=True)`
+  moves them into the stage; the saved model keeps them.
 
 Run with `python -m examples.demo` (`make demo`); `--quick` for a short run.
 """
@@ -81,6 +84,27 @@ def parse_and_read(batch):
     return features, score[:, tf.newaxis]
 
 
+@keras.saving.register_keras_serializable(package="keras_stage_demo")
+class ReadAndParse(keras.layers.Layer):
+    """`parse_and_read`'s features as a model layer: raw lines -> hashed ids.
+
+    With `compile(smart_stage=True)` the planner finds that this layer
+    touches no model state and runs it inside the stage.
+    """
+
+    def call(self, lines):
+        features, _ = parse_and_read(lines)
+        return features
+
+    def compute_output_spec(self, lines):
+        ids = keras.KerasTensor(lines.shape, "int64")
+        return {"user": ids, "item": keras.KerasTensor(lines.shape, "int64")}
+
+
+def scores(lines):
+    return np.array([float(line.rsplit(",", 1)[1]) for line in lines])
+
+
 def raw_batches(lines):
     return tf.data.Dataset.from_tensor_slices(lines).batch(BATCH_SIZE)
 
@@ -99,22 +123,46 @@ def source_dataset(lines, tf_data_defaults=False):
     return dataset
 
 
-def build_model(staged_input=None):
+def labelled_lines(lines):
+    """Batches of (raw line, score): the input of the smart_stage model."""
+    return tf.data.Dataset.from_tensor_slices(
+        (lines, scores(lines)[:, None].astype("float32"))
+    ).batch(BATCH_SIZE)
+
+
+def build_smart_model(staged_input, smart_stage=True):
+    """The whole pipeline as one model: lines -> ReadAndParse -> trunk."""
+    lines = keras.Input(shape=(), dtype="string", name="line")
+    features = ReadAndParse(name="read_and_parse")(staged_input(lines))
+    return build_model(features=features, inputs=lines, smart=smart_stage)
+
+
+def build_model(staged_input=None, features=None, inputs=None, smart=None):
     """Embedding + Dense trunk; staged when `staged_input` is given."""
-    inputs = {
-        "user": keras.Input(shape=(), dtype="int64", name="user"),
-        "item": keras.Input(shape=(), dtype="int64", name="item"),
-    }
-    x = inputs if staged_input is None else staged_input(inputs)
+    if features is None:
+        inputs = {
+            "user": keras.Input(shape=(), dtype="int64", name="user"),
+            "item": keras.Input(shape=(), dtype="int64", name="item"),
+        }
+        features = inputs if staged_input is None else staged_input(inputs)
+    x = features
     user = keras.layers.Embedding(HASH_BUCKETS, EMBEDDING_DIM)(x["user"])
     item = keras.layers.Embedding(HASH_BUCKETS, EMBEDDING_DIM)(x["item"])
     h = keras.layers.Concatenate()([user, item])
     h = keras.layers.Dense(WIDTH, activation="relu")(h)
     h = keras.layers.Dense(WIDTH, activation="relu")(h)
     outputs = keras.layers.Dense(1)(h)
-    model_class = keras.Model if staged_input is None else keras_stage.Model
-    model = model_class(inputs, outputs)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    if smart is None:
+        model_class = keras.Model if staged_input is None else keras_stage.Model
+        model = model_class(inputs, outputs)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    else:
+        model = keras_stage.Model(inputs, outputs)
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss="mse",
+            smart_stage=smart,
+        )
     return model
 
 
@@ -220,7 +268,16 @@ def make_modes(lines):
         staged_input=boundary,
         staged=engine_data,
     )
-    return [plain, defaults, staged, staged_auto, engine]
+    smart_input = keras_stage.layers.StagedInput(
+        num_threads=8, capacity=8, name="smart_input"
+    )
+    smart = Mode(
+        "smart_stage, StagedInput(8, 8)",
+        build_smart_model(smart_input),
+        labelled_lines(lines),
+        staged_input=smart_input,
+    )
+    return [plain, defaults, staged, staged_auto, engine, smart]
 
 
 def check_same_weights(lines, epochs):
@@ -251,6 +308,25 @@ def check_same_weights(lines, epochs):
         for a, b in zip(after_plain, initial, strict=True)
     )
     return same, diff, moved
+
+
+def check_smart_same_weights(lines, epochs):
+    """smart_stage=True vs False on the whole model, same initial weights."""
+    keras.utils.set_random_seed(SEED)
+    options = {"num_threads": 8, "capacity": 8}
+    plain = build_smart_model(
+        keras_stage.layers.StagedInput(**options), smart_stage=False
+    )
+    smart = build_smart_model(keras_stage.layers.StagedInput(**options))
+    smart.set_weights(plain.get_weights())
+    data = labelled_lines(lines)
+    plain.fit(data, epochs=epochs, shuffle=False, verbose=0)
+    smart.fit(data, epochs=epochs, shuffle=False, verbose=0)
+    diff = max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(plain.get_weights(), smart.get_weights(), strict=True)
+    )
+    return diff == 0.0, diff
 
 
 def print_environment():
@@ -295,6 +371,26 @@ def print_staged(modes):
                 "the stage's computation, run on up to 8 batches at once."
             )
             options = mode.staged.stage_options
+        elif (
+            mode.model.smart_stage
+            if hasattr(mode.model, "smart_stage")
+            else False
+        ):
+            plan = mode.model.get_stage_plan()
+            text = (
+                f"{mode.label}: the model's layers "
+                f"{', '.join(plan.staged_layers)} run in the stage (the "
+                "read and the parse, up to 8 batches at once); "
+                f"{', '.join(plan.trunk_layers)} run in the train step. "
+                "The plan, from model.stage_summary():"
+            )
+            print(wrapped(text, indent="  "))
+            mode.model.stage_summary(
+                print_fn=lambda line: print("    " + line), line_length=75
+            )
+            options = mode.staged_input.stage_options
+            print(wrapped(f"options: {describe_options(options)}"))
+            continue
         elif mode.staged_input is not None:
             text = (
                 f"{mode.label}: fit's dataset (batch -> map(parse_and_read)) "
@@ -307,15 +403,6 @@ def print_staged(modes):
             continue
         print(wrapped(text, indent="  "))
         print(wrapped(f"options: {describe_options(options)}"))
-    print(
-        wrapped(
-            "Model layers inside the stage: none. In this release the "
-            "staged part is the input pipeline; moving model layers into the "
-            "stage is compile(smart_stage=True), coming next (the flag is "
-            "accepted and stored today).",
-            indent="  ",
-        )
-    )
 
 
 def plural(count, noun):
@@ -407,7 +494,18 @@ def main(argv=None):
             indent="  ",
         )
     )
-    return 0 if same else 1
+    smart_same, smart_diff = check_smart_same_weights(
+        lines[: check_batches * BATCH_SIZE], check_epochs
+    )
+    print(
+        wrapped(
+            "the ReadAndParse model compiled with smart_stage=True and with "
+            "smart_stage=False, same initial weights and batches: identical "
+            f"= {smart_same} (max |difference| {smart_diff:.2g})",
+            indent="  ",
+        )
+    )
+    return 0 if same and smart_same else 1
 
 
 if __name__ == "__main__":

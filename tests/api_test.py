@@ -11,8 +11,10 @@ def _public(module):
 
 def test_top_level_names():
     assert _public(keras_stage) == [
+        "BoundaryTensor",
         "Model",
         "Sequential",
+        "StagePlan",
         "callbacks",
         "data",
         "layers",
@@ -22,6 +24,12 @@ def test_top_level_names():
 def test_submodule_names():
     assert _public(keras_stage.layers) == ["StagedInput"]
     assert _public(keras_stage.callbacks) == ["PrefetchCallback"]
+    assert _public(keras_stage.planner) == [
+        "BoundaryTensor",
+        "StagePlan",
+        "StageSplit",
+        "plan_model",
+    ]
     assert _public(keras_stage.data) == [
         "AUTO",
         "StageIterator",
@@ -40,6 +48,7 @@ def test_every_exported_name_resolves():
         keras_stage.layers,
         keras_stage.callbacks,
         keras_stage.data,
+        keras_stage.planner,
     ):
         for name in module.__all__:
             assert getattr(module, name) is not None, name
@@ -91,3 +100,21 @@ def test_models_are_keras_models():
 
     assert issubclass(keras_stage.Model, keras.Model)
     assert issubclass(keras_stage.Sequential, keras.Sequential)
+
+
+def test_stage_plan_api():
+    for cls in (keras_stage.Model, keras_stage.Sequential):
+        assert list(inspect.signature(cls.get_stage_plan).parameters) == [
+            "self"
+        ]
+        assert list(inspect.signature(cls.stage_summary).parameters) == [
+            "self",
+            "print_fn",
+            "line_length",
+        ]
+    plan = keras_stage.StagePlan("m", [], [], {}, [])
+    for name in ("staged_layers", "trunk_layers", "reasons", "boundary"):
+        assert hasattr(plan, name), name
+    tensor = keras_stage.BoundaryTensor("t", "float32", (None, 2))
+    for name in ("name", "dtype", "shape", "bytes_per_example"):
+        assert hasattr(tensor, name), name

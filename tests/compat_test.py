@@ -242,3 +242,48 @@ def test_functional_init_arguments_agrees_with_keras(args, kwargs):
     assert _functional_init_arguments(args, kwargs) == keras_test(
         args, kwargs
     ), f"disagree on args={len(args)} kwargs={sorted(kwargs)}"
+
+
+# -- functional_nodes / call_node / node_inputs / clear_layer_losses -------
+
+
+def _small_functional():
+    inputs = keras.Input(shape=(3,), name="x")
+    scaled = keras.layers.Rescaling(2.0, name="scale")(inputs)
+    outputs = keras.layers.Add(name="add")([scaled, inputs])
+    return keras.Model(inputs, outputs), inputs, scaled, outputs
+
+
+def test_functional_nodes_are_the_call_nodes_producers_first():
+    model, _, _, _ = _small_functional()
+    assert hasattr(model, "_nodes_by_depth"), (
+        "Functional._nodes_by_depth is gone in Keras "
+        f"{keras.__version__}; " + UPDATE.format("functional_nodes")
+    )
+    nodes = _compat.functional_nodes(model)
+    assert [n.operation.name for n in nodes] == ["scale", "add"]
+
+
+def test_node_inputs_and_call_node_replay_a_node():
+    model, inputs, scaled, outputs = _small_functional()
+    add = _compat.functional_nodes(model)[1]
+    consumed, produced = _compat.node_inputs(add)
+    assert [id(t) for t in consumed] == [id(scaled), id(inputs)], (
+        "Node.input_tensors changed in Keras "
+        f"{keras.__version__}; " + UPDATE.format("node_inputs")
+    )
+    assert [id(t) for t in produced] == [id(outputs)]
+    values = {id(scaled): tf.ones((1, 3)), id(inputs): tf.ones((1, 3))}
+    [result] = _compat.call_node(add, values)
+    np.testing.assert_array_equal(result, np.full((1, 3), 2.0))
+
+
+def test_clear_layer_losses_drops_recorded_losses():
+    layer = keras.layers.ActivityRegularization(l1=1.0)
+    layer(tf.ones((1, 3)))
+    assert layer.losses, "ActivityRegularization recorded no loss"
+    _compat.clear_layer_losses(layer)
+    assert layer.losses == [], (
+        "Layer._clear_losses no longer clears losses in Keras "
+        f"{keras.__version__}; " + UPDATE.format("clear_layer_losses")
+    )

@@ -287,8 +287,9 @@ def verdict(stats, options):
             "before the stage is the bottleneck (the stage pulls from it one "
             "batch at a time): parallelize its maps (num_parallel_calls) and "
             "reads (interleave), or make that work the stage's own "
-            "computation (the `fn` of keras_stage.data.stage) so the "
-            "stage's threads run it."
+            "computation so the stage's threads run it: as layers of the "
+            "model with compile(smart_stage=True), or as the `fn` of "
+            "keras_stage.data.stage."
         )
     elif input_bound:
         message = (

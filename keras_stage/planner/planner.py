@@ -25,7 +25,11 @@ import tensorflow as tf
 
 from keras_stage import _compat
 from keras_stage.planner.stage_plan import BoundaryTensor, StagePlan
-from keras_stage.planner.state_access import seed_states, trace_access
+from keras_stage.planner.state_access import (
+    TraceError,
+    seed_states,
+    trace_access,
+)
 
 
 def graph_model(model):
@@ -59,7 +63,8 @@ def _variable_list(variables):
 
 def _own_reason(layer, access, changing, seeds):
     """Why `layer`'s call cannot be staged, from its trace; or None."""
-    if layer.trainable_weights:
+    # Keras ops (x[:, 0], x + 1) in a functional graph are not layers.
+    if getattr(layer, "trainable_weights", None):
         return "has trainable weights"
     writes = [v for v in access.writes if id(v) not in seeds]
     if writes:
@@ -134,25 +139,28 @@ def plan_model(model, boundary_layer=None):
     """
     graph = graph_model(model)
     if graph is None:
-        note = (
+        return _unplanned(
+            model,
+            boundary_layer,
             f"Model '{model.name}' is a subclassed model (or not built): it "
             "has no functional graph for smart_stage to look inside, so the "
-            "stage covers the input data only."
-        )
-        names = [layer.name for layer in model.layers]
-        plan = StagePlan(
-            model.name,
-            [],
-            names,
-            dict.fromkeys(names, "inside a subclassed model"),
-            [],
-            automatic=boundary_layer is None,
-            note=note,
-        )
-        return plan, None
+            "stage covers the input data only.",
+            "inside a subclassed model",
+        ), None
 
     nodes = _compat.functional_nodes(graph)
-    accesses, specs = trace_access(graph, nodes)
+    try:
+        accesses, specs = trace_access(graph, nodes)
+    except TraceError as e:
+        return _unplanned(
+            model,
+            boundary_layer,
+            f"smart_stage could not trace model '{model.name}' in a "
+            f"tf.function ({e}), so the "
+            "stage covers the input data only. Make every layer's call "
+            "traceable (no NumPy conversion of its inputs) to plan it.",
+            "the model could not be traced",
+        ), None
     seeds = {id(s) for s in seed_states(model)}
     changing = {id(v) for v in model.trainable_variables}
     for access in accesses.values():
@@ -228,6 +236,20 @@ def plan_model(model, boundary_layer=None):
                 staged_seeds.append(v)
     split = StageSplit(graph, cut, specs, trunk_nodes, plan, staged_seeds)
     return plan, split
+
+
+def _unplanned(model, boundary_layer, note, reason):
+    """A plan that stages no layer, with a note saying why."""
+    names = [layer.name for layer in model.layers]
+    return StagePlan(
+        model.name,
+        [],
+        names,
+        dict.fromkeys(names, reason),
+        [],
+        automatic=boundary_layer is None,
+        note=note,
+    )
 
 
 def _input_name(name, taken):

@@ -63,6 +63,18 @@ _CALL_OPS = {
 _MAX_FUNCTION_DEPTH = 16
 
 
+class TraceError(Exception):
+    """A layer's call failed inside the planner's `tf.function` trace."""
+
+    def __init__(self, layer_name, error):
+        lines = str(error).strip().splitlines()
+        first = lines[0] if lines else ""
+        super().__init__(
+            f"layer '{layer_name}' failed: {type(error).__name__}: {first}"
+        )
+        self.layer_name = layer_name
+
+
 class NodeAccess:
     """What one call node touched, found in the trace.
 
@@ -254,7 +266,10 @@ def trace_access(model, nodes):
             extra = {}
             if _accepts_training(layer):
                 extra["training"] = True
-            out = _compat.call_node(node, values, **extra)
+            try:
+                out = _compat.call_node(node, values, **extra)
+            except Exception as e:
+                raise TraceError(layer.name, e) from e
             access = NodeAccess()
             access.adds_loss = bool(getattr(layer, "losses", None)) and any(
                 _is_graph_tensor(loss, graph) for loss in layer.losses

@@ -312,7 +312,8 @@ def test_verdict_of_an_epoch_bound_by_the_pipeline_before_the_stage():
         "before the stage is the bottleneck (the stage pulls from it one "
         "batch at a time): parallelize its maps (num_parallel_calls) and "
         "reads (interleave), or make that work the stage's own computation "
-        "(the `fn` of keras_stage.data.stage) so the stage's threads run it."
+        "so the stage's threads run it: as layers of the model with "
+        "compile(smart_stage=True), or as the `fn` of keras_stage.data.stage."
     )
     # Exactly at the stage's rate counts as the source's fault.
     at_rate = verdict(_stats(source_seconds=8.0), options)

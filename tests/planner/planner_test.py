@@ -326,3 +326,46 @@ def test_plan_of_a_subclassed_model_explains_itself():
     assert plan.staged_layers == []
     assert "subclassed" in plan.note
     assert plan.boundary == []
+
+
+def _preprocessor():
+    inputs = keras.Input(shape=(4,), name="raw")
+    x = keras.layers.Rescaling(0.5, name="inner_rescale")(inputs)
+    return keras.Model(inputs, x, name="preprocess")
+
+
+def _tower():
+    inputs = keras.Input(shape=(4,), name="features")
+    x = keras.layers.Dense(3, name="inner_dense")(inputs)
+    return keras.Model(inputs, x, name="tower")
+
+
+def test_nested_functional_models_are_planned_as_layers():
+    inputs = keras.Input(shape=(4,), name="x")
+    x = StagedInput(name="stage")(inputs)
+    x = _preprocessor()(x)
+    x = _tower()(x)
+    outputs = keras.layers.Dense(1, name="head")(x)
+    plan = _plan(inputs, outputs)
+    assert plan.staged_layers == ["stage", "preprocess"]
+    assert plan.trunk_layers == ["tower", "head"]
+    assert plan.reasons["tower"] == "has trainable weights"
+
+
+def test_a_model_that_cannot_be_traced_stages_its_data_only():
+    class EagerOnly(keras.layers.Layer):
+        def call(self, x):
+            return x + float(np.asarray(x).sum())  # needs eager tensors
+
+        def compute_output_spec(self, x):
+            return keras.KerasTensor(x.shape, x.dtype)
+
+    inputs = keras.Input(shape=(4,), name="x")
+    x = StagedInput(name="stage")(inputs)
+    outputs = keras.layers.Dense(1, name="head")(EagerOnly(name="eager")(x))
+    model = keras_stage.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    plan = model.get_stage_plan()
+    assert plan.staged_layers == []
+    assert "could not trace" in plan.note
+    assert "eager" in plan.note
