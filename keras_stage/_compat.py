@@ -113,3 +113,14 @@ def clear_layer_losses(layer):
     to do it now.
     """
     layer._clear_losses()
+
+
+def symbolic_build(model, data_spec):
+    """Builds the model's compile metrics and loss from raw-data specs.
+
+    Under a tf.distribute strategy Keras builds them before the first step
+    by calling the model on a batch of the data it iterates; with SmartStage
+    that data holds the cut tensors, not the model's inputs. Building first
+    from the raw data's `element_spec` makes Keras's own build a no-op.
+    """
+    model._symbolic_build(data_batch=data_spec)

@@ -287,3 +287,20 @@ def test_clear_layer_losses_drops_recorded_losses():
         "Layer._clear_losses no longer clears losses in Keras "
         f"{keras.__version__}; " + UPDATE.format("clear_layer_losses")
     )
+
+
+def test_symbolic_build_builds_metrics_from_specs():
+    inputs = keras.Input(shape=(3,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    assert hasattr(model, "_symbolic_build"), (
+        f"Trainer._symbolic_build is gone in Keras {keras.__version__}; "
+        + UPDATE.format("symbolic_build")
+    )
+    spec = (
+        tf.TensorSpec((None, 3), tf.float32),
+        tf.TensorSpec((None, 1), tf.float32),
+    )
+    _compat.symbolic_build(model, spec)
+    assert [m.name for m in model.metrics] == ["loss", "compile_metrics"]
+    assert model.metrics[1].built

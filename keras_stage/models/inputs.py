@@ -21,11 +21,13 @@ logger = logging.getLogger("keras_stage")
 class StagedData:
     """A staged dataset and the Keras adapter whose epochs feed it."""
 
-    def __init__(self, staged, adapter, split=None):
+    def __init__(self, staged, adapter, split=None, element_spec=None):
         self.staged = staged
         self.adapter = adapter
         # The SmartStage split whose prefix the stage runs, or None.
         self.split = split
+        # The structure of the data before the stage (the model's inputs).
+        self.element_spec = element_spec
 
     @property
     def pipeline(self):
@@ -97,10 +99,11 @@ def stage_data(
             tf.data.experimental.assert_cardinality(num_batches)
         )
     fn = None
+    element_spec = dataset.element_spec
     if split is not None:
         dataset = split.number(dataset)
         fn = split.stage_fn(training=phase == "train")
     staged = layer.stage(
         dataset, fn=fn, name=f"{layer.stage_options.name}_{phase}"
     )
-    return StagedData(staged, adapter, split)
+    return StagedData(staged, adapter, split, element_spec)

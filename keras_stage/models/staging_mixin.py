@@ -27,7 +27,9 @@ import threading
 import warnings
 
 import keras
+import tensorflow as tf
 
+from keras_stage import _compat
 from keras_stage.callbacks.prefetch_callback import PrefetchCallback
 from keras_stage.data.errors import StageTimeoutError
 from keras_stage.data.runner import EndOfData, SkipElement
@@ -242,6 +244,23 @@ def _calling_trunk(model, phase):
         yield
     finally:
         state.local.trunk = previous
+
+
+def _build_for_strategy(model, data):
+    """Builds metrics from the raw data when a strategy would use the cut.
+
+    See `_compat.symbolic_build`. Without a strategy Keras builds them
+    inside the traced step, where the model's call runs the trunk.
+    """
+    if data.split is None or data.element_spec is None:
+        return
+    strategy = model.distribute_strategy
+    if (
+        tf.distribute.has_strategy()
+        or strategy is not tf.distribute.get_strategy()
+    ):
+        with strategy.scope():
+            _compat.symbolic_build(model, data.element_spec)
 
 
 def _with_prefetch_callback(callbacks):
@@ -470,8 +489,6 @@ class StagingMixin:
                 validation_freq=validation_freq,
             )
         if validation_split and validation_data is None:
-            from keras_stage import _compat
-
             (x, y, sample_weight), validation_data = (
                 _compat.train_validation_split(
                     (x, y, sample_weight), validation_split
@@ -510,6 +527,7 @@ class StagingMixin:
                 )
                 _bind(prefetch, state, "test", val)
                 val_pipeline, val_split = val.pipeline, val.split
+            _build_for_strategy(self, train)
             splits = {"train": train.split, "test": val_split}
             with (
                 _skips_end_epochs_early(layer),
@@ -574,6 +592,7 @@ class StagingMixin:
                 split=split,
             )
             _bind(prefetch, state, "test", test)
+            _build_for_strategy(self, test)
             with (
                 _skips_end_epochs_early(layer),
                 _staged_steps(self, ("test",), {"test": test.split}),

@@ -447,3 +447,48 @@ def test_nested_models_equal_plain_fit():
     _assert_same_training(
         staged, plain, *_fit_both(staged, plain, X, Y, shuffle=True)
     )
+
+
+@keras.saving.register_keras_serializable(package="keras_stage_tests")
+class ParsePairs(keras.layers.Layer):
+    """"1.5,-2.0" -> [1.5, -2.0]: strings in, floats of another shape out."""
+
+    def call(self, lines):
+        a, b = tf.io.decode_csv(lines, record_defaults=[[0.0], [0.0]])
+        return tf.stack([a, b], axis=-1)
+
+    def compute_output_spec(self, lines):
+        return keras.KerasTensor((lines.shape[0], 2), "float32")
+
+
+def test_split_under_a_distribution_strategy_builds_from_raw_inputs():
+    # Under a strategy Keras builds metrics by calling the model on a batch
+    # before the first step; that batch must be raw lines, not the cut.
+    lines = np.array([f"{a:.3f},{b:.3f}" for a, b in X[:, :2]], dtype=object)
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+
+    def build():
+        keras.utils.set_random_seed(3)
+        with strategy.scope():
+            inputs = keras.Input(shape=(), dtype="string")
+            x = StagedInput(capacity=2, num_threads=2)(inputs)
+            outputs = keras.layers.Dense(1)(ParsePairs(name="parse")(x))
+            return keras_stage.Model(inputs, outputs)
+
+    staged, plain = build(), build()
+    plain.set_weights(staged.get_weights())
+    with strategy.scope():
+        staged.compile(
+            optimizer="sgd", loss="mse", metrics=["mae"], smart_stage=True
+        )
+        plain.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    assert staged.get_stage_plan().staged_layers[1:] == ["parse"]
+    histories = _fit_both(
+        staged, plain, lines, Y, validation_data=(lines[:10], Y[:10])
+    )
+    _assert_same_training(staged, plain, *histories)
+    np.testing.assert_allclose(
+        staged.evaluate(lines, Y, verbose=0),
+        plain.evaluate(lines, Y, verbose=0),
+        rtol=1e-6,
+    )
