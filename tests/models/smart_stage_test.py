@@ -492,3 +492,40 @@ def test_split_under_a_distribution_strategy_builds_from_raw_inputs():
         plain.evaluate(lines, Y, verbose=0),
         rtol=1e-6,
     )
+
+
+def test_frozen_layers_run_in_the_stage_and_train_the_same():
+    def build():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input(shape=(4,))
+        x = StagedInput(capacity=2, num_threads=2)(inputs)
+        encoder = keras.layers.Dense(6, activation="tanh", name="encoder")
+        encoder.trainable = False  # a pretrained, frozen encoder
+        outputs = keras.layers.Dense(1, name="head")(encoder(x))
+        return keras_stage.Model(inputs, outputs)
+
+    staged, plain = _twins(build)
+    plan = staged.get_stage_plan()
+    assert plan.staged_layers[1:] == ["encoder"]
+    assert plan.trunk_layers == ["head"]
+    frozen = staged.get_layer("encoder").get_weights()
+    _assert_same_training(
+        staged, plain, *_fit_both(staged, plain, X, Y, shuffle=True)
+    )
+    for a, b in zip(
+        staged.get_layer("encoder").get_weights(), frozen, strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_export_after_a_staged_fit_serves_raw_inputs(tmp_path):
+    staged, plain = _twins(_preprocessed_dense)
+    _fit_both(staged, plain, X, Y, epochs=1)
+    staged.export(str(tmp_path / "exported"), verbose=False)
+    served = tf.saved_model.load(str(tmp_path / "exported"))
+    np.testing.assert_allclose(
+        served.serve(tf.constant(X)),
+        plain.predict(X, verbose=0),
+        rtol=1e-5,
+        atol=1e-6,
+    )
