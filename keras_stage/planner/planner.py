@@ -83,11 +83,6 @@ def _own_reason(layer, access, changing, seeds):
         )
     if access.adds_loss:
         return "adds a loss during training"
-    if any(
-        isinstance(s, tf.TensorSpec) and s.shape.rank == 0
-        for s in access.outputs
-    ):
-        return "returns a tensor without a batch dimension"
     return None
 
 
@@ -166,44 +161,21 @@ def plan_model(model, boundary_layer=None):
     for access in accesses.values():
         changing |= {id(v) for v in access.writes if id(v) not in seeds}
 
-    available = {id(t) for t in graph.inputs}
-    producer = {}
-    staged_nodes, trunk_nodes = [], []
-    reasons = {}
-    for node in nodes:
-        layer = node.operation
-        inputs, outputs = _compat.node_inputs(node)
-        access = accesses.get(node)
-        if access is None:
-            reason = "is not connected to the model inputs"
-        elif layer is boundary_layer:
-            reason = None
-        else:
-            reason = _own_reason(layer, access, changing, seeds)
-            if reason is None:
-                for t in inputs:
-                    if id(t) not in available:
-                        reason = (
-                            f"depends on trunk layer '{producer[id(t)].name}'"
-                        )
-                        break
-        for t in outputs:
-            producer[id(t)] = layer
-        if reason is None:
-            staged_nodes.append(node)
-            available |= {id(t) for t in outputs}
-        else:
-            trunk_nodes.append(node)
-            reasons.setdefault(layer.name, reason)
+    # Staging a node can put one of its outputs on the cut; an output that
+    # cannot cross the stage sends its node back to the trunk, and the
+    # plan is made again (each round moves at least one node).
+    held = {}
+    while True:
+        staged_nodes, trunk_nodes, reasons, available = _assign(
+            graph, nodes, accesses, boundary_layer, changing, seeds, held
+        )
+        cut = _cut(graph, trunk_nodes, available)
+        blocked = _uncrossable(cut, staged_nodes, accesses, boundary_layer)
+        if not blocked:
+            break
+        held.update(blocked)
 
-    # The cut: staged values the trunk consumes or the model returns.
     names = _Tensors(graph, nodes)
-    cut, cut_ids = [], set()
-    consumed = [t for node in trunk_nodes for t in _compat.node_inputs(node)[0]]
-    for t in consumed + list(graph.outputs):
-        if id(t) in available and id(t) not in cut_ids:
-            cut.append(t)
-            cut_ids.add(id(t))
     boundary = []
     for t in cut:
         spec = specs[id(t)]
@@ -250,6 +222,77 @@ def _unplanned(model, boundary_layer, note, reason):
         automatic=boundary_layer is None,
         note=note,
     )
+
+
+def _assign(graph, nodes, accesses, boundary_layer, changing, seeds, held):
+    """Splits `nodes` into staged and trunk, producers first.
+
+    `held` maps nodes kept in the trunk for their outputs to the reason.
+    Returns the staged nodes, the trunk nodes, the reason for each trunk
+    layer and the ids of the tensors available in the stage.
+    """
+    available = {id(t) for t in graph.inputs}
+    producer = {}
+    staged_nodes, trunk_nodes = [], []
+    reasons = {}
+    for node in nodes:
+        layer = node.operation
+        inputs, outputs = _compat.node_inputs(node)
+        access = accesses.get(node)
+        if access is None:
+            reason = "is not connected to the model inputs"
+        elif layer is boundary_layer:
+            reason = None
+        elif node in held:
+            reason = held[node]
+        else:
+            reason = _own_reason(layer, access, changing, seeds)
+            if reason is None:
+                for t in inputs:
+                    if id(t) not in available:
+                        reason = (
+                            f"depends on trunk layer '{producer[id(t)].name}'"
+                        )
+                        break
+        for t in outputs:
+            producer[id(t)] = layer
+        if reason is None:
+            staged_nodes.append(node)
+            available |= {id(t) for t in outputs}
+        else:
+            trunk_nodes.append(node)
+            reasons.setdefault(layer.name, reason)
+    return staged_nodes, trunk_nodes, reasons, available
+
+
+def _cut(graph, trunk_nodes, available):
+    """Staged tensors the trunk consumes or the model returns, in order."""
+    cut, seen = [], set()
+    consumed = [t for node in trunk_nodes for t in _compat.node_inputs(node)[0]]
+    for t in consumed + list(graph.outputs):
+        if id(t) in available and id(t) not in seen:
+            cut.append(t)
+            seen.add(id(t))
+    return cut
+
+
+def _uncrossable(cut, staged_nodes, accesses, boundary_layer):
+    """Staged nodes whose outputs on the cut cannot cross the stage."""
+    on_cut = {id(t) for t in cut}
+    blocked = {}
+    for node in staged_nodes:
+        if node.operation is boundary_layer:
+            continue
+        _, outputs = _compat.node_inputs(node)
+        access = accesses[node]
+        # Keras masks need nothing here: a functional graph passes them
+        # as explicit tensors (the `mask` argument), which cross the cut
+        # like any other.
+        for t, spec in zip(outputs, access.outputs, strict=True):
+            if id(t) in on_cut and spec.shape.rank == 0:
+                # The stage hands the trunk batches.
+                blocked[node] = "returns a tensor without a batch dimension"
+    return blocked
 
 
 def _input_name(name, taken):

@@ -269,7 +269,9 @@ def trace_access(model, nodes):
             try:
                 out = _compat.call_node(node, values, **extra)
             except Exception as e:
-                raise TraceError(layer.name, e) from e
+                # Raised after the trace: AutoGraph would rewrap it.
+                failures.append(TraceError(layer.name, e))
+                break
             access = NodeAccess()
             access.adds_loss = bool(getattr(layer, "losses", None)) and any(
                 _is_graph_tensor(loss, graph) for loss in layer.losses
@@ -282,8 +284,13 @@ def trace_access(model, nodes):
             node_ops[node] = graph.get_operations()[first:]
         return tf.constant(0)
 
-    traced = tf.function(walk, autograph=False)
+    failures = []
+    # AutoGraph on, as in Keras's own train step.
+    traced = tf.function(walk)
     graph = traced.get_concrete_function(*specs).graph
+    if failures:
+        _clear_trace_losses(nodes)
+        raise failures[0]
     _clear_trace_losses(nodes)
 
     handles = _variable_handles(model)

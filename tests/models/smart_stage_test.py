@@ -451,7 +451,7 @@ def test_nested_models_equal_plain_fit():
 
 @keras.saving.register_keras_serializable(package="keras_stage_tests")
 class ParsePairs(keras.layers.Layer):
-    """"1.5,-2.0" -> [1.5, -2.0]: strings in, floats of another shape out."""
+    """ "1.5,-2.0" -> [1.5, -2.0]: strings in, floats of another shape out."""
 
     def call(self, lines):
         a, b = tf.io.decode_csv(lines, record_defaults=[[0.0], [0.0]])
@@ -528,4 +528,28 @@ def test_export_after_a_staged_fit_serves_raw_inputs(tmp_path):
         plain.predict(X, verbose=0),
         rtol=1e-5,
         atol=1e-6,
+    )
+
+
+def test_masked_sequences_train_the_same():
+    seq = _rng.normal(size=(N, 5, 2)).astype("float32")
+    seq[::3, 3:] = 0.0  # padded steps, masked out
+
+    def build():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input(shape=(5, 2))
+        x = StagedInput(capacity=2, num_threads=2)(inputs)
+        x = keras.layers.Masking(0.0)(keras.layers.Rescaling(2.0)(x))
+        x = keras.layers.Dense(3)(x)
+        outputs = keras.layers.Dense(1)(
+            keras.layers.GlobalAveragePooling1D()(x)
+        )
+        return keras_stage.Model(inputs, outputs)
+
+    staged, plain = _twins(build)
+    _assert_same_training(
+        staged, plain, *_fit_both(staged, plain, seq, Y, shuffle=True)
+    )
+    np.testing.assert_allclose(
+        staged.predict(seq, verbose=0), plain.predict(seq, verbose=0), rtol=1e-6
     )

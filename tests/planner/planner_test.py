@@ -369,3 +369,44 @@ def test_a_model_that_cannot_be_traced_stages_its_data_only():
     assert plan.staged_layers == []
     assert "could not trace" in plan.note
     assert "eager" in plan.note
+
+
+def _layers(names):
+    # Keras 3 builds masks from ops (not_equal, any) with numbered names.
+    return [n for n in names if not n.startswith(("not_equal", "any"))]
+
+
+def test_masks_cross_the_cut_as_tensors():
+    inputs = keras.Input(shape=(5, 2), name="seq")
+    x = StagedInput(name="stage")(inputs)
+    x = keras.layers.Masking(0.0, name="mask")(x)
+    x = keras.layers.Dense(3, name="dense")(x)
+    outputs = keras.layers.GlobalAveragePooling1D(name="pool")(x)
+    plan = _plan(inputs, outputs)
+    assert _layers(plan.staged_layers) == ["stage", "mask"]
+    assert plan.trunk_layers == ["dense", "pool"]
+    # The mask is an explicit tensor of the graph, handed to the trunk.
+    assert [t.dtype for t in plan.boundary] == ["float32", "bool"]
+
+
+def test_an_output_without_batch_dimension_is_not_put_on_the_cut():
+    inputs = keras.Input(shape=(4,), name="x")
+    x = StagedInput(name="stage")(inputs)
+    total = keras.layers.Lambda(
+        lambda t: keras.ops.sum(t), output_shape=(), name="total"
+    )(x)
+    scaled = keras.layers.Lambda(lambda a: a[0] * a[1], name="scaled")(
+        [x, total]
+    )
+    outputs = keras.layers.Dense(1, name="head")(scaled)
+    plan = _plan(inputs, outputs)
+    # Both stay in the stage: the scalar never reaches the cut.
+    assert plan.staged_layers == ["stage", "total", "scaled"]
+    dense = keras.layers.Dense(1, name="head2")
+    outputs = keras.layers.Lambda(
+        lambda a: a[0] * a[1], output_shape=(1,), name="mul"
+    )([dense(x), total])
+    plan = _plan(inputs, outputs)
+    assert plan.reasons["total"] == (
+        "returns a tensor without a batch dimension"
+    )
