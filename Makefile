@@ -68,3 +68,17 @@ clean:
 		.pytest_cache .ruff_cache .hypothesis
 	find . -path ./.git -prune -o -type d -name __pycache__ -print0 \
 		| xargs -0 rm -rf
+
+# Benchmarks (see benchmarks/README.md): every workload in every mode,
+# interleaved; writes benchmarks/results/<name>.json and .png and prints a
+# table. `bench` takes under 30 minutes on 2 cores, `bench-quick` under 5.
+# BENCH_ARGS=... passes more options (e.g. --workloads criteo --trunk heavy).
+BENCH_ARGS ?=
+
+.PHONY: bench bench-quick
+
+bench: venv
+	$(VENV)/bin/python -m benchmarks.run $(BENCH_ARGS)
+
+bench-quick: venv
+	$(VENV)/bin/python -m benchmarks.run --quick $(BENCH_ARGS)

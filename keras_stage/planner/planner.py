@@ -44,7 +44,7 @@ def graph_model(model):
         # A throwaway functional view of the Sequential's own graph: the
         # same layers and nodes.
         return keras.Model(inputs, outputs, name=model.name)
-    if hasattr(model, "_nodes_by_depth") and getattr(model, "inputs", None):
+    if isinstance(model, _compat.keras_functional_class()):
         return model
     return None
 

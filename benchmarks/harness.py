@@ -1,0 +1,398 @@
+"""The benchmark run: warm-up, interleaved repetitions, results and ratios.
+
+This module owns the protocol. For each workload, in one process:
+
+1. build every base mode (`benchmarks.modes.BASE_MODES`): models,
+   compiled, and datasets (compute-bound preprocesses its batches here);
+2. run `staged` for two untimed epochs (tracing, then a clean one) and
+   build `staged-tuned` with the `num_threads`/`capacity` the
+   PrefetchCallback verdict of the second suggests;
+3. warm up: one untimed repetition of every mode, in the timed order.
+   Warming up after every model is built matters: on TensorFlow 2.21 the
+   first step of a traced model costs ~100 ms again after *another*
+   model has been traced (not a retrace; the tracing count stays 1), so
+   a mode warmed up before the others were built would pay it in its
+   first timed repetition;
+4. run the timed repetitions interleaved, `plain expert staged
+   staged-tuned compute-bound input-bound` then again, so drift in the
+   machine's load hits every mode alike, with a full garbage collection
+   (untimed) after each (see `_collect_garbage`);
+5. summarise: median, min and max steps/s per mode, the limit
+   (the slower of compute-bound and input-bound) and every mode's time as
+   a ratio to plain, to expert and to the limit.
+
+A mode that raises is recorded with its error and left out of the later
+repetitions; the other modes go on. Warnings raised while a mode runs are
+recorded with it rather than printed.
+"""
+
+import gc
+import time
+import traceback
+import warnings
+
+import keras
+
+from benchmarks import environment
+from benchmarks.modes import BASE_MODES, MODE_ORDER, StagedMode
+from benchmarks.timing import TIMED, summarize
+from benchmarks.workloads import WORKLOADS
+
+SCHEMA_VERSION = 1
+DEFAULT_REPS = 7
+QUICK_REPS = 3
+
+
+class _ModeRun:
+    """A mode and what happened to it during the run."""
+
+    def __init__(self, mode):
+        self.mode = mode
+        self.reps = []
+        self.setup_seconds = None
+        self.warm_up_seconds = None
+        self.error = None
+        self.warnings = {}
+
+    def call(self, function):
+        """Calls `function()`; records its warnings and an error, if any.
+
+        Returns:
+            Its result, or None if it raised (or the mode failed before).
+        """
+        if self.error is not None:
+            return None
+        with warnings.catch_warnings(record=True) as caught:
+            # Also overrides an "error" filter (pytest's), so a warning is
+            # recorded instead of failing the mode.
+            warnings.simplefilter("always")
+            try:
+                return function()
+            except Exception as e:  # noqa: BLE001 - reported, run goes on
+                self.error = "".join(
+                    traceback.format_exception_only(type(e), e)
+                ).strip()
+                self.traceback = traceback.format_exc()
+                return None
+            finally:
+                for w in caught:
+                    key = f"{w.category.__name__}: {w.message}"
+                    self.warnings[key] = self.warnings.get(key, 0) + 1
+
+    def settings(self):
+        try:
+            return self.mode.settings()
+        except Exception as e:  # noqa: BLE001 - settings are informative
+            return {"settings_error": repr(e)}
+
+
+def _collect_garbage():
+    """Runs the garbage collector now; returns the seconds it took.
+
+    Called after every repetition, outside the timed windows. A finished
+    `fit` leaves its iterators and pipelines in reference cycles; freed by
+    an automatic collection, they would be freed at a random later time,
+    inside another mode's timed window: a generation-0 collection of 39
+    objects has been seen to block for 2.3 s in native destructors during a
+    staged fit. Collected here, that cost is recorded against the mode that
+    left it (`cleanup_seconds`) and is timed in no mode.
+    """
+    started = time.perf_counter()
+    gc.collect()
+    return time.perf_counter() - started
+
+
+def _run_rep(run):
+    """One repetition of `run`'s mode, then its garbage; the record or None."""
+    record = run.call(run.mode.run)
+    cleanup = _collect_garbage()
+    if record is not None:
+        record["cleanup_seconds"] = cleanup
+    return record
+
+
+def _timed_call(run, function):
+    """`run.call(function)`; returns the seconds it took (None on error)."""
+    started = time.perf_counter()
+    run.call(function)
+    return None if run.error is not None else time.perf_counter() - started
+
+
+def _tuned_mode(workload, staged_run, log):
+    """`staged-tuned` from an untimed epoch of `staged`, or None.
+
+    Returns:
+        `(mode, None)`, or `(None, {"error": ...})` if `staged` failed.
+    """
+    verdict = staged_run.call(staged_run.mode.calibrate)
+    _collect_garbage()
+    if verdict is None:
+        return None, {"error": f"staged calibration failed: {staged_run.error}"}
+    options = {
+        "num_threads": int(verdict["suggested_num_threads"]),
+        "capacity": int(verdict["suggested_capacity"]),
+    }
+    tuned_from = {
+        "source": "PrefetchCallback.verdict of the second of two untimed "
+        "staged epochs (the first one traces)",
+        "verdict": verdict,
+    }
+    log(
+        f"  staged-tuned: num_threads={options['num_threads']}, "
+        f"capacity={options['capacity']} (staged verdict: "
+        f"{'input' if verdict['input_bound'] else 'compute'}-bound)"
+    )
+    mode = StagedMode(
+        workload, name="staged-tuned", options=options, tuned_from=tuned_from
+    )
+    return mode, None
+
+
+def run_workload(workload, reps, log=print):
+    """Runs every mode of `workload`; returns its results section.
+
+    Args:
+        workload: A `benchmarks.workloads.Workload`.
+        reps: Timed repetitions per mode.
+        log: Called with progress lines.
+
+    Returns:
+        A JSON-able dict: `info`, `load`, `modes` (see `_mode_result`),
+        `limit`, `wall_seconds`.
+    """
+    before = environment.snapshot()
+    started = time.perf_counter()
+    log(
+        f"{workload.name}: {workload.steps} steps of {workload.batch_size}, "
+        f"{reps} reps"
+    )
+    workload.raw_data()  # generated (and written) before anything is timed
+    runs = {}
+    for cls in BASE_MODES:
+        run = runs[cls.name] = _ModeRun(cls(workload))
+        run.setup_seconds = _timed_call(run, run.mode.setup)
+    _collect_garbage()
+    staged = runs["staged"]
+    _run_rep(staged)  # traces; calibrate() then runs a clean epoch
+    tuned, tuned_error = _tuned_mode(workload, staged, log)
+    if tuned is not None:
+        run = runs["staged-tuned"] = _ModeRun(tuned)
+        run.setup_seconds = _timed_call(run, run.mode.setup)
+    order = [name for name in MODE_ORDER if name in runs]
+    for name in order:
+        run = runs[name]
+        run.warm_up_seconds = _timed_call(run, run.mode.run)
+        _collect_garbage()
+        _log_warm_up(log, name, run)
+    for rep in range(reps):
+        for name in order:
+            record = _run_rep(runs[name])
+            if record is not None:
+                runs[name].reps.append(record)
+        log(
+            f"  rep {rep + 1}/{reps}: "
+            + ", ".join(
+                f"{name} {runs[name].reps[-1]['steps_per_second']:.1f}"
+                for name in order
+                if runs[name].error is None and runs[name].reps
+            )
+            + " steps/s"
+        )
+    modes = {name: _mode_result(run) for name, run in runs.items()}
+    if tuned is None:
+        modes["staged-tuned"] = {
+            "description": "not run",
+            "error": tuned_error["error"],
+        }
+    for run in runs.values():
+        run.call(run.mode.close)
+    workload.close()
+    result = {
+        "info": workload.info(),
+        "modes": {name: modes[name] for name in MODE_ORDER if name in modes},
+        "wall_seconds": time.perf_counter() - started,
+        "load": environment.load_between(before, environment.snapshot()),
+    }
+    add_ratios(result)
+    return result
+
+
+def _log_warm_up(log, name, run):
+    if run.error is not None:
+        log(f"  {name}: FAILED: {run.error}")
+    else:
+        log(
+            f"  {name}: set up in {run.setup_seconds:.1f} s, warmed up in "
+            f"{run.warm_up_seconds:.1f} s"
+        )
+
+
+def _mode_result(run):
+    out = {"description": run.mode.description, "settings": run.settings()}
+    if run.reps:
+        sps = [r["steps_per_second"] for r in run.reps]
+        out["steps_per_second"] = summarize(sps)
+        out["seconds_per_step"] = summarize([1 / v for v in sps])
+        out["cores"] = summarize([r["cores"] for r in run.reps])
+        out["cleanup_seconds"] = summarize(
+            [r["cleanup_seconds"] for r in run.reps]
+        )
+        if "outside_seconds" in run.reps[0]:
+            out["outside_seconds"] = summarize(
+                [r["outside_seconds"] for r in run.reps]
+            )
+    out["setup_seconds"] = run.setup_seconds
+    out["warm_up_seconds"] = run.warm_up_seconds
+    out["reps"] = run.reps
+    if run.warnings:
+        out["warnings"] = [
+            {"message": k, "count": v} for k, v in run.warnings.items()
+        ]
+    if run.error is not None:
+        out["error"] = run.error
+        out["traceback"] = run.traceback
+    return out
+
+
+def _median_sps(modes, name):
+    mode = modes.get(name)
+    if not mode or "error" in mode or "steps_per_second" not in mode:
+        return None
+    return mode["steps_per_second"]["median"]
+
+
+def add_ratios(result):
+    """Adds the limit and each mode's ratios to a workload's results.
+
+    The limit is the slower of `compute-bound` and `input-bound` (median
+    steps/s). Ratios are time ratios of medians: `ratio_to_plain =
+    plain's median steps/s / the mode's` (above 1: slower than plain),
+    likewise `ratio_to_expert` and `ratio_to_limit`; `speedup_vs_plain`
+    is `1 / ratio_to_plain`. A ratio is None when either side failed.
+    """
+    modes = result["modes"]
+    compute = _median_sps(modes, "compute-bound")
+    inputs = _median_sps(modes, "input-bound")
+    if compute is None or inputs is None:
+        limit = None
+        result["limit"] = None
+    else:
+        limit = min(compute, inputs)
+        result["limit"] = {
+            "steps_per_second": limit,
+            "seconds_per_step": 1 / limit,
+            "bound_by": "compute-bound" if compute <= inputs else "input-bound",
+            "compute_bound_seconds_per_step": 1 / compute,
+            "input_bound_seconds_per_step": 1 / inputs,
+            # No overlap at all: each side in turn, each with every core.
+            # When both sides keep every core busy (CPU-bound parsing on
+            # few cores), overlapping them cannot do much better.
+            "sequential_seconds_per_step": 1 / compute + 1 / inputs,
+        }
+    plain = _median_sps(modes, "plain")
+    expert = _median_sps(modes, "expert")
+    for name in modes:
+        sps = _median_sps(modes, name)
+
+        def ratio(reference, sps=sps):
+            if sps is None or reference is None:
+                return None
+            return reference / sps
+
+        modes[name]["ratio_to_plain"] = ratio(plain)
+        modes[name]["ratio_to_expert"] = ratio(expert)
+        modes[name]["ratio_to_limit"] = ratio(limit)
+        modes[name]["speedup_vs_plain"] = (
+            None if sps is None or plain is None else sps / plain
+        )
+
+
+def run_benchmark(
+    workloads,
+    reps=None,
+    steps=None,
+    quick=False,
+    trunk="light",
+    batch_size=None,
+    seed=0,
+    data_dir=None,
+    name="bench",
+    argv=None,
+    log=print,
+):
+    """Runs `workloads` (names) and returns the whole results dict.
+
+    Args:
+        workloads: Workload names, keys of `benchmarks.workloads.WORKLOADS`.
+        reps: Timed repetitions per mode; `None` for the default (7, or 3
+            with `quick`).
+        steps: Batches per epoch for every workload; `None` for each
+            workload's default (or its quick default with `quick`).
+        quick: Use the reduced sizes of `make bench-quick`.
+        trunk: Trunk width: "light", "heavy" or a multiplier.
+        batch_size: Batch size for every workload; `None` for each
+            workload's default.
+        seed: Seed of data and weights.
+        data_dir: Folder for files the workloads write (`images`); `None`
+            for temporary folders.
+        name: Name of the run, recorded in the results.
+        argv: The command line, recorded in the results.
+        log: Called with progress lines.
+
+    Returns:
+        A JSON-able dict (schema in benchmarks/README.md).
+    """
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        raise ValueError(
+            f"Unknown workload(s) {unknown}; choose from {list(WORKLOADS)}"
+        )
+    if reps is None:
+        reps = QUICK_REPS if quick else DEFAULT_REPS
+    if reps < 1:
+        raise ValueError(f"reps must be at least 1; got {reps}")
+    env = environment.describe()
+    before = environment.snapshot()
+    started = time.perf_counter()
+    log(
+        f"keras_stage benchmarks '{name}': TensorFlow {env['tensorflow']}, "
+        f"Keras {env['keras']}, {env['usable_cpus']} CPUs, load average "
+        f"{before['loadavg'][0]:.2f}"
+    )
+    sections = {}
+    for workload_name in workloads:
+        cls = WORKLOADS[workload_name]
+        workload = cls(
+            steps=steps or (cls.quick_steps if quick else cls.default_steps),
+            trunk=trunk,
+            batch_size=batch_size,
+            seed=seed,
+            data_dir=data_dir,
+        )
+        try:
+            sections[workload_name] = run_workload(workload, reps, log=log)
+        finally:
+            workload.close()
+            # Free the workload's models and graphs before the next one.
+            keras.backend.clear_session()
+            gc.collect()
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "name": name,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "argv": list(argv) if argv is not None else None,
+        "config": {
+            "workloads": list(workloads),
+            "reps": reps,
+            "steps": steps,
+            "quick": quick,
+            "trunk": trunk,
+            "batch_size": batch_size,
+            "seed": seed,
+        },
+        "timed": TIMED,
+        "environment": env,
+        "load": environment.load_between(before, environment.snapshot()),
+        "wall_seconds": time.perf_counter() - started,
+        "workloads": sections,
+    }

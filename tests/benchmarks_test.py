@@ -1,0 +1,246 @@
+"""The benchmark harness (`benchmarks/`) runs end to end on a tiny size.
+
+These tests check the harness, not the speed: every workload in every mode
+for a couple of steps, the files it writes, the JSON schema, and that the
+ratios are computed consistently from the repetitions.
+"""
+
+import json
+import math
+import statistics
+
+import pytest
+
+from benchmarks import report, run
+from benchmarks.harness import add_ratios
+from benchmarks.modes import MODE_ORDER
+from benchmarks.workloads import WORKLOADS, trunk_scale
+from keras_stage.data import live_stages
+
+STEPS = 2
+BATCH = 16
+MODE_KEYS = {
+    "description",
+    "settings",
+    "steps_per_second",
+    "seconds_per_step",
+    "setup_seconds",
+    "warm_up_seconds",
+    "cores",
+    "cleanup_seconds",
+    "reps",
+    "ratio_to_plain",
+    "ratio_to_expert",
+    "ratio_to_limit",
+    "speedup_vs_plain",
+}
+REP_KEYS = {
+    "seconds",
+    "steps",
+    "steps_per_second",
+    "first_step_seconds",
+    "cpu_seconds",
+    "cores",
+    "cleanup_seconds",
+}
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One tiny run of the CLI over every workload: (status, json, png)."""
+    out = tmp_path_factory.mktemp("bench")
+    status = run.main(
+        [
+            "--steps",
+            str(STEPS),
+            "--reps",
+            "1",
+            "--batch-size",
+            str(BATCH),
+            "--name",
+            "smoke",
+            "--out",
+            str(out),
+            "--data-dir",
+            str(out / "images"),
+        ]
+    )
+    with open(out / "smoke.json") as f:
+        results = json.load(f)
+    # Every stage the run made has stopped its threads (True: none left).
+    closed = [staged.close(timeout=1.0) for staged in live_stages()]
+    return status, results, out / "smoke.png", closed
+
+
+def _close(a, b):
+    return math.isclose(a, b, rel_tol=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_workload_and_mode_runs_and_writes_files(smoke_run):
+    status, results, png, closed = smoke_run
+    assert all(closed)
+    failed = {
+        (w, m): mode.get("error")
+        for w, section in results["workloads"].items()
+        for m, mode in section["modes"].items()
+        if "error" in mode
+    }
+    assert failed == {}
+    assert status == 0
+    assert png.stat().st_size > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list(results["workloads"]) == list(WORKLOADS)
+    for section in results["workloads"].values():
+        assert list(section["modes"]) == list(MODE_ORDER)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_results_schema(smoke_run):
+    _, results, _, _ = smoke_run
+    assert results["schema_version"] == 1
+    assert results["config"]["reps"] == 1
+    assert results["config"]["steps"] == STEPS
+    assert "on_train_batch_begin" in results["timed"]
+    env = results["environment"]
+    for key in ("tensorflow", "keras", "keras_stage", "cpu_count", "python"):
+        assert env[key]
+    assert len(results["load"]["loadavg_before"]) == 3
+    assert {t["workload"] for t in results["targets"]} <= set(WORKLOADS)
+    for section in results["workloads"].values():
+        assert section["info"]["steps"] == STEPS
+        assert section["info"]["batch_size"] == BATCH
+        limit = section["limit"]
+        assert set(limit) >= {"steps_per_second", "bound_by"}
+        assert _close(
+            limit["sequential_seconds_per_step"],
+            limit["compute_bound_seconds_per_step"]
+            + limit["input_bound_seconds_per_step"],
+        )
+        for name, mode in section["modes"].items():
+            assert MODE_KEYS <= set(mode), name
+            assert len(mode["reps"]) == 1
+            rep = mode["reps"][0]
+            assert REP_KEYS <= set(rep)
+            assert rep["steps"] == STEPS
+            assert rep["seconds"] > 0
+            assert rep["cpu_seconds"] >= 0
+            if name != "input-bound":
+                assert rep["fit_seconds"] >= rep["seconds"]
+                assert _close(
+                    rep["outside_seconds"], rep["fit_seconds"] - rep["seconds"]
+                )
+                assert math.isfinite(rep["loss"])
+            if name.startswith("staged"):
+                assert 0 <= rep["stage_wait_ratio"] <= 1
+                assert rep["verdict"]["suggested_num_threads"] >= 1
+        staged = section["modes"]["staged"]["settings"]
+        assert staged["num_threads"] == "auto"
+        assert staged["capacity"] == "auto"
+        assert staged["staged_layers"][0].startswith("staged_input")
+        tuned = section["modes"]["staged-tuned"]["settings"]
+        verdict = tuned["tuned_from"]["verdict"]
+        assert tuned["num_threads"] == verdict["suggested_num_threads"]
+        assert tuned["capacity"] == verdict["suggested_capacity"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ratios_are_consistent_with_the_repetitions(smoke_run):
+    _, results, _, _ = smoke_run
+    for section in results["workloads"].values():
+        modes = section["modes"]
+        median = {}
+        for name, mode in modes.items():
+            sps = [r["steps_per_second"] for r in mode["reps"]]
+            for rep in mode["reps"]:
+                assert _close(
+                    rep["steps_per_second"], rep["steps"] / rep["seconds"]
+                )
+            median[name] = statistics.median(sps)
+            assert _close(mode["steps_per_second"]["median"], median[name])
+            assert mode["steps_per_second"]["min"] == min(sps)
+            assert mode["steps_per_second"]["max"] == max(sps)
+        limit = min(median["compute-bound"], median["input-bound"])
+        assert _close(section["limit"]["steps_per_second"], limit)
+        for name, mode in modes.items():
+            assert _close(
+                mode["ratio_to_plain"], median["plain"] / median[name]
+            )
+            assert _close(
+                mode["ratio_to_expert"], median["expert"] / median[name]
+            )
+            assert _close(mode["ratio_to_limit"], limit / median[name])
+            assert _close(mode["speedup_vs_plain"] * mode["ratio_to_plain"], 1)
+        assert modes["plain"]["ratio_to_plain"] == 1
+        bound = section["limit"]["bound_by"]
+        assert _close(modes[bound]["ratio_to_limit"], 1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_table_shows_every_workload(smoke_run):
+    _, results, _, _ = smoke_run
+    table = report.format_table(results)
+    for workload in WORKLOADS:
+        assert f"\n{workload}: batch {BATCH}" in table
+    assert table.count("staged-tuned") == len(WORKLOADS)
+
+
+def _section(medians):
+    return {
+        "modes": {
+            name: {"steps_per_second": {"median": sps}}
+            for name, sps in medians.items()
+        }
+    }
+
+
+def test_add_ratios_uses_the_slower_limit_and_time_ratios():
+    section = _section(
+        {
+            "plain": 10.0,
+            "expert": 20.0,
+            "staged": 25.0,
+            "compute-bound": 40.0,
+            "input-bound": 30.0,
+        }
+    )
+    add_ratios(section)
+    assert section["limit"]["bound_by"] == "input-bound"
+    assert section["limit"]["steps_per_second"] == 30.0
+    staged = section["modes"]["staged"]
+    assert staged["ratio_to_plain"] == 0.4
+    assert staged["speedup_vs_plain"] == 2.5
+    assert staged["ratio_to_expert"] == 0.8
+    assert staged["ratio_to_limit"] == 1.2
+
+
+def test_add_ratios_leaves_failed_modes_out():
+    section = _section({"plain": 10.0, "expert": 20.0, "compute-bound": 5.0})
+    section["modes"]["staged"] = {"error": "boom"}
+    add_ratios(section)
+    assert section["limit"] is None
+    assert section["modes"]["staged"]["ratio_to_plain"] is None
+    assert section["modes"]["expert"]["ratio_to_plain"] == 0.5
+    assert section["modes"]["expert"]["ratio_to_limit"] is None
+
+
+def test_trunk_option():
+    assert trunk_scale("light") == 1.0
+    assert trunk_scale("heavy") > 1.0
+    assert trunk_scale("2.5") == 2.5
+    for bad in ("huge", "0", "-1"):
+        with pytest.raises(ValueError, match="trunk"):
+            trunk_scale(bad)
+
+
+def test_cli_rejects_unknown_workloads(capsys):
+    with pytest.raises(SystemExit):
+        run.parse_args(["--workloads", "seed,mnist"])
+    assert "mnist" in capsys.readouterr().err
+    args = run.parse_args(["--quick", "--workloads", "none,seed"])
+    assert args.workloads == ["none", "seed"]
+    assert args.name == "bench-quick"
