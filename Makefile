@@ -7,7 +7,7 @@ VENV_IO ?= .venv-io
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-LINT_PATHS := keras_stage tests examples
+LINT_PATHS := keras_stage tests examples benchmarks
 
 PRIMARY_REQS := requirements/primary.txt requirements/primary-constraints.txt
 IO_REQS := requirements/io.txt requirements/io-constraints.txt
