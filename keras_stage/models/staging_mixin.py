@@ -36,6 +36,7 @@ from keras_stage.data.runner import EndOfData, SkipElement
 from keras_stage.layers.staged_input import StagedInput
 from keras_stage.models.inputs import stage_data
 from keras_stage.planner.planner import plan_model
+from keras_stage.planner.state_access import all_layers
 
 logger = logging.getLogger("keras_stage")
 
@@ -213,7 +214,7 @@ def _trunk_jit(model, splits):
     for split in splits.values():
         if split is None:
             continue
-        layers = _all_layers(split.trunk)
+        layers = all_layers(split.trunk)
         if not all(getattr(layer, "supports_jit", True) for layer in layers):
             warnings.warn(
                 f"jit_compile=True: the trunk of model '{model.name}' still "
@@ -222,15 +223,6 @@ def _trunk_jit(model, splits):
             )
             return False
     return True
-
-
-def _all_layers(model):
-    out, stack = [], list(model.layers)
-    while stack:
-        layer = stack.pop()
-        out.append(layer)
-        stack.extend(getattr(layer, "layers", []))
-    return out
 
 
 @contextlib.contextmanager

@@ -375,7 +375,7 @@ def seed_states(model):
     them on every call; they hold random state, not model state.
     """
     states = []
-    for layer in _all_layers(model):
+    for layer in all_layers(model):
         for value in vars(layer).values():
             for item in value if isinstance(value, (list, tuple)) else [value]:
                 if isinstance(item, keras.random.SeedGenerator):
@@ -383,7 +383,8 @@ def seed_states(model):
     return states
 
 
-def _all_layers(model):
+def all_layers(model):
+    """`model`'s layers and, recursively, the layers they hold."""
     layers = []
     stack = list(model.layers)
     seen = set()
