@@ -187,19 +187,21 @@ def _classify_in_function(library, name, arg_index, depth, uses):
             if op_type in _FORWARD_OPS:
                 refs.add(node_def.name)
             elif op_type in _CALL_OPS:
-                offset = _CALL_OPS[op_type]
-                for function in _called_functions(node_def):
-                    for position in positions:
-                        if position >= offset:
-                            _classify_in_function(
-                                library,
-                                function,
-                                position - offset,
-                                depth + 1,
-                                uses,
-                            )
+                _classify_call(library, node_def, positions, depth, uses)
             else:
                 uses.add(_classify_op(op_type))
+
+
+def _classify_call(library, node_def, positions, depth, uses):
+    """Adds the uses, in the functions a call op calls, of its inputs at
+    `positions` (the resource's places among the op's inputs)."""
+    offset = _CALL_OPS[node_def.op]
+    for function in _called_functions(node_def):
+        for position in positions:
+            if position >= offset:
+                _classify_in_function(
+                    library, function, position - offset, depth + 1, uses
+                )
 
 
 def _classify_op(op_type):
@@ -218,18 +220,8 @@ def _resource_uses(op_consumers, library, tensor, depth=0):
             for out in op.outputs:
                 uses |= _resource_uses(op_consumers, library, out, depth)
         elif op.type in _CALL_OPS:
-            offset = _CALL_OPS[op.type]
             positions = [i for i, t in enumerate(op.inputs) if t is tensor]
-            for function in _called_functions(op.node_def):
-                for position in positions:
-                    if position >= offset:
-                        _classify_in_function(
-                            library,
-                            function,
-                            position - offset,
-                            depth + 1,
-                            uses,
-                        )
+            _classify_call(library, op.node_def, positions, depth, uses)
         else:
             uses.add(_classify_op(op.type))
     return uses
