@@ -36,6 +36,10 @@ class _Binding:
         if not self.in_epoch:
             if self.adapter is not None:
                 self.adapter.on_epoch_begin()
+            if self.staged.runner.records_in_step:
+                # The compiled step marks each next fetch at its end; the
+                # epoch's first fetch begins now.
+                self.staged.stats.mark_request()
             self.skipped_before = self.staged.stats.snapshot()["skipped"]
         self.in_epoch = True
 

@@ -119,14 +119,18 @@ class StageRunner:
         self.stats = stats
         self._caller = None
         self._abandoned = []
+        # Set by a consumer that records its fetches in its own step (see
+        # `StageStats.record_fetch`): each call is then reported to the
+        # stats, and the wait clock starts no earlier than the call.
+        self.records_in_step = False
         # The names staging.py gives the stage's tf.data transformations.
         self._own_ops = re.compile(
-            rf"\b{re.escape(stats.name)}_(map|buffer|wait|fetch)\b"
+            rf"\b{re.escape(options.name)}_(pull|map|buffer|wait|fetch)\b"
         )
 
     @property
     def name(self):
-        return self.stats.name
+        return self.options.name
 
     def raised_by_stage(self, error):
         """Whether `error` came out of this stage's pipeline.
@@ -154,16 +158,20 @@ class StageRunner:
             StageTimeoutError: the consumer waited longer than `timeout`.
             Any other error: re-raised with its type, the stage named.
         """
+        started = time.time()
         try:
             if self.options.timeout is None:
                 return fn(*args)
-            return self._call_with_timeout(fn, args)
+            return self._call_with_timeout(fn, args, started)
         except StageTimeoutError:
             raise
         except Exception as e:
             if check_origin and not self.raised_by_stage(e):
                 raise
             return self._apply_policies(e)
+        finally:
+            if self.records_in_step:
+                self.stats.note_call(started, time.time())
 
     def _apply_policies(self, error):
         options = self.options
@@ -177,7 +185,7 @@ class StageRunner:
             raise annotate(error, self.name) from None
         raise error
 
-    def _call_with_timeout(self, fn, args):
+    def _call_with_timeout(self, fn, args, started):
         if self._caller is None or not self._caller.alive:
             self._caller = _CallThread(f"keras_stage-{self.name}")
         caller = self._caller
@@ -189,7 +197,9 @@ class StageRunner:
                 if ok:
                     return value
                 raise value
-            waited = self.stats.seconds_waiting()
+            waited = self.stats.seconds_waiting(
+                since=started if self.records_in_step else None
+            )
             if waited > self.options.timeout:
                 # The blocked call cannot be interrupted: leave its thread
                 # (a daemon) behind and give the next call a fresh one.

@@ -28,6 +28,12 @@ def _default_name():
 
 
 def _build_pipeline(dataset, fn, options, stats):
+    """The stage's pipelines: `(lean, measured)`.
+
+    `lean` runs the staged computation and buffers it; `measured` adds the
+    consumer's side of the counters around the fetch, for consumers that
+    do not record it in their own step (see `StageStats`).
+    """
     name = options.name
     num_threads = (
         tf.data.AUTOTUNE if options.num_threads == AUTO else options.num_threads
@@ -40,13 +46,11 @@ def _build_pipeline(dataset, fn, options, stats):
         started = tf.timestamp()
         with tf.control_dependencies([started]):
             out = element if fn is None else fn(element)
-        # Count only elements whose computation finished.
+        # Count only elements whose computation finished; tf.data runs the
+        # counter op with the map (no identity ops are needed to keep it).
         with tf.control_dependencies(tf.nest.flatten(out, True)):
-            counted = stats.count_produced(pulled, started)
-        with tf.control_dependencies([counted]):
-            return tf.nest.map_structure(
-                tf.identity, out, expand_composites=True
-            )
+            stats.count_produced(pulled, started)
+        return out
 
     # The source's pull: zip takes a timestamp just before it pulls the
     # source element, so `started - pulled` in `produce` is the time the
@@ -54,16 +58,13 @@ def _build_pipeline(dataset, fn, options, stats):
     # element at a time, whatever num_threads is).
     pulls = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).repeat()
     pulls = pulls.map(lambda _: tf.timestamp(), name=f"{name}_pull")
-    staged = (
-        tf.data.Dataset.zip((pulls, dataset))
-        .map(
-            produce,
-            num_parallel_calls=num_threads,
-            deterministic=options.deterministic,
-            name=f"{name}_map",
-        )
-        .prefetch(capacity, name=f"{name}_buffer")
+    produced = tf.data.Dataset.zip((pulls, dataset)).map(
+        produce,
+        num_parallel_calls=num_threads,
+        deterministic=options.deterministic,
+        name=f"{name}_map",
     )
+    lean = produced.prefetch(capacity, name=f"{name}_buffer")
 
     # The consumer's fetch: mark the wait, fetch, record it. zip pulls the
     # marker first, in the consumer's own thread, so the marked interval is
@@ -72,12 +73,10 @@ def _build_pipeline(dataset, fn, options, stats):
     markers = markers.map(lambda _: stats.begin_wait(), name=f"{name}_wait")
 
     def consume(started, element):
-        with tf.control_dependencies([stats.end_wait(started)]):
-            return tf.nest.map_structure(
-                tf.identity, element, expand_composites=True
-            )
+        stats.end_wait(started)
+        return element
 
-    out = tf.data.Dataset.zip((markers, staged)).map(
+    measured = tf.data.Dataset.zip((markers, lean)).map(
         consume, name=f"{name}_fetch"
     )
 
@@ -92,7 +91,7 @@ def _build_pipeline(dataset, fn, options, stats):
         # autotuner's CPU budget is set to the same size so its model of
         # the pipeline agrees with the threads it really has.
         opts.autotune.cpu_budget = options.resolved_pool_size()
-    return out.with_options(opts)
+    return lean.with_options(opts), measured.with_options(opts)
 
 
 class StagedDataset(tf.data.Dataset):
@@ -104,8 +103,9 @@ class StagedDataset(tf.data.Dataset):
     errors still surface with their original types.
     """
 
-    def __init__(self, pipeline, options, stats):
+    def __init__(self, pipeline, options, stats, lean_pipeline=None):
         self._pipeline = pipeline
+        self._lean_pipeline = lean_pipeline
         self.stage_options = options
         self.stats = stats
         self.runner = StageRunner(options, stats)
@@ -126,6 +126,16 @@ class StagedDataset(tf.data.Dataset):
         step that iterates in-graph (the Keras integration does).
         """
         return self._pipeline
+
+    @property
+    def lean_pipeline(self):
+        """The pipeline without the consumer's side of the counters.
+
+        For a consumer that records its fetches in its own step graph with
+        `stats.record_fetch` and `stats.record_step_end` (and reports its
+        calls with `stats.note_call`); the Keras integration does.
+        """
+        return self._lean_pipeline
 
     @property
     def element_spec(self):
@@ -253,8 +263,18 @@ def stage(
         name=_default_name() if name is None else name,
     )
     stats = StageStats(options.name, track_peak=options.capacity == AUTO)
-    pipeline = _build_pipeline(dataset, fn, options, stats)
-    return StagedDataset(pipeline, options, stats)
+    return build_stage(dataset, fn, options, stats)
+
+
+def build_stage(dataset, fn, options, stats):
+    """`stage()` with validated `StageOptions` and the `StageStats` to use.
+
+    A consumer whose compiled step records the fetches itself keeps one
+    `StageStats` across the stages it consumes (the step captures its
+    variables when traced), and builds each stage with it.
+    """
+    lean, measured = _build_pipeline(dataset, fn, options, stats)
+    return StagedDataset(measured, options, stats, lean_pipeline=lean)
 
 
 def live_stages():

@@ -14,7 +14,8 @@ import keras
 import tensorflow as tf
 
 from keras_stage.data.options import AUTO, StageOptions
-from keras_stage.data.staging import stage
+from keras_stage.data.staging import build_stage
+from keras_stage.data.stats import StageStats
 
 
 def _exception_to_name(cls):
@@ -152,20 +153,30 @@ class StagedInput(keras.layers.Layer):
             inputs,
         )
 
-    def stage(self, dataset, fn=None, name=None):
+    def stage(self, dataset, fn=None, name=None, stats=None):
         """Stages `dataset` with this layer's options.
 
         Args:
             dataset: A `tf.data.Dataset`.
             fn: The staged computation, or `None`. Defaults to `None`.
             name: Stage name; defaults to the layer's name.
+            stats: The `keras_stage.data.StageStats` to count in, kept by
+                a consumer across stages; `None` for new ones. Defaults to
+                `None`.
 
         Returns:
             A `keras_stage.data.StagedDataset`.
         """
         config = self.stage_options.get_config()
         config["name"] = name or self.stage_options.name
-        return stage(dataset, fn, **config)
+        options = StageOptions(**config)
+        if stats is None:
+            stats = self.new_stats(options.name)
+        return build_stage(dataset, fn, options, stats)
+
+    def new_stats(self, name):
+        """Fresh `StageStats` for a stage of this layer named `name`."""
+        return StageStats(name, track_peak=self.stage_options.capacity == AUTO)
 
     def get_config(self):
         config = super().get_config()

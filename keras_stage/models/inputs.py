@@ -21,16 +21,24 @@ logger = logging.getLogger("keras_stage")
 class StagedData:
     """A staged dataset and the Keras adapter whose epochs feed it."""
 
-    def __init__(self, staged, adapter, split=None, element_spec=None):
+    def __init__(
+        self, staged, adapter, split=None, element_spec=None, in_step=False
+    ):
         self.staged = staged
         self.adapter = adapter
         # The SmartStage split whose prefix the stage runs, or None.
         self.split = split
         # The structure of the data before the stage (the model's inputs).
         self.element_spec = element_spec
+        # Whether the compiled step records the fetches (see StageStats).
+        self.in_step = in_step
+        staged.runner.records_in_step = in_step
 
     @property
     def pipeline(self):
+        """What the compiled step iterates."""
+        if self.in_step:
+            return self.staged.lean_pipeline
         return self.staged.pipeline
 
 
@@ -45,11 +53,14 @@ def stage_data(
     shuffle=False,
     class_weight=None,
     split=None,
+    stats=None,
 ):
     """Stages the data of one phase ("train", "val", "test", "predict").
 
     With a SmartStage `split`, the stage also runs the split's prefix of
-    the model (in training mode for "train").
+    the model (in training mode for "train"). With `stats`, the stage counts
+    in them and the compiled step records its fetches there (its pipeline
+    is then the stage's lean one).
     """
     if isinstance(x, StagedDataset):
         # Already staged by the user with keras_stage.data.stage.
@@ -104,6 +115,8 @@ def stage_data(
         dataset = split.number(dataset)
         fn = split.stage_fn(training=phase == "train")
     staged = layer.stage(
-        dataset, fn=fn, name=f"{layer.stage_options.name}_{phase}"
+        dataset, fn=fn, name=f"{layer.stage_options.name}_{phase}", stats=stats
     )
-    return StagedData(staged, adapter, split, element_spec)
+    return StagedData(
+        staged, adapter, split, element_spec, in_step=stats is not None
+    )

@@ -55,6 +55,12 @@ class _StagingState:
     def __init__(self):
         self.smart_stage = False
         self.runners = {}
+        # The stats each compiled step ("train", "test") records its
+        # fetches in: kept across calls, since a traced step captures
+        # them, and replaced (with a retrace) once closed by a timeout.
+        self.step_stats = {}
+        # The stats of the phases whose step records during this call.
+        self.recording = {}
         # SmartStage: the plan and split (computed on first use after
         # compile), the split each phase's step runs, and the compiled
         # steps of staged runs, kept apart from Keras's plain ones.
@@ -162,6 +168,48 @@ def _bind(prefetch, state, phase, data):
     """Hands `data`'s stage to the callback and its runner to the step guard."""
     prefetch.attach(phase, data.staged, data.adapter)
     state.runners[phase] = data.staged.runner
+    if data.in_step:
+        state.recording[phase] = data.staged.stats
+    else:
+        state.recording.pop(phase, None)
+
+
+def _step_stats(model, layer, phase):
+    """The stats `phase`'s compiled step records in, or None.
+
+    The step records the consumer's side of the counters itself (two ops in
+    the step instead of a tf.data map on the fetch path) unless it cannot
+    take timestamps: XLA-compiled steps, and several replicas each running
+    it; their stages count the fetch in the pipeline.
+    """
+    state = _state(model)
+    if (
+        state.requested_jit is True
+        or keras.Model.jit_compile.fget(model) is True
+        or model.distribute_strategy.num_replicas_in_sync > 1
+    ):
+        return None
+    stats = state.step_stats.get(phase)
+    if stats is None or stats.closed:
+        if stats is not None:
+            # The traced step still records in the closed stats.
+            setattr(model, _FUNCTIONS[phase], None)
+            for key in [k for k in state.staged_functions if k[0] == phase]:
+                del state.staged_functions[key]
+        stats = layer.new_stats(f"{layer.stage_options.name}_{phase}")
+        state.step_stats[phase] = stats
+    return stats
+
+
+def _recorded_step(model, phase, step, data):
+    """Runs `step(data)`, recording its fetch where `phase` records."""
+    stats = _state(model).recording.get(phase)
+    if stats is None:
+        return step(data)
+    stats.record_fetch(data)
+    outputs = step(data)
+    stats.record_step_end(outputs)
+    return outputs
 
 
 @contextlib.contextmanager
@@ -382,11 +430,11 @@ class StagingMixin:
 
     def train_step(self, data):
         with _calling_trunk(self, "train"):
-            return super().train_step(data)
+            return _recorded_step(self, "train", super().train_step, data)
 
     def test_step(self, data):
         with _calling_trunk(self, "test"):
-            return super().test_step(data)
+            return _recorded_step(self, "test", super().test_step, data)
 
     def predict_step(self, data):
         with _calling_trunk(self, "predict"):
@@ -500,6 +548,7 @@ class StagingMixin:
                 shuffle=shuffle,
                 class_weight=class_weight,
                 split=split,
+                stats=_step_stats(self, layer, "train"),
             )
             _bind(prefetch, state, "train", train)
             val_pipeline, val_split = None, None
@@ -516,6 +565,7 @@ class StagingMixin:
                     batch_size=validation_batch_size or batch_size,
                     steps=validation_steps,
                     split=split,
+                    stats=_step_stats(self, layer, "test"),
                 )
                 _bind(prefetch, state, "test", val)
                 val_pipeline, val_split = val.pipeline, val.split
@@ -539,6 +589,7 @@ class StagingMixin:
                 )
         finally:
             state.runners.clear()
+            state.recording.clear()
             prefetch.close()
 
     def evaluate(
@@ -572,6 +623,7 @@ class StagingMixin:
         # Set when evaluate runs inside fit (from a callback): the runner of
         # the fit's validation stage, restored afterwards.
         outer_runner = state.runners.get("test")
+        outer_recording = state.recording.get("test")
         try:
             test = stage_data(
                 layer,
@@ -582,6 +634,7 @@ class StagingMixin:
                 batch_size=batch_size,
                 steps=steps,
                 split=split,
+                stats=_step_stats(self, layer, "test"),
             )
             _bind(prefetch, state, "test", test)
             _build_for_strategy(self, test)
@@ -602,6 +655,10 @@ class StagingMixin:
                 state.runners.pop("test", None)
             else:
                 state.runners["test"] = outer_runner
+            if outer_recording is None:
+                state.recording.pop("test", None)
+            else:
+                state.recording["test"] = outer_recording
             prefetch.close()
 
     def predict(
