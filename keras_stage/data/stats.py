@@ -83,6 +83,16 @@ class StageStats:
 
     # -- graph side: called inside tf.data functions -------------------------
 
+    def _open_check(self):
+        # An element that was abandoned blocked must not arrive late.
+        return tf.debugging.Assert(
+            tf.logical_not(self._closed),
+            [
+                f"Stage '{self.name}' was closed after a timeout; its late "
+                "element is dropped. Build a new stage to retry."
+            ],
+        )
+
     def count_produced(self, pulled, started):
         """Counts one finished element; fails it if the stage was closed.
 
@@ -90,13 +100,7 @@ class StageStats:
             pulled: When the stage began pulling it from its source.
             started: When the staged computation began on it.
         """
-        check = tf.debugging.Assert(
-            tf.logical_not(self._closed),
-            [
-                f"Stage '{self.name}' was closed after a timeout; its late "
-                "element is dropped. Build a new stage to retry."
-            ],
-        )
+        check = self._open_check()
         with tf.control_dependencies([check]):
             busy = tf.timestamp() - started
         return self._counters.assign_add(
@@ -158,13 +162,7 @@ class StageStats:
         leaves = tf.nest.flatten(element, expand_composites=True)
         with tf.control_dependencies(leaves):
             marked = self._fetch_start.read_value()
-        check = tf.debugging.Assert(
-            tf.logical_not(self._closed),
-            [
-                f"Stage '{self.name}' was closed after a timeout; its late "
-                "element is dropped. Build a new stage to retry."
-            ],
-        )
+        check = self._open_check()
         # Ops without inputs run whenever the step's graph likes: tie the
         # clock to the element's arrival.
         with tf.control_dependencies(leaves + [check]):

@@ -386,3 +386,57 @@ def test_verdict_of_an_epoch_without_batches():
     assert result["suggested_capacity"] == 1
     assert result["input_bound"] is False
     assert "compute-bound" in result["message"]
+
+
+# -- where the consumer's side is counted ------------------------------------
+
+
+class _Attached(PrefetchCallback):
+    """Keeps the stages it was attached to, to inspect them after fit."""
+
+    def attach(self, phase, staged, adapter=None):
+        self.seen = getattr(self, "seen", {})
+        self.seen[phase] = staged
+        super().attach(phase, staged, adapter)
+
+
+@pytest.mark.timeout(120)
+def test_keras_steps_count_every_fetch_in_the_step_not_in_the_pipeline():
+    model = _model(name="in_step")
+    cb = _Attached()
+    model.fit(
+        _dataset(),
+        epochs=2,
+        verbose=0,
+        shuffle=False,
+        validation_data=_dataset(),
+        callbacks=[cb],
+    )
+    train, val = cb.seen["train"], cb.seen["test"]
+    # Both runners report their calls; the stages they iterated have no
+    # fetch map on the consumer's path.
+    assert train.runner.records_in_step and val.runner.records_in_step
+    lean_graph = train.lean_pipeline._as_serialized_graph().numpy()
+    assert b"in_step_train_fetch" not in lean_graph
+    assert b"in_step_train_fetch" in train._as_serialized_graph().numpy()
+    # Every batch of both epochs, counted exactly once, in the step.
+    snap = train.stats.snapshot()
+    assert snap["consumed"] == snap["produced"] == 2 * NUM_BATCHES
+    assert val.stats.snapshot()["consumed"] == 2 * NUM_BATCHES
+    # The stats outlive the call: the traced step records in them again.
+    model.fit(_dataset(), epochs=1, verbose=0, shuffle=False, callbacks=[cb])
+    assert cb.seen["train"].stats is train.stats
+    assert train.stats.snapshot()["consumed"] == 3 * NUM_BATCHES
+
+
+@pytest.mark.timeout(120)
+def test_closed_step_stats_are_replaced_and_the_step_retraced():
+    model = _model(name="reopened")
+    cb = _Attached()
+    model.fit(_dataset(), epochs=1, verbose=0, shuffle=False, callbacks=[cb])
+    first = cb.seen["train"].stats
+    first.close()  # what a timeout does
+    model.fit(_dataset(), epochs=1, verbose=0, shuffle=False, callbacks=[cb])
+    second = cb.seen["train"].stats
+    assert second is not first
+    assert second.snapshot()["consumed"] == NUM_BATCHES
