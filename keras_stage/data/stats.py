@@ -178,10 +178,12 @@ class StageStats:
 
     def mark_request(self):
         """Starts the consumer's fetch clock now (at an epoch's start)."""
-        now = time.time()
-        self._fetch_start.assign(-now)  # negated: see `record_fetch`
+        self._fetch_start.assign(-time.time())  # negated: see `record_fetch`
         with self._lock:
-            self._last_call_end = now
+            # The Python time before the first call (Keras makes the
+            # epoch's iterator then) belongs to the first fetch, which is
+            # not counted either.
+            self._last_call_end = None
 
     def note_call(self, started, ended):
         """Reports one compiled call of a consumer recording in its step.
