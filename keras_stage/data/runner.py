@@ -120,8 +120,8 @@ class StageRunner:
         self._caller = None
         self._abandoned = []
         # Set by a consumer that records its fetches in its own step (see
-        # `StageStats.record_fetch`): each call is then reported to the
-        # stats, and the wait clock starts no earlier than the call.
+        # `StageStats.record_fetch`): its wait clock starts at the end of
+        # its previous call, so the timeout counts from this call's start.
         self.records_in_step = False
         # The names staging.py gives the stage's tf.data transformations.
         self._own_ops = re.compile(
@@ -169,9 +169,6 @@ class StageRunner:
             if check_origin and not self.raised_by_stage(e):
                 raise
             return self._apply_policies(e)
-        finally:
-            if self.records_in_step:
-                self.stats.note_call(started, time.time())
 
     def _apply_policies(self, error):
         options = self.options

@@ -132,8 +132,9 @@ class StagedDataset(tf.data.Dataset):
         """The pipeline without the consumer's side of the counters.
 
         For a consumer that records its fetches in its own step graph with
-        `stats.record_fetch` and `stats.record_step_end` (and reports its
-        calls with `stats.note_call`); the Keras integration does.
+        `stats.record_fetch` and `stats.record_step_end` (and marks each
+        epoch's start with `stats.mark_request`); the Keras integration
+        does.
         """
         return self._lean_pipeline
 

@@ -10,10 +10,12 @@ only skipped elements (an error path) are counted in Python.
 The consumer's side is recorded either by the pipeline itself (a marker and
 a map around the fetch: works for any consumer) or by a consumer that owns
 its step graph (the Keras integration records it inside the training step,
-where two more ops cost next to nothing, while a tf.data map on the fetch
-path costs about 0.2 ms per batch here). In the second case the step marks
-when it asks for the next element at its end, so the time between two
-compiled calls, spent in Python, is reported by `note_call` and taken out.
+where a few more ops cost next to nothing, while a tf.data map on the fetch
+path costs about 0.2 ms per batch here). A step cannot see when its call
+asks the pipeline for the batch, only when its previous step ended; the
+time from there to a batch that was ready (returning to Python, callbacks,
+dispatching the next call) is learnt as a baseline and only what exceeds
+it counts as waiting (see `record_fetch`).
 """
 
 import threading
@@ -33,7 +35,13 @@ _CONSUMED, _WAIT, _BUFFERED = 3, 4, 5
 # the last fetch started (a separate variable: fetches can end without
 # finishing, at the end of the data or on an error) is later than this.
 _DONE_FETCH = 6
-_SLOTS = 7
+# Consumers recording in their step: the usual time from a step's end to
+# the arrival of a batch that was ready, and the elements produced but left
+# in the buffers of iterators dropped before an epoch began.
+_BASELINE, _ORPHANS = 7, 8
+_SLOTS = 9
+# Weight of one ready fetch in the moving baseline.
+_BASELINE_WEIGHT = 0.1
 
 
 def _slots(values):
@@ -76,10 +84,6 @@ class StageStats:
         self._lock = threading.Lock()
         self.skipped = 0
         self.skipped_messages = []
-        # Consumer recorded in its step: Python time between its calls,
-        # counted as waiting by the step's marks and taken out here.
-        self._between_calls = 0.0
-        self._last_call_end = None
 
     # -- graph side: called inside tf.data functions -------------------------
 
@@ -125,22 +129,29 @@ class StageStats:
         waited = tf.timestamp() - started
         if counted is not True:
             waited = tf.where(counted, waited, tf.zeros_like(waited))
+        return self._record_fetch(counters, started, waited)
+
+    def _buffered(self, counters):
         # Finished elements still waiting, not counting the one just taken.
-        buffered = tf.maximum(
-            counters[_PRODUCED] - counters[_CONSUMED] - 1.0,
+        return tf.maximum(
+            counters[_PRODUCED]
+            - counters[_CONSUMED]
+            - counters[_ORPHANS]
+            - 1.0,
             tf.constant(0.0, tf.float64),
         )
-        update = self._counters.assign_add(
-            _slots(
-                {
-                    _CONSUMED: 1,
-                    _WAIT: waited,
-                    _BUFFERED: buffered,
-                    # Only the consumer's thread writes this slot.
-                    _DONE_FETCH: started - counters[_DONE_FETCH],
-                }
-            )
-        )
+
+    def _record_fetch(self, counters, started, waited, extra=None):
+        buffered = self._buffered(counters)
+        values = {
+            _CONSUMED: 1,
+            _WAIT: waited,
+            _BUFFERED: buffered,
+            # Only the consumer's thread writes this slot.
+            _DONE_FETCH: started - counters[_DONE_FETCH],
+        }
+        values.update(extra or {})
+        update = self._counters.assign_add(_slots(values))
         if not self.track_peak:
             return update
         return tf.group(
@@ -152,12 +163,17 @@ class StageStats:
     def record_fetch(self, element):
         """Records, in a step, the fetch that delivered `element`.
 
-        The fetch began when the previous step ended (`record_step_end`).
-        The first one of an epoch began at `mark_request`, which stores the
-        time negated: the first call of an epoch may also trace the step,
-        and the step cannot tell that time from waiting, so that fetch's
-        wait is not counted (its timeout still is). Fails if the stage was
-        closed, so a late element never trains a step.
+        The fetch began when the previous step ended (`record_step_end`);
+        the time from there to the batch's arrival also holds returning to
+        Python, the callbacks and the next call's dispatch. When more
+        finished elements were buffered than this one, the batch was ready
+        before it was asked for: it did not wait, and its time feeds a
+        moving baseline of that overhead. Otherwise its wait is the time
+        beyond the baseline. The first fetch of an epoch began at
+        `mark_request`, which stores the time negated: the first call of
+        an epoch may also trace the step, so that fetch's wait is not
+        counted (its timeout still is). Fails if the stage was closed, so a
+        late element never trains a step.
         """
         leaves = tf.nest.flatten(element, expand_composites=True)
         with tf.control_dependencies(leaves):
@@ -166,10 +182,33 @@ class StageStats:
         # Ops without inputs run whenever the step's graph likes: tie the
         # clock to the element's arrival.
         with tf.control_dependencies(leaves + [check]):
-            return self.end_wait(tf.abs(marked), counted=marked > 0.0)
+            counters = self._counters.read_value()
+            started = tf.abs(marked)
+            took = tf.timestamp() - started
+        zero = tf.constant(0.0, tf.float64)
+        ready = self._buffered(counters) > zero
+        baseline = counters[_BASELINE]
+        learnt = tf.where(
+            baseline > zero,
+            baseline + _BASELINE_WEIGHT * (took - baseline),
+            took,
+        )
+        counted = tf.logical_and(marked > zero, tf.logical_not(ready))
+        waited = tf.where(counted, tf.maximum(took - baseline, zero), zero)
+        # Only the consumer writes the baseline: a delta keeps it one op.
+        moved = tf.where(
+            tf.logical_and(marked > zero, ready), learnt - baseline, zero
+        )
+        return self._record_fetch(
+            counters, started, waited, extra={_BASELINE: moved}
+        )
 
     def record_step_end(self, outputs):
-        """Marks, at the end of a step, that the next fetch begins."""
+        """Marks, at the end of a step, that the next fetch begins.
+
+        Args:
+            outputs: The step's outputs, which the mark waits for.
+        """
         leaves = tf.nest.flatten(outputs, expand_composites=True)
         with tf.control_dependencies(leaves):
             return self._fetch_start.assign(tf.timestamp())
@@ -177,25 +216,16 @@ class StageStats:
     # -- Python side ---------------------------------------------------------
 
     def mark_request(self):
-        """Starts the consumer's fetch clock now (at an epoch's start)."""
-        self._fetch_start.assign(-time.time())  # negated: see `record_fetch`
-        with self._lock:
-            # The Python time before the first call (Keras makes the
-            # epoch's iterator then) belongs to the first fetch, which is
-            # not counted either.
-            self._last_call_end = None
+        """Starts the consumer's fetch clock now (at an epoch's start).
 
-    def note_call(self, started, ended):
-        """Reports one compiled call of a consumer recording in its step.
-
-        Args:
-            started: `time.time()` just before the call.
-            ended: `time.time()` just after it returned.
+        Elements produced and never consumed so far were left in the
+        buffer of an iterator dropped before this epoch (Keras makes one
+        per epoch); from now on they no longer count as buffered.
         """
-        with self._lock:
-            if self._last_call_end is not None:
-                self._between_calls += max(0.0, started - self._last_call_end)
-            self._last_call_end = ended
+        self._fetch_start.assign(-time.time())  # negated: see `record_fetch`
+        counters = self._counters.numpy()
+        left = max(0.0, counters[_PRODUCED] - counters[_CONSUMED])
+        self._counters.assign_add(_slots({_ORPHANS: left - counters[_ORPHANS]}))
 
     @property
     def closed(self):
@@ -236,14 +266,13 @@ class StageStats:
         with self._lock:
             skipped = self.skipped
             messages = list(self.skipped_messages)
-            between_calls = self._between_calls
         counters = self._counters.numpy()
         return {
             "produced": int(counters[_PRODUCED]),
             "consumed": int(counters[_CONSUMED]),
             "skipped": skipped,
             "skipped_messages": messages,
-            "wait_seconds": max(0.0, float(counters[_WAIT]) - between_calls),
+            "wait_seconds": float(counters[_WAIT]),
             "busy_seconds": float(counters[_BUSY]),
             "source_seconds": float(counters[_SOURCE]),
             "buffered_sum": int(counters[_BUFFERED]),

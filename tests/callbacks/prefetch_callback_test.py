@@ -133,6 +133,43 @@ def test_slow_source_waits_more_and_is_called_input_bound(capsys):
     assert slow_cb.verdict["wait_ratio"] == slow_ratio
 
 
+class SlowGradient(keras.layers.Layer):
+    """Identity forward; its gradient takes 30 ms per batch."""
+
+    def call(self, x):
+        @tf.custom_gradient
+        def identity(t):
+            return tf.identity(t), _sleepy
+
+        return identity(x)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["backward", "callbacks"])
+def test_time_outside_the_fetch_is_not_waiting(where):
+    # A step's outputs (its loss and metrics) are ready before its backward
+    # pass ends, and Keras runs the callbacks between steps: with a source
+    # that keeps up, neither may count as waiting for input.
+    inputs = keras.Input(shape=(2,))
+    x = StagedInput(capacity=2, num_threads=1, name=f"slow_{where}")(inputs)
+    if where == "backward":
+        x = SlowGradient()(keras.layers.Dense(2)(x))
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse")
+    callbacks = [PrefetchCallback()]
+    if where == "callbacks":
+        callbacks.append(
+            keras.callbacks.LambdaCallback(
+                on_train_batch_end=lambda batch, logs: time.sleep(0.03)
+            )
+        )
+    history = model.fit(
+        _dataset(), epochs=2, verbose=0, shuffle=False, callbacks=callbacks
+    ).history
+    assert history["stage_wait_ratio"][-1] < 0.1, history
+    assert callbacks[0].verdict["input_bound"] is False
+
+
 @pytest.mark.timeout(60)
 def test_verbose_0_prints_nothing_and_logs_the_verdict_at_debug(capsys, caplog):
     cb = PrefetchCallback()

@@ -158,29 +158,3 @@ def test_slow_call_outside_an_input_wait_never_times_out():
         assert runner.call(lambda: done.wait(1.2) or "finished") == "finished"
     finally:
         assert runner.close() is True
-
-
-@pytest.mark.timeout(30)
-def test_in_step_consumer_gaps_between_calls_are_not_waiting():
-    # A consumer recording its fetches in its step marks each next fetch at
-    # the end of a call; the Python time until its next call is reported
-    # by the runner and taken out of the wait. The gap before an epoch's
-    # first call is not (that fetch's wait is not counted either: the call
-    # may trace the step, and Keras makes the epoch's iterator then).
-    stats = StageStats("unit")
-    stats.mark_request()
-    assert float(stats._fetch_start.numpy()) < 0  # first fetch: uncounted
-    stats.note_call(started=100.0, ended=101.0)
-    stats.note_call(started=101.5, ended=102.0)
-    stats.note_call(started=102.25, ended=103.0)
-    assert stats.snapshot()["wait_seconds"] == 0.0
-    # The step's marks counted 2 s of waiting, 0.75 s of them in Python.
-    stats.end_wait(tf.timestamp() - 2.0)
-    assert stats.snapshot()["wait_seconds"] == pytest.approx(1.25, abs=0.05)
-
-    # A new epoch: the gap before its first call is not taken out.
-    stats.mark_request()
-    stats.note_call(started=110.0, ended=111.0)
-    assert stats.snapshot()["wait_seconds"] == pytest.approx(1.25, abs=0.05)
-    stats.note_call(started=111.5, ended=112.0)
-    assert stats.snapshot()["wait_seconds"] == pytest.approx(0.75, abs=0.05)
