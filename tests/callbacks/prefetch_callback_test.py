@@ -318,7 +318,7 @@ def test_verdict_of_an_epoch_bound_by_the_staged_computation():
     result = verdict(_stats(), options)
     # Per batch: source 2 s / 20 = 0.1 s, staged computation 16 s / 20 =
     # 0.8 s (0.4 s with 2 threads), training (8 - 2) s / 20 = 0.3 s; threads
-    # ceil(0.8 / 0.3) = 3; capacity ceil(6 / 2) = 3.
+    # ceil(1.25 * 0.8 / 0.3) = 4 (a 25% margin); capacity ceil(6 / 2) = 3.
     assert result == {
         "input_bound": True,
         "source_bound": False,
@@ -327,13 +327,13 @@ def test_verdict_of_an_epoch_bound_by_the_staged_computation():
         "source_seconds_per_batch": 0.1,
         "prepare_seconds_per_batch": 0.8,
         "train_seconds_per_batch": pytest.approx(0.3),
-        "suggested_num_threads": 3,
+        "suggested_num_threads": 4,
         "suggested_capacity": 3,
         "message": (
             "Stage 's': input-bound, the training step waited 25% of the "
             "epoch for data; per batch: 100.0 ms to read from the source, "
             "800.0 ms of staged computation (per thread), 300.0 ms to "
-            "train. Use num_threads >= 3 (now 2) and capacity ~3 (now 4)."
+            "train. Use num_threads >= 4 (now 2) and capacity ~3 (now 4)."
         ),
     }
 
@@ -376,7 +376,8 @@ def test_verdict_of_a_compute_bound_epoch():
     assert result["input_bound"] is False
     assert result["source_bound"] is False
     assert result["suggested_num_threads"] == 1
-    assert result["suggested_capacity"] == 1  # nothing waited
+    # Nothing waited: the smallest buffer, one batch taken, one waiting.
+    assert result["suggested_capacity"] == 2
     assert result["message"] == (
         "Stage 's': compute-bound, the training step waited 0% of the epoch "
         "for data; per batch: 0.0 ms to read from the source, 50.0 ms of "
@@ -406,6 +407,12 @@ def test_verdict_threshold_and_capacity_cap():
         _stats(seconds=100.0, wait_seconds=0.5, wait_ratio=0.005), options
     )
     assert capped["suggested_capacity"] == 64
+    # ceil(8 / 16) = 1 is raised to 2.
+    floored = verdict(_stats(seconds=24.0, wait_seconds=16.0), options)
+    assert floored["suggested_capacity"] == 2
+    # Threads: preparation exactly 4x the training time gets a 25% margin.
+    margin = verdict(_stats(busy_seconds=24.0), options)
+    assert margin["suggested_num_threads"] == 5
 
 
 def test_verdict_of_an_epoch_without_batches():
@@ -423,7 +430,7 @@ def test_verdict_of_an_epoch_without_batches():
         options,
     )
     assert result["suggested_num_threads"] == 1
-    assert result["suggested_capacity"] == 1
+    assert result["suggested_capacity"] == 2
     assert result["input_bound"] is False
     assert "compute-bound" in result["message"]
 
