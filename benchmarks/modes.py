@@ -38,6 +38,7 @@ _VERDICT_KEYS = (
     "wait_ratio",
     "buffer_fill",
     "source_seconds_per_batch",
+    "delivery_seconds_per_batch",
     "prepare_seconds_per_batch",
     "train_seconds_per_batch",
     "suggested_num_threads",

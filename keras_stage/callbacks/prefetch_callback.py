@@ -24,6 +24,9 @@ _INPUT_BOUND_WAIT_RATIO = 0.1
 _THREADS_HEADROOM = 1.25
 # The smallest suggested buffer: one batch being taken while the next waits.
 _MIN_SUGGESTED_CAPACITY = 2
+# An input-bound stage whose threads would deliver a batch this many times
+# faster than it did was starved by the pipeline before it.
+_SOURCE_BOUND_FACTOR = 1.5
 _MAX_SUGGESTED_CAPACITY = 64
 
 
@@ -231,7 +234,6 @@ def epoch_statistics(before, after, seconds, options):
     produced = after["produced"] - before["produced"]
     wait = after["wait_seconds"] - before["wait_seconds"]
     busy = after["busy_seconds"] - before["busy_seconds"]
-    source = after["source_seconds"] - before["source_seconds"]
     buffered = after["buffered_sum"] - before["buffered_sum"]
     if isinstance(options.capacity, int):
         capacity = options.capacity
@@ -245,7 +247,6 @@ def epoch_statistics(before, after, seconds, options):
         "seconds": seconds,
         "wait_seconds": wait,
         "busy_seconds": busy,
-        "source_seconds": source,
         "wait_ratio": min(1.0, max(0.0, wait / seconds)),
         "buffer_fill": (
             min(1.0, buffered / (consumed * capacity)) if consumed else 0.0
@@ -259,11 +260,15 @@ def verdict(stats, options):
     The stage delivers a batch every max(source, prepare / num_threads)
     seconds: the pipeline before the stage hands it one batch at a time
     (`source`), and `num_threads` workers run the staged computation
-    (`prepare`). Input-bound runs are told which of the two to fix.
+    (`prepare`). The source's time is not measured per batch (that costs
+    the step a few percent); an input-bound stage that delivered batches
+    much slower (`_SOURCE_BOUND_FACTOR`) than its threads compute them was
+    starved by its source, whose time per batch is then the stage's pace.
+    Input-bound runs are told which of the two to fix.
     """
     produced = max(stats["produced"], 1)
     consumed = max(stats["consumed"], 1)
-    source = stats["source_seconds"] / produced
+    pace = stats["seconds"] / produced
     prepare = stats["busy_seconds"] / produced
     compute = max(stats["seconds"] - stats["wait_seconds"], 0.0) / consumed
     needed_threads = max(
@@ -283,23 +288,27 @@ def verdict(stats, options):
         if isinstance(options.num_threads, int)
         else options.resolved_pool_size()
     )
-    source_bound = source >= prepare / threads
     input_bound = stats["wait_ratio"] >= _INPUT_BOUND_WAIT_RATIO
+    source_bound = input_bound and (
+        pace >= _SOURCE_BOUND_FACTOR * prepare / threads
+    )
     name = options.name
     timing = (
-        f"per batch: {source * 1e3:.1f} ms to read from the source, "
-        f"{prepare * 1e3:.1f} ms of staged computation (per thread), "
-        f"{compute * 1e3:.1f} ms to train"
+        f"per batch: {prepare * 1e3:.1f} ms of staged computation (per "
+        f"thread), {compute * 1e3:.1f} ms to train; the stage delivered one "
+        f"every {pace * 1e3:.1f} ms"
     )
     waited = (
         f"the training step waited {stats['wait_ratio']:.0%} of the epoch "
         "for data"
     )
-    if input_bound and source_bound:
+    if source_bound:
         message = (
             f"Stage '{name}': input-bound, {waited}; {timing}. The pipeline "
             "before the stage is the bottleneck (the stage pulls from it one "
-            "batch at a time): parallelize its maps (num_parallel_calls) and "
+            f"batch at a time, and its {threads} threads could deliver one "
+            f"every {prepare / threads * 1e3:.1f} ms): parallelize its maps "
+            "(num_parallel_calls) and "
             "reads (interleave), or make that work the stage's own "
             "computation so the stage's threads run it: as layers of the "
             "model with compile(smart_stage=True), or as the `fn` of "
@@ -322,7 +331,9 @@ def verdict(stats, options):
         "source_bound": source_bound,
         "wait_ratio": stats["wait_ratio"],
         "buffer_fill": stats["buffer_fill"],
-        "source_seconds_per_batch": source,
+        # The source's time per batch when it is the bottleneck, else None.
+        "source_seconds_per_batch": pace if source_bound else None,
+        "delivery_seconds_per_batch": pace,
         "prepare_seconds_per_batch": prepare,
         "train_seconds_per_batch": compute,
         "suggested_num_threads": needed_threads,

@@ -29,7 +29,9 @@ MAX_SKIPPED_MESSAGES = 5
 # Slots of the one counter vector, float64 (counts exact up to 2**53).
 # One vector, so each side of the pipeline updates it with a single op:
 # variable ops are the costly part of a tf.data function.
-_PRODUCED, _BUSY, _SOURCE = 0, 1, 2
+_PRODUCED, _BUSY = 0, 1
+# Slot 2 is unused (it held the source's time, measured by a zip that cost
+# 2-7% of a 2.5 ms training step; see docs/engine.md).
 _CONSUMED, _WAIT, _BUFFERED = 3, 4, 5
 # Start time of the last fetch that finished. A fetch is in progress while
 # the last fetch started (a separate variable: fetches can end without
@@ -97,19 +99,16 @@ class StageStats:
             ],
         )
 
-    def count_produced(self, pulled, started):
+    def count_produced(self, started):
         """Counts one finished element; fails it if the stage was closed.
 
         Args:
-            pulled: When the stage began pulling it from its source.
             started: When the staged computation began on it.
         """
         check = self._open_check()
         with tf.control_dependencies([check]):
             busy = tf.timestamp() - started
-        return self._counters.assign_add(
-            _slots({_PRODUCED: 1, _BUSY: busy, _SOURCE: started - pulled})
-        )
+        return self._counters.assign_add(_slots({_PRODUCED: 1, _BUSY: busy}))
 
     def begin_wait(self):
         """Marks a fetch as begun; returns its start time."""
@@ -274,7 +273,6 @@ class StageStats:
             "skipped_messages": messages,
             "wait_seconds": float(counters[_WAIT]),
             "busy_seconds": float(counters[_BUSY]),
-            "source_seconds": float(counters[_SOURCE]),
             "buffered_sum": int(counters[_BUFFERED]),
             "buffered_peak": int(self._peak.numpy()),
             "time": time.time(),

@@ -225,7 +225,6 @@ def _snapshot(**counters):
         skipped_messages=[],
         wait_seconds=0.0,
         busy_seconds=0.0,
-        source_seconds=0.0,
         buffered_sum=0,
         buffered_peak=0,
         time=0.0,
@@ -240,7 +239,6 @@ BEFORE = _snapshot(
     skipped=1,
     wait_seconds=1.0,
     busy_seconds=2.0,
-    source_seconds=0.5,
     buffered_sum=10,
     buffered_peak=2,
 )
@@ -250,7 +248,6 @@ AFTER = _snapshot(
     skipped=3,
     wait_seconds=3.0,
     busy_seconds=6.0,
-    source_seconds=2.5,
     buffered_sum=50,
     buffered_peak=4,
 )
@@ -266,7 +263,6 @@ def test_epoch_statistics_are_the_differences_of_two_snapshots():
         "seconds": 8.0,
         "wait_seconds": 2.0,
         "busy_seconds": 4.0,
-        "source_seconds": 2.0,
         "wait_ratio": 0.25,  # 2 s waited of 8 s
         "buffer_fill": 0.5,  # 40 buffered over 20 fetches of 4 slots
     }
@@ -305,7 +301,6 @@ def _stats(**overrides):
         seconds=8.0,
         wait_seconds=2.0,
         busy_seconds=16.0,
-        source_seconds=2.0,
         wait_ratio=0.25,
         buffer_fill=0.5,
     )
@@ -316,48 +311,56 @@ def _stats(**overrides):
 def test_verdict_of_an_epoch_bound_by_the_staged_computation():
     options = StageOptions(capacity=4, num_threads=2, name="s")
     result = verdict(_stats(), options)
-    # Per batch: source 2 s / 20 = 0.1 s, staged computation 16 s / 20 =
-    # 0.8 s (0.4 s with 2 threads), training (8 - 2) s / 20 = 0.3 s; threads
-    # ceil(1.25 * 0.8 / 0.3) = 4 (a 25% margin); capacity ceil(6 / 2) = 3.
+    # Per batch: staged computation 16 s / 20 = 0.8 s (0.4 s with 2
+    # threads), delivered every 8 s / 20 = 0.4 s: the threads set the pace.
+    # Training (8 - 2) s / 20 = 0.3 s; threads ceil(1.25 * 0.8 / 0.3) = 4
+    # (a 25% margin); capacity ceil(6 / 2) = 3.
     assert result == {
         "input_bound": True,
         "source_bound": False,
         "wait_ratio": 0.25,
         "buffer_fill": 0.5,
-        "source_seconds_per_batch": 0.1,
+        "source_seconds_per_batch": None,
+        "delivery_seconds_per_batch": 0.4,
         "prepare_seconds_per_batch": 0.8,
         "train_seconds_per_batch": pytest.approx(0.3),
         "suggested_num_threads": 4,
         "suggested_capacity": 3,
         "message": (
             "Stage 's': input-bound, the training step waited 25% of the "
-            "epoch for data; per batch: 100.0 ms to read from the source, "
-            "800.0 ms of staged computation (per thread), 300.0 ms to "
-            "train. Use num_threads >= 4 (now 2) and capacity ~3 (now 4)."
+            "epoch for data; per batch: 800.0 ms of staged computation (per "
+            "thread), 300.0 ms to train; the stage delivered one every 400.0 "
+            "ms. Use num_threads >= 4 (now 2) and capacity ~3 (now 4)."
         ),
     }
 
 
 def test_verdict_of_an_epoch_bound_by_the_pipeline_before_the_stage():
     options = StageOptions(capacity=4, num_threads=2, name="s")
-    # Source 10 s / 20 = 0.5 s per batch, more than 0.8 s over 2 threads.
-    result = verdict(_stats(source_seconds=10.0), options)
+    # Staged computation 4 s / 20 = 0.2 s per batch, 0.1 s over 2 threads,
+    # but a batch came every 8 s / 20 = 0.4 s: the source set the pace.
+    result = verdict(_stats(busy_seconds=4.0), options)
     assert result["input_bound"] is True
     assert result["source_bound"] is True
-    assert result["source_seconds_per_batch"] == 0.5
+    assert result["source_seconds_per_batch"] == 0.4
+    assert result["delivery_seconds_per_batch"] == 0.4
     assert result["message"] == (
         "Stage 's': input-bound, the training step waited 25% of the epoch "
-        "for data; per batch: 500.0 ms to read from the source, 800.0 ms of "
-        "staged computation (per thread), 300.0 ms to train. The pipeline "
-        "before the stage is the bottleneck (the stage pulls from it one "
-        "batch at a time): parallelize its maps (num_parallel_calls) and "
-        "reads (interleave), or make that work the stage's own computation "
-        "so the stage's threads run it: as layers of the model with "
+        "for data; per batch: 200.0 ms of staged computation (per thread), "
+        "300.0 ms to train; the stage delivered one every 400.0 ms. The "
+        "pipeline before the stage is the bottleneck (the stage pulls from "
+        "it one batch at a time, and its 2 threads could deliver one every "
+        "100.0 ms): parallelize its maps (num_parallel_calls) and reads "
+        "(interleave), or make that work the stage's own computation so the "
+        "stage's threads run it: as layers of the model with "
         "compile(smart_stage=True), or as the `fn` of keras_stage.data.stage."
     )
-    # Exactly at the stage's rate counts as the source's fault.
-    at_rate = verdict(_stats(source_seconds=8.0), options)
-    assert at_rate["source_bound"] is True
+    # Delivered 1.5x slower than the threads compute counts as the source's
+    # fault; less is the threads' (their own overhead, contention).
+    at_factor = verdict(_stats(busy_seconds=32.0 / 3.0), options)
+    assert at_factor["source_bound"] is True
+    below = verdict(_stats(busy_seconds=11.0), options)
+    assert below["source_bound"] is False
 
 
 def test_verdict_of_a_compute_bound_epoch():
@@ -367,12 +370,11 @@ def test_verdict_of_a_compute_bound_epoch():
             wait_seconds=0.0,
             wait_ratio=0.0,
             busy_seconds=1.0,
-            source_seconds=0.0,
         ),
         options,
     )
-    # Source 0 ms, staged computation 1 s / 20 = 50 ms, training 8 s / 20 =
-    # 400 ms per batch.
+    # Staged computation 1 s / 20 = 50 ms, training 8 s / 20 = 400 ms per
+    # batch.
     assert result["input_bound"] is False
     assert result["source_bound"] is False
     assert result["suggested_num_threads"] == 1
@@ -380,9 +382,9 @@ def test_verdict_of_a_compute_bound_epoch():
     assert result["suggested_capacity"] == 2
     assert result["message"] == (
         "Stage 's': compute-bound, the training step waited 0% of the epoch "
-        "for data; per batch: 0.0 ms to read from the source, 50.0 ms of "
-        "staged computation (per thread), 400.0 ms to train. The input "
-        "keeps up; num_threads=1 would be enough (now auto)."
+        "for data; per batch: 50.0 ms of staged computation (per thread), "
+        "400.0 ms to train; the stage delivered one every 400.0 ms. The "
+        "input keeps up; num_threads=1 would be enough (now auto)."
     )
 
 
@@ -390,10 +392,12 @@ def test_compute_bound_verdict_ignores_a_slow_source():
     # A slow source does not matter while the training step never waits.
     options = StageOptions(capacity=4, num_threads=2, name="s")
     result = verdict(
-        _stats(wait_seconds=0.0, wait_ratio=0.0, source_seconds=10.0),
+        _stats(wait_seconds=0.0, wait_ratio=0.0, busy_seconds=1.0),
         options,
     )
     assert result["input_bound"] is False
+    assert result["source_bound"] is False
+    assert result["source_seconds_per_batch"] is None
     assert "compute-bound" in result["message"]
 
 
@@ -424,7 +428,6 @@ def test_verdict_of_an_epoch_without_batches():
             seconds=1e-9,
             wait_seconds=0.0,
             busy_seconds=0.0,
-            source_seconds=0.0,
             wait_ratio=0.0,
         ),
         options,
