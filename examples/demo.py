@@ -21,6 +21,10 @@ Modes, timed over interleaved epochs after a warm-up epoch:
   (`ReadAndParse`), fed raw text lines, and `compile(smart_stage=True)`
   moves them into the stage; the saved model keeps them.
 
+Then it trains the `seed` and `criteo` workloads of `benchmarks/` plain and
+staged (see `examples/workload_comparison.py`): what SmartStage staged, the
+PrefetchCallback verdict and the two speeds side by side.
+
 Run with `python -m examples.demo` (`make demo`); `--quick` for a short run.
 """
 
@@ -40,6 +44,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_stage  # noqa: E402
+from examples import workload_comparison  # noqa: E402
 
 BATCH_SIZE = 256
 NUM_USERS = 5000
@@ -505,6 +510,12 @@ def main(argv=None):
             indent="  ",
         )
     )
+    print(
+        "\nThe benchmark workloads seed and criteo (benchmarks/), each "
+        "model as a plain\nkeras.Model and with keras_stage's three lines, "
+        "defaults only:"
+    )
+    workload_comparison.main(["--quick"] if args.quick else [])
     return 0 if same and smart_same else 1
 
 

@@ -22,3 +22,9 @@ def test_demo_quick_runs_and_reports():
     assert "stage_wait_ratio" in out
     assert "verdict" in out
     assert "np.allclose = True" in out
+    # The benchmark workloads, plain vs staged, with plan and verdict.
+    for name in ("seed", "criteo"):
+        assert f"\n{name}: 6 batches of" in out
+    assert out.count("Stage plan:") >= 2
+    assert out.count("    plain ") == 2 and out.count("    staged ") == 2
+    assert out.count("PrefetchCallback verdict of the last staged epoch") == 2

@@ -274,11 +274,14 @@ def verdict(stats, options):
     needed_threads = max(
         1, math.ceil(_THREADS_HEADROOM * prepare / max(compute, 1e-9))
     )
-    if stats["wait_seconds"] > 0:
+    input_bound = stats["wait_ratio"] >= _INPUT_BOUND_WAIT_RATIO
+    if input_bound:
         capacity = math.ceil(
             (stats["seconds"] - stats["wait_seconds"]) / stats["wait_seconds"]
         )
     else:
+        # The input keeps up: a deeper buffer would only hold batches that
+        # wait anyway (compute / wait grows without bound as waits vanish).
         capacity = _MIN_SUGGESTED_CAPACITY
     capacity = min(
         max(capacity, _MIN_SUGGESTED_CAPACITY), _MAX_SUGGESTED_CAPACITY
@@ -288,7 +291,6 @@ def verdict(stats, options):
         if isinstance(options.num_threads, int)
         else options.resolved_pool_size()
     )
-    input_bound = stats["wait_ratio"] >= _INPUT_BOUND_WAIT_RATIO
     source_bound = input_bound and (
         pace >= _SOURCE_BOUND_FACTOR * prepare / threads
     )

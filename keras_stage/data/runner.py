@@ -125,7 +125,7 @@ class StageRunner:
         self.records_in_step = False
         # The names staging.py gives the stage's tf.data transformations.
         self._own_ops = re.compile(
-            rf"\b{re.escape(options.name)}_(pull|map|buffer|wait|fetch)\b"
+            rf"\b{re.escape(options.name)}_(map|buffer|wait|fetch)\b"
         )
 
     @property

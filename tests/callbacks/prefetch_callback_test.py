@@ -406,11 +406,21 @@ def test_verdict_threshold_and_capacity_cap():
     # Exactly 10% waiting is input-bound.
     assert verdict(_stats(wait_ratio=0.1), options)["input_bound"] is True
     assert verdict(_stats(wait_ratio=0.099), options)["input_bound"] is False
-    # ceil(99.5 / 0.5) = 199 is capped at 64.
+    # ceil(89 / 11) = 9 for an input-bound epoch.
+    ruled = verdict(
+        _stats(seconds=100.0, wait_seconds=11.0, wait_ratio=0.11), options
+    )
+    assert ruled["suggested_capacity"] == 9
+    # ceil(199.5 / 0.5) = 399 is capped at 64 (wait_ratio as given).
     capped = verdict(
-        _stats(seconds=100.0, wait_seconds=0.5, wait_ratio=0.005), options
+        _stats(seconds=200.0, wait_seconds=0.5, wait_ratio=0.1), options
     )
     assert capped["suggested_capacity"] == 64
+    # Compute-bound: compute / wait (199 here) is no guide; the minimum.
+    kept_up = verdict(
+        _stats(seconds=100.0, wait_seconds=0.5, wait_ratio=0.005), options
+    )
+    assert kept_up["suggested_capacity"] == 2
     # ceil(8 / 16) = 1 is raised to 2.
     floored = verdict(_stats(seconds=24.0, wait_seconds=16.0), options)
     assert floored["suggested_capacity"] == 2

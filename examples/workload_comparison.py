@@ -1,0 +1,111 @@
+"""The demo's second part: benchmark workloads, plain Keras vs keras_stage.
+
+Trains the `seed` and `criteo` workloads of `benchmarks/` (small sizes) as a
+plain `keras.Model` and with keras_stage's three lines (`StagedInput()`
+first, `compile(smart_stage=True)`, a `PrefetchCallback`), interleaved, and
+prints what SmartStage staged (`model.stage_summary()`), the callback's
+verdict and the two speeds side by side. `make bench` measures the same
+modes and four more, at full size, with many repetitions.
+
+Example:
+
+    python -m examples.workload_comparison --quick
+"""
+
+import argparse
+import gc
+import statistics
+import textwrap
+import time
+
+from benchmarks.modes import PlainMode, StagedMode
+from benchmarks.workloads import WORKLOADS
+
+# The demo's workloads and their sizes: (batches per epoch, timed epochs).
+NAMES = ("seed", "criteo")
+SIZES = {"full": (None, 5), "quick": (6, 1)}
+
+
+def _wrapped(text, indent="    "):
+    return textwrap.fill(
+        text, width=79, initial_indent=indent, subsequent_indent=indent
+    )
+
+
+def compare(name, quick=False, log=print):
+    """Trains workload `name` plain and staged; returns the two modes' runs.
+
+    Each mode traces its step in one untimed epoch, then the timed epochs
+    alternate between the modes so that drift hits both alike.
+    """
+    steps, reps = SIZES["quick" if quick else "full"]
+    workload = WORKLOADS[name](steps=steps or WORKLOADS[name].quick_steps)
+    modes = [PlainMode(workload), StagedMode(workload)]
+    try:
+        for mode in modes:
+            mode.setup()
+            mode.run()  # warm-up: traces the train step
+        runs = {mode.name: [] for mode in modes}
+        for _ in range(reps):
+            for mode in modes:
+                runs[mode.name].append(mode.run())
+                gc.collect()
+        staged = modes[1]
+        return {
+            "workload": workload,
+            "runs": runs,
+            "summary": _summary(staged.model),
+            "verdict": staged.prefetch.verdict,
+        }
+    finally:
+        for mode in modes:
+            mode.close()
+        workload.close()
+
+
+def _summary(model):
+    lines = []
+    model.stage_summary(
+        print_fn=lambda line, **_: lines.append(line), line_length=75
+    )
+    return "\n".join(lines)
+
+
+def report(result, log=print):
+    """Prints one workload's plan, speeds and verdict."""
+    workload = result["workload"]
+    log(f"\n{workload.name}: {workload.steps} batches of {workload.batch_size}")
+    log(_wrapped(workload.description, indent="  "))
+    log("  What smart_stage=True staged, from model.stage_summary():")
+    log(textwrap.indent(result["summary"], "    "))
+    speeds = {
+        mode: [r["steps"] / r["seconds"] for r in reps]
+        for mode, reps in result["runs"].items()
+    }
+    plain = statistics.median(speeds["plain"])
+    log("  Training steps per second (median, min-max of the timed epochs):")
+    log(f"    {'mode':8s} {'steps/s':>8s} {'min-max':>15s} {'vs plain':>9s}")
+    for mode, values in speeds.items():
+        median = statistics.median(values)
+        spread = f"{min(values):.1f}-{max(values):.1f}"
+        log(f"    {mode:8s} {median:8.1f} {spread:>15s} {median / plain:8.2f}x")
+    verdict = result["verdict"] or {}
+    log("  PrefetchCallback verdict of the last staged epoch:")
+    log(_wrapped(verdict.get("message", "(none)")))
+
+
+def main(argv=None, log=print):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="a short run (smoke test)"
+    )
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    for name in NAMES:
+        report(compare(name, quick=args.quick), log=log)
+    log(f"\n({time.perf_counter() - started:.0f} s; full figures: make bench)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
