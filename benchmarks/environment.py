@@ -43,7 +43,15 @@ def describe():
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
         usable = os.cpu_count()
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    # Results files rewritten by earlier runs do not change what is measured.
+    status = _git(
+        "status",
+        "--porcelain",
+        "--untracked-files=no",
+        "--",
+        ".",
+        ":(exclude)benchmarks/results",
+    )
     threading = tf.config.threading
     return {
         "python": platform.python_version(),
