@@ -30,9 +30,12 @@ class StagedData:
         self.split = split
         # The structure of the data before the stage (the model's inputs).
         self.element_spec = element_spec
-        # Whether the compiled step records the fetches (see StageStats).
-        self.in_step = in_step
         staged.runner.records_in_step = in_step
+
+    @property
+    def in_step(self):
+        """Whether the compiled step records the fetches (see StageStats)."""
+        return self.staged.runner.records_in_step
 
     @property
     def pipeline(self):

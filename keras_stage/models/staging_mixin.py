@@ -651,14 +651,14 @@ class StagingMixin:
                     **kwargs,
                 )
         finally:
-            if outer_runner is None:
-                state.runners.pop("test", None)
-            else:
-                state.runners["test"] = outer_runner
-            if outer_recording is None:
-                state.recording.pop("test", None)
-            else:
-                state.recording["test"] = outer_recording
+            for bindings, outer in (
+                (state.runners, outer_runner),
+                (state.recording, outer_recording),
+            ):
+                if outer is None:
+                    bindings.pop("test", None)
+                else:
+                    bindings["test"] = outer
             prefetch.close()
 
     def predict(
