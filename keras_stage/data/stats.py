@@ -30,18 +30,16 @@ MAX_SKIPPED_MESSAGES = 5
 # One vector, so each side of the pipeline updates it with a single op:
 # variable ops are the costly part of a tf.data function.
 _PRODUCED, _BUSY = 0, 1
-# Slot 2 is unused (it held the source's time, measured by a zip that cost
-# 2-7% of a 2.5 ms training step; see docs/engine.md).
-_CONSUMED, _WAIT, _BUFFERED = 3, 4, 5
+_CONSUMED, _WAIT, _BUFFERED = 2, 3, 4
 # Start time of the last fetch that finished. A fetch is in progress while
 # the last fetch started (a separate variable: fetches can end without
 # finishing, at the end of the data or on an error) is later than this.
-_DONE_FETCH = 6
+_DONE_FETCH = 5
 # Consumers recording in their step: the usual time from a step's end to
 # the arrival of a batch that was ready, and the elements produced but left
 # in the buffers of iterators dropped before an epoch began.
-_BASELINE, _ORPHANS = 7, 8
-_SLOTS = 9
+_BASELINE, _ORPHANS = 6, 7
+_SLOTS = 8
 # Weight of one ready fetch in the moving baseline.
 _BASELINE_WEIGHT = 0.1
 
