@@ -271,17 +271,30 @@ def stage(
         deterministic=deterministic,
         name=_default_name() if name is None else name,
     )
-    stats = StageStats(options.name, track_peak=options.capacity == AUTO)
-    return build_stage(dataset, fn, options, stats)
+    return build_stage(dataset, fn, options)
 
 
-def build_stage(dataset, fn, options, stats):
+def new_stats(options, name=None):
+    """Fresh `StageStats` for a stage with `options`, named `name`.
+
+    `"auto"` buffers also track their largest fill, to scale the fill.
+    """
+    return StageStats(
+        options.name if name is None else name,
+        track_peak=options.capacity == AUTO,
+    )
+
+
+def build_stage(dataset, fn, options, stats=None):
     """`stage()` with validated `StageOptions` and the `StageStats` to use.
 
     A consumer whose compiled step records the fetches itself keeps one
     `StageStats` across the stages it consumes (the step captures its
-    variables when traced), and builds each stage with it.
+    variables when traced), and builds each stage with it; `None` makes
+    new ones.
     """
+    if stats is None:
+        stats = new_stats(options)
     lean, measured = _build_pipeline(dataset, fn, options, stats)
     return StagedDataset(measured, options, stats, lean_pipeline=lean)
 

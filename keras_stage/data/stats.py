@@ -114,18 +114,10 @@ class StageStats:
         with tf.control_dependencies([self._fetch_start.assign(now)]):
             return tf.identity(now)
 
-    def end_wait(self, started, counted=True):
-        """Records a finished fetch that began at `started`.
-
-        Args:
-            started: When the fetch began.
-            counted: Whether its wait counts (a scalar bool tensor or
-                Python bool). Defaults to `True`.
-        """
+    def end_wait(self, started):
+        """Records a finished fetch that began at `started`."""
         counters = self._counters.read_value()
         waited = tf.timestamp() - started
-        if counted is not True:
-            waited = tf.where(counted, waited, tf.zeros_like(waited))
         return self._record_fetch(counters, started, waited)
 
     def _buffered(self, counters):

@@ -14,8 +14,7 @@ import keras
 import tensorflow as tf
 
 from keras_stage.data.options import AUTO, StageOptions
-from keras_stage.data.staging import build_stage
-from keras_stage.data.stats import StageStats
+from keras_stage.data.staging import build_stage, new_stats
 
 
 def _exception_to_name(cls):
@@ -169,14 +168,11 @@ class StagedInput(keras.layers.Layer):
         """
         config = self.stage_options.get_config()
         config["name"] = name or self.stage_options.name
-        options = StageOptions(**config)
-        if stats is None:
-            stats = self.new_stats(options.name)
-        return build_stage(dataset, fn, options, stats)
+        return build_stage(dataset, fn, StageOptions(**config), stats)
 
     def new_stats(self, name):
         """Fresh `StageStats` for a stage of this layer named `name`."""
-        return StageStats(name, track_peak=self.stage_options.capacity == AUTO)
+        return new_stats(self.stage_options, name)
 
     def get_config(self):
         config = super().get_config()
