@@ -27,7 +27,7 @@ def _default_name():
     return f"stage_{next(_name_counter)}"
 
 
-def _build_pipeline(dataset, fn, options, stats):
+def _build_pipeline(dataset, fn, options, stats, gate):
     """The stage's pipelines: `(lean, measured)`.
 
     `lean` runs the staged computation and buffers it; `measured` adds the
@@ -48,13 +48,18 @@ def _build_pipeline(dataset, fn, options, stats):
 
     def produce(*args):
         element = args if unpacked else args[0]
+        if fn is None:
+            # tf.data runs a function's stateful ops whether or not the
+            # element depends on them.
+            stats.count_produced(None, gate)
+            return element
         started = tf.timestamp()
         with tf.control_dependencies([started]):
-            out = element if fn is None else fn(element)
+            out = fn(element)
         # Count only elements whose computation finished; tf.data runs the
         # counter op with the map (no identity ops are needed to keep it).
         with tf.control_dependencies(tf.nest.flatten(out, True)):
-            stats.count_produced(started)
+            stats.count_produced(started, gate)
         return out
 
     # No timestamp is taken before each pull from the source: that needs a
@@ -111,12 +116,12 @@ class StagedDataset(tf.data.Dataset):
     errors still surface with their original types.
     """
 
-    def __init__(self, pipeline, options, stats, lean_pipeline=None):
+    def __init__(self, pipeline, options, stats, lean_pipeline=None, gate=None):
         self._pipeline = pipeline
         self._lean_pipeline = lean_pipeline
         self.stage_options = options
         self.stats = stats
-        self.runner = StageRunner(options, stats)
+        self.runner = StageRunner(options, stats, gate=gate)
         super().__init__(_compat.dataset_variant(pipeline))
         _live_stages.add(self)
         # A stage iterated without close() still ends its helper thread.
@@ -159,7 +164,11 @@ class StagedDataset(tf.data.Dataset):
         return StageIterator(self)
 
     def close(self, timeout=5.0):
-        """Stops the stage's helper thread; True if none is left behind."""
+        """Stops the stage; True if no helper thread is left behind.
+
+        The stage can be iterated again afterwards (with a new helper
+        thread); `runner.close_gate()` ends it for good.
+        """
         return self.runner.close(timeout)
 
 
@@ -295,8 +304,15 @@ def build_stage(dataset, fn, options, stats=None):
     """
     if stats is None:
         stats = new_stats(options)
-    lean, measured = _build_pipeline(dataset, fn, options, stats)
-    return StagedDataset(measured, options, stats, lean_pipeline=lean)
+    # Open until the stage is closed. Per pipeline, not per stats: a
+    # consumer's stats outlive its calls, and an iterator of an ended call
+    # (kept alive by a traceback, say) must stop counting in them.
+    with tf.init_scope(), tf.device("/CPU:0"):
+        gate = tf.Variable(True, trainable=False, name=f"{options.name}_open")
+    lean, measured = _build_pipeline(dataset, fn, options, stats, gate)
+    return StagedDataset(
+        measured, options, stats, lean_pipeline=lean, gate=gate
+    )
 
 
 def live_stages():

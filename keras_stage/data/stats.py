@@ -97,16 +97,33 @@ class StageStats:
             ],
         )
 
-    def count_produced(self, started):
-        """Counts one finished element; fails it if the stage was closed.
+    def count_produced(self, started, gate):
+        """Counts one finished element; fails it if its pipeline was closed.
 
         Args:
-            started: When the staged computation began on it.
+            started: When the staged computation began on it, or None for
+                a stage with nothing to compute (no busy time, two ops
+                fewer per element).
+            gate: The pipeline's boolean variable, False once it is closed
+                (see `staging.build_stage`): an iterator a finished call
+                left alive must not count its elements in stats the next
+                call's iterator shares, nor deliver them late.
         """
-        check = self._open_check()
+        check = tf.debugging.Assert(
+            gate,
+            [
+                f"Stage '{self.name}' was closed (its call ended or it timed "
+                "out); its late element is dropped. Build a new stage to "
+                "retry."
+            ],
+        )
         with tf.control_dependencies([check]):
+            if started is None:
+                return self._counters.assign_add(_slots({_PRODUCED: 1}))
             busy = tf.timestamp() - started
-        return self._counters.assign_add(_slots({_PRODUCED: 1, _BUSY: busy}))
+            return self._counters.assign_add(
+                _slots({_PRODUCED: 1, _BUSY: busy})
+            )
 
     def begin_wait(self):
         """Marks a fetch as begun; returns its start time."""
@@ -163,6 +180,10 @@ class StageStats:
         an epoch may also trace the step, so that fetch's wait is not
         counted (its timeout still is). Fails if the stage was closed, so a
         late element never trains a step.
+
+        Returns:
+            The number of finished elements this fetch left in the buffer:
+            that many more fetches cannot block on the stage.
         """
         leaves = tf.nest.flatten(element, expand_composites=True)
         with tf.control_dependencies(leaves):
@@ -188,9 +209,11 @@ class StageStats:
         moved = tf.where(
             tf.logical_and(marked > zero, ready), learnt - baseline, zero
         )
-        return self._record_fetch(
+        update = self._record_fetch(
             counters, started, waited, extra={_BASELINE: moved}
         )
+        with tf.control_dependencies([update]):
+            return tf.identity(self._buffered(counters))
 
     def record_step_end(self, outputs):
         """Marks, at the end of a step, that the next fetch begins.

@@ -22,10 +22,18 @@ class StagedData:
     """A staged dataset and the Keras adapter whose epochs feed it."""
 
     def __init__(
-        self, staged, adapter, split=None, element_spec=None, in_step=False
+        self,
+        staged,
+        adapter,
+        split=None,
+        element_spec=None,
+        in_step=False,
+        owned=True,
     ):
         self.staged = staged
         self.adapter = adapter
+        # Built for this call (not the user's own staged dataset).
+        self.owned = owned
         # The SmartStage split whose prefix the stage runs, or None.
         self.split = split
         # The structure of the data before the stage (the model's inputs).
@@ -36,6 +44,16 @@ class StagedData:
     def in_step(self):
         """Whether the compiled step records the fetches (see StageStats)."""
         return self.staged.runner.records_in_step
+
+    def end_call(self):
+        """Drops what iterators of a stage built for the ended call still make.
+
+        Keras may leave such an iterator alive (a traceback holds it); its
+        late elements must not count in the stats the next call shares.
+        A user's own staged dataset stays usable.
+        """
+        if self.owned:
+            self.staged.runner.close_gate()
 
     @property
     def pipeline(self):
@@ -88,7 +106,7 @@ def stage_data(
                 "step for this call.",
                 x.name,
             )
-        return StagedData(x, None)
+        return StagedData(x, None, owned=False)
     adapter = _compat.get_data_adapter(
         x=x,
         y=y,

@@ -41,6 +41,9 @@ from keras_stage.planner.state_access import all_layers
 logger = logging.getLogger("keras_stage")
 
 _SMART_STAGE_VALUES = (True, False)
+# The log key under which a staged step returns how many finished elements
+# its fetch left buffered (taken out before Keras sees the logs).
+_AHEAD_KEY = "_keras_stage_ahead"
 # Keras's compiled steps, by the phase keras_stage stages for them.
 _FUNCTIONS = {
     "train": "train_function",
@@ -126,10 +129,15 @@ def _guard(model, phase, function):
     def guarded(iterator):
         runner = _state(model).runners.get(phase)
         if runner is None:
-            return function(iterator)
+            return _without_ahead(function(iterator))
         while True:
+            ready = runner.is_ready(iterator, model.steps_per_execution)
+            runner.forget_ahead()  # known again only after a call returns
             try:
-                return runner.call(function, iterator, check_origin=True)
+                outputs = runner.call(
+                    function, iterator, check_origin=True, ready=ready
+                )
+                return _take_ahead(runner, iterator, outputs)
             except SkipElement:
                 continue
             except EndOfData:
@@ -202,13 +210,37 @@ def _step_stats(model, layer, phase):
 
 
 def _recorded_step(model, phase, step, data):
-    """Runs `step(data)`, recording its fetch where `phase` records."""
+    """Runs `step(data)`, recording its fetch where `phase` records.
+
+    Train and test steps also return, under `_AHEAD_KEY`, how many finished
+    elements the fetch left buffered; `_guard` takes it out of the logs.
+    """
     stats = _state(model).recording.get(phase)
     if stats is None:
         return step(data)
-    stats.record_fetch(data)
+    ahead = stats.record_fetch(data)
     outputs = step(data)
     stats.record_step_end(outputs)
+    if phase != "predict" and isinstance(outputs, dict):
+        outputs = {**outputs, _AHEAD_KEY: ahead}
+    return outputs
+
+
+def _take_ahead(runner, iterator, outputs):
+    """Removes `_AHEAD_KEY` from a step's logs, noting it in `runner`.
+
+    Its next call then skips the timeout's thread hand-off when every batch
+    it fetches is already buffered.
+    """
+    if isinstance(outputs, dict) and _AHEAD_KEY in outputs:
+        outputs = dict(outputs)
+        runner.note_ahead(iterator, float(outputs.pop(_AHEAD_KEY)))
+    return outputs
+
+
+def _without_ahead(outputs):
+    if isinstance(outputs, dict) and _AHEAD_KEY in outputs:
+        outputs = {k: v for k, v in outputs.items() if k != _AHEAD_KEY}
     return outputs
 
 
@@ -301,6 +333,15 @@ def _build_for_strategy(model, data):
     ):
         with strategy.scope():
             _compat.symbolic_build(model, data.element_spec)
+
+
+def _end_call(prefetch, built):
+    """Ends a fit/evaluate/predict call: its stages and their threads."""
+    try:
+        for data in built:
+            data.end_call()
+    finally:
+        prefetch.close()
 
 
 def _with_prefetch_callback(callbacks):
@@ -536,6 +577,7 @@ class StagingMixin:
             )
         callbacks, prefetch = _with_prefetch_callback(callbacks)
         state = _state(self)
+        built = []
         try:
             train = stage_data(
                 layer,
@@ -550,6 +592,7 @@ class StagingMixin:
                 split=split,
                 stats=_step_stats(self, layer, "train"),
             )
+            built.append(train)
             _bind(prefetch, state, "train", train)
             val_pipeline, val_split = None, None
             if validation_data is not None:
@@ -567,6 +610,7 @@ class StagingMixin:
                     split=split,
                     stats=_step_stats(self, layer, "test"),
                 )
+                built.append(val)
                 _bind(prefetch, state, "test", val)
                 val_pipeline, val_split = val.pipeline, val.split
             _build_for_strategy(self, train)
@@ -590,7 +634,7 @@ class StagingMixin:
         finally:
             state.runners.clear()
             state.recording.clear()
-            prefetch.close()
+            _end_call(prefetch, built)
 
     def evaluate(
         self,
@@ -624,6 +668,7 @@ class StagingMixin:
         # the fit's validation stage, restored afterwards.
         outer_runner = state.runners.get("test")
         outer_recording = state.recording.get("test")
+        built = []
         try:
             test = stage_data(
                 layer,
@@ -636,6 +681,7 @@ class StagingMixin:
                 split=split,
                 stats=_step_stats(self, layer, "test"),
             )
+            built.append(test)
             _bind(prefetch, state, "test", test)
             _build_for_strategy(self, test)
             with (
@@ -659,7 +705,7 @@ class StagingMixin:
                     bindings.pop("test", None)
                 else:
                     bindings["test"] = outer
-            prefetch.close()
+            _end_call(prefetch, built)
 
     def predict(
         self, x, batch_size=None, verbose="auto", steps=None, callbacks=None
@@ -674,6 +720,7 @@ class StagingMixin:
                 callbacks=callbacks,
             )
         callbacks, prefetch = _with_prefetch_callback(callbacks)
+        built = []
         try:
             data = stage_data(
                 layer,
@@ -683,6 +730,7 @@ class StagingMixin:
                 steps=steps,
                 split=split,
             )
+            built.append(data)
             prefetch.attach("predict", data.staged, data.adapter)
             # Keras fetches predict batches in Python: the staged dataset's
             # own iterator applies the stage's policies there.
@@ -694,4 +742,4 @@ class StagingMixin:
                     callbacks=callbacks,
                 )
         finally:
-            prefetch.close()
+            _end_call(prefetch, built)

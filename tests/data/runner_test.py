@@ -158,3 +158,42 @@ def test_slow_call_outside_an_input_wait_never_times_out():
         assert runner.call(lambda: done.wait(1.2) or "finished") == "finished"
     finally:
         assert runner.close() is True
+
+
+@pytest.mark.timeout(30)
+def test_ready_call_runs_in_the_caller_thread_without_timeout():
+    # A call whose fetches are all buffered cannot wait on the stage: it
+    # skips the hand-off to the helper thread.
+    runner = _runner(timeout=5.0)
+    caller = threading.get_ident()
+    assert runner.call(threading.get_ident, ready=True) == caller
+    assert runner.call(threading.get_ident) != caller
+    assert runner.close() is True
+
+
+class _Iterator:
+    """Stands in for a tf.data iterator (weakly referable)."""
+
+
+def test_ahead_count_is_tied_to_its_iterator_and_the_fetches_asked():
+    runner = _runner(timeout=5.0)
+    first, second = _Iterator(), _Iterator()
+    assert not runner.is_ready(first, 1)
+    runner.note_ahead(first, 3.0)
+    assert runner.is_ready(first, 1)
+    assert runner.is_ready(first, 3)
+    # A call of steps_per_execution=4 fetches more than are buffered.
+    assert not runner.is_ready(first, 4)
+    # A new epoch's iterator starts with an empty buffer.
+    assert not runner.is_ready(second, 1)
+    runner.forget_ahead()
+    assert not runner.is_ready(first, 1)
+    # A dropped iterator's count is never reused by another at its address.
+    runner.note_ahead(first, 3.0)
+    del first
+    assert not runner.is_ready(_Iterator(), 1)
+    # Closing the gate forgets it too.
+    runner.note_ahead(second, 3.0)
+    runner.close_gate()
+    assert not runner.is_ready(second, 1)
+    assert runner.close() is True

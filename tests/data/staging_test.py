@@ -684,6 +684,41 @@ def test_stage_dropped_without_close_leaves_no_thread():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("fn", [None, lambda x: x + 1], ids=["none", "fn"])
+def test_closed_gate_drops_elements_finished_afterwards(fn):
+    # An iterator a finished call left alive must stop counting in (and
+    # delivering from) its stage: its late elements fail instead.
+    staged = stage(
+        tf.data.Dataset.range(1000), fn, capacity=1, num_threads=1, name="gate"
+    )
+    iterator = iter(staged)
+    next(iterator)
+    staged.runner.close_gate()
+    delivered = 0
+    with pytest.raises(tf.errors.InvalidArgumentError, match="was closed"):
+        for _ in range(10):
+            next(iterator)
+            delivered += 1
+    # Only what was finished before the gate closed still arrives: the
+    # buffer (capacity 1) and the element being produced.
+    assert delivered <= 2
+    produced = staged.stats.snapshot()["produced"]
+    assert produced <= 3
+    assert staged.close() is True
+
+
+@pytest.mark.timeout(60)
+def test_close_keeps_a_stage_usable():
+    # close() ends the helper thread; a user's stage can be read again
+    # (Keras calls close it after each fit that reads it).
+    staged = stage(tf.data.Dataset.range(3), lambda x: x * 2, name="again")
+    assert _ints(staged) == [0, 2, 4]
+    assert staged.close() is True
+    assert _ints(staged) == [0, 2, 4]
+    assert staged.close() is True
+
+
+@pytest.mark.timeout(60)
 def test_two_iterators_interleaved():
     staged = stage(tf.data.Dataset.range(5), lambda x: x * 10)
     first, second = iter(staged), iter(staged)

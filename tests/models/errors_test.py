@@ -343,6 +343,21 @@ def test_thread_left_by_a_timeout_ends_when_the_source_unblocks(release):
     assert {t.name for t in stage_threads() - before} == set()
 
 
+@pytest.mark.timeout(60)
+def test_timeout_fires_once_the_buffered_batches_are_used(release):
+    # Steps that find their batch buffered skip the timeout's hand-off; the
+    # first step that may wait must still be watched.
+    model = _model(name="hang", timeout=1.0, capacity=4, num_threads=1)
+    started = time.monotonic()
+    with pytest.raises(StageTimeoutError, match="Stage 'hang_train'"):
+        model.fit(
+            _hanging_dataset(release, hang_at=8, batches=12),
+            verbose=0,
+            shuffle=False,
+        )
+    assert time.monotonic() - started < 30
+
+
 # -- argument checks -------------------------------------------------------
 
 

@@ -7,15 +7,19 @@ PrefetchCallback is wired in first, and the next call works.
 
 import gc
 import threading
+import time
 
 import keras
 import numpy as np
 import psutil
 import pytest
+import tensorflow as tf
 
 import keras_stage
 from keras_stage.callbacks import PrefetchCallback
+from keras_stage.data import runner as runner_module
 from keras_stage.layers import StagedInput
+from keras_stage.models import staging_mixin
 from tests.helpers import stage_threads
 
 STAGE_KEYS = ("stage_wait_ratio", "stage_buffer_fill", "stage_skipped")
@@ -246,3 +250,92 @@ def test_error_in_evaluate_and_predict_callbacks_closes_the_stage():
 
     assert np.isfinite(model.evaluate(X, Y, batch_size=4, verbose=0))
     assert model.predict(X, batch_size=4, verbose=0).shape == (16, 1)
+
+
+# -- the timeout's hand-off ------------------------------------------------
+
+
+class _BatchLogsSpy(keras.callbacks.Callback):
+    """Records the keys of every batch's logs."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys = set()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.keys |= set(logs)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.keys |= set(logs)
+
+
+@pytest.mark.timeout(120)
+def test_steps_with_buffered_batches_skip_the_timeout_hand_off(monkeypatch):
+    # A step whose batch is already buffered cannot wait on the stage, so
+    # it runs in the caller's thread: only steps that may wait pay for the
+    # hand-off to the helper thread that enforces the timeout.
+    submitted = []
+    submit = runner_module._CallThread.submit
+
+    def counting_submit(self, fn, args):
+        submitted.append(fn)
+        return submit(self, fn, args)
+
+    monkeypatch.setattr(runner_module._CallThread, "submit", counting_submit)
+    x = np.tile(X, (16, 1))
+    y = x.sum(axis=1, keepdims=True)
+    model = _staged_model()
+    spy = _BatchLogsSpy()
+    history = model.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=2,
+        verbose=0,
+        validation_data=(x, y),
+        callbacks=[spy],
+    ).history
+    steps = 2 * 2 * len(x) // 4  # train and validation, two epochs
+    assert 0 < len(submitted) < steps // 2, (
+        f"{len(submitted)} of {steps} steps were handed off"
+    )
+    # The buffered count travels in the step's logs; no one else sees it.
+    assert not [k for k in spy.keys | set(history) if "keras_stage" in k]
+    assert set(history) >= {"loss", "val_loss"}
+
+
+def _slow_source(batches=10**6):
+    def slow(i):
+        time.sleep(0.01)
+        return i
+
+    ids = tf.data.Dataset.range(batches).map(
+        lambda i: tf.ensure_shape(tf.py_function(slow, [i], tf.int64), ())
+    )
+    return ids.map(
+        lambda i: (tf.ones((4, 2)) * tf.cast(i, tf.float32), tf.ones((4, 1)))
+    )
+
+
+@pytest.mark.timeout(120)
+def test_iterator_kept_alive_by_a_failed_fit_stops_counting():
+    # A traceback holds the failed fit's frames, and with them Keras's
+    # iterator of the stage: its elements must not keep counting in the
+    # stats the model's next fit records in.
+    inputs = keras.Input(shape=(2,))
+    x = StagedInput(capacity=32, num_threads=1, name="kept")(inputs)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(RuntimeError) as info:
+        model.fit(
+            _slow_source(),
+            steps_per_epoch=10,
+            shuffle=False,
+            verbose=0,
+            callbacks=[_RaiseAt(batch=2)],
+        )
+    assert info.traceback  # the frames, and Keras's iterator, stay alive
+    stats = staging_mixin._state(model).step_stats["train"]
+    produced = stats.snapshot()["produced"]
+    time.sleep(0.6)  # time for 60 more elements, were it still running
+    assert stats.snapshot()["produced"] <= produced + 2
