@@ -49,9 +49,6 @@ class _Binding:
                 # The compiled step marks each next fetch at its end; the
                 # epoch's first fetch begins now.
                 self.staged.stats.mark_request()
-                # Its buffer count predates the discount of dropped
-                # iterators' elements: the first call takes no shortcut.
-                self.staged.runner.forget_ahead()
             self.skipped_before = self.staged.stats.snapshot()["skipped"]
         self.in_epoch = True
 

@@ -17,7 +17,6 @@ import logging
 import re
 import threading
 import time
-import weakref
 
 import tensorflow as tf
 
@@ -122,9 +121,6 @@ class StageRunner:
         self.stats = stats
         self._gate = gate
         self._caller = None
-        # (weak reference to an iterator, finished elements its buffer
-        # held after the last call): see `note_ahead`.
-        self._ahead = None
         self._abandoned = []
         # Set by a consumer that records its fetches in its own step (see
         # `StageStats.record_fetch`): its wait clock starts at the end of
@@ -153,14 +149,11 @@ class StageRunner:
             or "IteratorGetNext" in message
         )
 
-    def call(self, fn, *args, check_origin=False, ready=False):
+    def call(self, fn, *args, check_origin=False):
         """Runs `fn(*args)` under the stage's policies.
 
         With `check_origin`, errors not raised by the stage's pipeline (see
-        `raised_by_stage`) pass through untouched. With `ready`, the caller
-        knows every element `fn` fetches is already buffered: it cannot wait
-        on the stage, so it runs in the caller's thread with no timeout
-        (the hand-off to the helper thread cost 1-2% of a 2.5 ms step).
+        `raised_by_stage`) pass through untouched.
 
         Raises:
             SkipElement: the element failed with an ignored exception type.
@@ -170,7 +163,7 @@ class StageRunner:
         """
         started = time.time()
         try:
-            if self.options.timeout is None or ready:
+            if self.options.timeout is None:
                 return fn(*args)
             return self._call_with_timeout(fn, args, started)
         except StageTimeoutError:
@@ -230,34 +223,8 @@ class StageRunner:
             "take this long."
         )
 
-    # -- knowing a call cannot wait ------------------------------------------
-
-    def note_ahead(self, iterator, buffered):
-        """Records that `buffered` finished elements wait in `iterator`.
-
-        A consumer that records its fetches in its step (see
-        `StageStats.record_fetch`) learns after each call how many finished
-        elements its last fetch left buffered. Only the consumer removes
-        them, so its next call can take that many without waiting.
-        """
-        try:
-            self._ahead = (weakref.ref(iterator), buffered)
-        except TypeError:  # not weakly referable: never assume ready
-            self._ahead = None
-
-    def forget_ahead(self):
-        self._ahead = None
-
-    def is_ready(self, iterator, fetches):
-        """Whether `fetches` fetches from `iterator` cannot wait (see above)."""
-        if self._ahead is None:
-            return False
-        ref, buffered = self._ahead
-        return ref() is iterator and buffered >= fetches
-
     def close_gate(self):
         """Makes elements the pipeline finishes from now on fail."""
-        self.forget_ahead()
         if self._gate is not None:
             self._gate.assign(False)
 

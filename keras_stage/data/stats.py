@@ -180,10 +180,6 @@ class StageStats:
         an epoch may also trace the step, so that fetch's wait is not
         counted (its timeout still is). Fails if the stage was closed, so a
         late element never trains a step.
-
-        Returns:
-            The number of finished elements this fetch left in the buffer:
-            that many more fetches cannot block on the stage.
         """
         leaves = tf.nest.flatten(element, expand_composites=True)
         with tf.control_dependencies(leaves):
@@ -209,11 +205,9 @@ class StageStats:
         moved = tf.where(
             tf.logical_and(marked > zero, ready), learnt - baseline, zero
         )
-        update = self._record_fetch(
+        return self._record_fetch(
             counters, started, waited, extra={_BASELINE: moved}
         )
-        with tf.control_dependencies([update]):
-            return tf.identity(self._buffered(counters))
 
     def record_step_end(self, outputs):
         """Marks, at the end of a step, that the next fetch begins.

@@ -41,9 +41,6 @@ from keras_stage.planner.state_access import all_layers
 logger = logging.getLogger("keras_stage")
 
 _SMART_STAGE_VALUES = (True, False)
-# The log key under which a staged step returns how many finished elements
-# its fetch left buffered (taken out before Keras sees the logs).
-_AHEAD_KEY = "_keras_stage_ahead"
 # Keras's compiled steps, by the phase keras_stage stages for them.
 _FUNCTIONS = {
     "train": "train_function",
@@ -129,15 +126,10 @@ def _guard(model, phase, function):
     def guarded(iterator):
         runner = _state(model).runners.get(phase)
         if runner is None:
-            return _without_ahead(function(iterator))
+            return function(iterator)
         while True:
-            ready = runner.is_ready(iterator, model.steps_per_execution)
-            runner.forget_ahead()  # known again only after a call returns
             try:
-                outputs = runner.call(
-                    function, iterator, check_origin=True, ready=ready
-                )
-                return _take_ahead(runner, iterator, outputs)
+                return runner.call(function, iterator, check_origin=True)
             except SkipElement:
                 continue
             except EndOfData:
@@ -210,37 +202,13 @@ def _step_stats(model, layer, phase):
 
 
 def _recorded_step(model, phase, step, data):
-    """Runs `step(data)`, recording its fetch where `phase` records.
-
-    Train and test steps also return, under `_AHEAD_KEY`, how many finished
-    elements the fetch left buffered; `_guard` takes it out of the logs.
-    """
+    """Runs `step(data)`, recording its fetch where `phase` records."""
     stats = _state(model).recording.get(phase)
     if stats is None:
         return step(data)
-    ahead = stats.record_fetch(data)
+    stats.record_fetch(data)
     outputs = step(data)
     stats.record_step_end(outputs)
-    if phase != "predict" and isinstance(outputs, dict):
-        outputs = {**outputs, _AHEAD_KEY: ahead}
-    return outputs
-
-
-def _take_ahead(runner, iterator, outputs):
-    """Removes `_AHEAD_KEY` from a step's logs, noting it in `runner`.
-
-    Its next call then skips the timeout's thread hand-off when every batch
-    it fetches is already buffered.
-    """
-    if isinstance(outputs, dict) and _AHEAD_KEY in outputs:
-        outputs = dict(outputs)
-        runner.note_ahead(iterator, float(outputs.pop(_AHEAD_KEY)))
-    return outputs
-
-
-def _without_ahead(outputs):
-    if isinstance(outputs, dict) and _AHEAD_KEY in outputs:
-        outputs = {k: v for k, v in outputs.items() if k != _AHEAD_KEY}
     return outputs
 
 

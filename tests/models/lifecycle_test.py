@@ -17,7 +17,6 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage.callbacks import PrefetchCallback
-from keras_stage.data import runner as runner_module
 from keras_stage.layers import StagedInput
 from keras_stage.models import staging_mixin
 from tests.helpers import stage_threads
@@ -252,56 +251,7 @@ def test_error_in_evaluate_and_predict_callbacks_closes_the_stage():
     assert model.predict(X, batch_size=4, verbose=0).shape == (16, 1)
 
 
-# -- the timeout's hand-off ------------------------------------------------
-
-
-class _BatchLogsSpy(keras.callbacks.Callback):
-    """Records the keys of every batch's logs."""
-
-    def __init__(self):
-        super().__init__()
-        self.keys = set()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.keys |= set(logs)
-
-    def on_test_batch_end(self, batch, logs=None):
-        self.keys |= set(logs)
-
-
-@pytest.mark.timeout(120)
-def test_steps_with_buffered_batches_skip_the_timeout_hand_off(monkeypatch):
-    # A step whose batch is already buffered cannot wait on the stage, so
-    # it runs in the caller's thread: only steps that may wait pay for the
-    # hand-off to the helper thread that enforces the timeout.
-    submitted = []
-    submit = runner_module._CallThread.submit
-
-    def counting_submit(self, fn, args):
-        submitted.append(fn)
-        return submit(self, fn, args)
-
-    monkeypatch.setattr(runner_module._CallThread, "submit", counting_submit)
-    x = np.tile(X, (16, 1))
-    y = x.sum(axis=1, keepdims=True)
-    model = _staged_model()
-    spy = _BatchLogsSpy()
-    history = model.fit(
-        x,
-        y,
-        batch_size=4,
-        epochs=2,
-        verbose=0,
-        validation_data=(x, y),
-        callbacks=[spy],
-    ).history
-    steps = 2 * 2 * len(x) // 4  # train and validation, two epochs
-    assert 0 < len(submitted) < steps // 2, (
-        f"{len(submitted)} of {steps} steps were handed off"
-    )
-    # The buffered count travels in the step's logs; no one else sees it.
-    assert not [k for k in spy.keys | set(history) if "keras_stage" in k]
-    assert set(history) >= {"loss", "val_loss"}
+# -- iterators outliving their call ----------------------------------------
 
 
 def _slow_source(batches=10**6):
