@@ -118,7 +118,7 @@ def _timed_call(run, function):
     return None if run.error is not None else time.perf_counter() - started
 
 
-def _tuned_mode(workload, staged_run, log):
+def _tuned_mode(workload, staged_run, log, staged_options=None):
     """`staged-tuned` from an untimed epoch of `staged`, or None.
 
     Returns:
@@ -129,6 +129,7 @@ def _tuned_mode(workload, staged_run, log):
     if verdict is None:
         return None, {"error": f"staged calibration failed: {staged_run.error}"}
     options = {
+        **(staged_options or {}),
         "num_threads": int(verdict["suggested_num_threads"]),
         "capacity": int(verdict["suggested_capacity"]),
     }
@@ -148,13 +149,14 @@ def _tuned_mode(workload, staged_run, log):
     return mode, None
 
 
-def run_workload(workload, reps, log=print):
+def run_workload(workload, reps, log=print, staged_options=None):
     """Runs every mode of `workload`; returns its results section.
 
     Args:
         workload: A `benchmarks.workloads.Workload`.
         reps: Timed repetitions per mode.
         log: Called with progress lines.
+        staged_options: `StagedInput` options of the staged modes, or None.
 
     Returns:
         A JSON-able dict: `info`, `load`, `modes` (see `_mode_result`),
@@ -169,12 +171,16 @@ def run_workload(workload, reps, log=print):
     workload.raw_data()  # generated (and written) before anything is timed
     runs = {}
     for cls in BASE_MODES:
-        run = runs[cls.name] = _ModeRun(cls(workload))
+        if cls is StagedMode and staged_options:
+            mode = StagedMode(workload, options=staged_options)
+        else:
+            mode = cls(workload)
+        run = runs[cls.name] = _ModeRun(mode)
         run.setup_seconds = _timed_call(run, run.mode.setup)
     _collect_garbage()
     staged = runs["staged"]
     _run_rep(staged)  # traces; calibrate() then runs a clean epoch
-    tuned, tuned_error = _tuned_mode(workload, staged, log)
+    tuned, tuned_error = _tuned_mode(workload, staged, log, staged_options)
     if tuned is not None:
         run = runs["staged-tuned"] = _ModeRun(tuned)
         run.setup_seconds = _timed_call(run, run.mode.setup)
@@ -319,6 +325,7 @@ def run_benchmark(
     name="bench",
     argv=None,
     log=print,
+    staged_options=None,
 ):
     """Runs `workloads` (names) and returns the whole results dict.
 
@@ -338,6 +345,9 @@ def run_benchmark(
         name: Name of the run, recorded in the results.
         argv: The command line, recorded in the results.
         log: Called with progress lines.
+        staged_options: `StagedInput` options of the staged modes (e.g.
+            `{"device": "cpu"}` to keep the buffer on the host of a GPU
+            machine); `None` for the defaults.
 
     Returns:
         A JSON-able dict (schema in benchmarks/README.md).
@@ -370,7 +380,9 @@ def run_benchmark(
             data_dir=data_dir,
         )
         try:
-            sections[workload_name] = run_workload(workload, reps, log=log)
+            sections[workload_name] = run_workload(
+                workload, reps, log=log, staged_options=staged_options
+            )
         finally:
             workload.close()
             # Free the workload's models and graphs before the next one.
@@ -389,6 +401,7 @@ def run_benchmark(
             "trunk": trunk,
             "batch_size": batch_size,
             "seed": seed,
+            "staged_options": dict(staged_options or {}),
         },
         "timed": TIMED,
         "environment": env,

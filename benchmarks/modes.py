@@ -214,10 +214,12 @@ class StagedMode(FitMode):
         self.tuned_from = tuned_from
         if self.options:
             values = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
-            self.description = (
-                f"as staged, with StagedInput({values}) from the "
-                "PrefetchCallback verdict of an untimed staged epoch"
-            )
+            self.description = f"as staged, with StagedInput({values})"
+            if tuned_from is not None:
+                self.description += (
+                    " (threads and capacity from the PrefetchCallback "
+                    "verdict of an untimed staged epoch)"
+                )
 
     def build(self):
         self.staged_input = keras_stage.layers.StagedInput(**self.options)

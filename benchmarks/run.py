@@ -10,6 +10,7 @@ Exit status: 0, or 1 when a mode failed (its error is in the JSON file).
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -72,6 +73,12 @@ def parse_args(argv=None):
     )
     parser.add_argument("--seed", type=int, default=0, help="default 0")
     parser.add_argument(
+        "--staged-options",
+        default=None,
+        help="StagedInput options of the staged modes as JSON, e.g. "
+        '\'{"device": "cpu"}\' (default: none, the defaults)',
+    )
+    parser.add_argument(
         "--name",
         default=None,
         help="results file name (default: bench, or bench-quick with --quick)",
@@ -88,6 +95,13 @@ def parse_args(argv=None):
         "temporary folder, removed afterwards)",
     )
     args = parser.parse_args(argv)
+    if args.staged_options is not None:
+        try:
+            args.staged_options = json.loads(args.staged_options)
+        except json.JSONDecodeError as e:
+            parser.error(f"--staged-options: not JSON ({e})")
+        if not isinstance(args.staged_options, dict):
+            parser.error("--staged-options: expected a JSON object")
     args.workloads = [w.strip() for w in args.workloads.split(",") if w]
     unknown = [w for w in args.workloads if w not in names]
     if unknown or not args.workloads:
@@ -122,6 +136,7 @@ def main(argv=None):
         data_dir=args.data_dir,
         name=args.name,
         argv=sys.argv if argv is None else ["benchmarks.run", *argv],
+        staged_options=args.staged_options,
         log=lambda line: print(line, flush=True),
     )
     json_path = report.write_json(

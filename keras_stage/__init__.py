@@ -21,6 +21,7 @@ except ImportError as e:
 from keras_stage import callbacks as callbacks
 from keras_stage import data as data
 from keras_stage import layers as layers
+from keras_stage.data.devices import configure_streams as configure_streams
 from keras_stage.models import Model as Model
 from keras_stage.models import Sequential as Sequential
 from keras_stage.planner import BoundaryTensor as BoundaryTensor
@@ -34,6 +35,7 @@ __all__ = [
     "Sequential",
     "StagePlan",
     "callbacks",
+    "configure_streams",
     "data",
     "layers",
 ]

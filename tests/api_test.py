@@ -16,6 +16,7 @@ def test_top_level_names():
         "Sequential",
         "StagePlan",
         "callbacks",
+        "configure_streams",
         "data",
         "layers",
     ]
@@ -32,12 +33,15 @@ def test_submodule_names():
     ]
     assert _public(keras_stage.data) == [
         "AUTO",
+        "Packer",
         "StageIterator",
         "StageOptions",
         "StageStats",
         "StageTimeoutError",
         "StagedDataset",
+        "configure_streams",
         "live_stages",
+        "resolve_device",
         "stage",
     ]
 
@@ -63,11 +67,21 @@ _STAGE_OPTIONS = [
     "thread_pool_size",
     "deterministic",
 ]
+_DEVICE_OPTIONS = ["device", "stream", "pack_transfer"]
 
 
 def test_stage_signature():
     params = inspect.signature(keras_stage.data.stage).parameters
-    assert list(params) == ["dataset", "fn", *_STAGE_OPTIONS, "name"]
+    assert list(params) == [
+        "dataset",
+        "fn",
+        *_STAGE_OPTIONS,
+        "name",
+        *_DEVICE_OPTIONS,
+    ]
+    assert params["device"].default == "auto"
+    assert params["stream"].default is None
+    assert params["pack_transfer"].default == "auto"
     assert params["capacity"].default == "auto"
     assert params["num_threads"].default == "auto"
     assert params["timeout"].default == 300.0
@@ -78,7 +92,7 @@ def test_stage_signature():
 
 def test_staged_input_signature():
     params = inspect.signature(keras_stage.layers.StagedInput).parameters
-    assert list(params) == [*_STAGE_OPTIONS, "kwargs"]
+    assert list(params) == [*_STAGE_OPTIONS, *_DEVICE_OPTIONS, "kwargs"]
 
 
 def test_callback_signature_and_log_keys():
@@ -93,6 +107,12 @@ def test_compile_takes_smart_stage():
     for cls in (keras_stage.Model, keras_stage.Sequential):
         params = inspect.signature(cls.compile).parameters
         assert params["smart_stage"].default is False
+
+
+def test_configure_streams_signature():
+    params = inspect.signature(keras_stage.configure_streams).parameters
+    assert list(params) == ["num_streams", "memory_limit_mb"]
+    assert keras_stage.configure_streams is keras_stage.data.configure_streams
 
 
 def test_models_are_keras_models():

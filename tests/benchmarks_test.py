@@ -67,6 +67,10 @@ def smoke_run(tmp_path_factory):
             str(out),
             "--data-dir",
             str(out / "images"),
+            # The host buffer, as measured on a GPU machine (benchmarks/
+            # gpu.md); on this machine the same as the defaults.
+            "--staged-options",
+            '{"device": "cpu"}',
         ]
     )
     with open(out / "smoke.json") as f:
@@ -248,3 +252,19 @@ def test_cli_rejects_unknown_workloads(capsys):
     args = run.parse_args(["--quick", "--workloads", "none,seed"])
     assert args.workloads == ["none", "seed"]
     assert args.name == "bench-quick"
+    assert args.staged_options is None
+
+
+@pytest.mark.parametrize("bad", ["{device: cpu}", "[1]"])
+def test_cli_rejects_staged_options_that_are_not_a_json_object(bad, capsys):
+    with pytest.raises(SystemExit):
+        run.parse_args(["--staged-options", bad])
+    assert "--staged-options" in capsys.readouterr().err
+
+
+def test_staged_options_reach_the_staged_modes(smoke_run):
+    _, results, _, _ = smoke_run
+    assert results["config"]["staged_options"] == {"device": "cpu"}
+    for section in results["workloads"].values():
+        for name in ("staged", "staged-tuned"):
+            assert "device='cpu'" in section["modes"][name]["description"]

@@ -9,6 +9,8 @@ import os
 
 import tensorflow as tf
 
+from keras_stage.data.devices import validate_device_argument
+
 AUTO = "auto"
 
 # Upper bound for the private pool when `num_threads="auto"`: staged work is
@@ -78,6 +80,18 @@ class StageOptions:
         deterministic: Keep element order. Defaults to `True`.
         name: Name of the stage in errors and logs. Defaults to `None`
             (generated).
+        device: Where finished elements wait: `"auto"` (the first GPU if
+            TensorFlow sees one, else the host), `"cpu"` (the host), or a
+            device such as `"/GPU:1"`. The staged computation always runs
+            on host threads; with a device, the buffer lives there and the
+            copy overlaps the training step. Defaults to `"auto"`.
+        stream: The stream (a logical device made by
+            `keras_stage.configure_streams`) for staged work the user wants
+            on the device, or `None` for the training step's own. Defaults
+            to `None`.
+        pack_transfer: Pack the element's leaves per dtype into one tensor
+            each for the copy to the device buffer: `"auto"` (when it copies
+            fewer tensors), `True` or `False`. Defaults to `"auto"`.
     """
 
     def __init__(
@@ -90,6 +104,9 @@ class StageOptions:
         thread_pool_size=None,
         deterministic=True,
         name=None,
+        device=AUTO,
+        stream=None,
+        pack_transfer=AUTO,
     ):
         self.capacity = _check_auto_or_positive_int("capacity", capacity)
         self.num_threads = _check_auto_or_positive_int(
@@ -168,6 +185,29 @@ class StageOptions:
                 f"Received: name={name!r}"
             )
         self.name = name
+        # Only the form here: which devices exist is known once TensorFlow
+        # has initialised them (see `devices.resolve_device`).
+        self.device = validate_device_argument(device)
+        if stream is not None and not (
+            isinstance(stream, int)
+            and not isinstance(stream, bool)
+            and stream >= 0
+        ):
+            raise ValueError(
+                "Invalid value for argument `stream`. Expected None or a "
+                "non-negative int (a stream made by "
+                f"keras_stage.configure_streams). Received: stream={stream!r}"
+            )
+        self.stream = stream
+        if pack_transfer not in (AUTO, True, False) or (
+            pack_transfer in (0, 1) and not isinstance(pack_transfer, bool)
+        ):
+            raise ValueError(
+                "Invalid value for argument `pack_transfer`. Expected "
+                f'"auto", True or False. Received: pack_transfer='
+                f"{pack_transfer!r}"
+            )
+        self.pack_transfer = pack_transfer
 
     def resolved_pool_size(self):
         """Threads in the stage's private pool."""
@@ -189,6 +229,9 @@ class StageOptions:
             "thread_pool_size": self.thread_pool_size,
             "deterministic": self.deterministic,
             "name": self.name,
+            "device": self.device,
+            "stream": self.stream,
+            "pack_transfer": self.pack_transfer,
         }
 
     def __repr__(self):

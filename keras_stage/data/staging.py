@@ -14,7 +14,9 @@ import weakref
 import tensorflow as tf
 
 from keras_stage import _compat
+from keras_stage.data.devices import resolve_device, stream_device
 from keras_stage.data.options import AUTO, StageOptions
+from keras_stage.data.packing import Packer
 from keras_stage.data.runner import EndOfData, SkipElement, StageRunner
 from keras_stage.data.stats import StageStats
 
@@ -27,7 +29,76 @@ def _default_name():
     return f"stage_{next(_name_counter)}"
 
 
-def _build_pipeline(dataset, fn, options, stats, gate):
+class Placement:
+    """Where a stage's finished elements wait, and whether they are packed.
+
+    Args:
+        device: The device holding the buffer, or None for the host.
+        pack: The `pack_transfer` option: `"auto"`, True or False.
+        unpacks: Whether the consumer unpacks in its own step (the Keras
+            integration); `"auto"` packs only for such consumers.
+    """
+
+    def __init__(self, device=None, pack=False, unpacks=False):
+        self.device = device
+        self.pack = pack
+        self.unpacks = unpacks
+        # Set by `packer_for` when the elements are packed.
+        self.packer = None
+        self.unpacked_spec = None
+
+    @classmethod
+    def resolve(cls, options, distributed=False, unpacks=False):
+        """The placement of a stage with `options`.
+
+        With `distributed`, the consumer's `tf.distribute` strategy copies
+        each replica's elements to its device (see `distribute_inputs`),
+        so the stage's own buffer stays on the host.
+        """
+        if distributed:
+            return cls(None, False, unpacks)
+        device = resolve_device(options.device)
+        if options.stream is not None:
+            device = stream_device(options.stream, device) or device
+        return cls(device, options.pack_transfer, unpacks)
+
+    def packer_for(self, element_spec):
+        """The `Packer` for elements of `element_spec`, or None."""
+        if self.device is None or self.pack is False:
+            return None
+        if self.pack == AUTO and not self.unpacks:
+            return None
+        packer = Packer(element_spec)
+        if self.pack == AUTO and not packer.worth_packing:
+            return None
+        self.packer = packer
+        self.unpacked_spec = element_spec
+        return packer
+
+    def unpack(self, element):
+        """`element` as the stage's consumer expects it, on the device."""
+        if self.packer is None:
+            return element
+        with tf.device(self.device):
+            return self.packer.unpack(element)
+
+
+def on_host(fn):
+    """`fn` with its ops pinned to the host CPU.
+
+    Staged work belongs on host threads even when its layers would be
+    placed on a GPU: on the device it would fight the training step
+    (DeepRec's `stage_subgraph_on_cpu`).
+    """
+
+    def pinned(*args):
+        with tf.device("/device:CPU:0"):
+            return fn(*args)
+
+    return pinned
+
+
+def _build_pipeline(dataset, fn, options, stats, gate, placement):
     """The stage's pipelines: `(lean, measured)`.
 
     `lean` runs the staged computation and buffers it; `measured` adds the
@@ -45,17 +116,18 @@ def _build_pipeline(dataset, fn, options, stats, gate):
     # tf.data passes a tuple element (exactly `tuple`) as separate
     # arguments and any other structure as one.
     unpacked = type(dataset.element_spec) is tuple
+    staged_fn = None if fn is None else on_host(fn)
 
     def produce(*args):
         element = args if unpacked else args[0]
-        if fn is None:
+        if staged_fn is None:
             # tf.data runs a function's stateful ops whether or not the
             # element depends on them.
             stats.count_produced(None, gate)
             return element
         started = tf.timestamp()
         with tf.control_dependencies([started]):
-            out = fn(element)
+            out = staged_fn(element)
         # Count only elements whose computation finished; tf.data runs the
         # counter op with the map (no identity ops are needed to keep it).
         with tf.control_dependencies(tf.nest.flatten(out, True)):
@@ -77,21 +149,14 @@ def _build_pipeline(dataset, fn, options, stats, gate):
             deterministic=options.deterministic,
             name=f"{name}_map",
         )
-    lean = produced.prefetch(capacity, name=f"{name}_buffer")
-
-    # The consumer's fetch: mark the wait, fetch, record it. zip pulls the
-    # marker first, in the consumer's own thread, so the marked interval is
-    # exactly the time the consumer is blocked on the buffer.
-    markers = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).repeat()
-    markers = markers.map(lambda _: stats.begin_wait(), name=f"{name}_wait")
-
-    def consume(started, element):
-        stats.end_wait(started)
-        return element
-
-    measured = tf.data.Dataset.zip((markers, lean)).map(
-        consume, name=f"{name}_fetch"
-    )
+    packer = placement.packer_for(produced.element_spec)
+    if packer is not None:
+        produced = produced.map(
+            on_host(packer.pack),
+            num_parallel_calls=num_threads,
+            deterministic=options.deterministic,
+            name=f"{name}_pack",
+        )
 
     opts = tf.data.Options()
     opts.threading.private_threadpool_size = options.resolved_pool_size()
@@ -104,7 +169,38 @@ def _build_pipeline(dataset, fn, options, stats, gate):
         # autotuner's CPU budget is set to the same size so its model of
         # the pipeline agrees with the threads it really has.
         opts.autotune.cpu_budget = options.resolved_pool_size()
-    return lean.with_options(opts), measured.with_options(opts)
+    produced = produced.with_options(opts)
+
+    def consume(started, element):
+        stats.end_wait(started)
+        return element
+
+    def measure(buffered):
+        # The consumer's fetch: mark the wait, fetch, record it. zip pulls
+        # the marker first, in the consumer's own thread, so the marked
+        # interval is exactly the time the consumer is blocked on the
+        # buffer.
+        markers = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64))
+        markers = markers.repeat().map(
+            lambda _: stats.begin_wait(), name=f"{name}_wait"
+        )
+        return tf.data.Dataset.zip((markers, buffered)).map(
+            consume, name=f"{name}_fetch"
+        )
+
+    device = placement.device
+    if device is None:
+        lean = produced.prefetch(capacity, name=f"{name}_buffer")
+        return lean, measure(lean)
+    # The buffer on the device: tf.data copies each element there ahead of
+    # the consumer (the copy overlaps the step). It must end the pipeline,
+    # so a consumer counting in the pipeline measures the host side of the
+    # copy, with one element in flight to the device.
+    to_device = tf.data.experimental.prefetch_to_device
+    size = None if capacity == tf.data.AUTOTUNE else capacity
+    lean = produced.apply(to_device(device, size))
+    host = produced.prefetch(capacity, name=f"{name}_buffer")
+    return lean, measure(host).apply(to_device(device, 1))
 
 
 class StagedDataset(tf.data.Dataset):
@@ -116,9 +212,18 @@ class StagedDataset(tf.data.Dataset):
     errors still surface with their original types.
     """
 
-    def __init__(self, pipeline, options, stats, lean_pipeline=None, gate=None):
+    def __init__(
+        self,
+        pipeline,
+        options,
+        stats,
+        lean_pipeline=None,
+        gate=None,
+        placement=None,
+    ):
         self._pipeline = pipeline
         self._lean_pipeline = lean_pipeline
+        self.placement = Placement() if placement is None else placement
         self.stage_options = options
         self.stats = stats
         self.runner = StageRunner(options, stats, gate=gate)
@@ -154,6 +259,24 @@ class StagedDataset(tf.data.Dataset):
     @property
     def element_spec(self):
         return self._pipeline.element_spec
+
+    @property
+    def device(self):
+        """The device holding the stage's buffer, or None for the host."""
+        return self.placement.device
+
+    @property
+    def packed(self):
+        """Whether elements arrive packed (see `unpack`)."""
+        return self.placement.packer is not None
+
+    def unpack(self, element):
+        """Restores a packed element's structure, on the buffer's device.
+
+        Identity for a stage that does not pack. Call it where the element
+        is used (in a `tf.function` step, or eagerly).
+        """
+        return self.placement.unpack(element)
 
     def _inputs(self):
         return [self._pipeline]
@@ -211,6 +334,9 @@ def stage(
     thread_pool_size=None,
     deterministic=True,
     name=None,
+    device=AUTO,
+    stream=None,
+    pack_transfer=AUTO,
 ):
     """Runs `fn` over `dataset` ahead of the consumer, in parallel, buffered.
 
@@ -240,6 +366,17 @@ def stage(
             from `num_threads`. Defaults to `None`.
         deterministic: Keep the element order. Defaults to `True`.
         name: Name of the stage in errors and logs. Defaults to `None`.
+        device: Where finished elements wait: `"auto"` (the first GPU if
+            there is one, else the host), `"cpu"`, or a device such as
+            `"/GPU:1"`. `fn` always runs on host threads. Defaults to
+            `"auto"`.
+        stream: Stream (see `keras_stage.configure_streams`) for
+            device-side staged work, or `None`. Defaults to `None`.
+        pack_transfer: Pack leaves per dtype for the copy to `device`:
+            `"auto"`, `True` or `False`. A packed stage yields packed
+            elements; `StagedDataset.unpack` restores them on the device.
+            `"auto"` packs only for consumers that unpack in their own step
+            (the Keras integration). Defaults to `"auto"`.
 
     Returns:
         A `StagedDataset` (a `tf.data.Dataset`).
@@ -279,6 +416,9 @@ def stage(
         thread_pool_size=thread_pool_size,
         deterministic=deterministic,
         name=_default_name() if name is None else name,
+        device=device,
+        stream=stream,
+        pack_transfer=pack_transfer,
     )
     return build_stage(dataset, fn, options)
 
@@ -294,13 +434,15 @@ def new_stats(options, name=None):
     )
 
 
-def build_stage(dataset, fn, options, stats=None):
+def build_stage(
+    dataset, fn, options, stats=None, distributed=False, unpacks=False
+):
     """`stage()` with validated `StageOptions` and the `StageStats` to use.
 
     A consumer whose compiled step records the fetches itself keeps one
     `StageStats` across the stages it consumes (the step captures its
     variables when traced), and builds each stage with it; `None` makes
-    new ones.
+    new ones. `distributed` and `unpacks`: see `Placement.resolve`.
     """
     if stats is None:
         stats = new_stats(options)
@@ -309,9 +451,17 @@ def build_stage(dataset, fn, options, stats=None):
     # (kept alive by a traceback, say) must stop counting in them.
     with tf.init_scope(), tf.device("/CPU:0"):
         gate = tf.Variable(True, trainable=False, name=f"{options.name}_open")
-    lean, measured = _build_pipeline(dataset, fn, options, stats, gate)
+    placement = Placement.resolve(options, distributed, unpacks)
+    lean, measured = _build_pipeline(
+        dataset, fn, options, stats, gate, placement
+    )
     return StagedDataset(
-        measured, options, stats, lean_pipeline=lean, gate=gate
+        measured,
+        options,
+        stats,
+        lean_pipeline=lean,
+        gate=gate,
+        placement=placement,
     )
 
 

@@ -87,6 +87,21 @@ class StagedInput(keras.layers.Layer):
             sizes it from `num_threads`. Defaults to `None`.
         deterministic: Keep the batch order, so a staged run trains exactly
             like an unstaged one. Defaults to `True`.
+        device: Where finished batches wait: `"auto"` (on the first GPU
+            when there is one, copied ahead of the step so the copy
+            overlaps compute; else on the host), `"cpu"` (the host), or a
+            device such as `"/GPU:1"`. Staged layers always run on host
+            threads. Under a `tf.distribute` strategy each replica's device
+            holds its own buffer. Defaults to `"auto"`.
+        stream: Stream `k` made by `keras_stage.configure_streams`: the
+            copies into the device buffer run on that logical device's
+            streams, beside the training step's. `None` uses the step's
+            device. Without a GPU it warns once and does nothing. Defaults
+            to `None`.
+        pack_transfer: Pack a batch's many small tensors per dtype into one
+            tensor each, so the copy to the device is a few large copies
+            (unpacked on the device in the step): `"auto"` (when it copies
+            fewer tensors), `True` or `False`. Defaults to `"auto"`.
         **kwargs: Base layer arguments (`name`, ...).
 
     Example:
@@ -114,6 +129,9 @@ class StagedInput(keras.layers.Layer):
         timeout=300.0,
         thread_pool_size=None,
         deterministic=True,
+        device=AUTO,
+        stream=None,
+        pack_transfer=AUTO,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -134,6 +152,9 @@ class StagedInput(keras.layers.Layer):
             thread_pool_size=thread_pool_size,
             deterministic=deterministic,
             name=_stage_name(self.name),
+            device=device,
+            stream=stream,
+            pack_transfer=pack_transfer,
         )
         self.supports_masking = True
         self.built = True
@@ -152,7 +173,15 @@ class StagedInput(keras.layers.Layer):
             inputs,
         )
 
-    def stage(self, dataset, fn=None, name=None, stats=None):
+    def stage(
+        self,
+        dataset,
+        fn=None,
+        name=None,
+        stats=None,
+        distributed=False,
+        unpacks=False,
+    ):
         """Stages `dataset` with this layer's options.
 
         Args:
@@ -162,13 +191,25 @@ class StagedInput(keras.layers.Layer):
             stats: The `keras_stage.data.StageStats` to count in, kept by
                 a consumer across stages; `None` for new ones. Defaults to
                 `None`.
+            distributed: Whether a `tf.distribute` strategy with several
+                replicas consumes it (each replica's device then holds its
+                own buffer). Defaults to `False`.
+            unpacks: Whether the consumer unpacks packed elements in its
+                step (`StagedDataset.unpack`). Defaults to `False`.
 
         Returns:
             A `keras_stage.data.StagedDataset`.
         """
         config = self.stage_options.get_config()
         config["name"] = name or self.stage_options.name
-        return build_stage(dataset, fn, StageOptions(**config), stats)
+        return build_stage(
+            dataset,
+            fn,
+            StageOptions(**config),
+            stats,
+            distributed=distributed,
+            unpacks=unpacks,
+        )
 
     def new_stats(self, name):
         """Fresh `StageStats` for a stage of this layer named `name`."""

@@ -18,6 +18,23 @@ from keras_stage.data.staging import StagedDataset
 logger = logging.getLogger("keras_stage")
 
 
+def distribute_inputs(strategy, pipeline, options):
+    """`pipeline` distributed by `strategy`; replicas buffer on their devices.
+
+    TF's own per-replica prefetch does the copy: `experimental_fetch_to_device`
+    with `capacity` elements per replica (TF's default of 1 for `"auto"`);
+    `device="cpu"` keeps the replicas' inputs on the host.
+    """
+    on_device = options.device != "cpu"
+    input_options = tf.distribute.InputOptions(
+        experimental_fetch_to_device=on_device,
+        experimental_per_replica_buffer_size=(
+            options.capacity if isinstance(options.capacity, int) else 1
+        ),
+    )
+    return strategy.experimental_distribute_dataset(pipeline, input_options)
+
+
 class StagedData:
     """A staged dataset and the Keras adapter whose epochs feed it."""
 
@@ -29,9 +46,12 @@ class StagedData:
         element_spec=None,
         in_step=False,
         owned=True,
+        strategy=None,
     ):
         self.staged = staged
         self.adapter = adapter
+        # The strategy that distributes the pipeline, or None.
+        self.strategy = strategy
         # Built for this call (not the user's own staged dataset).
         self.owned = owned
         # The SmartStage split whose prefix the stage runs, or None.
@@ -58,9 +78,14 @@ class StagedData:
     @property
     def pipeline(self):
         """What the compiled step iterates."""
-        if self.in_step:
-            return self.staged.lean_pipeline
-        return self.staged.pipeline
+        pipeline = (
+            self.staged.lean_pipeline if self.in_step else self.staged.pipeline
+        )
+        if self.strategy is None:
+            return pipeline
+        return distribute_inputs(
+            self.strategy, pipeline, self.staged.stage_options
+        )
 
 
 def stage_data(
@@ -75,13 +100,16 @@ def stage_data(
     class_weight=None,
     split=None,
     stats=None,
+    strategy=None,
 ):
     """Stages the data of one phase ("train", "val", "test", "predict").
 
     With a SmartStage `split`, the stage also runs the split's prefix of
     the model (in training mode for "train"). With `stats`, the stage counts
     in them and the compiled step records its fetches there (its pipeline
-    is then the stage's lean one).
+    is then the stage's lean one). Under a `strategy` with several
+    replicas, `StagedData.pipeline` is distributed with each replica's
+    buffer on its device.
     """
     if isinstance(x, StagedDataset):
         # Already staged by the user with keras_stage.data.stage.
@@ -135,9 +163,20 @@ def stage_data(
     if split is not None:
         dataset = split.number(dataset)
         fn = split.stage_fn(training=phase == "train")
+    distributed = strategy is not None and strategy.num_replicas_in_sync > 1
     staged = layer.stage(
-        dataset, fn=fn, name=f"{layer.stage_options.name}_{phase}", stats=stats
+        dataset,
+        fn=fn,
+        name=f"{layer.stage_options.name}_{phase}",
+        stats=stats,
+        distributed=distributed,
+        unpacks=True,
     )
     return StagedData(
-        staged, adapter, split, element_spec, in_step=stats is not None
+        staged,
+        adapter,
+        split,
+        element_spec,
+        in_step=stats is not None,
+        strategy=strategy if distributed else None,
     )

@@ -40,7 +40,7 @@ from keras_stage.planner.state_access import all_layers
 
 logger = logging.getLogger("keras_stage")
 
-_SMART_STAGE_VALUES = (True, False)
+_SMART_STAGE_VALUES = (True, False, "longest")
 # Keras's compiled steps, by the phase keras_stage stages for them.
 _FUNCTIONS = {
     "train": "train_function",
@@ -72,6 +72,11 @@ class _StagingState:
         self.staged_jit = None
         self.default_input = None
         self.announced = False
+        # Per phase: the placement of the stage feeding the step (which
+        # unpacks packed elements), and the unpacked spec its traced step
+        # was built for.
+        self.placements = {}
+        self.layouts = {}
         # Set, in the thread tracing a step, to the trunk the model's call
         # runs instead of the whole model.
         self.local = threading.local()
@@ -164,14 +169,50 @@ def _skips_end_epochs_early(layer):
         yield
 
 
-def _bind(prefetch, state, phase, data):
+def _bind(prefetch, state, phase, data, model=None):
     """Hands `data`'s stage to the callback and its runner to the step guard."""
     prefetch.attach(phase, data.staged, data.adapter)
+    _bind_placement(model, state, phase, data.staged.placement)
     state.runners[phase] = data.staged.runner
     if data.in_step:
         state.recording[phase] = data.staged.stats
     else:
         state.recording.pop(phase, None)
+
+
+def _bind_placement(model, state, phase, placement):
+    """Makes `phase`'s step unpack what `placement` packed.
+
+    The traced step bakes the unpacking in; tf.function retraces when the
+    packed element's spec changes, but two structures can pack to the same
+    spec, so a new layout also drops the phase's traced steps.
+    """
+    layout = None if placement.packer is None else placement.unpacked_spec
+    if model is not None and state.layouts.get(phase, None) != layout:
+        setattr(model, _FUNCTIONS[phase], None)
+        for key in [k for k in state.staged_functions if k[0] == phase]:
+            del state.staged_functions[key]
+    state.layouts[phase] = layout
+    state.placements[phase] = placement
+
+
+def _release_placements(model, state, phases):
+    """Ends the phases' placements at the end of a call.
+
+    A plain step that was traced unpacking packed elements (a run without
+    a SmartStage split uses Keras's own step) is traced afresh next time.
+    """
+    for phase in phases:
+        placement = state.placements.pop(phase, None)
+        if placement is not None and placement.packer is not None:
+            setattr(model, _FUNCTIONS[phase], None)
+            state.layouts.pop(phase, None)
+
+
+def _unpacked(model, phase, data):
+    """The step's `data`, unpacked on the device if its stage packed it."""
+    placement = _state(model).placements.get(phase)
+    return data if placement is None else placement.unpack(data)
 
 
 def _step_stats(model, layer, phase):
@@ -344,15 +385,20 @@ class StagingMixin:
             *args: Passed to `keras.Model.compile`.
             smart_stage: Whether fit/evaluate/predict run the longest
                 prefix of the model that training does not change inside
-                the stage. Defaults to `False`.
+                the stage: `True` stops before a layer that would inflate
+                the tensors handed to the train step (the transfer-aware
+                cut), `"longest"` stages the longest prefix regardless,
+                `False` stages nothing. Defaults to `False`.
             **kwargs: Passed to `keras.Model.compile`.
         """
-        if smart_stage not in _SMART_STAGE_VALUES or not isinstance(
-            smart_stage, bool
+        # By type too: 1 == True, and NumPy values are not accepted.
+        if not any(
+            type(smart_stage) is type(v) and smart_stage == v
+            for v in _SMART_STAGE_VALUES
         ):
             raise ValueError(
-                "Invalid value for argument `smart_stage`. Expected True or "
-                f"False. Received: smart_stage={smart_stage!r}"
+                "Invalid value for argument `smart_stage`. Expected True, "
+                f'False or "longest". Received: smart_stage={smart_stage!r}'
             )
         state = _state(self)
         state.requested_jit = kwargs.get("jit_compile", "auto")
@@ -398,7 +444,11 @@ class StagingMixin:
                 "`compile(..., smart_stage=True)` first."
             )
         if state.plan is None:
-            state.plan, state.split = plan_model(self, find_staged_input(self))
+            # With smart_stage=False the plan shows what True would stage.
+            mode = "longest" if state.smart_stage == "longest" else True
+            state.plan, state.split = plan_model(
+                self, find_staged_input(self), smart_stage=mode
+            )
         return state.plan, state.split
 
     def _stage_setup(self):
@@ -438,14 +488,17 @@ class StagingMixin:
         return super().__call__(*args, **kwargs)
 
     def train_step(self, data):
+        data = _unpacked(self, "train", data)
         with _calling_trunk(self, "train"):
             return _recorded_step(self, "train", super().train_step, data)
 
     def test_step(self, data):
+        data = _unpacked(self, "test", data)
         with _calling_trunk(self, "test"):
             return _recorded_step(self, "test", super().test_step, data)
 
     def predict_step(self, data):
+        data = _unpacked(self, "predict", data)
         with _calling_trunk(self, "predict"):
             return super().predict_step(data)
 
@@ -559,9 +612,10 @@ class StagingMixin:
                 class_weight=class_weight,
                 split=split,
                 stats=_step_stats(self, layer, "train"),
+                strategy=self.distribute_strategy,
             )
             built.append(train)
-            _bind(prefetch, state, "train", train)
+            _bind(prefetch, state, "train", train, self)
             val_pipeline, val_split = None, None
             if validation_data is not None:
                 val_x, val_y, val_sw = keras.utils.unpack_x_y_sample_weight(
@@ -577,9 +631,10 @@ class StagingMixin:
                     steps=validation_steps,
                     split=split,
                     stats=_step_stats(self, layer, "test"),
+                    strategy=self.distribute_strategy,
                 )
                 built.append(val)
-                _bind(prefetch, state, "test", val)
+                _bind(prefetch, state, "test", val, self)
                 val_pipeline, val_split = val.pipeline, val.split
             _build_for_strategy(self, train)
             splits = {"train": train.split, "test": val_split}
@@ -602,6 +657,7 @@ class StagingMixin:
         finally:
             state.runners.clear()
             state.recording.clear()
+            _release_placements(self, state, ("train", "test"))
             _end_call(prefetch, built)
 
     def evaluate(
@@ -636,6 +692,7 @@ class StagingMixin:
         # the fit's validation stage, restored afterwards.
         outer_runner = state.runners.get("test")
         outer_recording = state.recording.get("test")
+        outer_placement = state.placements.get("test")
         built = []
         try:
             test = stage_data(
@@ -648,9 +705,10 @@ class StagingMixin:
                 steps=steps,
                 split=split,
                 stats=_step_stats(self, layer, "test"),
+                strategy=self.distribute_strategy,
             )
             built.append(test)
-            _bind(prefetch, state, "test", test)
+            _bind(prefetch, state, "test", test, self)
             _build_for_strategy(self, test)
             with (
                 _skips_end_epochs_early(layer),
@@ -673,6 +731,10 @@ class StagingMixin:
                     bindings.pop("test", None)
                 else:
                     bindings["test"] = outer
+            if outer_placement is None:
+                _release_placements(self, state, ("test",))
+            else:
+                _bind_placement(self, state, "test", outer_placement)
             _end_call(prefetch, built)
 
     def predict(
@@ -700,6 +762,9 @@ class StagingMixin:
             )
             built.append(data)
             prefetch.attach("predict", data.staged, data.adapter)
+            _bind_placement(
+                self, _state(self), "predict", data.staged.placement
+            )
             # Keras fetches predict batches in Python: the staged dataset's
             # own iterator applies the stage's policies there.
             with _staged_steps(self, ("predict",), {"predict": data.split}):
@@ -710,4 +775,5 @@ class StagingMixin:
                     callbacks=callbacks,
                 )
         finally:
+            _release_placements(self, _state(self), ("predict",))
             _end_call(prefetch, built)

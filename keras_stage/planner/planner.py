@@ -3,7 +3,8 @@
 This module owns the decision and the split. `plan_model` walks a
 functional model's call nodes from the inputs, stages every node whose
 inputs all come from the stage and whose trace (see `state_access.py`)
-shows it touches no state training changes, and explains every node it
+shows it touches no state training changes, chooses where along that
+prefix to cut (the transfer-aware rule below) and explains every node it
 leaves in the trunk. `StageSplit` turns the plan into two runnable halves
 that share the user's layers and weights: a prefix (model inputs -> cut
 tensors) run by the staging pipeline, and a trunk (cut tensors -> model
@@ -16,6 +17,12 @@ statistics) and anything read from them. A frozen layer's weights and an
 adapted preprocessing layer's tables stay fixed, so those are staged;
 random layers only advance their seed state, which is random state, not
 model state, so those are staged too, with a seed stream of their own.
+
+Also beyond DeepRec, the cut is transfer-aware: the tensors crossing it are
+copied from the stage to the train step (host to device on a GPU). When
+the longest prefix ends with a layer that inflates the data (a one-hot
+`CategoryEncoding` over 100k bins turns 8 bytes/example into 400 KB), the
+planner cuts before it and leaves it in the trunk.
 """
 
 import re
@@ -30,6 +37,18 @@ from keras_stage.planner.state_access import (
     seed_states,
     trace_access,
 )
+
+# How many times more bytes per example the longest prefix's cut may carry
+# than a shorter prefix's before the planner stages less. Below it, running
+# more of the model in the stage is worth a larger copy (uint8 pixels
+# rescaled to float32 are exactly 4x and stay staged); an inflating layer
+# such as a wide one-hot is orders of magnitude above it.
+CUT_INFLATION_LIMIT = 4
+# Nor below this many bytes per example at the longest cut: 1 KiB/example
+# is 512 KiB for a batch of 512, a copy of about 40 us over PCIe 4 (a step
+# takes milliseconds), while every layer moved to the trunk costs compute
+# in the step.
+CUT_INFLATION_MIN_BYTES = 1024
 
 
 def graph_model(model):
@@ -87,10 +106,11 @@ def _own_reason(layer, access, changing, seeds):
 
 
 class _Tensors:
-    """Names of the tensors of a functional graph, for the plan."""
+    """Names of the tensors and calls of a functional graph, for the plan."""
 
     def __init__(self, model, nodes):
         self._names = {}
+        self._calls = {}
         for t in model.inputs:
             self._names[id(t)] = t.name
         calls = {}
@@ -104,6 +124,7 @@ class _Tensors:
             k = seen.get(id(layer), 0)
             seen[id(layer)] = k + 1
             base = layer.name + (f"@{k}" if calls[id(layer)] > 1 else "")
+            self._calls[node] = base
             for i, t in enumerate(outputs):
                 self._names[id(t)] = base + (
                     f"[{i}]" if len(outputs) > 1 else ""
@@ -111,6 +132,10 @@ class _Tensors:
 
     def name(self, tensor):
         return self._names.get(id(tensor), tensor.name)
+
+    def call(self, node):
+        """The name of a layer call: `layer@k` for a layer called twice."""
+        return self._calls[node]
 
 
 def _kind(spec):
@@ -121,17 +146,51 @@ def _kind(spec):
     return "dense"
 
 
-def plan_model(model, boundary_layer=None):
+def plan_model(model, boundary_layer=None, smart_stage=True):
     """Plans `model`; returns `(StagePlan, StageSplit or None)`.
 
     Args:
         model: A built keras_stage model.
         boundary_layer: Its `StagedInput`, or None to stage from the model
             inputs.
+        smart_stage: `True` for the transfer-aware cut: the longest prefix
+            training does not change, unless its cut carries more than
+            `CUT_INFLATION_LIMIT` times the bytes per example of a shorter
+            prefix's cut (and more than `CUT_INFLATION_MIN_BYTES`); then
+            the shorter prefix with the fewest bytes (the longest of those
+            on a tie). `"longest"` for the longest
+            prefix always. Defaults to `True`.
 
     The split is None when nothing past the boundary can be staged, or
     when the model has no functional graph (the plan's `note` says so).
+
+    Example:
+
+    >>> import keras, keras_stage
+    >>> from keras_stage.planner import plan_model
+    >>> inputs = keras.Input(shape=(1,), dtype="int64")
+    >>> x = keras_stage.layers.StagedInput(name="stage")(inputs)
+    >>> x = keras.layers.IntegerLookup(vocabulary=[3, 5], name="ids")(x)
+    >>> x = keras.layers.CategoryEncoding(
+    ...     100_000, output_mode="one_hot", name="onehot"
+    ... )(x)
+    >>> model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    >>> plan, split = plan_model(model, model.get_layer("stage"))
+    >>> plan.candidate_cuts
+    [('stage', 8), ('ids', 8), ('onehot', 400000)]
+    >>> plan.staged_layers
+    ['stage', 'ids']
+    >>> plan_model(model, smart_stage="longest")[0].staged_layers
+    ['stage', 'ids', 'onehot']
     """
+    if not (
+        smart_stage is True
+        or (isinstance(smart_stage, str) and smart_stage == "longest")
+    ):
+        raise ValueError(
+            "Invalid value for argument `smart_stage`. Expected True or "
+            f'"longest". Received: smart_stage={smart_stage!r}'
+        )
     graph = graph_model(model)
     if graph is None:
         return _unplanned(
@@ -176,27 +235,30 @@ def plan_model(model, boundary_layer=None):
         held.update(blocked)
 
     names = _Tensors(graph, nodes)
-    boundary = []
-    for t in cut:
-        spec = specs[id(t)]
-        boundary.append(
-            BoundaryTensor(
-                names.name(t),
-                spec.dtype.name,
-                tuple(spec.shape.as_list()),
-                _kind(spec),
-            )
+    candidates, ordered = _candidate_cuts(
+        graph, nodes, staged_nodes, accesses, boundary_layer, specs, names
+    )
+    chosen, cut_reason, moved_reason = _choose_cut(candidates, smart_stage)
+    if chosen.count < len(ordered):
+        # Every candidate passed `_uncrossable`: this round is the last.
+        held.update(dict.fromkeys(ordered[chosen.count :], moved_reason))
+        staged_nodes, trunk_nodes, reasons, available = _assign(
+            graph, nodes, accesses, boundary_layer, changing, seeds, held
         )
+        cut = _cut(graph, trunk_nodes, available)
+
     plan = StagePlan(
         model.name,
         _names(n.operation.name for n in staged_nodes),
         _names(n.operation.name for n in trunk_nodes),
         reasons,
-        boundary,
+        [_boundary_tensor(t, specs, names) for t in cut],
         automatic=boundary_layer is None,
         layer_types={
             n.operation.name: type(n.operation).__name__ for n in nodes
         },
+        cut_reason=cut_reason,
+        candidate_cuts=[(c.label, c.size) for c in candidates],
     )
     real_staged = [n for n in staged_nodes if n.operation is not boundary_layer]
     if not real_staged:
@@ -293,6 +355,124 @@ def _uncrossable(cut, staged_nodes, accesses, boundary_layer):
                 # The stage hands the trunk batches.
                 blocked[node] = "returns a tensor without a batch dimension"
     return blocked
+
+
+def _boundary_tensor(tensor, specs, names):
+    spec = specs[id(tensor)]
+    return BoundaryTensor(
+        names.name(tensor),
+        spec.dtype.name,
+        tuple(spec.shape.as_list()),
+        _kind(spec),
+    )
+
+
+class _Candidate:
+    """A cut along the staged prefix: after its first `count` staged calls.
+
+    `label` names the last of them (None for the model inputs); `size` is
+    the bytes per example crossing the cut, or None if not static.
+    """
+
+    def __init__(self, label, size, count):
+        self.label = label
+        self.size = size
+        self.count = count
+
+    def where(self):
+        if self.label is None:
+            return "at the model inputs"
+        return f"after '{self.label}'"
+
+
+def _candidate_cuts(
+    graph, nodes, staged_nodes, accesses, boundary_layer, specs, names
+):
+    """The valid cuts after each staged call, shortest prefix first.
+
+    Returns `(candidates, ordered)`: `ordered` lists the staged nodes in
+    the order the prefixes grow (the `StagedInput` first: it marks where
+    the stage starts, so every prefix keeps it).
+    """
+    base = [n for n in staged_nodes if n.operation is boundary_layer]
+    ordered = base + [
+        n for n in staged_nodes if n.operation is not boundary_layer
+    ]
+    candidates = []
+    for count in range(len(base), len(ordered) + 1):
+        # A prefix of a topological order: every staged input of a prefix
+        # node is in the prefix too.
+        prefix = set(ordered[:count])
+        rest = [n for n in nodes if n not in prefix]
+        available = {id(t) for t in graph.inputs}
+        for node in ordered[:count]:
+            available |= {id(t) for t in _compat.node_inputs(node)[1]}
+        cut = _cut(graph, rest, available)
+        if _uncrossable(cut, ordered[:count], accesses, boundary_layer):
+            continue
+        sizes = [
+            _boundary_tensor(t, specs, names).bytes_per_example for t in cut
+        ]
+        size = None if any(s is None for s in sizes) else sum(sizes)
+        label = names.call(ordered[count - 1]) if count else None
+        candidates.append(_Candidate(label, size, count))
+    return candidates, ordered
+
+
+def _transfer_aware(candidates):
+    """The candidate the transfer-aware rule picks; see `plan_model`."""
+    longest = candidates[-1]
+    known = [c for c in candidates[:-1] if c.size is not None]
+    if longest.size is None or not known:
+        return longest
+    smallest = min(c.size for c in known)
+    if (
+        longest.size <= CUT_INFLATION_LIMIT * smallest
+        or longest.size <= CUT_INFLATION_MIN_BYTES
+    ):
+        return longest
+    # The longest prefix among those with the fewest bytes.
+    return [c for c in known if c.size == smallest][-1]
+
+
+def _choose_cut(candidates, smart_stage):
+    """Returns the chosen candidate, why, and why later calls are trunk."""
+    longest = candidates[-1]
+    smaller = _transfer_aware(candidates)
+    at = f"{longest.where()}, the longest prefix"
+    if smaller is longest:
+        if smart_stage == "longest":
+            reason = f"{at} (smart_stage='longest')"
+        elif longest.size is None:
+            reason = (
+                f"{at}: its size is not static, so the transfer-aware rule "
+                "does not apply"
+            )
+        else:
+            reason = (
+                f"{at}: no shorter prefix's cut is more than "
+                f"{CUT_INFLATION_LIMIT}x smaller, or the cut is at most "
+                f"{CUT_INFLATION_MIN_BYTES:,} bytes/example (transfer-aware)"
+            )
+        return longest, reason, None
+    if smart_stage == "longest":
+        reason = (
+            f"{at} (smart_stage='longest'); the transfer-aware cut "
+            f"{smaller.where()} would carry {smaller.size:,} instead of "
+            f"{longest.size:,} bytes/example"
+        )
+        return longest, reason, None
+    sizes = f"{smaller.size:,} -> {longest.size:,} bytes/example"
+    reason = (
+        f"{smaller.where()} (transfer-aware): staging the rest would "
+        f"inflate the cut {sizes}, more than {CUT_INFLATION_LIMIT}x; "
+        "smart_stage='longest' stages it"
+    )
+    moved = (
+        f"staging it would inflate the cut {sizes} (transfer-aware cut; "
+        "smart_stage='longest' stages it)"
+    )
+    return smaller, reason, moved
 
 
 def _input_name(name, taken):

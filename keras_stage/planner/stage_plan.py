@@ -2,8 +2,9 @@
 
 This module owns the plan as users see it: the staged and trunk layers in
 topological order, a reason for every trunk layer, the tensors that cross
-the cut, and the table `Model.stage_summary()` prints. It computes
-nothing; `planner.py` fills it in.
+the cut, the cuts the planner weighed and why it chose its own, and the
+table `Model.stage_summary()` prints. It computes nothing; `planner.py`
+fills it in.
 """
 
 import math
@@ -57,6 +58,10 @@ class BoundaryTensor:
             "kind": self.kind,
         }
 
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
     def __eq__(self, other):
         return (
             isinstance(other, BoundaryTensor)
@@ -90,13 +95,24 @@ class StagePlan:
         automatic: Whether the stage starts at the model inputs because
             the model has no `StagedInput`.
         note: Why nothing could be planned (a subclassed model), or `""`.
+        layer_types: The class name of every planned layer, by name.
+        cut_reason: Why the cut is where it is, or `""` when nothing could
+            be planned.
+        candidate_cuts: The cuts the planner weighed, in topological
+            order: `(after_layer_name, bytes_per_example)` for the cut
+            after each staged call of the longest prefix (`@k` for a
+            layer's k-th call). The first is the stage's input: after the
+            `StagedInput`, or `None` for the model inputs. Sizes are `None`
+            when not static (strings, unknown dimensions). Cuts the stage
+            cannot hand over (a tensor without batch dimension) are left
+            out.
 
     Example:
 
     >>> import keras, keras_stage
     >>> inputs = keras.Input(shape=(), dtype="string")
-    >>> x = keras_stage.layers.StagedInput()(inputs)
-    >>> x = keras.layers.Hashing(num_bins=100)(x)
+    >>> x = keras_stage.layers.StagedInput(name="stage")(inputs)
+    >>> x = keras.layers.Hashing(num_bins=100, name="hash")(x)
     >>> x = keras.layers.Embedding(100, 4, name="emb")(x)
     >>> outputs = keras.layers.Dense(1, name="head")(x)
     >>> model = keras_stage.Model(inputs, outputs)
@@ -108,6 +124,8 @@ class StagePlan:
     'has trainable weights'
     >>> [(t.dtype, t.shape) for t in plan.boundary]
     [('int64', (None,))]
+    >>> plan.candidate_cuts  # strings have no static size
+    [('stage', None), ('hash', 8)]
     """
 
     def __init__(
@@ -120,6 +138,8 @@ class StagePlan:
         automatic=False,
         note="",
         layer_types=None,
+        cut_reason="",
+        candidate_cuts=None,
     ):
         self.model_name = model_name
         self.staged_layers = list(staged_layers)
@@ -129,11 +149,24 @@ class StagePlan:
         self.automatic = automatic
         self.note = note
         self.layer_types = dict(layer_types or {})
+        self.cut_reason = cut_reason
+        # Tuples, whether given tuples or the lists of a JSON config.
+        self.candidate_cuts = [
+            (name, size) for name, size in candidate_cuts or []
+        ]
 
     @property
     def bytes_per_example(self):
         """Bytes crossing the cut per example, or `None` if not static."""
         sizes = [t.bytes_per_example for t in self.boundary]
+        if not sizes or any(s is None for s in sizes):
+            return None
+        return sum(sizes)
+
+    @property
+    def bytes_per_batch(self):
+        """Bytes crossing the cut per batch, or `None` if not static."""
+        sizes = [t.bytes_per_batch for t in self.boundary]
         if not sizes or any(s is None for s in sizes):
             return None
         return sum(sizes)
@@ -147,7 +180,19 @@ class StagePlan:
             "boundary": [t.get_config() for t in self.boundary],
             "automatic": self.automatic,
             "note": self.note,
+            "layer_types": self.layer_types,
+            "cut_reason": self.cut_reason,
+            "candidate_cuts": [list(c) for c in self.candidate_cuts],
         }
+
+    @classmethod
+    def from_config(cls, config):
+        """The plan `get_config` described (after JSON too)."""
+        config = dict(config)
+        config["boundary"] = [
+            BoundaryTensor.from_config(t) for t in config["boundary"]
+        ]
+        return cls(**config)
 
     def __eq__(self, other):
         return (
@@ -239,11 +284,32 @@ def _render(plan, width):
         rows,
         (cut_width, 18, max(16, width - cut_width - 18 - 16 - 3), 16),
     )
-    total = plan.bytes_per_example
     lines.append(
         f" Staged layers: {len(plan.staged_layers)}"
         f"  Trunk layers: {len(plan.trunk_layers)}"
-        f"  Cut: {len(plan.boundary)} tensors, "
-        + ("size not static" if total is None else f"{total:,} bytes/example")
+        f"  Cut: {len(plan.boundary)} tensors, {_cut_size(plan)}"
     )
+    if plan.cut_reason:
+        lines.append(f" Why this cut: {plan.cut_reason}")
+    if plan.candidate_cuts:
+        cuts = ", ".join(
+            f"{'inputs' if name is None else name} "
+            + ("?" if size is None else f"{size:,}")
+            for name, size in plan.candidate_cuts
+        )
+        lines.append(f" Candidate cuts (after layer, bytes/example): {cuts}")
     return lines
+
+
+def _cut_size(plan):
+    per_example = plan.bytes_per_example
+    if per_example is None:
+        return "size not static"
+    per_batch = plan.bytes_per_batch
+    if per_batch is None:
+        # The batch size is set by the data, after planning.
+        return (
+            f"{per_example:,} bytes/example (bytes/batch: {per_example:,} "
+            "x batch size)"
+        )
+    return f"{per_example:,} bytes/example, {per_batch:,} bytes/batch"

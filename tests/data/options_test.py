@@ -82,6 +82,49 @@ def test_deterministic_rejected(value):
         StageOptions(deterministic=value)
 
 
+@pytest.mark.parametrize("value", ["banana", "/GPU", 0, None, "gpu:-1"])
+def test_device_rejected(value):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("Invalid value for argument `device`. Expected ")
+        + r".*"
+        + re.escape(f"Received: device={value!r}"),
+    ):
+        StageOptions(device=value)
+
+
+@pytest.mark.parametrize("value", [-1, 1.0, "1", True])
+def test_stream_rejected(value):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "Invalid value for argument `stream`. Expected None or a "
+            "non-negative int (a stream made by "
+            f"keras_stage.configure_streams). Received: stream={value!r}"
+        ),
+    ):
+        StageOptions(stream=value)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0, None, "AUTO"])
+def test_pack_transfer_rejected(value):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            'Invalid value for argument `pack_transfer`. Expected "auto", '
+            f"True or False. Received: pack_transfer={value!r}"
+        ),
+    ):
+        StageOptions(pack_transfer=value)
+
+
+def test_device_options_are_kept():
+    options = StageOptions(device="/GPU:1", stream=2, pack_transfer=False)
+    config = options.get_config()
+    assert (config["device"], config["stream"]) == ("/GPU:1", 2)
+    assert config["pack_transfer"] is False
+
+
 @pytest.mark.parametrize("value", ["", 3, b"bytes"])
 def test_name_rejected(value):
     with pytest.raises(
@@ -239,6 +282,9 @@ def test_defaults():
         "thread_pool_size": None,
         "deterministic": True,
         "name": None,
+        "device": AUTO,
+        "stream": None,
+        "pack_transfer": AUTO,
     }
 
 

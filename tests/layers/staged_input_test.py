@@ -40,6 +40,11 @@ NON_DEFAULT_OPTIONS = dict(
     timeout=12.5,
     thread_pool_size=4,
     deterministic=False,
+    device="cpu",
+    # Stream 0 is the step's own device: no warning on a machine without
+    # a GPU (stream 1 warns; tests/models/device_test.py checks it).
+    stream=0,
+    pack_transfer=False,
 )
 
 
@@ -158,6 +163,9 @@ def test_get_config_has_every_constructor_argument():
     assert config["timeout"] == 12.5
     assert config["thread_pool_size"] == 4
     assert config["deterministic"] is False
+    assert config["device"] == "cpu"
+    assert config["stream"] == 0
+    assert config["pack_transfer"] is False
 
 
 def test_get_config_of_defaults_matches_the_signature_defaults():

@@ -437,14 +437,14 @@ def test_staged_input_off_the_model_inputs_is_rejected(method):
         _call(model, method)
 
 
-@pytest.mark.parametrize("value", ["yes", 1, None])
-def test_smart_stage_must_be_a_bool(value):
+@pytest.mark.parametrize("value", ["yes", "Longest", 1, None])
+def test_smart_stage_must_be_a_bool_or_longest(value):
     model = _model()
     with pytest.raises(
         ValueError,
         match=(
-            r"Invalid value for argument `smart_stage`. Expected True or "
-            rf"False. Received: smart_stage={value!r}"
+            r"Invalid value for argument `smart_stage`. Expected True, "
+            rf"False or \"longest\". Received: smart_stage={value!r}"
         ),
     ):
         model.compile(optimizer="sgd", loss="mse", smart_stage=value)

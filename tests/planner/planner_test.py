@@ -5,6 +5,8 @@ plan layer by layer: staged and trunk layers in topological order, the
 reason for every trunk layer and the tensors crossing the cut.
 """
 
+import json
+
 import keras
 import numpy as np
 import pytest
@@ -12,6 +14,11 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage.layers import StagedInput
+from keras_stage.planner import plan_model
+from keras_stage.planner.planner import (
+    CUT_INFLATION_LIMIT,
+    CUT_INFLATION_MIN_BYTES,
+)
 
 
 @keras.saving.register_keras_serializable(package="keras_stage_tests")
@@ -410,3 +417,328 @@ def test_an_output_without_batch_dimension_is_not_put_on_the_cut():
     assert plan.reasons["total"] == (
         "returns a tensor without a batch dimension"
     )
+
+
+# -- the transfer-aware cut -------------------------------------------------
+
+ONE_HOT_BINS = 100_000
+VOCABULARY = list(range(50))
+_rng = np.random.default_rng(0)
+IDS = _rng.integers(len(VOCABULARY), size=(40, 1)).astype("int64")
+TARGETS = _rng.normal(size=(40, 1)).astype("float32")
+# Why the trunk gets the one-hot: 8 bytes of ids against 100k float32s.
+INFLATES = (
+    "staging it would inflate the cut 8 -> 400,000 bytes/example "
+    "(transfer-aware cut; smart_stage='longest' stages it)"
+)
+
+
+def _one_hot_model(model_class=keras_stage.Model, staged=True):
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input(shape=(1,), dtype="int64", name="ids")
+    x = inputs
+    if staged:
+        x = StagedInput(capacity=2, num_threads=2, name="stage")(inputs)
+    x = keras.layers.IntegerLookup(vocabulary=VOCABULARY, name="lookup")(x)
+    x = keras.layers.CategoryEncoding(
+        ONE_HOT_BINS, output_mode="one_hot", name="onehot"
+    )(x)
+    x = keras.layers.Dense(4, activation="relu", name="hidden")(x)
+    outputs = keras.layers.Dense(1, name="head")(x)
+    return model_class(inputs, outputs)
+
+
+def _compiled(model, smart_stage):
+    model.compile(optimizer="adam", loss="mse", smart_stage=smart_stage)
+    return model
+
+
+def _summary(model):
+    lines = []
+    model.stage_summary(print_fn=lines.append)
+    return "\n".join(lines)
+
+
+def test_an_inflating_layer_stays_in_the_trunk():
+    model = _compiled(_one_hot_model(), smart_stage=True)
+    plan = model.get_stage_plan()
+    # Two 8-byte cuts tie: the longer prefix wins.
+    assert plan.candidate_cuts == [
+        ("stage", 8),
+        ("lookup", 8),
+        ("onehot", 4 * ONE_HOT_BINS),
+    ]
+    assert plan.staged_layers == ["stage", "lookup"]
+    assert plan.trunk_layers == ["onehot", "hidden", "head"]
+    assert plan.reasons["onehot"] == INFLATES
+    assert plan.reasons["hidden"] == "has trainable weights"
+    [cut] = plan.boundary
+    assert (cut.name, cut.dtype, cut.shape) == ("lookup", "int64", (None, 1))
+    assert plan.cut_reason == (
+        "after 'lookup' (transfer-aware): staging the rest would inflate "
+        "the cut 8 -> 400,000 bytes/example, more than 4x; "
+        "smart_stage='longest' stages it"
+    )
+    text = _summary(model)
+    assert f"Why this cut: {plan.cut_reason}" in text
+    assert "8 bytes/example (bytes/batch: 8 x batch size)" in text
+    assert "stage 8, lookup 8, onehot 400,000" in text
+    # The split runs the one-hot in the train step, on the lookup's ids.
+    _, split = plan_model(model, model.get_layer("stage"))
+    assert [t.dtype for t in split.prefix.outputs] == ["int64"]
+    trunk = [layer.name for layer in split.trunk.layers]
+    assert trunk == ["lookup_cut", "onehot", "hidden", "head"]
+
+
+def test_summary_shows_bytes_per_batch_when_the_batch_is_static():
+    inputs = keras.Input(shape=(4,), batch_size=8, name="x")
+    x = StagedInput(name="stage")(inputs)
+    x = keras.layers.Rescaling(0.5, name="rescale")(x)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1, name="head")(x))
+    model = _compiled(model, smart_stage=True)
+    plan = model.get_stage_plan()
+    assert (plan.bytes_per_example, plan.bytes_per_batch) == (16, 128)
+    text = _summary(model)
+    assert "Cut: 1 tensors, 16 bytes/example, 128 bytes/batch" in text
+    assert (
+        "Why this cut: after 'rescale', the longest prefix: no shorter "
+        "prefix's cut is more than 4x smaller, or the cut is at most 1,024 "
+        "bytes/example (transfer-aware)"
+    ) in text
+
+
+def test_longest_stages_the_inflating_layer_and_says_what_it_costs():
+    model = _compiled(_one_hot_model(), smart_stage="longest")
+    plan = model.get_stage_plan()
+    assert plan.staged_layers == ["stage", "lookup", "onehot"]
+    assert plan.trunk_layers == ["hidden", "head"]
+    assert plan.bytes_per_example == 4 * ONE_HOT_BINS
+    assert plan.cut_reason == (
+        "after 'onehot', the longest prefix (smart_stage='longest'); the "
+        "transfer-aware cut after 'lookup' would carry 8 instead of "
+        "400,000 bytes/example"
+    )
+    assert (
+        plan.candidate_cuts
+        == _compiled(_one_hot_model(), smart_stage=True)
+        .get_stage_plan()
+        .candidate_cuts
+    )
+    # smart_stage=False shows what True would stage.
+    unstaged = _compiled(_one_hot_model(), smart_stage=False)
+    assert unstaged.get_stage_plan().trunk_layers[0] == "onehot"
+
+
+def test_without_staged_input_the_cut_can_be_the_model_inputs():
+    inputs = keras.Input(shape=(1,), dtype="int64", name="ids")
+    x = keras.layers.CategoryEncoding(
+        ONE_HOT_BINS, output_mode="one_hot", name="onehot"
+    )(inputs)
+    outputs = keras.layers.Dense(1, name="head")(x)
+    plan = _plan(inputs, outputs)
+    assert plan.candidate_cuts == [(None, 8), ("onehot", 4 * ONE_HOT_BINS)]
+    assert plan.staged_layers == []
+    assert plan.reasons["onehot"] == INFLATES
+    assert plan.cut_reason.startswith("at the model inputs (transfer-aware)")
+    assert [t.name for t in plan.boundary] == ["ids"]
+
+
+def _repeat_model(copies, width=128):
+    inputs = keras.Input(shape=(width,), name="x")
+    x = StagedInput(name="stage")(inputs)
+    x = keras.layers.Rescaling(0.5, name="rescale")(x)
+    x = keras.layers.Concatenate(name="repeat")([x] * copies)
+    return inputs, keras.layers.Dense(1, name="head")(x)
+
+
+def test_growth_up_to_the_limit_keeps_the_longest_prefix():
+    # 128 float32 = 512 bytes/example; repeated 4x is 2,048.
+    plan = _plan(*_repeat_model(CUT_INFLATION_LIMIT))
+    assert plan.staged_layers == ["stage", "rescale", "repeat"]
+    assert plan.candidate_cuts[-1] == ("repeat", 512 * CUT_INFLATION_LIMIT)
+    assert plan.cut_reason == (
+        "after 'repeat', the longest prefix: no shorter prefix's cut is "
+        "more than 4x smaller, or the cut is at most 1,024 bytes/example "
+        "(transfer-aware)"
+    )
+    plan = _plan(*_repeat_model(CUT_INFLATION_LIMIT + 1))
+    assert plan.staged_layers == ["stage", "rescale"]
+    assert plan.reasons["repeat"].startswith(
+        "staging it would inflate the cut 512 -> 2,560 bytes/example"
+    )
+
+
+def test_small_cuts_stay_whole_however_much_they_grow():
+    # 16 -> 80 bytes/example is 5x, but copying 80 bytes per example costs
+    # less than running the layer in the step.
+    assert CUT_INFLATION_MIN_BYTES == 1024
+    plan = _plan(*_repeat_model(CUT_INFLATION_LIMIT + 1, width=4))
+    assert plan.candidate_cuts[-1] == ("repeat", 80)
+    assert plan.staged_layers == ["stage", "rescale", "repeat"]
+
+
+def test_shrinking_layers_keep_the_longest_prefix():
+    inputs = keras.Input(shape=(8,), name="x")
+    x = StagedInput(name="stage")(inputs)
+    x = keras.layers.Rescaling(0.5, name="rescale")(x)  # same size
+    x = keras.layers.Lambda(lambda t: t[:, :2], name="first_two")(x)
+    x = keras.layers.Activation("tanh", name="act")(x)
+    plan = _plan(inputs, keras.layers.Dense(1, name="head")(x))
+    assert plan.candidate_cuts == [
+        ("stage", 32),
+        ("rescale", 32),
+        ("first_two", 8),
+        ("act", 8),
+    ]
+    assert plan.staged_layers == ["stage", "rescale", "first_two", "act"]
+
+
+class PadToMaxId(keras.layers.Layer):
+    """Zeros as wide as the largest id: a width known only from the data."""
+
+    def call(self, ids):
+        width = tf.cast(tf.reduce_max(ids), tf.int32) + 1
+        return tf.zeros(tf.stack([tf.shape(ids)[0], width]))
+
+    def compute_output_spec(self, ids):
+        return keras.KerasTensor((ids.shape[0], None), "float32")
+
+
+class SumTimesWeight(keras.layers.Layer):
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(), initializer="ones")
+
+    def call(self, x):
+        return keras.ops.sum(x, axis=-1, keepdims=True) * self.w
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], 1)
+
+
+def test_unknown_sizes_never_move_the_cut():
+    # Variable-length ids: no earlier cut has a size to compare with.
+    inputs = keras.Input(shape=(None,), dtype="int64", name="ids")
+    x = StagedInput(name="stage")(inputs)
+    x = keras.layers.IntegerLookup(vocabulary=VOCABULARY, name="lookup")(x)
+    x = keras.layers.CategoryEncoding(
+        ONE_HOT_BINS, output_mode="multi_hot", name="multihot"
+    )(x)
+    plan = _plan(inputs, keras.layers.Dense(1, name="head")(x))
+    assert plan.candidate_cuts == [
+        ("stage", None),
+        ("lookup", None),
+        ("multihot", 4 * ONE_HOT_BINS),
+    ]
+    assert plan.staged_layers == ["stage", "lookup", "multihot"]
+    # A longest cut without static size: never compared.
+    inputs = keras.Input(shape=(1,), dtype="int64", name="ids")
+    x = StagedInput(name="stage")(inputs)
+    x = PadToMaxId(name="pad")(x)
+    plan = _plan(inputs, SumTimesWeight(name="head")(x))
+    assert plan.candidate_cuts == [("stage", 8), ("pad", None)]
+    assert plan.staged_layers == ["stage", "pad"]
+    assert plan.cut_reason == (
+        "after 'pad', the longest prefix: its size is not static, so the "
+        "transfer-aware rule does not apply"
+    )
+
+
+def test_cuts_the_stage_cannot_hand_over_are_not_candidates():
+    inputs = keras.Input(shape=(4,), name="x")
+    x = StagedInput(name="stage")(inputs)
+    total = keras.layers.Lambda(
+        lambda t: keras.ops.sum(t), output_shape=(), name="total"
+    )(x)
+    scaled = keras.layers.Lambda(lambda a: a[0] * a[1], name="scaled")(
+        [x, total]
+    )
+    plan = _plan(inputs, keras.layers.Dense(1, name="head")(scaled))
+    # The cut after 'total' would hand the trunk a scalar.
+    assert plan.candidate_cuts == [("stage", 16), ("scaled", 16)]
+
+
+def test_plan_config_round_trips_through_json():
+    plan = _compiled(_one_hot_model(), smart_stage=True).get_stage_plan()
+    config = json.loads(json.dumps(plan.get_config()))
+    assert config["cut_reason"] == plan.cut_reason
+    assert config["candidate_cuts"] == [
+        ["stage", 8],
+        ["lookup", 8],
+        ["onehot", 400_000],
+    ]
+    restored = keras_stage.StagePlan.from_config(config)
+    assert restored == plan
+    assert restored.candidate_cuts == plan.candidate_cuts
+    assert restored.layer_types["onehot"] == "CategoryEncoding"
+    assert restored.boundary == plan.boundary
+    # Both fields take part in equality.
+    assert keras_stage.StagePlan.from_config({**config, "cut_reason": ""}) != (
+        plan
+    )
+    changed = {**config, "candidate_cuts": config["candidate_cuts"][1:]}
+    assert keras_stage.StagePlan.from_config(changed) != plan
+
+
+@pytest.mark.parametrize("value", ["shortest", "Longest", 1, None])
+def test_smart_stage_accepts_true_false_and_longest(value):
+    model = _one_hot_model()
+    with pytest.raises(
+        ValueError,
+        match=(
+            r"Invalid value for argument `smart_stage`. Expected True, False "
+            rf'or "longest". Received: smart_stage={value!r}'
+        ),
+    ):
+        model.compile(optimizer="sgd", loss="mse", smart_stage=value)
+    with pytest.raises(ValueError, match=r'Expected True or "longest"'):
+        plan_model(model, smart_stage=False)
+
+
+@pytest.mark.timeout(120)
+def test_transfer_aware_fit_trains_like_plain_keras():
+    staged = _compiled(_one_hot_model(), smart_stage=True)
+    plain = _one_hot_model(keras.Model, staged=False)
+    plain.set_weights(staged.get_weights())
+    plain.compile(optimizer="adam", loss="mse")
+    assert staged.get_stage_plan().staged_layers == ["stage", "lookup"]
+    histories = []
+    for model in (staged, plain):
+        # Keras's shuffling draws from the global seed.
+        keras.utils.set_random_seed(11)
+        histories.append(
+            model.fit(
+                IDS,
+                TARGETS,
+                batch_size=8,
+                epochs=3,
+                shuffle=True,
+                validation_data=(IDS[:16], TARGETS[:16]),
+                verbose=0,
+            ).history
+        )
+    h_staged, h_plain = histories
+    assert "stage_wait_ratio" in h_staged  # the stage really ran
+    for key, values in h_plain.items():
+        np.testing.assert_allclose(
+            h_staged[key], values, rtol=1e-6, atol=1e-6, err_msg=key
+        )
+    for a, b in zip(staged.get_weights(), plain.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        staged.predict(IDS, verbose=0), plain.predict(IDS, verbose=0)
+    )
+
+
+@pytest.mark.timeout(120)
+def test_save_and_load_keep_smart_stage_longest(tmp_path):
+    model = _compiled(_one_hot_model(), smart_stage="longest")
+    # Trained first: a never-built optimizer does not load back silently.
+    model.fit(IDS, TARGETS, batch_size=8, epochs=1, verbose=0)
+    assert model.get_compile_config()["smart_stage"] == "longest"
+    path = tmp_path / "longest.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.smart_stage == "longest"
+    assert loaded.get_stage_plan() == model.get_stage_plan()
+    assert "onehot" in loaded.get_stage_plan().staged_layers
+    loaded.fit(IDS, TARGETS, batch_size=8, epochs=1, verbose=0)
