@@ -8,6 +8,7 @@ fills it in.
 """
 
 import math
+import textwrap
 
 
 class BoundaryTensor:
@@ -284,20 +285,31 @@ def _render(plan, width):
         rows,
         (cut_width, 18, max(16, width - cut_width - 18 - 16 - 3), 16),
     )
-    lines.append(
-        f" Staged layers: {len(plan.staged_layers)}"
+    footer = [
+        f"Staged layers: {len(plan.staged_layers)}"
         f"  Trunk layers: {len(plan.trunk_layers)}"
         f"  Cut: {len(plan.boundary)} tensors, {_cut_size(plan)}"
-    )
+    ]
     if plan.cut_reason:
-        lines.append(f" Why this cut: {plan.cut_reason}")
+        footer.append(f"Why this cut: {plan.cut_reason}")
     if plan.candidate_cuts:
         cuts = ", ".join(
             f"{'inputs' if name is None else name} "
             + ("?" if size is None else f"{size:,}")
             for name, size in plan.candidate_cuts
         )
-        lines.append(f" Candidate cuts (after layer, bytes/example): {cuts}")
+        footer.append(f"Candidate cuts (after layer, bytes/example): {cuts}")
+    # Wrapped to the table's width, like Keras's summary footer.
+    for text in footer:
+        lines.extend(
+            textwrap.wrap(
+                text,
+                width,
+                initial_indent=" ",
+                subsequent_indent="   ",
+                break_on_hyphens=False,
+            )
+        )
     return lines
 
 

@@ -191,7 +191,18 @@ def test_mirrored_strategy_over_two_devices_matches_unstaged(smart_stage):
         with strategy.scope():
             staged = build(keras_stage.Model, dict(capacity=2, num_threads=2))
         staged_w, staged_loss = train(staged, smart_stage={smart_stage})
+        # Each replica's batch arrives on its own device.
+        from keras_stage.data import StageOptions
+        from keras_stage.models.inputs import distribute_inputs
+        dist = distribute_inputs(
+            strategy,
+            tf.data.Dataset.range(8).batch(4),
+            StageOptions(capacity=2),
+        )
+        first = next(iter(dist))
+        replica_devices = [v.device for v in first.values]
         print(json.dumps({{
+            "replica_devices": replica_devices,
             "replicas": strategy.num_replicas_in_sync,
             "close": all(np.allclose(a, b, atol=1e-5)
                          for a, b in zip(plain_w, staged_w)),
@@ -201,6 +212,7 @@ def test_mirrored_strategy_over_two_devices_matches_unstaged(smart_stage):
     )
     assert out["replicas"] == 2
     assert out["close"], out["loss"]
+    assert [d[-5:] for d in out["replica_devices"]] == ["CPU:0", "CPU:1"]
 
 
 @pytest.mark.timeout(400)

@@ -453,10 +453,13 @@ def _compiled(model, smart_stage):
     return model
 
 
-def _summary(model):
+def _summary(model, line_length=None):
+    """The summary's text with its wrapped lines joined back."""
     lines = []
-    model.stage_summary(print_fn=lines.append)
-    return "\n".join(lines)
+    model.stage_summary(print_fn=lines.append, line_length=line_length)
+    for line in lines:
+        assert len(line) <= (line_length or 98) or "━" in line, line
+    return " ".join(" ".join(lines).split())
 
 
 def test_an_inflating_layer_stays_in_the_trunk():
