@@ -163,6 +163,12 @@ def _build_pipeline(dataset, fn, options, stats, gate, placement):
     # Keep the buffer where the user put it: an injected prefetch would add
     # an unbounded-by-us buffer and hide the consumer's wait.
     opts.experimental_optimization.inject_prefetch = False
+    # The stage's counters and gate are variables, state outside the
+    # pipeline: a checkpoint of an iterator (see `BackupAndRestore`) skips
+    # them instead of failing.
+    opts.experimental_external_state_policy = (
+        tf.data.experimental.ExternalStatePolicy.IGNORE
+    )
     if options.num_threads == AUTO:
         # The private pool is what lets "auto" run more elements at once
         # than there are cores (a stage waiting on IO needs that); the

@@ -25,11 +25,13 @@ import contextlib
 import logging
 import threading
 import warnings
+import weakref
 
 import keras
 import tensorflow as tf
 
 from keras_stage import _compat
+from keras_stage.callbacks.data_backup import DataBackup
 from keras_stage.callbacks.prefetch_callback import PrefetchCallback
 from keras_stage.data.errors import StageTimeoutError
 from keras_stage.data.runner import EndOfData, SkipElement
@@ -77,6 +79,11 @@ class _StagingState:
         # was built for.
         self.placements = {}
         self.layouts = {}
+        # Per phase: the iterator its step read last (weakly), and a
+        # restore of its position to run before the next step (see
+        # `DataBackup`).
+        self.iterators = {}
+        self.pending_restores = {}
         # Set, in the thread tracing a step, to the trunk the model's call
         # runs instead of the whole model.
         self.local = threading.local()
@@ -129,9 +136,11 @@ def _guard(model, phase, function):
     """Wraps a compiled Keras step with the stage runner of `phase`."""
 
     def guarded(iterator):
-        runner = _state(model).runners.get(phase)
+        state = _state(model)
+        runner = state.runners.get(phase)
         if runner is None:
             return function(iterator)
+        _track_iterator(state, phase, iterator)
         while True:
             try:
                 return runner.call(function, iterator, check_origin=True)
@@ -342,6 +351,40 @@ def _build_for_strategy(model, data):
     ):
         with strategy.scope():
             _compat.symbolic_build(model, data.element_spec)
+
+
+def _track_iterator(state, phase, iterator):
+    """Notes the iterator `phase`'s step reads; restores it first if asked.
+
+    See `DataBackup`: a resumed epoch's iterator continues from the saved
+    position before its first step.
+    """
+    restore = state.pending_restores.pop(phase, None)
+    if restore is not None:
+        restore(iterator)
+    try:
+        state.iterators[phase] = weakref.ref(iterator)
+    except TypeError:  # not weakly referable: not checkpointable either
+        state.iterators.pop(phase, None)
+
+
+def _with_data_backup(model, callbacks):
+    """`callbacks` with a `DataBackup` right after a `BackupAndRestore`."""
+    state = _state(model)
+    out = []
+    for callback in callbacks:
+        out.append(callback)
+        if isinstance(callback, keras.callbacks.BackupAndRestore):
+
+            def current(state=state):
+                ref = state.iterators.get("train")
+                return None if ref is None else ref()
+
+            def restore_next(restore, state=state):
+                state.pending_restores["train"] = restore
+
+            out.append(DataBackup(callback, current, restore_next))
+    return out
 
 
 def _end_call(prefetch, built):
@@ -597,6 +640,7 @@ class StagingMixin:
                 )
             )
         callbacks, prefetch = _with_prefetch_callback(callbacks)
+        callbacks = _with_data_backup(self, callbacks)
         state = _state(self)
         built = []
         try:
@@ -657,6 +701,8 @@ class StagingMixin:
         finally:
             state.runners.clear()
             state.recording.clear()
+            state.iterators.clear()
+            state.pending_restores.clear()
             _release_placements(self, state, ("train", "test"))
             _end_call(prefetch, built)
 
