@@ -10,7 +10,10 @@ otherwise.
 A blocked TensorFlow call cannot be interrupted, so with a timeout the call
 runs on one helper thread while the caller waits with a deadline. Only the
 time the consumer spends waiting for input counts against the timeout (the
-pipeline marks it in a variable), never a slow training step.
+pipeline marks it in a variable), never a slow training step. A caller that
+stops waiting (the timeout, or Ctrl-C in the waiting thread) abandons the
+call: its thread ends once the call returns, and the next call gets a fresh
+one.
 """
 
 import logging
@@ -26,6 +29,43 @@ logger = logging.getLogger("keras_stage")
 
 # How often the waiting caller re-checks the input-wait clock.
 _POLL_SECONDS = 0.5
+
+
+_NODE = re.compile(r"\{\{node ([^}]+)\}\}")
+
+
+def failing_layer(error, layers):
+    """The name, among `layers`, of the layer whose op raised `error`.
+
+    TensorFlow names the failing node by its name scopes, which Keras makes
+    from the model's and layers' names with a call-count suffix
+    ("model_stage_1/parse_numbers_1/StringToNumber"); None if no scope is
+    one of `layers`.
+    """
+    message = getattr(error, "message", None) or str(error)
+    names = set(layers)
+    for node in _NODE.findall(message):
+        # The innermost scope first: a layer called inside another.
+        for scope in reversed(node.split("/")[:-1]):
+            for name in (scope, re.sub(r"_\d+$", "", scope)):
+                if name in names:
+                    return name
+    return None
+
+
+def _is_end_of_data(error):
+    """Whether `error` is an iterator's end (not a failing element).
+
+    A reader can raise OutOfRangeError for a truncated record; only the
+    iterator's own end says "End of sequence".
+    """
+    if isinstance(error, StopIteration):
+        return True
+    message = getattr(error, "message", None) or ""
+    return (
+        isinstance(error, tf.errors.OutOfRangeError)
+        and "End of sequence" in message
+    )
 
 
 class SkipElement(Exception):
@@ -120,6 +160,9 @@ class StageRunner:
         self.options = options
         self.stats = stats
         self._gate = gate
+        # Names of the model layers the stage runs (SmartStage), to name
+        # the one an error came from.
+        self.staged_layers = ()
         self._caller = None
         self._abandoned = []
         # Set by a consumer that records its fetches in its own step (see
@@ -175,6 +218,10 @@ class StageRunner:
 
     def _apply_policies(self, error):
         options = self.options
+        if _is_end_of_data(error):
+            # However the types are set: skipping the end of the data
+            # would ask for the next element forever.
+            raise EndOfData() from error
         if isinstance(error, options.ignored_exception_types):
             self.stats.record_skip(error)
             logger.debug("stage %r skipped an element: %s", self.name, error)
@@ -182,33 +229,57 @@ class StageRunner:
         if isinstance(error, options.closed_exception_types + (StopIteration,)):
             raise EndOfData() from error
         if isinstance(error, tf.errors.OpError):
-            raise annotate(error, self.name) from None
+            raise annotate(error, self.name, self._hint(error)) from None
         raise error
+
+    def _hint(self, error):
+        """Where in the staged layers `error` arose, and how to skip it."""
+        skip = (
+            f"to skip the batches that fail like this, add "
+            f"tf.errors.{type(error).__name__} to the stage's "
+            "ignored_exception_types"
+        )
+        layer = failing_layer(error, self.staged_layers)
+        if layer is None:
+            return skip
+        return f"in its layer '{layer}'; {skip}"
 
     def _call_with_timeout(self, fn, args, started):
         if self._caller is None or not self._caller.alive:
             self._caller = _CallThread(f"keras_stage-{self.name}")
         caller = self._caller
-        caller.submit(fn, args)
-        while True:
-            result = caller.wait(_POLL_SECONDS)
-            if result is not None:
-                ok, value = result
-                if ok:
-                    return value
-                raise value
-            waited = self.stats.seconds_waiting(
-                since=started if self.records_in_step else None
-            )
-            if waited > self.options.timeout:
-                # The blocked call cannot be interrupted: leave its thread
-                # (a daemon) behind and give the next call a fresh one.
-                caller.close(timeout=0)  # exits once the call returns
-                self._abandoned.append(caller)
-                self._caller = None
-                self.stats.close()
-                self.close_gate()
-                raise self._timeout_error(waited)
+        try:
+            caller.submit(fn, args)
+            while True:
+                result = caller.wait(_POLL_SECONDS)
+                if result is not None:
+                    break
+                waited = self.stats.seconds_waiting(
+                    since=started if self.records_in_step else None
+                )
+                if waited > self.options.timeout:
+                    self.stats.close()
+                    self.close_gate()
+                    raise self._timeout_error(waited)
+        except BaseException:
+            # Nobody will read the call's result: the wait timed out, or
+            # was interrupted (Ctrl-C reaches the waiting main thread, never
+            # the call). Keeping the busy thread would fail the next call.
+            self._abandon(caller)
+            raise
+        ok, value = result
+        if ok:
+            return value
+        raise value
+
+    def _abandon(self, caller):
+        """Leaves `caller` to end once its call returns; `close` waits."""
+        # The blocked call cannot be interrupted: its thread (a daemon)
+        # drops the result and exits when the call returns.
+        caller.close(timeout=0)
+        self._abandoned.append(caller)
+        if self._caller is caller:
+            self._caller = None
 
     def _timeout_error(self, waited):
         snap = self.stats.snapshot()
@@ -232,10 +303,10 @@ class StageRunner:
         """Stops the helper thread; returns True if no thread is left."""
         deadline = time.monotonic() + timeout
         if self._caller is not None:
-            self._caller.close(timeout)
-            self._caller = None
-        # A thread abandoned by a timeout ends once its blocked call
-        # returns; wait for it within the same deadline.
+            # Idle, it exits at once; busy, once its call returns.
+            self._abandon(self._caller)
+        # An abandoned thread ends once its blocked call returns; wait for
+        # it within the deadline.
         for caller in self._abandoned:
             caller.close(max(0.0, deadline - time.monotonic()))
         self._abandoned = [c for c in self._abandoned if c.alive]

@@ -58,6 +58,8 @@ class Placement:
         if distributed:
             return cls(None, False, unpacks)
         device = resolve_device(options.device)
+        if device is not None and _is_host(device):
+            device = None  # "/CPU:0" is where the buffer is anyway
         if options.stream is not None:
             device = stream_device(options.stream, device) or device
         return cls(device, options.pack_transfer, unpacks)
@@ -81,6 +83,15 @@ class Placement:
             return element
         with tf.device(self.device):
             return self.packer.unpack(element)
+
+
+def _is_host(device):
+    spec = tf.DeviceSpec.from_string(device)
+    return (
+        spec.job in (None, "localhost")
+        and spec.device_type == "CPU"
+        and spec.device_index in (0, None)
+    )
 
 
 def on_host(fn):

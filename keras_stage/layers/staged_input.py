@@ -25,13 +25,28 @@ def _exception_to_name(cls):
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _exception_from_name(name):
+def _exception_from_name(name, argument):
+    """The exception class named `name` (as `get_config` stores it)."""
     if not isinstance(name, str):
         return name
+    found = _find_exception(name)
+    if found is None:
+        raise ValueError(
+            f"Invalid value for argument `{argument}`: cannot find the "
+            f"exception class {name!r}. Use a class, or a name such as "
+            '"tf.errors.DataLossError", "ValueError" or '
+            '"my_package.errors.CorruptRecordError" (import the module that '
+            f"defines it before loading). Received: {argument} containing "
+            f"{name!r}"
+        )
+    return found
+
+
+def _find_exception(name):
     if name.startswith("tf.errors."):
-        return getattr(tf.errors, name[len("tf.errors.") :])
+        return getattr(tf.errors, name[len("tf.errors.") :], None)
     if "." not in name:
-        return getattr(builtins, name)
+        return getattr(builtins, name, None)
     # "package.module.Outer.Inner": the module is the longest importable
     # prefix, the rest is the class's __qualname__.
     parts = name.split(".")
@@ -41,12 +56,11 @@ def _exception_from_name(name):
         except ImportError:
             continue
         for attribute in parts[split:]:
-            found = getattr(found, attribute)
+            found = getattr(found, attribute, None)
+            if found is None:
+                return None
         return found
-    raise ValueError(
-        f"Cannot find the exception class {name!r}: no importable module "
-        "in its name. Import the module that defines it before loading."
-    )
+    return None
 
 
 def _stage_name(layer_name):
@@ -137,11 +151,13 @@ class StagedInput(keras.layers.Layer):
         super().__init__(**kwargs)
         if isinstance(closed_exception_types, (list, tuple)):
             closed_exception_types = tuple(
-                _exception_from_name(t) for t in closed_exception_types
+                _exception_from_name(t, "closed_exception_types")
+                for t in closed_exception_types
             )
         if isinstance(ignored_exception_types, (list, tuple)):
             ignored_exception_types = tuple(
-                _exception_from_name(t) for t in ignored_exception_types
+                _exception_from_name(t, "ignored_exception_types")
+                for t in ignored_exception_types
             )
         self.stage_options = StageOptions(
             capacity=capacity,

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from keras_stage import _compat
 from keras_stage.data.staging import StagedDataset
+from keras_stage.models.sources import check_source
 
 logger = logging.getLogger("keras_stage")
 
@@ -135,6 +136,8 @@ def stage_data(
                 x.name,
             )
         return StagedData(x, None, owned=False)
+    # A failing generator or PyDataset names itself and the batch.
+    x = check_source(x)
     adapter = _compat.get_data_adapter(
         x=x,
         y=y,
@@ -172,6 +175,8 @@ def stage_data(
         distributed=distributed,
         unpacks=True,
     )
+    if split is not None:
+        staged.runner.staged_layers = tuple(split.plan.staged_layers)
     return StagedData(
         staged,
         adapter,

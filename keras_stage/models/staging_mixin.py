@@ -149,10 +149,12 @@ def _guard(model, phase, function):
             except EndOfData:
                 # Keras ends the epoch on StopIteration.
                 raise StopIteration from None
-            except StageTimeoutError:
-                # The abandoned call still runs this compiled function, and
-                # TensorFlow runs the calls of one tf.function one at a
-                # time: the next fit/evaluate must trace a fresh one.
+            except (StageTimeoutError, KeyboardInterrupt):
+                # The abandoned call (timed out, or interrupted while the
+                # step ran on the helper thread) may still run this
+                # compiled function, and TensorFlow runs the calls of one
+                # tf.function one at a time: the next fit/evaluate must
+                # trace a fresh one.
                 setattr(model, _FUNCTIONS[phase], None)
                 raise
 
@@ -161,15 +163,23 @@ def _guard(model, phase, function):
 
 
 @contextlib.contextmanager
-def _skips_end_epochs_early(layer):
-    """Silences Keras's "ran out of data" warning when batches may be skipped.
+def _skips_end_epochs_early(layer, built=(), callbacks=()):
+    """Silences Keras's "ran out of data" warning when epochs may end early.
 
     With `ignored_exception_types`, an epoch can end before the batch count
     Keras expects (or Keras cannot know the count); that is the policy at
-    work, reported by the PrefetchCallback, not a short dataset.
+    work, reported by the PrefetchCallback, not a short dataset. So is an
+    epoch resumed by `DataBackup` after its saved batch, and the epochs of
+    a device buffer, whose copy to the device hides the batch count from
+    Keras.
     """
+    quiet = (
+        bool(layer.stage_options.ignored_exception_types)
+        or any(data.staged.device is not None for data in built)
+        or any(isinstance(cb, DataBackup) for cb in callbacks)
+    )
     with warnings.catch_warnings():
-        if layer.stage_options.ignored_exception_types:
+        if quiet:
             warnings.filterwarnings(
                 "ignore",
                 message="Your input ran out of data",
@@ -683,7 +693,7 @@ class StagingMixin:
             _build_for_strategy(self, train)
             splits = {"train": train.split, "test": val_split}
             with (
-                _skips_end_epochs_early(layer),
+                _skips_end_epochs_early(layer, built, callbacks),
                 _staged_steps(self, ("train", "test"), splits),
             ):
                 return super().fit(
@@ -757,7 +767,7 @@ class StagingMixin:
             _bind(prefetch, state, "test", test, self)
             _build_for_strategy(self, test)
             with (
-                _skips_end_epochs_early(layer),
+                _skips_end_epochs_early(layer, built, callbacks),
                 _staged_steps(self, ("test",), {"test": test.split}),
             ):
                 return super().evaluate(

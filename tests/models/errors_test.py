@@ -554,3 +554,32 @@ def test_staged_dataset_with_separate_labels_is_rejected(y, sample_weight):
 def test_bad_staged_input_options_name_the_argument(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
         StagedInput(**kwargs)
+
+
+class _ParseNumbers(keras.layers.Layer):
+    """A staged layer (no weights) that fails on a non-numeric string."""
+
+    def call(self, x):
+        return tf.strings.to_number(x)
+
+
+@pytest.mark.timeout(60)
+def test_error_in_a_staged_layer_names_the_layer_and_the_fix():
+    inputs = keras.Input((2,), dtype="string")
+    x = StagedInput(name="csv", capacity=2, num_threads=1)(inputs)
+    x = _ParseNumbers(name="parse_numbers")(x)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    assert "parse_numbers" in model.get_stage_plan().staged_layers
+    rows = tf.constant([["1", "2"]] * 4 + [["x", "2"]] * 2)
+    data = tf.data.Dataset.from_tensor_slices((rows, tf.ones((6, 1))))
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        model.fit(data.batch(2), shuffle=False, verbose=0)
+    message = info.value.message
+    assert "could not correctly convert string: x" in message
+    assert (
+        "[keras_stage] raised inside stage 'csv_train': in its layer "
+        "'parse_numbers'; to skip the batches that fail like this, add "
+        "tf.errors.InvalidArgumentError to the stage's "
+        "ignored_exception_types"
+    ) in message

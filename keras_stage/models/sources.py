@@ -1,0 +1,428 @@
+"""Python data sources that fail are named: which source, which batch, why.
+
+A generator or `keras.utils.PyDataset` passed to a staged `fit`,
+`evaluate` or `predict` runs inside tf.data, which turns whatever it raises
+into a TensorFlow error and casts a batch of another dtype silently. This
+module owns the wrapper that sits between such a source and Keras's data
+adapter: it counts the batches, names the source and the batch in the
+errors of the user's own code, checks every batch against the first ones
+(structure, dtype, shape: what Keras fixes from them), and rejects a source
+that yields nothing. The batches themselves pass through untouched, in the
+same order.
+"""
+
+import types
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+# Keras fixes the spec of a Python source from its first 2 batches
+# (`NUM_BATCHES_FOR_TENSOR_SPEC` of its data adapters): an axis whose size
+# differs between them is variable, every other one is fixed.
+_SPEC_BATCHES = 2
+# Names of the parts of a tuple batch, as Keras unpacks it.
+_TUPLE_PARTS = ("x", "y", "sample_weight")
+
+
+class SourceError(Exception):
+    """A generator or PyDataset feeding a staged run failed.
+
+    The errors of the source's own code are raised as a subclass of both
+    `SourceError` and the original type (a `ValueError` of a generator
+    becomes a `SourceValueError`, still a `ValueError`), chained from the
+    original; a batch that does not match the first ones, or a source with
+    no batch at all, raises `SourceBatchError`.
+
+    Inside a training step the error crosses TensorFlow, which re-raises it
+    as the `tf.errors.OpError` it gives that Python type (`ValueError` and
+    `TypeError` as `InvalidArgumentError`, most others as `UnknownError`,
+    as in a plain Keras run); its message then carries this error's
+    message and the original traceback.
+
+    Attributes:
+        source: The source, e.g. `"generator 'make_batches'"`.
+        index: The batch (counting from 0), or None.
+    """
+
+    source = None
+    index = None
+
+    def __str__(self):
+        # One message, as given: KeyError's own str would quote it.
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
+    def __reduce__(self):
+        # Keras's multiprocessing workers send errors pickled; the classes
+        # made for the user's types are found again through the cache.
+        base = type(self).__dict__.get("_wrapped_type")
+        cls = None if base is not None else type(self)
+        return _restore, (base, cls, self.args, dict(self.__dict__))
+
+
+class SourceBatchError(SourceError, ValueError):
+    """A source yielded a batch unlike its first ones, or no batch at all."""
+
+
+def _restore(base, cls, args, state):
+    error = (cls or _error_class(base))(*args)
+    error.__dict__.update(state)
+    return error
+
+
+# One combined class per user exception type, so that all errors of one
+# type share a class (and unpickling finds it again).
+_error_classes = {}
+
+
+def _error_class(base):
+    """`SourceError` combined with `base`, so `except base:` still works."""
+    cls = _error_classes.get(base)
+    if cls is None:
+        try:
+            cls = type(
+                f"Source{base.__name__}",
+                (SourceError, base),
+                {"__module__": __name__, "_wrapped_type": base},
+            )
+        except Exception:  # a base that cannot be combined (layout, ...)
+            cls = SourceError
+        _error_classes[base] = cls
+    return cls
+
+
+# Dtype names by dtype: numpy builds `dtype.name` anew at each call (~3 us).
+_dtype_names = {}
+
+
+def _dtype_name(dtype):
+    try:
+        return _dtype_names[dtype]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable
+        return str(dtype)
+    if isinstance(dtype, np.dtype):
+        # Text arrays change dtype with their longest string ("<U3",
+        # "<U7"); TensorFlow makes all of them (and objects) strings.
+        name = "string" if dtype.kind in "USO" else dtype.name
+    elif isinstance(dtype, tf.DType):
+        name = dtype.name
+    else:
+        try:
+            name = keras.backend.standardize_dtype(dtype)
+        except (TypeError, ValueError):
+            name = str(dtype)
+    _dtype_names[dtype] = name
+    return name
+
+
+def _leaf_spec(leaf):
+    """`(dtype, shape)` of one leaf of a batch, `(None, None)` for None."""
+    if leaf is None:
+        return None, None
+    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+        leaf = np.asarray(leaf)  # a list or a number, as Keras reads it
+    return _dtype_name(leaf.dtype), tuple(leaf.shape)
+
+
+def _part_name(path, is_tuple):
+    """A leaf's name in a batch: `x`, `y['b']`, `sample_weight`..."""
+    if is_tuple and path:
+        head, rest = path[0], path[1:]
+        name = _TUPLE_PARTS[head] if head < len(_TUPLE_PARTS) else f"[{head}]"
+    else:
+        name, rest = "x", path
+    return name + "".join(f"[{key!r}]" for key in rest)
+
+
+class _BatchCheck:
+    """Checks a source's batches against its first ones and names errors.
+
+    The first batch fixes the structure and the dtypes, and the first
+    `_SPEC_BATCHES` the shapes, as Keras's adapter does; the batch axis is
+    always free (a smaller last batch is fine). Keras reads those first
+    batches alone, before any concurrent read, so the reference needs no
+    lock.
+    """
+
+    def __init__(self, source, where):
+        self.source = source
+        # How a batch index reads in messages, e.g. "`__getitem__(3)`".
+        self._where = where
+        self._seen = 0
+        self._is_tuple = None
+        self._paths = None
+        self._specs = None
+
+    def where(self, index):
+        return self._where.format(index=index)
+
+    def __call__(self, batch, index):
+        if not isinstance(batch, (tuple, list, dict)):
+            batch = (batch,)  # Keras reads a lone array as `(x,)`
+        flat = keras.tree.flatten_with_path(batch)
+        paths = tuple(path for path, _ in flat)
+        specs = [_leaf_spec(leaf) for _, leaf in flat]
+        if self._paths is None:
+            self._is_tuple = isinstance(batch, (tuple, list))
+            self._paths = paths
+            # Batch axes are free; `_relax` frees the others that differ.
+            self._specs = [
+                (dtype, (None,) + shape[1:] if shape else shape)
+                for dtype, shape in specs
+            ]
+            self._seen = 1
+            return
+        if paths != self._paths:
+            self._raise_structure(batch, paths, index)
+        learning = self._seen < _SPEC_BATCHES
+        self._seen += 1
+        for i, ((dtype, shape), (ref_dtype, ref_shape)) in enumerate(
+            zip(specs, self._specs, strict=True)
+        ):
+            if dtype != ref_dtype:
+                self._raise_dtype(i, dtype, ref_dtype, index)
+            # The common case first: every axis but the batch one fixed.
+            if shape is None or shape[1:] == ref_shape[1:]:
+                continue
+            if len(shape) != len(ref_shape):
+                self._raise_rank(i, shape, ref_shape, index)
+            if learning:
+                self._relax(i, shape)
+            elif any(
+                r is not None and d != r
+                for d, r in zip(shape, ref_shape, strict=True)
+            ):
+                self._raise_shape(i, shape, ref_shape, index)
+
+    def _relax(self, i, shape):
+        dtype, ref_shape = self._specs[i]
+        merged = tuple(
+            r if r == d else None for d, r in zip(shape, ref_shape, strict=True)
+        )
+        self._specs[i] = (dtype, merged)
+
+    def _name(self, i):
+        return _part_name(self._paths[i], self._is_tuple)
+
+    def _bad_batch(self, index, detail, fix):
+        error = SourceBatchError(
+            f"{self.source}, batch {index}{self.where(index)}, does not "
+            f"match the first batches: {detail} {fix}"
+        )
+        error.source, error.index = self.source, index
+        return error
+
+    def _raise_structure(self, batch, paths, index):
+        is_tuple = isinstance(batch, (tuple, list))
+        names = ", ".join(_part_name(p, is_tuple) for p in paths)
+        first = ", ".join(_part_name(p, self._is_tuple) for p in self._paths)
+        raise self._bad_batch(
+            index,
+            f"it holds [{names}] but the first batch held [{first}].",
+            "Yield the same structure (tuple length, dict keys) for every "
+            "batch.",
+        )
+
+    def _raise_dtype(self, i, dtype, ref_dtype, index):
+        raise self._bad_batch(
+            index,
+            f"`{self._name(i)}` has dtype {dtype} but the first batch's has "
+            f"{ref_dtype}.",
+            "Keras fixes the dtypes from the first batch and would cast this "
+            f"one silently, which can lose values. Yield {ref_dtype} for "
+            f"every batch, e.g. `np.asarray(value, dtype='{ref_dtype}')`.",
+        )
+
+    def _raise_rank(self, i, shape, ref_shape, index):
+        raise self._bad_batch(
+            index,
+            f"`{self._name(i)}` has rank {len(shape)} (shape "
+            f"{shape}) but the first batch's has rank "
+            f"{len(ref_shape)}.",
+            "Yield the same number of axes for every batch.",
+        )
+
+    def _raise_shape(self, i, shape, ref_shape, index):
+        raise self._bad_batch(
+            index,
+            f"`{self._name(i)}` has shape {shape} but the first "
+            f"batches fixed it to {ref_shape} (None: any size).",
+            "Only the batch axis, and axes whose size already differs "
+            "between the first two batches, may change. Yield the same "
+            "shape for every batch, e.g. pad to one size.",
+        )
+
+    def raised(self, error, index=None, hook=None):
+        """The error to raise, chained from `error`, for the user's code.
+
+        `index` is the batch being read, or None in the epoch `hook`.
+        """
+        if hook is None:
+            at = f"at batch {index}{self.where(index)}"
+            fix = (
+                "fix it there, or catch it inside the source to skip the batch."
+            )
+        else:
+            at = f"in `{hook}`"
+            fix = "fix it there."
+        message = (
+            f"{self.source} raised {type(error).__name__} {at}: {error}\n"
+            "This error comes from the source's own code, not from "
+            "keras_stage (the original traceback is chained as its cause): "
+            f"{fix}"
+        )
+        try:
+            wrapped = _error_class(type(error))(message)
+        except Exception:  # a constructor that takes more than a message
+            # Never let the wrapping hide the user's error.
+            wrapped = SourceError(message)
+        wrapped.source, wrapped.index = self.source, index
+        return wrapped
+
+
+def _checked_generator(generator, check):
+    index = 0
+    while True:
+        try:
+            batch = next(generator)
+        except StopIteration:
+            if index == 0:
+                error = SourceBatchError(
+                    f"{check.source} yielded no batches; fit, evaluate and "
+                    "predict need at least one. A generator can be iterated "
+                    "only once: create a new one for each call."
+                )
+                error.source = check.source
+                raise error from None
+            return
+        except Exception as e:
+            raise check.raised(e, index) from e
+        check(batch, index)
+        yield batch
+        index += 1
+
+
+class _CheckedPyDataset(keras.utils.PyDataset):
+    """A PyDataset that reads `source` and checks each batch it returns.
+
+    Everything Keras asks of a PyDataset (its length, its workers, its
+    epoch hooks) is the source's; `super().__init__` is not called so that
+    those stay the source's own.
+    """
+
+    def __init__(self, source):
+        self.source = source
+        self._check = _BatchCheck(
+            f"PyDataset '{type(source).__name__}'",
+            " (`__getitem__({index})`)",
+        )
+
+    @property
+    def workers(self):
+        return self.source.workers
+
+    @property
+    def use_multiprocessing(self):
+        return self.source.use_multiprocessing
+
+    @property
+    def max_queue_size(self):
+        return self.source.max_queue_size
+
+    @property
+    def num_batches(self):
+        return self.source.num_batches
+
+    def __len__(self):
+        return len(self.source)
+
+    def __getitem__(self, index):
+        try:
+            batch = self.source[index]
+        except Exception as e:
+            raise self._check.raised(e, index) from e
+        self._check(batch, index)
+        return batch
+
+    def on_epoch_begin(self):
+        try:
+            self.source.on_epoch_begin()
+        except Exception as e:
+            raise self._check.raised(e, hook="on_epoch_begin") from e
+
+    def on_epoch_end(self):
+        try:
+            self.source.on_epoch_end()
+        except Exception as e:
+            raise self._check.raised(e, hook="on_epoch_end") from e
+
+
+def check_source(x):
+    """Wraps a generator or PyDataset so that its failures name it.
+
+    Use it on the `x` of `fit`, `evaluate` or `predict` before Keras's data
+    adapter reads it (a staged model does this itself). The source's
+    batches pass through unchanged, in the same order; the wrapper adds a
+    few microseconds per batch. Any other `x` is returned as is, and so is
+    a source already wrapped.
+
+    The wrapper raises a `SourceError` naming the source and the batch
+    (counting from 0; for a PyDataset the index given to `__getitem__`):
+
+    - when the source's own code raises (the error keeps its type: see
+      `SourceError`, and is chained from the original);
+    - `SourceBatchError` when a batch differs from the first ones in
+      structure, dtype or shape (only the batch axis may change, and axes
+      whose size differs between the first two batches, as Keras allows);
+    - `SourceBatchError` when the source yields no batches.
+
+    Args:
+        x: The data passed to fit/evaluate/predict.
+
+    Returns:
+        `x` wrapped if it is a Python generator or a `keras.utils.PyDataset`,
+        else `x`.
+
+    Raises:
+        SourceBatchError: if `x` is a PyDataset of length 0.
+
+    Example:
+
+    >>> import numpy as np
+    >>> def make_batches():
+    ...     yield np.ones((2, 3), "float32"), np.ones((2, 1), "float32")
+    ...     yield np.ones((2, 3), "float32"), np.ones((2, 1), "float32")
+    ...     yield np.ones((2, 3), "float64"), np.ones((2, 1), "float32")
+    >>> for batch in check_source(make_batches()):
+    ...     pass
+    Traceback (most recent call last):
+        ...
+    keras_stage.models.sources.SourceBatchError: generator 'make_batches',
+    batch 2 (counting from 0), does not match the first batches: `x` has
+    dtype float64 but the first batch's has float32. ...
+    """
+    if isinstance(x, types.GeneratorType):
+        if x.gi_code is _checked_generator.__code__:
+            return x
+        check = _BatchCheck(f"generator '{x.__name__}'", " (counting from 0)")
+        return _checked_generator(x, check)
+    if isinstance(x, keras.utils.PyDataset) and not isinstance(
+        x, _CheckedPyDataset
+    ):
+        try:
+            empty = x.num_batches == 0
+        except NotImplementedError:  # Keras reports it when it reads it
+            empty = False
+        if empty:
+            error = SourceBatchError(
+                f"PyDataset '{type(x).__name__}' yielded no batches: its "
+                "`__len__` returned 0. Make `__len__` return the number of "
+                "batches (at least 1), e.g. `math.ceil(num_samples / "
+                "batch_size)`."
+            )
+            error.source = f"PyDataset '{type(x).__name__}'"
+            raise error
+        return _CheckedPyDataset(x)
+    return x
