@@ -165,6 +165,8 @@ class StageRunner:
         self.staged_layers = ()
         self._caller = None
         self._abandoned = []
+        # Abandoned threads known to be blocked on a stalled source.
+        self._stalled = set()
         # Set by a consumer that records its fetches in its own step (see
         # `StageStats.record_fetch`): its wait clock starts at the end of
         # its previous call, so the timeout counts from this call's start.
@@ -260,6 +262,8 @@ class StageRunner:
                 if waited > self.options.timeout:
                     self.stats.close()
                     self.close_gate()
+                    # Blocked on the source: `close` need not wait for it.
+                    self._stalled.add(caller)
                     raise self._timeout_error(waited)
         except BaseException:
             # Nobody will read the call's result: the wait timed out, or
@@ -305,9 +309,13 @@ class StageRunner:
         if self._caller is not None:
             # Idle, it exits at once; busy, once its call returns.
             self._abandon(self._caller)
-        # An abandoned thread ends once its blocked call returns; wait for
-        # it within the deadline.
+        # An abandoned thread ends once its call returns; wait for it
+        # within the deadline (an interrupted step usually finishes), but
+        # not for one a timeout left blocked on the source: that would only
+        # hold the timeout error back from the user.
         for caller in self._abandoned:
-            caller.close(max(0.0, deadline - time.monotonic()))
+            wait = 0.0 if caller in self._stalled else timeout
+            caller.close(max(0.0, min(wait, deadline - time.monotonic())))
         self._abandoned = [c for c in self._abandoned if c.alive]
+        self._stalled &= set(self._abandoned)
         return not self._abandoned

@@ -583,3 +583,31 @@ def test_error_in_a_staged_layer_names_the_layer_and_the_fix():
         "tf.errors.InvalidArgumentError to the stage's "
         "ignored_exception_types"
     ) in message
+
+
+@pytest.mark.reliability
+@pytest.mark.timeout(60)
+def test_timeout_error_arrives_within_the_timeout_plus_a_few_seconds(
+    release,
+):
+    # Measured from the moment the source stops answering, after the
+    # first steps (whose tracing the stall must not overlap).
+    stalled = {}
+
+    def generate():
+        for i in range(40):
+            if i == 30:
+                stalled["at"] = time.monotonic()
+                release.wait(60)
+            yield np.ones((2, 2), "float32"), np.ones((2, 1), "float32")
+
+    spec = (
+        tf.TensorSpec((None, 2), tf.float32),
+        tf.TensorSpec((None, 1), tf.float32),
+    )
+    source = tf.data.Dataset.from_generator(generate, output_signature=spec)
+    model = _model(name="stall", timeout=2.0, capacity=1, num_threads=1)
+    with pytest.raises(StageTimeoutError, match="Stage 'stall_train'"):
+        model.fit(source, verbose=0, shuffle=False)
+    late = time.monotonic() - stalled["at"]
+    assert late < 2.0 + 3.0, f"the error came {late:.1f} s after the stall"
