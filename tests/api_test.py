@@ -97,7 +97,7 @@ def test_staged_input_signature():
 
 def test_callback_signature_and_log_keys():
     params = inspect.signature(keras_stage.callbacks.PrefetchCallback)
-    assert list(params.parameters) == ["verbose"]
+    assert list(params.parameters) == ["verbose", "log_dir"]
     doc = keras_stage.callbacks.PrefetchCallback.__doc__
     for key in ("stage_wait_ratio", "stage_buffer_fill", "stage_skipped"):
         assert key in doc

@@ -9,9 +9,11 @@ the stages started when the run ends, however it ends.
 
 import logging
 import math
+import os
 import time
 
 import keras
+import tensorflow as tf
 
 logger = logging.getLogger("keras_stage")
 
@@ -84,9 +86,20 @@ class PrefetchCallback(keras.callbacks.Callback):
     `capacity ~ compute time / wait time`). The latest verdict is also in
     `callback.verdict` as a dict.
 
+    The same figures reach TensorBoard: a `keras.callbacks.TensorBoard` in
+    the callbacks writes them with the other epoch logs (as
+    `epoch_stage_wait_ratio`, ...). Given `log_dir`, this callback also
+    writes them itself, with the verdict's per-batch times, under
+    `log_dir/stage` (tags `stage/wait_ratio`, `stage/buffer_fill`,
+    `stage/skipped`, `stage/prepare_ms_per_batch`,
+    `stage/train_ms_per_batch`, `stage/delivery_ms_per_batch`,
+    `stage/suggested_num_threads`, `stage/suggested_capacity`).
+
     Args:
         verbose: 1 prints the verdict each epoch, 0 only logs it at debug
             level. Defaults to `0`.
+        log_dir: Folder for TensorBoard event files of the stage's
+            figures, or `None` for none. Defaults to `None`.
 
     Example:
 
@@ -102,14 +115,21 @@ class PrefetchCallback(keras.callbacks.Callback):
     ['stage_buffer_fill', 'stage_skipped', 'stage_wait_ratio']
     """
 
-    def __init__(self, verbose=0):
+    def __init__(self, verbose=0, log_dir=None):
         super().__init__()
         if verbose not in (0, 1, True, False):
             raise ValueError(
                 "Invalid value for argument `verbose`. Expected 0 or 1. "
                 f"Received: verbose={verbose!r}"
             )
+        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+            raise ValueError(
+                "Invalid value for argument `log_dir`. Expected a folder "
+                f"path or None. Received: log_dir={log_dir!r}"
+            )
         self.verbose = int(verbose)
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self._writer = None
         self.verdict = None
         self._bindings = {}
         self._epoch_start = None
@@ -201,6 +221,7 @@ class PrefetchCallback(keras.callbacks.Callback):
             logs["stage_skipped"] = stats["skipped"]
         self.verdict = verdict(stats, binding.staged.stage_options)
         self.verdict["epoch"] = epoch
+        self._write_summaries(epoch, stats, self.verdict)
         if self.verbose:
             print(self.verdict["message"])
         else:
@@ -209,6 +230,33 @@ class PrefetchCallback(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self.close()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _write_summaries(self, epoch, stats, verdict):
+        """Writes the epoch's figures as TensorBoard scalars (`log_dir`)."""
+        if self.log_dir is None:
+            return
+        if self._writer is None:
+            self._writer = tf.summary.create_file_writer(
+                os.path.join(self.log_dir, "stage")
+            )
+        values = {
+            "wait_ratio": stats["wait_ratio"],
+            "buffer_fill": stats["buffer_fill"],
+            "skipped": stats["skipped"],
+            "suggested_num_threads": verdict["suggested_num_threads"],
+            "suggested_capacity": verdict["suggested_capacity"],
+        }
+        for key in ("prepare", "train", "delivery"):
+            seconds = verdict.get(f"{key}_seconds_per_batch")
+            if seconds is not None:
+                values[f"{key}_ms_per_batch"] = 1000.0 * seconds
+        with self._writer.as_default():
+            for name, value in values.items():
+                tf.summary.scalar(f"stage/{name}", float(value), step=epoch)
+        self._writer.flush()
 
     def _report_skips(self, binding, snapshot, skipped=None):
         if skipped is None:

@@ -500,3 +500,85 @@ def test_closed_step_stats_are_replaced_and_the_step_retraced():
     second = cb.seen["train"].stats
     assert second is not first
     assert second.snapshot()["consumed"] == NUM_BATCHES
+
+
+# -- TensorBoard ---------------------------------------------------------------
+
+
+def _scalars(folder):
+    """{tag: [(step, value), ...]} of every event file under `folder`."""
+    found = {}
+    for path in tf.io.gfile.glob(f"{folder}/events.out.tfevents.*"):
+        for record in tf.data.TFRecordDataset(path):
+            event = tf.compat.v1.Event.FromString(record.numpy())
+            for value in event.summary.value:
+                if value.HasField("tensor"):
+                    array = tf.make_ndarray(value.tensor)
+                    if array.dtype.kind not in "fiub":
+                        continue  # text summaries (Keras writes the model)
+                    number = float(array)
+                else:
+                    number = value.simple_value
+                found.setdefault(value.tag, []).append((event.step, number))
+    return found
+
+
+def _tiny_staged_model():
+    inputs = keras.Input(shape=(2,))
+    x = StagedInput(capacity=2, num_threads=1, name="tb")(inputs)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+@pytest.mark.timeout(120)
+def test_log_dir_writes_the_stage_figures_per_epoch(tmp_path):
+    model = _tiny_staged_model()
+    callback = PrefetchCallback(log_dir=tmp_path)
+    history = model.fit(
+        np.ones((16, 2)),
+        np.ones((16, 1)),
+        batch_size=4,
+        epochs=3,
+        verbose=0,
+        callbacks=[callback],
+    ).history
+    scalars = _scalars(tmp_path / "stage")
+    for name in (
+        "wait_ratio",
+        "buffer_fill",
+        "skipped",
+        "suggested_num_threads",
+        "suggested_capacity",
+        "prepare_ms_per_batch",
+        "train_ms_per_batch",
+        "delivery_ms_per_batch",
+    ):
+        assert [step for step, _ in scalars[f"stage/{name}"]] == [0, 1, 2]
+    written = [value for _, value in scalars["stage/wait_ratio"]]
+    assert written == pytest.approx(history["stage_wait_ratio"])
+    assert [v for _, v in scalars["stage/skipped"]] == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.timeout(120)
+def test_keras_tensorboard_callback_records_the_stage_logs(tmp_path):
+    model = _tiny_staged_model()
+    model.fit(
+        np.ones((16, 2)),
+        np.ones((16, 1)),
+        batch_size=4,
+        epochs=2,
+        verbose=0,
+        callbacks=[keras.callbacks.TensorBoard(log_dir=str(tmp_path))],
+    )
+    scalars = _scalars(tmp_path / "train")
+    for key in ("stage_wait_ratio", "stage_buffer_fill", "stage_skipped"):
+        assert [step for step, _ in scalars[f"epoch_{key}"]] == [0, 1]
+
+
+@pytest.mark.parametrize("log_dir", [3, b"logs", ["logs"]])
+def test_log_dir_must_be_a_path(log_dir):
+    with pytest.raises(
+        ValueError, match=r"Invalid value for argument `log_dir`"
+    ):
+        PrefetchCallback(log_dir=log_dir)
