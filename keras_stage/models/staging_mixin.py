@@ -188,7 +188,7 @@ def _skips_end_epochs_early(layer, built=(), callbacks=()):
         yield
 
 
-def _bind(prefetch, state, phase, data, model=None):
+def _bind(model, prefetch, state, phase, data):
     """Hands `data`'s stage to the callback and its runner to the step guard."""
     prefetch.attach(phase, data.staged, data.adapter)
     _bind_placement(model, state, phase, data.staged.placement)
@@ -199,6 +199,13 @@ def _bind(prefetch, state, phase, data, model=None):
         state.recording.pop(phase, None)
 
 
+def _drop_traced_steps(model, state, phase):
+    """Makes `phase`'s next staged or plain call trace its step afresh."""
+    setattr(model, _FUNCTIONS[phase], None)
+    for key in [k for k in state.staged_functions if k[0] == phase]:
+        del state.staged_functions[key]
+
+
 def _bind_placement(model, state, phase, placement):
     """Makes `phase`'s step unpack what `placement` packed.
 
@@ -207,10 +214,8 @@ def _bind_placement(model, state, phase, placement):
     spec, so a new layout also drops the phase's traced steps.
     """
     layout = None if placement.packer is None else placement.unpacked_spec
-    if model is not None and state.layouts.get(phase, None) != layout:
-        setattr(model, _FUNCTIONS[phase], None)
-        for key in [k for k in state.staged_functions if k[0] == phase]:
-            del state.staged_functions[key]
+    if state.layouts.get(phase) != layout:
+        _drop_traced_steps(model, state, phase)
     state.layouts[phase] = layout
     state.placements[phase] = placement
 
@@ -253,9 +258,7 @@ def _step_stats(model, layer, phase):
     if stats is None or stats.closed:
         if stats is not None:
             # The traced step still records in the closed stats.
-            setattr(model, _FUNCTIONS[phase], None)
-            for key in [k for k in state.staged_functions if k[0] == phase]:
-                del state.staged_functions[key]
+            _drop_traced_steps(model, state, phase)
         stats = layer.new_stats(f"{layer.stage_options.name}_{phase}")
         state.step_stats[phase] = stats
     return stats
@@ -669,7 +672,7 @@ class StagingMixin:
                 strategy=self.distribute_strategy,
             )
             built.append(train)
-            _bind(prefetch, state, "train", train, self)
+            _bind(self, prefetch, state, "train", train)
             val_pipeline, val_split = None, None
             if validation_data is not None:
                 val_x, val_y, val_sw = keras.utils.unpack_x_y_sample_weight(
@@ -688,7 +691,7 @@ class StagingMixin:
                     strategy=self.distribute_strategy,
                 )
                 built.append(val)
-                _bind(prefetch, state, "test", val, self)
+                _bind(self, prefetch, state, "test", val)
                 val_pipeline, val_split = val.pipeline, val.split
             _build_for_strategy(self, train)
             splits = {"train": train.split, "test": val_split}
@@ -764,7 +767,7 @@ class StagingMixin:
                 strategy=self.distribute_strategy,
             )
             built.append(test)
-            _bind(prefetch, state, "test", test, self)
+            _bind(self, prefetch, state, "test", test)
             _build_for_strategy(self, test)
             with (
                 _skips_end_epochs_early(layer, built, callbacks),
