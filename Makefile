@@ -20,7 +20,7 @@ IO_REQS := requirements/io.txt requirements/io-constraints.txt
 # Quieten TensorFlow's C++ logging for test/demo runs.
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: help venv venv-io test test-io demo lint clean
+.PHONY: help venv venv-io test test-io demo lint docs clean
 
 help:
 	@echo "Targets:"
@@ -30,6 +30,7 @@ help:
 	@echo "  test-io   run pytest in $(VENV_IO) with KERAS_STAGE_ENV=io"
 	@echo "  demo      run examples.demo in $(VENV) (DEMO_ARGS=...)"
 	@echo "  lint      ruff check + ruff format --check"
+	@echo "  docs      build the documentation site into site/ (warnings fail)"
 	@echo "  clean     remove venvs, build artefacts and caches"
 
 $(VENV)/.done: $(PRIMARY_REQS) setup.cfg
@@ -62,6 +63,11 @@ demo: venv
 lint: venv
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+
+# The documentation site (mkdocs.yml): API pages from the docstrings; any
+# warning (a broken link, a docstring griffe cannot parse) fails the build.
+docs: venv
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) $(VENV_IO) build dist .eggs *.egg-info \

@@ -42,7 +42,22 @@ def test_submodule_names():
         "configure_streams",
         "live_stages",
         "resolve_device",
+        "service",
         "stage",
+        "tfio_support",
+    ]
+    assert _public(keras_stage.data.service) == [
+        "DISTRIBUTED_EPOCH",
+        "LocalService",
+        "PARALLEL_EPOCHS",
+        "check_dispatcher",
+    ]
+    assert _public(keras_stage.data.tfio_support) == [
+        "WORKING_PAIRING",
+        "explain_tfio_error",
+        "read_hdf5",
+        "read_parquet",
+        "require_tensorflow_io",
     ]
 
 
@@ -52,6 +67,8 @@ def test_every_exported_name_resolves():
         keras_stage.layers,
         keras_stage.callbacks,
         keras_stage.data,
+        keras_stage.data.service,
+        keras_stage.data.tfio_support,
         keras_stage.planner,
     ):
         for name in module.__all__:
@@ -68,6 +85,7 @@ _STAGE_OPTIONS = [
     "deterministic",
 ]
 _DEVICE_OPTIONS = ["device", "stream", "pack_transfer"]
+_SERVICE_OPTIONS = ["service", "processing_mode"]
 
 
 def test_stage_signature():
@@ -78,7 +96,10 @@ def test_stage_signature():
         *_STAGE_OPTIONS,
         "name",
         *_DEVICE_OPTIONS,
+        *_SERVICE_OPTIONS,
     ]
+    assert params["service"].default is None
+    assert params["processing_mode"].default == "distributed_epoch"
     assert params["device"].default == "auto"
     assert params["stream"].default is None
     assert params["pack_transfer"].default == "auto"
@@ -92,7 +113,14 @@ def test_stage_signature():
 
 def test_staged_input_signature():
     params = inspect.signature(keras_stage.layers.StagedInput).parameters
-    assert list(params) == [*_STAGE_OPTIONS, *_DEVICE_OPTIONS, "kwargs"]
+    assert list(params) == [
+        *_STAGE_OPTIONS,
+        *_DEVICE_OPTIONS,
+        *_SERVICE_OPTIONS,
+        "kwargs",
+    ]
+    assert params["service"].default is None
+    assert params["processing_mode"].default == "distributed_epoch"
 
 
 def test_callback_signature_and_log_keys():

@@ -144,7 +144,8 @@ class DataBackup(keras.callbacks.Callback):
             "saved, so a run restarted mid-epoch trains that epoch's first "
             "batches again (as plain Keras does). The data pipeline must "
             "be one tf.data can checkpoint: a Python generator or "
-            "PyDataset is not; use a tf.data source. "
+            "PyDataset is not (use a tf.data source), nor is a stage on the "
+            "tf.data service (its workers hold the position). "
             f"TensorFlow said: {str(error).splitlines()[0]}"
         )
         warnings.warn(message, stacklevel=2)

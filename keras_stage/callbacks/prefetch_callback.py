@@ -101,6 +101,15 @@ class PrefetchCallback(keras.callbacks.Callback):
         log_dir: Folder for TensorBoard event files of the stage's
             figures, or `None` for none. Defaults to `None`.
 
+    Attributes:
+        verdict: The latest training epoch's verdict, a dict with
+            `input_bound`, `source_bound`, `wait_ratio`, `buffer_fill`,
+            the per-batch seconds (`source_seconds_per_batch`,
+            `delivery_seconds_per_batch`, `prepare_seconds_per_batch`,
+            `train_seconds_per_batch`), `suggested_num_threads`,
+            `suggested_capacity`, `message` and `epoch`; `None` until the
+            first epoch of a `fit` ends.
+
     Example:
 
     >>> import numpy as np, keras, keras_stage
@@ -135,6 +144,10 @@ class PrefetchCallback(keras.callbacks.Callback):
         self._epoch_start = None
         self._train_time = None
         self._snapshot = None
+        # The first epoch of a fit: its first step traces (see
+        # `on_train_batch_end`).
+        self._tracing_epoch = False
+        self._after_first_step = None
 
     # -- wiring, called by the staged model ---------------------------------
 
@@ -164,6 +177,21 @@ class PrefetchCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.verdict = None
+        self._tracing_epoch = True
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self._tracing_epoch or self._snapshot is None:
+            return
+        # The fit's first step traces the step function (a second or more,
+        # against milliseconds per step after): the first epoch's figures
+        # start after it, or its verdict would blame the input for tracing.
+        self._tracing_epoch = False
+        binding = self._bindings.get("train")
+        if binding is not None:
+            self._after_first_step = (
+                binding.staged.stats.snapshot(),
+                time.time(),
+            )
 
     def on_epoch_begin(self, epoch, logs=None):
         binding = self._bindings.get("train")
@@ -209,12 +237,25 @@ class PrefetchCallback(keras.callbacks.Callback):
             return
         binding.end_epoch()
         now = binding.staged.stats.snapshot()
-        seconds = self._train_time or (time.time() - self._epoch_start)
-        stats = epoch_statistics(
-            self._snapshot, now, seconds, binding.staged.stage_options
+        ended = (
+            self._epoch_start + self._train_time
+            if self._train_time is not None
+            else time.time()
         )
+        before, started = self._snapshot, self._epoch_start
+        if self._after_first_step is not None:
+            first, first_ended = self._after_first_step
+            if now["consumed"] > first["consumed"]:
+                before, started = first, first_ended
+        stats = epoch_statistics(
+            before, now, ended - started, binding.staged.stage_options
+        )
+        # Skips are the epoch's, first step included.
+        stats["skipped"] = now["skipped"] - self._snapshot["skipped"]
         self._snapshot = None
         self._epoch_start = None
+        self._after_first_step = None
+        self._tracing_epoch = False
         if logs is not None:
             logs["stage_wait_ratio"] = stats["wait_ratio"]
             logs["stage_buffer_fill"] = stats["buffer_fill"]

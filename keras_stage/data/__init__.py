@@ -1,5 +1,7 @@
 """The Keras-free staging engine: `stage(dataset, fn, **options)`."""
 
+from keras_stage.data import service as service
+from keras_stage.data import tfio_support as tfio_support
 from keras_stage.data.devices import configure_streams as configure_streams
 from keras_stage.data.devices import resolve_device as resolve_device
 from keras_stage.data.errors import StageTimeoutError as StageTimeoutError
@@ -23,5 +25,7 @@ __all__ = [
     "configure_streams",
     "live_stages",
     "resolve_device",
+    "service",
     "stage",
+    "tfio_support",
 ]

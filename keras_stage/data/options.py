@@ -10,6 +10,11 @@ import os
 import tensorflow as tf
 
 from keras_stage.data.devices import validate_device_argument
+from keras_stage.data.service import (
+    DISTRIBUTED_EPOCH,
+    validate_processing_mode,
+    validate_service_argument,
+)
 
 AUTO = "auto"
 
@@ -92,6 +97,15 @@ class StageOptions:
         pack_transfer: Pack the element's leaves per dtype into one tensor
             each for the copy to the device buffer: `"auto"` (when it copies
             fewer tensors), `True` or `False`. Defaults to `"auto"`.
+        service: The address of a tf.data service dispatcher,
+            `"grpc://host:port"`: the dataset and the staged computation
+            run on the service's workers and finished elements come back
+            into this process's buffer. `None` stages in this process.
+            Defaults to `None`.
+        processing_mode: How the service's workers share an epoch:
+            `"distributed_epoch"` (each element once per epoch) or
+            `"parallel_epochs"` (every worker runs the whole dataset).
+            Defaults to `"distributed_epoch"`.
     """
 
     def __init__(
@@ -107,6 +121,8 @@ class StageOptions:
         device=AUTO,
         stream=None,
         pack_transfer=AUTO,
+        service=None,
+        processing_mode=DISTRIBUTED_EPOCH,
     ):
         self.capacity = _check_auto_or_positive_int("capacity", capacity)
         self.num_threads = _check_auto_or_positive_int(
@@ -208,6 +224,10 @@ class StageOptions:
                 f"{pack_transfer!r}"
             )
         self.pack_transfer = pack_transfer
+        # Only the form: whether a dispatcher answers is checked when a
+        # stage is built (a saved model may name a service not running).
+        self.service = validate_service_argument(service)
+        self.processing_mode = validate_processing_mode(processing_mode)
 
     def resolved_pool_size(self):
         """Threads in the stage's private pool."""
@@ -232,6 +252,8 @@ class StageOptions:
             "device": self.device,
             "stream": self.stream,
             "pack_transfer": self.pack_transfer,
+            "service": self.service,
+            "processing_mode": self.processing_mode,
         }
 
     def __repr__(self):

@@ -287,15 +287,29 @@ class StageRunner:
 
     def _timeout_error(self, waited):
         snap = self.stats.snapshot()
+        cause = (
+            "the source or the staged computation is blocked (a hung read, "
+            "a generator that never yields, a remote store not answering). "
+            "Fix the source"
+        )
+        if self.options.service is not None:
+            # Measured on TF 2.21: a job whose worker stops mid-epoch never
+            # ends; the trainer gets the other workers' elements, then waits.
+            cause = (
+                "the stage runs on the tf.data service at "
+                f"{self.options.service} and a worker stopped, or the "
+                "dispatcher did: the service does not end an epoch whose "
+                "worker was lost. Check the workers "
+                "and run the call again (keras.callbacks.BackupAndRestore "
+                "resumes a fit)"
+            )
         return StageTimeoutError(
             f"Stage '{self.name}' timed out: the consumer waited "
             f"{waited:.1f} s for the next element (timeout="
             f"{self.options.timeout:g} s). {snap['produced']} elements were "
             f"produced and {snap['consumed']} consumed so far. Likely cause: "
-            "the source or the staged computation is blocked (a hung read, "
-            "a generator that never yields, a remote store not answering). "
-            "Fix the source, or raise `timeout` if elements legitimately "
-            "take this long."
+            f"{cause}, or raise `timeout` if elements legitimately take this "
+            "long."
         )
 
     def close_gate(self):

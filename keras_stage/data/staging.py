@@ -18,6 +18,7 @@ from keras_stage.data.devices import resolve_device, stream_device
 from keras_stage.data.options import AUTO, StageOptions
 from keras_stage.data.packing import Packer
 from keras_stage.data.runner import EndOfData, SkipElement, StageRunner
+from keras_stage.data.service import distribute
 from keras_stage.data.stats import StageStats
 
 _name_counter = itertools.count()
@@ -109,7 +110,16 @@ def on_host(fn):
     return pinned
 
 
-def _build_pipeline(dataset, fn, options, stats, gate, placement):
+def _build_pipeline(
+    dataset,
+    fn,
+    options,
+    stats,
+    gate,
+    placement,
+    rebatch=None,
+    cardinality=None,
+):
     """The stage's pipelines: `(lean, measured)`.
 
     `lean` runs the staged computation and buffers it; `measured` adds the
@@ -145,6 +155,28 @@ def _build_pipeline(dataset, fn, options, stats, gate, placement):
             stats.count_produced(started, gate)
         return out
 
+    if options.service is not None:
+        # The workers run the source and `fn`; this process counts what
+        # arrives (a worker's copy of the counters would count nothing here).
+        if fn is not None:
+            dataset = dataset.map(
+                lambda *args: staged_fn(args if unpacked else args[0]),
+                num_parallel_calls=num_threads,
+                deterministic=options.deterministic,
+                name=f"{name}_served_map",
+            )
+        dataset = distribute(dataset, options.service, options.processing_mode)
+        if rebatch is not None:
+            # Each worker batches its share of the epoch, so an epoch ends
+            # with a partial batch per worker and its batch count varies;
+            # full batches again make it fixed (Keras relies on it).
+            dataset = dataset.rebatch(rebatch)
+        if cardinality is not None:
+            assert_cardinality = tf.data.experimental.assert_cardinality
+            dataset = dataset.apply(assert_cardinality(cardinality))
+        unpacked = type(dataset.element_spec) is tuple
+        staged_fn = None
+        fn = None
     # No timestamp is taken before each pull from the source: that needs a
     # zip with a dataset of markers, which cost 2-7% of a 2.5 ms training
     # step here. The verdict infers a slow source from the epoch instead.
@@ -354,6 +386,8 @@ def stage(
     device=AUTO,
     stream=None,
     pack_transfer=AUTO,
+    service=None,
+    processing_mode="distributed_epoch",
 ):
     """Runs `fn` over `dataset` ahead of the consumer, in parallel, buffered.
 
@@ -394,6 +428,18 @@ def stage(
             elements; `StagedDataset.unpack` restores them on the device.
             `"auto"` packs only for consumers that unpack in their own step
             (the Keras integration). Defaults to `"auto"`.
+        service: The address of a tf.data service dispatcher,
+            `"grpc://host:port"` (see `keras_stage.data.service`): `dataset`
+            and `fn` run on the service's workers, with `num_threads`
+            parallel calls per worker, and finished elements come back
+            into this process's buffer. `None` stages in this process.
+            Defaults to `None`.
+        processing_mode: How the service's workers share an epoch:
+            `"distributed_epoch"` (each element once per epoch; the
+            dataset must start from a splittable source such as
+            `from_tensor_slices`, `range` or `list_files`) or
+            `"parallel_epochs"` (every worker runs the whole dataset).
+            Defaults to `"distributed_epoch"`.
 
     Returns:
         A `StagedDataset` (a `tf.data.Dataset`).
@@ -436,6 +482,8 @@ def stage(
         device=device,
         stream=stream,
         pack_transfer=pack_transfer,
+        service=service,
+        processing_mode=processing_mode,
     )
     return build_stage(dataset, fn, options)
 
@@ -452,7 +500,14 @@ def new_stats(options, name=None):
 
 
 def build_stage(
-    dataset, fn, options, stats=None, distributed=False, unpacks=False
+    dataset,
+    fn,
+    options,
+    stats=None,
+    distributed=False,
+    unpacks=False,
+    rebatch=None,
+    cardinality=None,
 ):
     """`stage()` with validated `StageOptions` and the `StageStats` to use.
 
@@ -460,6 +515,8 @@ def build_stage(
     `StageStats` across the stages it consumes (the step captures its
     variables when traced), and builds each stage with it; `None` makes
     new ones. `distributed` and `unpacks`: see `Placement.resolve`.
+    `rebatch` and `cardinality`: with a service, the batch size to re-form
+    and the number of batches an epoch then has, if known.
     """
     if stats is None:
         stats = new_stats(options)
@@ -470,7 +527,7 @@ def build_stage(
         gate = tf.Variable(True, trainable=False, name=f"{options.name}_open")
     placement = Placement.resolve(options, distributed, unpacks)
     lean, measured = _build_pipeline(
-        dataset, fn, options, stats, gate, placement
+        dataset, fn, options, stats, gate, placement, rebatch, cardinality
     )
     return StagedDataset(
         measured,

@@ -116,6 +116,16 @@ class StagedInput(keras.layers.Layer):
             tensor each, so the copy to the device is a few large copies
             (unpacked on the device in the step): `"auto"` (when it copies
             fewer tensors), `True` or `False`. Defaults to `"auto"`.
+        service: The address of a tf.data service dispatcher,
+            `"grpc://host:port"`: the data and the staged layers run on the
+            service's workers (other machines' CPUs), and finished batches
+            come back into this process's buffer. Needs a tf.data source
+            (a `tf.data.Dataset`, arrays or tensors), not a generator.
+            `None` stages in this process. Defaults to `None`.
+        processing_mode: How the service's workers share an epoch:
+            `"distributed_epoch"` (each example once per epoch, split
+            across the workers) or `"parallel_epochs"` (every worker runs
+            the whole dataset). Defaults to `"distributed_epoch"`.
         **kwargs: Base layer arguments (`name`, ...).
 
     Example:
@@ -146,6 +156,8 @@ class StagedInput(keras.layers.Layer):
         device=AUTO,
         stream=None,
         pack_transfer=AUTO,
+        service=None,
+        processing_mode="distributed_epoch",
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -171,6 +183,8 @@ class StagedInput(keras.layers.Layer):
             device=device,
             stream=stream,
             pack_transfer=pack_transfer,
+            service=service,
+            processing_mode=processing_mode,
         )
         self.supports_masking = True
         self.built = True
@@ -197,6 +211,9 @@ class StagedInput(keras.layers.Layer):
         stats=None,
         distributed=False,
         unpacks=False,
+        rebatch=None,
+        cardinality=None,
+        **overrides,
     ):
         """Stages `dataset` with this layer's options.
 
@@ -212,12 +229,20 @@ class StagedInput(keras.layers.Layer):
                 own buffer). Defaults to `False`.
             unpacks: Whether the consumer unpacks packed elements in its
                 step (`StagedDataset.unpack`). Defaults to `False`.
+            rebatch: With a `service`: the batch size to re-form after the
+                workers (each batches its own share), or `None`. Defaults
+                to `None`.
+            cardinality: The number of batches each epoch of the stage
+                yields, when known, or `None`. Defaults to `None`.
+            **overrides: Options that differ from the layer's for this
+                stage (e.g. `service=None` to stage in this process).
 
         Returns:
             A `keras_stage.data.StagedDataset`.
         """
         config = self.stage_options.get_config()
         config["name"] = name or self.stage_options.name
+        config.update(overrides)
         return build_stage(
             dataset,
             fn,
@@ -225,6 +250,8 @@ class StagedInput(keras.layers.Layer):
             stats,
             distributed=distributed,
             unpacks=unpacks,
+            rebatch=rebatch,
+            cardinality=cardinality,
         )
 
     def new_stats(self, name):

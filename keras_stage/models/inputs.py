@@ -9,14 +9,72 @@ same batches in the same order.
 """
 
 import logging
+import types
 
+import keras
 import tensorflow as tf
 
 from keras_stage import _compat
+from keras_stage.data.service import DISTRIBUTED_EPOCH
 from keras_stage.data.staging import StagedDataset
 from keras_stage.models.sources import check_source
 
 logger = logging.getLogger("keras_stage")
+
+
+def _is_python_source(x):
+    return isinstance(x, (types.GeneratorType, keras.utils.PyDataset))
+
+
+def _service_overrides(layer, phase, python_source):
+    """How a phase uses the tf.data service `layer` names.
+
+    `predict` stages in this process: the service returns elements in the
+    order the workers finish them, and predictions must follow the inputs.
+    Evaluation reads each example once whatever the training mode.
+    """
+    options = layer.stage_options
+    if phase == "predict":
+        logger.info(
+            "StagedInput '%s': predict stages in this process, not on the "
+            "tf.data service at %s, so that predictions keep the order of "
+            "the inputs.",
+            layer.name,
+            options.service,
+        )
+        return {"service": None}
+    if python_source:
+        raise ValueError(
+            f"StagedInput '{layer.name}' stages on the tf.data service at "
+            f"{options.service}, whose workers cannot run this process's "
+            "Python: a generator or keras.utils.PyDataset cannot be sent "
+            "there. Pass a tf.data.Dataset (e.g. built with "
+            "tf.data.Dataset.from_tensor_slices or list_files) or arrays, "
+            "or remove `service` from the StagedInput."
+        )
+    if phase != "train":
+        return {"processing_mode": DISTRIBUTED_EPOCH}
+    return {}
+
+
+def _batch_size(adapter, dataset):
+    """The batch size to restore after the service, or None if unknown.
+
+    Each service worker batches its own share of an epoch, so an epoch
+    ends with up to one partial batch per worker and the batch count
+    varies between epochs. Keras takes every epoch's count from the first,
+    so a later, longer epoch would lose its last batches: the trainer
+    re-forms full batches (`Dataset.rebatch`) to keep the count fixed.
+    """
+    size = adapter.batch_size
+    if size is None:
+        # A dataset without a static batch size: its first batch says.
+        # Only the source runs (here, once); the staged work is not done.
+        for element in dataset.take(1):
+            size = int(
+                tf.nest.flatten(element, expand_composites=False)[0].shape[0]
+            )
+    return size
 
 
 def distribute_inputs(strategy, pipeline, options):
@@ -136,6 +194,9 @@ def stage_data(
                 x.name,
             )
         return StagedData(x, None, owned=False)
+    overrides, python_source = {}, _is_python_source(x)
+    if layer.stage_options.service is not None:
+        overrides = _service_overrides(layer, phase, python_source)
     # A failing generator or PyDataset names itself and the batch.
     x = check_source(x)
     adapter = _compat.get_data_adapter(
@@ -149,15 +210,18 @@ def stage_data(
     )
     dataset = adapter.get_tf_dataset()
     num_batches = adapter.num_batches
+    served = overrides.get("service", layer.stage_options.service) is not None
     if (
         num_batches is not None
         and dataset.cardinality() == tf.data.UNKNOWN_CARDINALITY
         and not layer.stage_options.ignored_exception_types
+        and not served
     ):
         # Keras knows the batch count of arrays but its dataset does not
         # carry it; without it the progress bar and the epoch end would
         # be guessed. Skipped batches would make the count wrong, so it is
-        # asserted only when nothing can be skipped.
+        # asserted only when nothing can be skipped; and not on the
+        # tf.data service, whose workers each see a share of the epoch.
         dataset = dataset.apply(
             tf.data.experimental.assert_cardinality(num_batches)
         )
@@ -166,6 +230,18 @@ def stage_data(
     if split is not None:
         dataset = split.number(dataset)
         fn = split.stage_fn(training=phase == "train")
+    if served:
+        overrides["rebatch"] = _batch_size(adapter, dataset)
+        mode = overrides.get(
+            "processing_mode", layer.stage_options.processing_mode
+        )
+        if (
+            mode == DISTRIBUTED_EPOCH
+            and num_batches is not None
+            and not layer.stage_options.ignored_exception_types
+        ):
+            # Each batch once, in full batches again: the count is known.
+            overrides["cardinality"] = num_batches
     distributed = strategy is not None and strategy.num_replicas_in_sync > 1
     staged = layer.stage(
         dataset,
@@ -174,6 +250,7 @@ def stage_data(
         stats=stats,
         distributed=distributed,
         unpacks=True,
+        **overrides,
     )
     if split is not None:
         staged.runner.staged_layers = tuple(split.plan.staged_layers)

@@ -171,11 +171,13 @@ def _skips_end_epochs_early(layer, built=(), callbacks=()):
     work, reported by the PrefetchCallback, not a short dataset. So is an
     epoch resumed by `DataBackup` after its saved batch, and the epochs of
     a device buffer, whose copy to the device hides the batch count from
-    Keras.
+    Keras, and of a stage on the tf.data service in `parallel_epochs` mode
+    (its count depends on the number of workers).
     """
     quiet = (
         bool(layer.stage_options.ignored_exception_types)
         or any(data.staged.device is not None for data in built)
+        or any(data.staged.stage_options.service is not None for data in built)
         or any(isinstance(cb, DataBackup) for cb in callbacks)
     )
     with warnings.catch_warnings():

@@ -31,6 +31,7 @@ import keras
 import tensorflow as tf
 
 from keras_stage import _compat
+from keras_stage.data.tfio_support import explain_tfio_error
 from keras_stage.planner.stage_plan import BoundaryTensor, StagePlan
 from keras_stage.planner.state_access import (
     TraceError,
@@ -206,6 +207,14 @@ def plan_model(model, boundary_layer=None, smart_stage=True):
     try:
         accesses, specs = trace_access(graph, nodes)
     except TraceError as e:
+        # A tensorflow-io op that cannot load fails every later trace too:
+        # say which TensorFlow it needs now, not after a confusing error.
+        tfio_message = explain_tfio_error(e.error)
+        if tfio_message is not None:
+            raise ImportError(
+                f"smart_stage could not trace layer '{e.layer_name}' of "
+                f"model '{model.name}': {tfio_message}"
+            ) from e.error
         return _unplanned(
             model,
             boundary_layer,

@@ -73,6 +73,7 @@ class TraceError(Exception):
             f"layer '{layer_name}' failed: {type(error).__name__}: {first}"
         )
         self.layer_name = layer_name
+        self.error = error
 
 
 class NodeAccess:

@@ -170,6 +170,42 @@ def test_time_outside_the_fetch_is_not_waiting(where):
     assert callbacks[0].verdict["input_bound"] is False
 
 
+@pytest.mark.timeout(120)
+def test_the_first_epoch_leaves_out_the_first_step_which_traces():
+    # The first step of a fit traces the step function (often a second or
+    # more); a 2 s pause in that step's window stands in for it. Without
+    # leaving it out, the epoch's 24 steps would average over 80 ms each,
+    # the verdict calling a millisecond step slow and the wait ratio wrong.
+    pause = 2.0
+
+    def trace_like(batch, logs):
+        if batch == 0 and not paused:
+            paused.append(batch)
+            time.sleep(pause)
+
+    paused = []
+    callback = PrefetchCallback()
+    history = (
+        _model(name="first_step")
+        .fit(
+            _dataset(),
+            epochs=1,
+            verbose=0,
+            shuffle=False,
+            callbacks=[
+                callback,
+                keras.callbacks.LambdaCallback(on_train_batch_begin=trace_like),
+            ],
+        )
+        .history
+    )
+    assert paused == [0]
+    per_batch = callback.verdict["train_seconds_per_batch"]
+    assert per_batch < pause / NUM_BATCHES, callback.verdict
+    assert 0.0 <= history["stage_wait_ratio"][0] <= 1.0
+    assert history["stage_skipped"] == [0]
+
+
 @pytest.mark.timeout(60)
 def test_verbose_0_prints_nothing_and_logs_the_verdict_at_debug(capsys, caplog):
     cb = PrefetchCallback()

@@ -285,6 +285,8 @@ def test_defaults():
         "device": AUTO,
         "stream": None,
         "pack_transfer": AUTO,
+        "service": None,
+        "processing_mode": "distributed_epoch",
     }
 
 

@@ -46,6 +46,14 @@ NON_DEFAULT_OPTIONS = dict(
     stream=0,
     pack_transfer=False,
 )
+# Every constructor argument off its default; a fit would need a tf.data
+# service there (tests/models/service_fit_test.py runs one), so the models
+# below are fit with NON_DEFAULT_OPTIONS.
+EVERY_OPTION = dict(
+    NON_DEFAULT_OPTIONS,
+    service="grpc://10.0.0.9:5050",
+    processing_mode="parallel_epochs",
+)
 
 
 def _dense():
@@ -154,9 +162,9 @@ def _constructor_arguments():
 
 
 def test_get_config_has_every_constructor_argument():
-    config = StagedInput(name="reader", **NON_DEFAULT_OPTIONS).get_config()
+    config = StagedInput(name="reader", **EVERY_OPTION).get_config()
     assert _constructor_arguments() <= set(config)
-    assert set(NON_DEFAULT_OPTIONS) == _constructor_arguments()
+    assert set(EVERY_OPTION) == _constructor_arguments()
     assert config["name"] == "reader"
     assert config["capacity"] == 3
     assert config["num_threads"] == 2
@@ -166,6 +174,8 @@ def test_get_config_has_every_constructor_argument():
     assert config["device"] == "cpu"
     assert config["stream"] == 0
     assert config["pack_transfer"] is False
+    assert config["service"] == "grpc://10.0.0.9:5050"
+    assert config["processing_mode"] == "parallel_epochs"
 
 
 def test_get_config_of_defaults_matches_the_signature_defaults():
@@ -195,7 +205,7 @@ def test_exception_types_are_stored_by_name():
 
 @pytest.mark.parametrize(
     "options",
-    [{}, NON_DEFAULT_OPTIONS, {"capacity": "auto", "timeout": None}],
+    [{}, EVERY_OPTION, {"capacity": "auto", "timeout": None}],
     ids=["defaults", "non_default", "auto_no_timeout"],
 )
 def test_from_config_round_trip_keeps_every_option(options):

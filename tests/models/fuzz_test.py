@@ -111,6 +111,9 @@ VALID = {
     "device": ["auto", "cpu", "/CPU:0"],
     "stream": [None, 0],
     "pack_transfer": ["auto", True, False],
+    # On the tf.data service: tests/models/service_fit_test.py.
+    "service": [None],
+    "processing_mode": ["distributed_epoch", "parallel_epochs"],
 }
 INVALID = {
     "capacity": [0, -1, "big", 1.5, True, None],
@@ -124,6 +127,8 @@ INVALID = {
     "device": ["gpu", 3, "/CPU", "", "/CPU:3"],
     "stream": [-1, "0", 1.5, True],
     "pack_transfer": [1, 0, "yes", None],
+    "service": ["localhost:5050", "http://localhost:5050", 5050, ""],
+    "processing_mode": ["one_epoch", None, "DISTRIBUTED_EPOCH"],
 }
 
 

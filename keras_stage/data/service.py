@@ -1,0 +1,244 @@
+"""The tf.data service: staged work on other machines' CPUs.
+
+This module owns what keras_stage adds to TensorFlow's tf.data service
+(`tf.data.experimental.service`): the check that a dispatcher answers
+before a stage is built on it, the stage's half of the pipeline that runs
+on the service's workers, and `LocalService`, a dispatcher with workers in
+this process for development and tests. The service itself (dispatcher,
+workers, splitting, transport) is TensorFlow's.
+
+The tf.data service protocol has no authentication and no encryption: any
+client that reaches a dispatcher can register datasets and read their
+elements. Run dispatchers and workers on a private network.
+"""
+
+import socket
+import urllib.parse
+
+import tensorflow as tf
+
+__all__ = [
+    "DISTRIBUTED_EPOCH",
+    "PARALLEL_EPOCHS",
+    "LocalService",
+    "check_dispatcher",
+]
+
+# Each element once per epoch, split across the workers (the default).
+DISTRIBUTED_EPOCH = "distributed_epoch"
+# Every worker runs the whole dataset: each element once per worker.
+PARALLEL_EPOCHS = "parallel_epochs"
+PROCESSING_MODES = (DISTRIBUTED_EPOCH, PARALLEL_EPOCHS)
+
+_PROTOCOL = "grpc"
+
+
+def validate_service_argument(service):
+    """`service` if it has the form `"grpc://host:port"` (or is None).
+
+    Only the form is checked here; whether a dispatcher answers is checked
+    when a stage is built (`check_dispatcher`), so a model naming a service
+    can be built and loaded where the service is not running.
+    """
+    if service is None:
+        return None
+    host, port = _split(service) if isinstance(service, str) else (None, None)
+    if host is None or port is None:
+        raise ValueError(
+            "Invalid value for argument `service`. Expected the address of "
+            'a tf.data service dispatcher, "grpc://host:port" (e.g. '
+            "LocalService().target), or None. "
+            f"Received: service={service!r}"
+        )
+    return service
+
+
+def validate_processing_mode(processing_mode):
+    """`processing_mode` if it is one the tf.data service knows."""
+    if processing_mode not in PROCESSING_MODES:
+        raise ValueError(
+            "Invalid value for argument `processing_mode`. Expected "
+            f'"{DISTRIBUTED_EPOCH}" (each element once per epoch, split '
+            f'across the workers) or "{PARALLEL_EPOCHS}" (every worker runs '
+            f"the whole dataset). Received: processing_mode={processing_mode!r}"
+        )
+    return processing_mode
+
+
+def _split(service):
+    parsed = urllib.parse.urlsplit(service)
+    if parsed.scheme != _PROTOCOL or parsed.path not in ("", "/"):
+        return None, None
+    try:
+        port = parsed.port
+    except ValueError:
+        return None, None
+    return parsed.hostname, port
+
+
+def check_dispatcher(address, timeout=5.0):
+    """Raises `ConnectionError` unless something listens at `address`.
+
+    The tf.data service client retries an unreachable dispatcher for a
+    long time (an hour by default) before it reports anything; this check
+    makes a wrong address or a dispatcher that is down an immediate error.
+    It opens a TCP connection only: the service's own handshake happens
+    when the stage is iterated.
+
+    Args:
+        address: The dispatcher, `"grpc://host:port"`.
+        timeout: Seconds to wait for the connection. Defaults to `5.0`.
+
+    Raises:
+        ConnectionError: Nothing accepts connections at `address`.
+
+    Example:
+
+    >>> from keras_stage.data.service import LocalService, check_dispatcher
+    >>> with LocalService(num_workers=1) as service:
+    ...     check_dispatcher(service.target)
+    """
+    host, port = _split(validate_service_argument(address))
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as error:
+        raise ConnectionError(
+            f"Cannot reach the tf.data service dispatcher at {address!r} "
+            f"({error}). Start a dispatcher there (for development: "
+            "keras_stage.data.service.LocalService(num_workers=2), whose "
+            "`.target` is the address to pass), or fix the `service` "
+            "argument of the stage."
+        ) from error
+
+
+def distribute(dataset, service, processing_mode):
+    """`dataset` computed by the service's workers, read in this process.
+
+    Each iteration (each epoch) is a new job: in `"distributed_epoch"`
+    mode the job hands every element of the epoch to exactly one worker.
+    """
+    check_dispatcher(service)
+    return dataset.apply(
+        tf.data.experimental.service.distribute(
+            processing_mode=processing_mode,
+            service=service,
+        )
+    )
+
+
+class LocalService:
+    """A tf.data service dispatcher and workers in this process.
+
+    For development and tests: the workers share this process's CPUs, so a
+    stage on a `LocalService` is no faster than a local one. In production
+    run `tf.data.experimental.service.DispatchServer` and `WorkerServer`
+    (one per machine) and pass the dispatcher's address as `service`.
+
+    Binds to loopback unless `host` says otherwise. The tf.data service
+    has no authentication: whoever reaches the ports reads the data.
+
+    Args:
+        num_workers: Workers to start. Defaults to `2`.
+        host: Interface the servers accept connections on and announce to
+            clients. Defaults to `"localhost"`.
+        port: The dispatcher's port; `0` picks a free one. Defaults to
+            `0`.
+        heartbeat_ms: How often workers report to the dispatcher; a
+            stopped worker is noticed after a few missed heartbeats.
+            Defaults to `500` (TensorFlow's default is 30 s).
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> from keras_stage.data import stage
+    >>> from keras_stage.data.service import LocalService
+    >>> with LocalService(num_workers=2) as service:
+    ...     numbers = tf.data.Dataset.range(6)
+    ...     staged = stage(numbers, lambda x: x * 10, service=service.target)
+    ...     sorted(int(x) for x in staged)
+    [0, 10, 20, 30, 40, 50]
+    """
+
+    def __init__(
+        self, num_workers=2, host="localhost", port=0, heartbeat_ms=500
+    ):
+        if not (
+            isinstance(num_workers, int)
+            and not isinstance(num_workers, bool)
+            and num_workers >= 0
+        ):
+            raise ValueError(
+                "Invalid value for argument `num_workers`. Expected a "
+                f"non-negative int. Received: num_workers={num_workers!r}"
+            )
+        service = tf.data.experimental.service
+        self._host = host
+        self._heartbeat_ms = heartbeat_ms
+        self._dispatcher = service.DispatchServer(
+            service.DispatcherConfig(
+                port=port,
+                protocol=_PROTOCOL,
+                worker_timeout_ms=4 * heartbeat_ms,
+            )
+        )
+        port = int(self._dispatcher.target.rsplit(":", 1)[1])
+        self._address = f"{host}:{port}"
+        self.workers = []
+        for _ in range(num_workers):
+            self.add_worker()
+
+    @property
+    def target(self):
+        """The dispatcher's address, `"grpc://host:port"` (the `service`)."""
+        return f"{_PROTOCOL}://{self._address}"
+
+    @property
+    def num_workers(self):
+        """Workers started and not stopped."""
+        return sum(worker is not None for worker in self.workers)
+
+    def add_worker(self):
+        """Starts one more worker; returns its index."""
+        service = tf.data.experimental.service
+        worker = service.WorkerServer(
+            service.WorkerConfig(
+                dispatcher_address=self._address,
+                worker_address=f"{self._host}:%port%",
+                protocol=_PROTOCOL,
+                heartbeat_interval_ms=self._heartbeat_ms,
+            )
+        )
+        self.workers.append(worker)
+        return len(self.workers) - 1
+
+    def stop_worker(self, index):
+        """Stops worker `index` (as if its machine went away)."""
+        worker = self.workers[index]
+        if worker is None:
+            raise ValueError(
+                f"Invalid value for argument `index`: worker {index} is "
+                f"already stopped. Received: index={index!r}"
+            )
+        self.workers[index] = None
+        worker.stop()
+
+    def close(self):
+        """Stops the workers, then the dispatcher."""
+        for index, worker in enumerate(self.workers):
+            if worker is not None:
+                self.workers[index] = None
+                worker.stop()
+        self._dispatcher.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def __repr__(self):
+        return (
+            f"LocalService(target={self.target!r}, "
+            f"num_workers={self.num_workers})"
+        )

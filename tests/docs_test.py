@@ -1,0 +1,226 @@
+"""The documentation site stays whole: every page reachable, every name on it.
+
+`make docs` builds the site with `mkdocs build --strict` (broken links and
+unparsable docstrings fail there). These tests check what a build does not:
+a page missing from the nav, and a public name missing from the API pages.
+They read the files only (no mkdocs, no TensorFlow import), so they also run
+in the io environment.
+"""
+
+import ast
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+API = DOCS / "api"
+PACKAGE = "keras_stage"
+
+# Every option, hook and config field of DeepRec's stage documentation
+# (the Stage and SmartStage pages), each of which the migration guide maps.
+DEEPREC_OPTIONS = (
+    "features",
+    "feed_dict",
+    "items",
+    "feed_generator",
+    "capacity",
+    "num_threads",
+    "num_clients",
+    "timeout_millis",
+    "closed_exception_types",
+    "ignored_exception_types",
+    "use_stage_subgraph_thread_pool",
+    "stage_subgraph_thread_pool_id",
+    "stage_subgraph_thread_id",
+    "stage_subgraph_stream_id",
+    "name",
+    "tf.make_prefetch_hook()",
+    "tf.train.MonitoredTrainingSession",
+    "tf.train.mark_target_node",
+    "do_smart_stage",
+    "do_smart_stage_gpu",
+    "session_stage_subgraph_thread_pool",
+    "inter_op_threads_num",
+    "intra_op_threads_num",
+    "global_name",
+    "use_multi_stream",
+    "multi_stream_num",
+    "stage_multi_stream",
+)
+
+
+def nav_pages():
+    """The .md paths listed under `nav:` in mkdocs.yml."""
+    lines = (ROOT / "mkdocs.yml").read_text().splitlines()
+    start = lines.index("nav:")
+    pages = []
+    for line in lines[start + 1 :]:
+        if line and not line[0].isspace():
+            break  # the next top-level key
+        if line.lstrip().startswith("#"):
+            continue
+        found = re.search(r"(\S+\.md)\s*$", line)
+        if found:
+            pages.append(found.group(1))
+    return pages
+
+
+def doc_pages():
+    return sorted(
+        path.relative_to(DOCS).as_posix()
+        for path in DOCS.rglob("*.md")
+        if "hooks" not in path.relative_to(DOCS).parts
+    )
+
+
+def module_path(dotted):
+    """The source file of module `dotted`, or None if it is not one."""
+    base = ROOT.joinpath(*dotted.split("."))
+    for candidate in (base / "__init__.py", base.with_suffix(".py")):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def declared_all(dotted):
+    """The literal `__all__` of module `dotted` (read, not imported)."""
+    tree = ast.parse(module_path(dotted).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return ast.literal_eval(node.value)
+    return None
+
+
+def public_names():
+    """`(qualified name, is_module)` for everything public, recursively.
+
+    A public module is the package or a module named in a public module's
+    `__all__`; its public names are its `__all__`.
+    """
+    found = []
+    pending = [PACKAGE]
+    while pending:
+        module = pending.pop()
+        for name in declared_all(module) or ():
+            qualified = f"{module}.{name}"
+            is_module = module_path(qualified) is not None
+            found.append((qualified, is_module))
+            if is_module:
+                pending.append(qualified)
+    return sorted(found)
+
+
+def api_directives():
+    """Identifiers after `:::` on the API pages."""
+    return {
+        match.group(1)
+        for path in API.glob("*.md")
+        for match in re.finditer(r"^::: (\S+)", path.read_text(), re.M)
+    }
+
+
+def api_titles():
+    """The `keras_stage...` module each API page is titled after."""
+    return {
+        match.group(1)
+        for path in API.glob("*.md")
+        for match in re.finditer(r"^# `(\S+)`", path.read_text(), re.M)
+    }
+
+
+def test_every_page_is_in_the_nav():
+    orphans = sorted(set(doc_pages()) - set(nav_pages()))
+    assert not orphans, (
+        f"Pages under docs/ missing from mkdocs.yml's nav: {orphans}. Add "
+        "them to `nav:` so the site links to them."
+    )
+
+
+def test_every_nav_entry_is_a_page():
+    missing = [page for page in nav_pages() if not (DOCS / page).is_file()]
+    assert not missing, f"mkdocs.yml's nav names missing pages: {missing}"
+    duplicates = {p for p in nav_pages() if nav_pages().count(p) > 1}
+    assert not duplicates, f"Pages listed twice in the nav: {duplicates}"
+
+
+def test_the_nav_reads_the_api_pages():
+    api_pages = {p for p in doc_pages() if p.startswith("api/")}
+    assert api_pages, "no API pages under docs/api/"
+    assert api_pages <= set(nav_pages())
+
+
+def test_public_names_are_found():
+    # The walk itself: it must see the packages api_test.py pins.
+    names = dict(public_names())
+    assert names["keras_stage.layers"] is True
+    assert names["keras_stage.data"] is True
+    assert names["keras_stage.Model"] is False
+    assert "keras_stage.layers.StagedInput" in names
+    assert "keras_stage.data.stage" in names
+
+
+def test_every_public_name_has_an_api_entry():
+    directives = api_directives()
+    titles = api_titles()
+    missing = [
+        name
+        for name, is_module in public_names()
+        if name not in directives and not (is_module and name in titles)
+    ]
+    assert not missing, (
+        f"Public names without an API entry: {missing}. Add `::: <name>` to "
+        "the page of its package under docs/api/ (or a page titled "
+        "`# `<module>`` for a public module)."
+    )
+
+
+def test_every_public_module_has_a_page():
+    titles = api_titles()
+    modules = [name for name, is_module in public_names() if is_module]
+    missing = [name for name in [PACKAGE, *modules] if name not in titles]
+    assert not missing, f"Public modules without an API page: {missing}"
+
+
+def test_pages_link_nothing_outside_docs():
+    # A relative link out of docs/ breaks `mkdocs build --strict`; say the
+    # path in words instead (the README links into docs/, not back).
+    outside = []
+    for page in doc_pages():
+        text = (DOCS / page).read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith("../") and not page.startswith("api/"):
+                outside.append((page, target))
+            elif target.startswith("../../"):
+                outside.append((page, target))
+    assert not outside, f"Links out of docs/: {outside}"
+
+
+def test_the_readme_links_into_docs_resolve():
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\((docs/[^)#\s]+)", readme)
+    assert "docs/index.md" in targets
+    missing = [t for t in targets if not (ROOT / t).is_file()]
+    assert not missing, f"README links to missing docs pages: {missing}"
+
+
+def test_the_migration_guide_maps_every_deeprec_option():
+    guide = (DOCS / "migration.md").read_text()
+    # The first cell of each table row is DeepRec's side.
+    first_cells = [
+        line.split(" | ")[0]
+        for line in guide.splitlines()
+        if line.startswith("| `")
+    ]
+    missing = [
+        option
+        for option in DEEPREC_OPTIONS
+        if not any(
+            re.search(rf"(?<!\w){re.escape(option)}(?!\w)", cell)
+            for cell in first_cells
+        )
+    ]
+    assert not missing, (
+        f"DeepRec options without a row in docs/migration.md: {missing}"
+    )
