@@ -15,6 +15,7 @@ tensorflow-io is imported only when one of these functions is called.
 
 import functools
 import importlib.metadata
+import importlib.util
 import io
 import re
 import wave
@@ -105,7 +106,8 @@ def require_tensorflow_io():
     TensorFlow its release was not built for, tfio imports fine but fails
     at the first op with an "undefined symbol" error. This runs one real
     tfio op (`tfio.audio.decode_wav` on a WAV file with no frames) once per
-    process.
+    process. A tensorflow-io release known to be built for another
+    TensorFlow minor version is reported without being imported.
 
     Returns:
         The `tensorflow_io` module.
@@ -127,8 +129,46 @@ def require_tensorflow_io():
     return _load_tensorflow_io()
 
 
+# tensorflow-io release (major.minor) -> the TensorFlow (major.minor) its
+# ops are built for, where known. Importing tfio on another TensorFlow
+# loads a library that does not fit it; in our runs (TF 2.21) that left
+# MirroredStrategy broken for the rest of the process, so a known mismatch
+# is reported without importing.
+_BUILT_FOR = {"0.37": "2.16"}
+
+
+def _minor(version):
+    return ".".join(version.split(".")[:2])
+
+
+def _known_mismatch():
+    """The message for a tfio known not to fit this TensorFlow, or None."""
+    tfio_version = _version("tensorflow-io")
+    try:
+        importable = importlib.util.find_spec("tensorflow_io") is not None
+    except (ImportError, ValueError):  # e.g. sys.modules entry set to None
+        importable = False
+    if tfio_version is None or not importable:
+        return None
+    built_for = _BUILT_FOR.get(_minor(tfio_version))
+    if built_for is None or built_for == _minor(tf.__version__):
+        return None
+    return (
+        f"tensorflow-io {tfio_version}'s ops do not load on TensorFlow "
+        f"{tf.__version__}: it is built for TensorFlow {built_for} (not "
+        "imported: loading its ops into another TensorFlow can leave "
+        "TensorFlow broken in this process). "
+        f"The working pairing is {WORKING_PAIRING}: build it with "
+        "`make venv-io` in a keras_stage checkout, or install it with "
+        f"`{_INSTALL}`."
+    )
+
+
 @functools.cache  # caches the module only: a failure raises each time
 def _load_tensorflow_io():
+    mismatch = _known_mismatch()
+    if mismatch is not None:
+        raise ImportError(mismatch)
     try:
         import tensorflow_io as tfio
     except ModuleNotFoundError as e:

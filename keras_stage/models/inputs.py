@@ -71,10 +71,8 @@ def _batch_size(adapter, dataset):
         # A dataset without a static batch size: its first batch says.
         # Only the source runs (here, once); the staged work is not done.
         for element in dataset.take(1):
-            size = int(
-                tf.nest.flatten(element, expand_composites=False)[0].shape[0]
-            )
-    return size
+            size = tf.nest.flatten(element)[0].shape[0]
+    return None if size is None else int(size)
 
 
 def distribute_inputs(strategy, pipeline, options):
@@ -225,13 +223,15 @@ def stage_data(
         dataset = dataset.apply(
             tf.data.experimental.assert_cardinality(num_batches)
         )
+    if served:
+        # Before `split.number`, whose ordinals a peek would consume.
+        overrides["rebatch"] = _batch_size(adapter, dataset)
     fn = None
     element_spec = dataset.element_spec
     if split is not None:
         dataset = split.number(dataset)
         fn = split.stage_fn(training=phase == "train")
     if served:
-        overrides["rebatch"] = _batch_size(adapter, dataset)
         mode = overrides.get(
             "processing_mode", layer.stage_options.processing_mode
         )

@@ -216,3 +216,31 @@ def test_the_service_settings_survive_saving(tmp_path):
     # Loading needs no running service; the model calls locally.
     x, _ = _data()
     np.testing.assert_allclose(loaded(x), model(x), rtol=1e-6)
+
+
+@pytest.mark.timeout(180)
+def test_a_seeded_random_layer_is_staged_on_the_service(service):
+    # SmartStage numbers the batches for seeded random layers; the workers
+    # run that numbering with the prefix, and a batch size is found before
+    # it (a dataset without a static one).
+    keras.utils.set_random_seed(0)
+    inputs = {
+        "id": keras.Input((), dtype="int64", name="id"),
+        "x": keras.Input((3,), name="x"),
+    }
+    staged = keras_stage.layers.StagedInput(
+        service=service.target, name="staged"
+    )(inputs)
+    h = keras.layers.GaussianNoise(0.1, seed=3, name="noise")(staged["x"])
+    h = Recorder()([keras.layers.Dense(4)(h), staged["id"]])
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(h))
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    assert list(model.get_stage_plan().staged_layers) == ["staged", "noise"]
+    ids = np.arange(40, dtype="int64")
+    x = np.random.default_rng(0).random((40, 3)).astype("float32")
+    dataset = tf.data.Dataset.from_tensor_slices(
+        ({"id": ids, "x": x}, x.sum(axis=1))
+    ).batch(8)
+    history, served = _fit(model, dataset, epochs=2, shuffle=False)
+    assert served == [collections.Counter(range(40))] * 2
+    assert all(np.isfinite(history.history["loss"]))
