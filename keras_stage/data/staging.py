@@ -159,7 +159,13 @@ def _build_pipeline(
         # The workers run the source and `fn`; this process counts what
         # arrives (a worker's copy of the counters would count nothing here).
         dataset = _served(
-            dataset, staged_fn, unpacked, options, rebatch, cardinality
+            dataset,
+            staged_fn,
+            unpacked,
+            options,
+            num_threads,
+            rebatch,
+            cardinality,
         )
         unpacked = type(dataset.element_spec) is tuple
         staged_fn = fn = None
@@ -238,19 +244,18 @@ def _build_pipeline(
     return lean, measure(host).apply(to_device(device, 1))
 
 
-def _served(dataset, staged_fn, unpacked, options, rebatch, cardinality):
+def _served(
+    dataset, staged_fn, unpacked, options, num_threads, rebatch, cardinality
+):
     """`dataset` and `staged_fn` run by the tf.data service's workers.
 
-    `rebatch` and `cardinality`: see `build_stage`.
+    `num_threads` parallel calls per worker; `rebatch` and `cardinality`:
+    see `build_stage`.
     """
     if staged_fn is not None:
         dataset = dataset.map(
             lambda *args: staged_fn(args if unpacked else args[0]),
-            num_parallel_calls=(
-                tf.data.AUTOTUNE
-                if options.num_threads == AUTO
-                else options.num_threads
-            ),
+            num_parallel_calls=num_threads,
             deterministic=options.deterministic,
             name=f"{options.name}_served_map",
         )
