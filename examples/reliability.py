@@ -122,9 +122,12 @@ class PrintWarnings(logging.Handler):
             return
         lines = record.getMessage().splitlines()
         print(f"  keras_stage warning: {lines[0]}")
-        for line in lines:
-            if "Error in user-defined function" in line:
-                print(f"    ...{line.rsplit(': ', 1)[-1]}")
+        # Each error's own words are the line before TensorFlow's node
+        # annotations ("\t [[{{node ...}}]]"), after any "Error in
+        # user-defined function ...: " prefix (TF 2.21 adds it, 2.16 not).
+        for before, line in zip(lines, lines[1:], strict=False):
+            if line.startswith("\t [[") and not before.startswith("\t [["):
+                print(f"    ...{before.rsplit(': ', 1)[-1]}")
 
 
 def bad_records(num_batches, epochs):
