@@ -70,7 +70,7 @@ docs: venv
 	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf $(VENV) $(VENV_IO) build dist .eggs *.egg-info \
+	rm -rf $(VENV) $(VENV_IO) build dist site .eggs *.egg-info \
 		.pytest_cache .ruff_cache .hypothesis
 	find . -path ./.git -prune -o -type d -name __pycache__ -print0 \
 		| xargs -0 rm -rf
