@@ -9,21 +9,15 @@ same batches in the same order.
 """
 
 import logging
-import types
 
-import keras
 import tensorflow as tf
 
 from keras_stage import _compat
 from keras_stage.data.service import DISTRIBUTED_EPOCH
 from keras_stage.data.staging import StagedDataset
-from keras_stage.models.sources import check_source
+from keras_stage.models.sources import check_source, is_python_source
 
 logger = logging.getLogger("keras_stage")
-
-
-def _is_python_source(x):
-    return isinstance(x, (types.GeneratorType, keras.utils.PyDataset))
 
 
 def _service_overrides(layer, phase, python_source):
@@ -192,7 +186,7 @@ def stage_data(
                 x.name,
             )
         return StagedData(x, None, owned=False)
-    overrides, python_source = {}, _is_python_source(x)
+    overrides, python_source = {}, is_python_source(x)
     if layer.stage_options.service is not None:
         overrides = _service_overrides(layer, phase, python_source)
     # A failing generator or PyDataset names itself and the batch.

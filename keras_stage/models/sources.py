@@ -359,6 +359,11 @@ class _CheckedPyDataset(keras.utils.PyDataset):
             raise self._check.raised(e, hook="on_epoch_end") from e
 
 
+def is_python_source(x):
+    """Whether `x` is data made by Python code: a generator or a PyDataset."""
+    return isinstance(x, (types.GeneratorType, keras.utils.PyDataset))
+
+
 def check_source(x):
     """Wraps a generator or PyDataset so that its failures name it.
 
