@@ -43,6 +43,8 @@ _VERDICT_KEYS = (
     "train_seconds_per_batch",
     "suggested_num_threads",
     "suggested_capacity",
+    "thread_pool_size",
+    "next_thread_pool_size",
     "message",
 )
 

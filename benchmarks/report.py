@@ -94,6 +94,17 @@ def _notes(name, mode):
     if name.startswith("staged") and mode.get("reps"):
         waits = sorted(r["stage_wait_ratio"] for r in mode["reps"])
         notes.append(f"wait {waits[len(waits) // 2]:.2f}")
+        pools = sorted(
+            {
+                r["verdict"].get("thread_pool_size")
+                for r in mode["reps"]
+                if r.get("verdict", {}).get("thread_pool_size") is not None
+            }
+        )
+        if pools:
+            # The adaptive pool of an "auto" stage: the sizes its timed
+            # repetitions ran on.
+            notes.append("pool " + "/".join(str(p) for p in pools))
     if mode.get("warnings"):
         notes.append(f"{len(mode['warnings'])} warning(s)")
     return "; ".join(notes)

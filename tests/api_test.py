@@ -36,6 +36,7 @@ def test_submodule_names():
         "Packer",
         "StageIterator",
         "StageOptions",
+        "StagePool",
         "StageStats",
         "StageTimeoutError",
         "StagedDataset",

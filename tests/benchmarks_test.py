@@ -319,12 +319,15 @@ def test_thread_pool_comparison_runs(monkeypatch, capsys):
     monkeypatch.setattr(thread_pool, "STEPS", 2)
     assert thread_pool.main(["1"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    rows = {line[:28].strip(): line[28:].split() for line in lines[-4:]}
+    rows = {line[:28].strip(): line[28:].split() for line in lines[-6:-1]}
     assert set(rows) == {
         "expert",
         "expert, private pool 16",
         "staged, auto",
+        "staged, thread_pool_size=16",
         "staged, thread_pool_size=2",
     }
+    # The auto stage's pool was adapted after its warm-up epoch.
+    assert lines[-1].startswith("staged, auto: thread pool sizes of the reps [")
     assert rows["expert"][2] == "1.000"
     assert all(float(value) > 0 for row in rows.values() for value in row)

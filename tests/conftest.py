@@ -4,8 +4,12 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import weakref  # noqa: E402
+
 import keras  # noqa: E402
 import pytest  # noqa: E402
+
+from keras_stage.data import live_stages  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -13,3 +17,16 @@ def _seed_everything():
     # Python, NumPy and the backend, so staged and plain runs start alike.
     keras.utils.set_random_seed(1234)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _close_stages_the_test_left_open():
+    # A stage a test iterated and dropped keeps its idle helper thread until
+    # the garbage collector frees it, which may be several tests later; the
+    # tests that count stage threads must not see another test's. Tests
+    # that check their own stages close check them before this runs.
+    before = weakref.WeakSet(live_stages())
+    yield
+    for staged in live_stages():
+        if staged not in before:
+            staged.close(timeout=5.0)

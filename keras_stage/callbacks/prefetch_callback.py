@@ -86,6 +86,14 @@ class PrefetchCallback(keras.callbacks.Callback):
     `capacity ~ compute time / wait time`). The latest verdict is also in
     `callback.verdict` as a dict.
 
+    A stage that leaves its threads to keras_stage (`num_threads="auto"`,
+    no `thread_pool_size`) is also retuned by the verdict: its private
+    pool gets its full size after an epoch that kept the step waiting
+    (threads that wait on IO overlap), and one thread per core after an
+    epoch that kept up and needed no more (more threads would only
+    contend with the training step for the cores). See
+    `keras_stage.data.pool`.
+
     The same figures reach TensorBoard: a `keras.callbacks.TensorBoard` in
     the callbacks writes them with the other epoch logs (as
     `epoch_stage_wait_ratio`, ...). Given `log_dir`, this callback also
@@ -107,8 +115,11 @@ class PrefetchCallback(keras.callbacks.Callback):
             the per-batch seconds (`source_seconds_per_batch`,
             `delivery_seconds_per_batch`, `prepare_seconds_per_batch`,
             `train_seconds_per_batch`), `suggested_num_threads`,
-            `suggested_capacity`, `message` and `epoch`; `None` until the
-            first epoch of a `fit` ends.
+            `suggested_capacity`, `thread_pool_size` and
+            `next_thread_pool_size` (the threads of the pool the epoch ran
+            on and of the next epoch's, for a stage whose pool is resized;
+            else None), `message` and `epoch`; `None` until the first
+            epoch of a `fit` ends.
 
     Example:
 
@@ -260,14 +271,34 @@ class PrefetchCallback(keras.callbacks.Callback):
             logs["stage_wait_ratio"] = stats["wait_ratio"]
             logs["stage_buffer_fill"] = stats["buffer_fill"]
             logs["stage_skipped"] = stats["skipped"]
-        self.verdict = verdict(stats, binding.staged.stage_options)
+        pool = binding.staged.thread_pool
+        pool_size = None if pool is None else pool.size
+        self.verdict = verdict(
+            stats, binding.staged.stage_options, pool_size=pool_size
+        )
         self.verdict["epoch"] = epoch
+        self.verdict["next_thread_pool_size"] = None
+        if pool is not None:
+            self._adapt_pool(pool, self.verdict)
         self._write_summaries(epoch, stats, self.verdict)
         if self.verbose:
             print(self.verdict["message"])
         else:
             logger.debug(self.verdict["message"])
         self._report_skips(binding, now, stats["skipped"])
+
+    def _adapt_pool(self, pool, verdict):
+        """Resizes the stage's pool for the next epoch from `verdict`."""
+        before = pool.size
+        after = pool.adapt(
+            verdict["input_bound"], verdict["suggested_num_threads"]
+        )
+        verdict["next_thread_pool_size"] = after
+        if after != before:
+            verdict["message"] += (
+                f" Its thread pool goes from {before} to {after} threads "
+                "for the next epoch."
+            )
 
     def on_train_end(self, logs=None):
         self.close()
@@ -343,7 +374,7 @@ def epoch_statistics(before, after, seconds, options):
     }
 
 
-def verdict(stats, options):
+def verdict(stats, options, pool_size=None):
     """The bottleneck verdict of one epoch, by DeepRec's rules of thumb.
 
     The stage delivers a batch every max(source, prepare / num_threads)
@@ -353,7 +384,9 @@ def verdict(stats, options):
     the step a few percent); an input-bound stage that delivered batches
     much slower (`_SOURCE_BOUND_FACTOR`) than its threads compute them was
     starved by its source, whose time per batch is then the stage's pace.
-    Input-bound runs are told which of the two to fix.
+    Input-bound runs are told which of the two to fix. `pool_size`: the
+    threads of the pool the epoch ran on, if the stage's pool is resized
+    between epochs.
     """
     produced = max(stats["produced"], 1)
     consumed = max(stats["consumed"], 1)
@@ -375,11 +408,12 @@ def verdict(stats, options):
     capacity = min(
         max(capacity, _MIN_SUGGESTED_CAPACITY), _MAX_SUGGESTED_CAPACITY
     )
-    threads = (
-        options.num_threads
-        if isinstance(options.num_threads, int)
-        else options.resolved_pool_size()
-    )
+    if isinstance(options.num_threads, int):
+        threads = options.num_threads
+    elif pool_size is not None:
+        threads = pool_size
+    else:
+        threads = options.resolved_pool_size()
     source_bound = input_bound and (
         pace >= _SOURCE_BOUND_FACTOR * prepare / threads
     )
@@ -429,5 +463,6 @@ def verdict(stats, options):
         "train_seconds_per_batch": compute,
         "suggested_num_threads": needed_threads,
         "suggested_capacity": capacity,
+        "thread_pool_size": pool_size,
         "message": message,
     }

@@ -8,6 +8,7 @@ from keras_stage.data.errors import StageTimeoutError as StageTimeoutError
 from keras_stage.data.options import AUTO as AUTO
 from keras_stage.data.options import StageOptions as StageOptions
 from keras_stage.data.packing import Packer as Packer
+from keras_stage.data.pool import StagePool as StagePool
 from keras_stage.data.staging import StagedDataset as StagedDataset
 from keras_stage.data.staging import StageIterator as StageIterator
 from keras_stage.data.staging import live_stages as live_stages
@@ -19,6 +20,7 @@ __all__ = [
     "Packer",
     "StageIterator",
     "StageOptions",
+    "StagePool",
     "StageStats",
     "StageTimeoutError",
     "StagedDataset",

@@ -229,8 +229,25 @@ class StageOptions:
         self.service = validate_service_argument(service)
         self.processing_mode = validate_processing_mode(processing_mode)
 
+    @property
+    def adaptive_pool(self):
+        """Whether the pool is resized between epochs (`data.pool`).
+
+        It is when both `num_threads` and the pool are left to keras_stage
+        and the stage runs in this process.
+        """
+        return (
+            self.num_threads == AUTO
+            and self.thread_pool_size is None
+            and self.service is None
+        )
+
+    def smallest_pool_size(self):
+        """The fewest threads an adaptive pool is given: the cores."""
+        return min(_cpu_count(), self.resolved_pool_size())
+
     def resolved_pool_size(self):
-        """Threads in the stage's private pool."""
+        """Threads in the stage's private pool (an adaptive one's largest)."""
         if self.thread_pool_size is not None:
             return self.thread_pool_size
         cpus = _cpu_count()

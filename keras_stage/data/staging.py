@@ -17,6 +17,7 @@ from keras_stage import _compat
 from keras_stage.data.devices import resolve_device, stream_device
 from keras_stage.data.options import AUTO, StageOptions
 from keras_stage.data.packing import Packer
+from keras_stage.data.pool import StagePool
 from keras_stage.data.runner import EndOfData, SkipElement, StageRunner
 from keras_stage.data.service import distribute
 from keras_stage.data.stats import StageStats
@@ -119,12 +120,14 @@ def _build_pipeline(
     placement,
     rebatch=None,
     cardinality=None,
+    pool=None,
 ):
     """The stage's pipelines: `(lean, measured)`.
 
     `lean` runs the staged computation and buffers it; `measured` adds the
     consumer's side of the counters around the fetch, for consumers that
-    do not record it in their own step (see `StageStats`).
+    do not record it in their own step (see `StageStats`). `pool`: the
+    `StagePool` that runs the staged work, or None for a fixed pool.
     """
     name = options.name
     num_threads = (
@@ -193,7 +196,13 @@ def _build_pipeline(
             name=f"{name}_pack",
         )
 
+    if pool is not None:
+        produced = _pooled(produced, pool)
     opts = tf.data.Options()
+    # Also with a `StagePool`: the autotuner lets a map run at most as many
+    # elements at once as this pool has threads (the pool op inside does
+    # not raise that bound), and `pool` then caps the threads that run
+    # them.
     opts.threading.private_threadpool_size = options.resolved_pool_size()
     # Keep the buffer where the user put it: an injected prefetch would add
     # an unbounded-by-us buffer and hide the consumer's wait.
@@ -244,6 +253,42 @@ def _build_pipeline(
     return lean, measure(host).apply(to_device(device, 1))
 
 
+def _stage_pool(dataset, fn, options, stats):
+    """The `StagePool` the stage's work runs on, or None for a fixed pool.
+
+    The pool's one-element `flat_map` hides the number of elements, which
+    Keras needs for its progress bar and steps; `assert_cardinality`
+    restores it, but fails an epoch that delivers fewer elements, which a
+    stage that skips failed ones (`ignored_exception_types`) may do. Such a
+    stage with a finite, known cardinality keeps a fixed pool.
+    """
+    if fn is None or not options.adaptive_pool:
+        return None
+    cardinality = tf.get_static_value(dataset.cardinality())
+    if (
+        options.ignored_exception_types
+        and cardinality is not None
+        and cardinality >= 0
+    ):
+        return None
+    if stats.pool is None:
+        stats.pool = StagePool(
+            options.name,
+            largest=options.resolved_pool_size(),
+            smallest=options.smallest_pool_size(),
+        )
+    return stats.pool
+
+
+def _pooled(produced, pool):
+    """`produced` run by `pool`, with its cardinality if it is known."""
+    cardinality = tf.get_static_value(produced.cardinality())
+    pooled = pool.apply(produced)
+    if cardinality is None or cardinality == tf.data.UNKNOWN_CARDINALITY:
+        return pooled
+    return pooled.apply(tf.data.experimental.assert_cardinality(cardinality))
+
+
 def _served(
     dataset, staged_fn, unpacked, options, num_threads, rebatch, cardinality
 ):
@@ -288,8 +333,10 @@ class StagedDataset(tf.data.Dataset):
         lean_pipeline=None,
         gate=None,
         placement=None,
+        thread_pool=None,
     ):
         self._pipeline = pipeline
+        self._thread_pool = thread_pool
         self._lean_pipeline = lean_pipeline
         self.placement = Placement() if placement is None else placement
         self.stage_options = options
@@ -323,6 +370,17 @@ class StagedDataset(tf.data.Dataset):
         does.
         """
         return self._lean_pipeline
+
+    @property
+    def thread_pool(self):
+        """The stage's resizable `StagePool`, or None if its pool is fixed.
+
+        Stages with `num_threads="auto"` and no `thread_pool_size` have one
+        (see `keras_stage.data.pool`); `PrefetchCallback` adapts it after
+        each training epoch, and engine users may `resize` or `adapt` it
+        between epochs of their own loop.
+        """
+        return self._thread_pool
 
     @property
     def element_spec(self):
@@ -433,7 +491,9 @@ def stage(
         timeout: Seconds the consumer may wait for one element, or `None`.
             Defaults to `300.0`.
         thread_pool_size: Size of the private thread pool; `None` sizes it
-            from `num_threads`. Defaults to `None`.
+            from `num_threads`, and with `num_threads="auto"` resizes it
+            between epochs (`StagedDataset.thread_pool`). Defaults to
+            `None`.
         deterministic: Keep the element order. Defaults to `True`.
         name: Name of the stage in errors and logs. Defaults to `None`.
         device: Where finished elements wait: `"auto"` (the first GPU if
@@ -545,8 +605,17 @@ def build_stage(
     with tf.init_scope(), tf.device("/CPU:0"):
         gate = tf.Variable(True, trainable=False, name=f"{options.name}_open")
     placement = Placement.resolve(options, distributed, unpacks)
+    pool = _stage_pool(dataset, fn, options, stats)
     lean, measured = _build_pipeline(
-        dataset, fn, options, stats, gate, placement, rebatch, cardinality
+        dataset,
+        fn,
+        options,
+        stats,
+        gate,
+        placement,
+        rebatch,
+        cardinality,
+        pool,
     )
     return StagedDataset(
         measured,
@@ -555,6 +624,7 @@ def build_stage(
         lean_pipeline=lean,
         gate=gate,
         placement=placement,
+        thread_pool=pool,
     )
 
 

@@ -101,6 +101,11 @@ class StageStats:
             # step nobody waits for).
             self._closed = tf.Variable(False, trainable=False, name="closed")
         self._lock = threading.Lock()
+        # The `StagePool` of the stages counted here (set by the first one
+        # built with an adaptive pool): kept with the counters, it outlives
+        # one `fit` call like they do, so the next call starts with the
+        # size the last epoch chose.
+        self.pool = None
         self.skipped = 0
         self.skipped_messages = []
 

@@ -98,7 +98,11 @@ class StagedInput(keras.layers.Layer):
             `keras_stage.data.StageTimeoutError`; `None` waits forever.
             Defaults to `300.0`.
         thread_pool_size: Size of the stage's private thread pool; `None`
-            sizes it from `num_threads`. Defaults to `None`.
+            sizes it from `num_threads`, and with `num_threads="auto"`
+            `PrefetchCallback` resizes it after each training epoch: 4 per
+            core (at least 16) while the step waits for data, one per core
+            once an epoch kept up with no more threads than that (see
+            `keras_stage.data.pool`). Defaults to `None`.
         deterministic: Keep the batch order, so a staged run trains exactly
             like an unstaged one. Defaults to `True`.
         device: Where finished batches wait: `"auto"` (on the first GPU

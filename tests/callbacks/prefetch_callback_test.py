@@ -250,6 +250,53 @@ def test_callback_on_a_model_without_a_stage_does_nothing():
     assert cb.verdict is None
 
 
+@pytest.mark.timeout(120)
+def test_auto_pool_follows_the_verdict_across_epochs_and_fits(capsys):
+    # StagedInput() leaves threads and pool to keras_stage: a compute-bound
+    # epoch shrinks the pool to one thread per core, an input-bound one
+    # gives it its full size back, and the size carries over to the next
+    # fit of the model.
+    inputs = keras.Input(shape=(2,))
+    x = StagedInput(name="adaptive")(inputs)
+    x = keras.layers.Rescaling(2.0)(x)  # staged: the stage has work
+    x = SlowLayer()(keras.layers.Dense(2)(x))
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    options = StageOptions()
+    largest, smallest = (
+        options.resolved_pool_size(),
+        options.smallest_pool_size(),
+    )
+
+    cb = PrefetchCallback(verbose=1)
+    model.fit(_dataset(), epochs=2, verbose=0, shuffle=False, callbacks=[cb])
+    out = capsys.readouterr().out
+    assert cb.verdict["input_bound"] is False, cb.verdict
+    assert cb.verdict["thread_pool_size"] == smallest, cb.verdict
+    assert cb.verdict["next_thread_pool_size"] == smallest
+    if smallest < largest:
+        assert (
+            out.count(
+                f"Its thread pool goes from {largest} to {smallest} threads"
+            )
+            == 1
+        ), out
+
+    # A source twice as slow as the trunk keeps the step waiting.
+    slower = _dataset(slow_source=True).map(lambda a, b: (_sleepy(a), b))
+    cb = PrefetchCallback()
+    model.fit(
+        slower,
+        epochs=1,
+        verbose=0,
+        shuffle=False,
+        callbacks=[cb],
+    )
+    assert cb.verdict["input_bound"] is True, cb.verdict
+    assert cb.verdict["thread_pool_size"] == smallest
+    assert cb.verdict["next_thread_pool_size"] == largest
+
+
 # -- epoch_statistics ----------------------------------------------------------
 
 
@@ -362,6 +409,7 @@ def test_verdict_of_an_epoch_bound_by_the_staged_computation():
         "train_seconds_per_batch": pytest.approx(0.3),
         "suggested_num_threads": 4,
         "suggested_capacity": 3,
+        "thread_pool_size": None,
         "message": (
             "Stage 's': input-bound, the training step waited 25% of the "
             "epoch for data; per batch: 800.0 ms of staged computation (per "
@@ -369,6 +417,17 @@ def test_verdict_of_an_epoch_bound_by_the_staged_computation():
             "ms. Use num_threads >= 4 (now 2) and capacity ~3 (now 4)."
         ),
     }
+
+
+def test_verdict_of_a_fixed_pool_names_no_pool_sizes():
+    options = StageOptions(capacity=4, num_threads=2, name="s")
+    result = verdict(_stats(busy_seconds=4.0), options)
+    assert result["thread_pool_size"] is None
+    # The pool the epoch ran on counts as the stage's threads.
+    adaptive = StageOptions(name="a")
+    pooled = verdict(_stats(busy_seconds=4.0), adaptive, pool_size=3)
+    assert pooled["thread_pool_size"] == 3
+    assert "its 3 threads could deliver" in pooled["message"]
 
 
 def test_verdict_of_an_epoch_bound_by_the_pipeline_before_the_stage():

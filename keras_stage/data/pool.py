@@ -1,0 +1,144 @@
+"""The private thread pool of an `"auto"` stage, resized between epochs.
+
+How many threads a stage needs depends on what its computation does, which
+is only known once it has run. A stage that waits (reads from remote
+storage) needs many more threads than cores: the `remote` benchmark's
+reads overlap 16 at a time and run 8-11x faster than plain Keras. A stage
+that computes (JPEG decoding) on a machine whose cores the training step
+already keeps busy only loses to extra threads: 16 cost the `images`
+benchmark ~7% against a pool of 2 (`python -m benchmarks.thread_pool`).
+
+`StagePool` holds the size in a variable that the pipeline reads each
+time an iterator is made, through a one-element `flat_map` that wraps the
+staged work in a private pool of that size; tf.data's autotuner then never
+runs more of the stage's elements at once than the pool has threads.
+`adapt` sets the next epoch's size from the epoch that ended:
+`PrefetchCallback` calls it with each training epoch's verdict.
+
+Example:
+
+>>> import tensorflow as tf
+>>> from keras_stage.data import stage
+>>> staged = stage(tf.data.Dataset.range(4), lambda x: x * 2)
+>>> pool = staged.thread_pool
+>>> pool.resize(3)
+3
+>>> [int(x) for x in staged]
+[0, 2, 4, 6]
+>>> staged.close()
+True
+"""
+
+import tensorflow as tf
+
+from keras_stage import _compat
+
+
+class StagePool:
+    """The resizable private thread pool of one stage.
+
+    Args:
+        name: The stage's name (names the variable).
+        largest: The size it starts with and the most `adapt` gives: the
+            pool `"auto"` sizes from the machine
+            (`StageOptions.resolved_pool_size`).
+        smallest: The fewest threads `adapt` leaves: the machine's cores,
+            what tf.data's shared pool has.
+    """
+
+    def __init__(self, name, largest, smallest):
+        if not 1 <= smallest <= largest:
+            raise ValueError(
+                f"Invalid pool bounds for stage '{name}': expected "
+                f"1 <= smallest <= largest. Received: smallest={smallest}, "
+                f"largest={largest}"
+            )
+        self.name = name
+        self.largest = int(largest)
+        self.smallest = int(smallest)
+        # Outside any function or strategy scope: it belongs to the stage.
+        with tf.init_scope(), tf.device("/CPU:0"):
+            self._size = tf.Variable(
+                self.largest,
+                dtype=tf.int64,
+                trainable=False,
+                name=f"{name}_pool_size",
+            )
+
+    @property
+    def size(self):
+        """Threads the next iterator's pool gets."""
+        return int(self._size.numpy())
+
+    def resize(self, threads):
+        """Gives iterators made from now on a pool of `threads`.
+
+        Iterators already running keep theirs (a tf.data pool is fixed).
+
+        Returns:
+            The new size.
+        """
+        if isinstance(threads, bool) or not isinstance(threads, int):
+            raise TypeError(
+                f"Invalid pool size for stage '{self.name}': expected a "
+                f"positive int. Received: threads={threads!r}"
+            )
+        if not 1 <= threads <= self.largest:
+            raise ValueError(
+                f"Invalid pool size for stage '{self.name}': expected 1 to "
+                f"{self.largest} (the pipeline's own pool; for more, build "
+                f"the stage with a larger thread_pool_size). Received: "
+                f"threads={threads}"
+            )
+        self._size.assign(threads)
+        return threads
+
+    def adapt(self, input_bound, needed_threads):
+        """Sizes the next epoch's pool from the epoch that ended.
+
+        An input-bound epoch gets the largest pool back: a stage that keeps
+        the step waiting may be waiting on IO, which more threads overlap.
+        An epoch that kept up with the step and needed no more threads than
+        `smallest` (`needed_threads`, the verdict's
+        `suggested_num_threads`: per-batch staged time over training time,
+        with headroom) gets `smallest`: more threads could only contend
+        for the cores the step uses. Any other epoch leaves the size as it
+        is. Shrinking to an in-between size is what a stage that waits on
+        IO must not get: its threads cost no CPU, and the suggestion moves
+        with every epoch's step time (on the `remote` benchmark it ranged
+        over 7-14, and pools sized from it kept the step waiting).
+
+        Returns:
+            The new size.
+        """
+        if input_bound:
+            threads = self.largest
+        elif int(needed_threads) <= self.smallest:
+            threads = self.smallest
+        else:
+            threads = self.size
+        return self.resize(threads)
+
+    def apply(self, dataset):
+        """`dataset` run by a private pool of the size current per iterator.
+
+        The size is read when an iterator is made (a one-element
+        `flat_map`), so `resize` needs no new pipeline. Below `largest`,
+        the elements run on a pool of that size inside the pipeline's
+        own; at `largest`, on the pipeline's own. Loses the cardinality;
+        the caller restores it if it must.
+        """
+
+        def pooled(_):
+            size = self._size.read_value()
+            # At its largest the pool is the pipeline's own private pool
+            # (see `staging`): a second pool of the same size would only
+            # add idle threads.
+            return tf.cond(
+                size >= self.largest,
+                lambda: dataset,
+                lambda: _compat.with_private_pool(dataset, size),
+            )
+
+        one = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64))
+        return one.flat_map(pooled, name=f"{self.name}_pool")
