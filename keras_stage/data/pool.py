@@ -119,25 +119,30 @@ class StagePool:
             threads = self.size
         return self.resize(threads)
 
-    def apply(self, dataset):
-        """`dataset` run by a private pool of the size current per iterator.
+    def apply(self, make):
+        """The stage's work on a pool of the size current per iterator.
+
+        Args:
+            make: Builds the stage's work: `make(parallel)` with
+                `parallel` elements at once (`tf.data.AUTOTUNE` or a
+                tensor).
 
         The size is read when an iterator is made (a one-element
-        `flat_map`), so `resize` needs no new pipeline. Below `largest`,
-        the elements run on a pool of that size inside the pipeline's
-        own; at `largest`, on the pipeline's own. Loses the cardinality;
-        the caller restores it if it must.
+        `flat_map`), so `resize` needs no new pipeline. At `largest`, the
+        work runs autotuned on the pipeline's own private pool (see
+        `staging`). Below it, on a pool of that size inside the pipeline's,
+        with as many elements at once as it has threads: the autotuner
+        takes its bound from the outer pool and would queue up to that
+        many elements on the inner one, which cost the `images` benchmark
+        CPU. Loses the cardinality; the caller restores it if it must.
         """
 
         def pooled(_):
             size = self._size.read_value()
-            # At its largest the pool is the pipeline's own private pool
-            # (see `staging`): a second pool of the same size would only
-            # add idle threads.
             return tf.cond(
                 size >= self.largest,
-                lambda: dataset,
-                lambda: _compat.with_private_pool(dataset, size),
+                lambda: make(tf.data.AUTOTUNE),
+                lambda: _compat.with_private_pool(make(size), size),
             )
 
         one = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64))

@@ -175,29 +175,41 @@ def _build_pipeline(
     # No timestamp is taken before each pull from the source: that needs a
     # zip with a dataset of markers, which cost 2-7% of a 2.5 ms training
     # step here. The verdict infers a slow source from the epoch instead.
-    if fn is None:
-        # With nothing to compute, workers have nothing to overlap: the
-        # counter runs in the buffer's own thread, op by op (each thread
-        # hand-off cost 1-3% of a 2.5 ms step on the none benchmark).
-        produced = _compat.inline_map(dataset, produce, f"{name}_map")
-    else:
-        produced = dataset.map(
+    def staged(parallel):
+        """The stage's work, `parallel` elements at once."""
+        if fn is None:
+            # With nothing to compute, workers have nothing to overlap: the
+            # counter runs in the buffer's own thread, op by op (each thread
+            # hand-off cost 1-3% of a 2.5 ms step on the none benchmark).
+            return _compat.inline_map(dataset, produce, f"{name}_map")
+        return dataset.map(
             produce,
-            num_parallel_calls=num_threads,
+            num_parallel_calls=parallel,
             deterministic=options.deterministic,
             name=f"{name}_map",
         )
+
+    produced = staged(num_threads)
     packer = placement.packer_for(produced.element_spec)
-    if packer is not None:
-        produced = produced.map(
+
+    def packed(elements, parallel):
+        if packer is None:
+            return elements
+        return elements.map(
             on_host(packer.pack),
-            num_parallel_calls=num_threads,
+            num_parallel_calls=parallel,
             deterministic=options.deterministic,
             name=f"{name}_pack",
         )
 
-    if pool is not None:
-        produced = _pooled(produced, pool)
+    if pool is None:
+        produced = packed(produced, num_threads)
+    else:
+        produced = _pooled(
+            lambda parallel: packed(staged(parallel), parallel),
+            pool,
+            produced.cardinality(),
+        )
     opts = tf.data.Options()
     # Also with a `StagePool`: the autotuner lets a map run at most as many
     # elements at once as this pool has threads (the pool op inside does
@@ -280,10 +292,10 @@ def _stage_pool(dataset, fn, options, stats):
     return stats.pool
 
 
-def _pooled(produced, pool):
-    """`produced` run by `pool`, with its cardinality if it is known."""
-    cardinality = tf.get_static_value(produced.cardinality())
-    pooled = pool.apply(produced)
+def _pooled(make, pool, cardinality):
+    """`make(parallel)` run by `pool`, with `cardinality` if it is known."""
+    cardinality = tf.get_static_value(cardinality)
+    pooled = pool.apply(make)
     if cardinality is None or cardinality == tf.data.UNKNOWN_CARDINALITY:
         return pooled
     return pooled.apply(tf.data.experimental.assert_cardinality(cardinality))
