@@ -172,6 +172,7 @@ def _build_pipeline(
         )
         unpacked = type(dataset.element_spec) is tuple
         staged_fn = fn = None
+
     # No timestamp is taken before each pull from the source: that needs a
     # zip with a dataset of markers, which cost 2-7% of a 2.5 ms training
     # step here. The verdict infers a slow source from the epoch instead.
@@ -189,27 +190,21 @@ def _build_pipeline(
             name=f"{name}_map",
         )
 
-    produced = staged(num_threads)
+    if pool is None:
+        produced = staged(num_threads)
+    else:
+        produced = _pooled(staged, pool, dataset.cardinality())
+    # Packing (for a device buffer) is a copy, not the stage's work: it
+    # runs after the adaptive pool, on the pipeline's own.
     packer = placement.packer_for(produced.element_spec)
-
-    def packed(elements, parallel):
-        if packer is None:
-            return elements
-        return elements.map(
+    if packer is not None:
+        produced = produced.map(
             on_host(packer.pack),
-            num_parallel_calls=parallel,
+            num_parallel_calls=num_threads,
             deterministic=options.deterministic,
             name=f"{name}_pack",
         )
 
-    if pool is None:
-        produced = packed(produced, num_threads)
-    else:
-        produced = _pooled(
-            lambda parallel: packed(staged(parallel), parallel),
-            pool,
-            produced.cardinality(),
-        )
     opts = tf.data.Options()
     # Also with a `StagePool`: the autotuner lets a map run at most as many
     # elements at once as this pool has threads (the pool op inside does
