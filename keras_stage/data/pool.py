@@ -122,11 +122,6 @@ class StagePool:
     def apply(self, make):
         """The stage's work on a pool of the size current per iterator.
 
-        Args:
-            make: Builds the stage's work: `make(parallel)` with
-                `parallel` elements at once (`tf.data.AUTOTUNE` or a
-                tensor).
-
         The size is read when an iterator is made (a one-element
         `flat_map`), so `resize` needs no new pipeline. At `largest`, the
         work runs autotuned on the pipeline's own private pool (see
@@ -134,7 +129,16 @@ class StagePool:
         with as many elements at once as it has threads: the autotuner
         takes its bound from the outer pool and would queue up to that
         many elements on the inner one, which cost the `images` benchmark
-        CPU. Loses the cardinality; the caller restores it if it must.
+        CPU.
+
+        Args:
+            make: Builds the stage's work: `make(parallel)` with
+                `parallel` elements at once (`tf.data.AUTOTUNE` or a
+                tensor).
+
+        Returns:
+            The dataset, without a known cardinality (the caller restores
+            it if it must).
         """
 
         def pooled(_):
