@@ -206,10 +206,9 @@ def _build_pipeline(
         )
 
     opts = tf.data.Options()
-    # Also with a `StagePool`: the autotuner lets a map run at most as many
-    # elements at once as this pool has threads (the pool op inside does
-    # not raise that bound), and `pool` then caps the threads that run
-    # them.
+    # Also with a `StagePool`: this pool's size is the bound the autotuner
+    # gives the map at the pool's largest size (a pool op inside the
+    # pipeline does not raise it), which a stage waiting on IO needs.
     opts.threading.private_threadpool_size = options.resolved_pool_size()
     # Keep the buffer where the user put it: an injected prefetch would add
     # an unbounded-by-us buffer and hide the consumer's wait.
