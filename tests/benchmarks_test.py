@@ -331,3 +331,27 @@ def test_thread_pool_comparison_runs(monkeypatch, capsys):
     assert lines[-1].startswith("staged, auto: thread pool sizes of the reps [")
     assert rows["expert"][2] == "1.000"
     assert all(float(value) > 0 for row in rows.values() for value in row)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_remote_pipelines_comparison_runs(capsys):
+    from benchmarks import remote_pipelines
+
+    assert remote_pipelines.main(["1", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line[:30].strip(): line[30:].split() for line in lines[-6:]}
+    assert set(rows) == {
+        "staged, auto",
+        "fused, AUTOTUNE",
+        "fused, 16",
+        "fused, AUTOTUNE, cpu_budget 2",
+        "split, 16 + 1",
+        "compute-bound",
+    }
+    assert rows["staged, auto"][2] == "1.000"
+    assert rows["compute-bound"][3] == "1.000"
+    for ms, cpu_ms, to_staged, to_limit in rows.values():
+        assert float(ms) > 0 and float(to_staged) > 0 and float(to_limit) > 0
+        # The process CPU clock ticks in 10 ms: 2 short steps may read 0.
+        assert float(cpu_ms) >= 0
