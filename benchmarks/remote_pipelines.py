@@ -31,6 +31,7 @@ import sys
 import tensorflow as tf
 
 from benchmarks.modes import ComputeBoundMode, FitMode, StagedMode
+from benchmarks.paired import paired_ratio, per_step, run_interleaved
 from benchmarks.workloads.remote import RemoteWorkload
 
 STEPS = 300
@@ -110,27 +111,12 @@ def main(argv=None):
         "split, 16 + 1": PipelineMode(workload, "split-16-1", POOL, 1),
         "compute-bound": ComputeBoundMode(workload),
     }
-    for mode in modes.values():
-        mode.setup()
-        mode.run()  # warm-up: tracing
-    seconds = {name: [] for name in modes}
-    cpu = {name: [] for name in modes}
-    for rep in range(reps):
-        for name, mode in modes.items():
-            record = mode.run()
-            seconds[name].append(record["seconds"] / record["steps"])
-            cpu[name].append(record["cpu_seconds"] / record["steps"])
-        print(f"rep {rep + 1}/{reps} done", flush=True)
-    for mode in modes.values():
-        mode.close()
+    records = run_interleaved(
+        modes, reps, log=lambda line: print(line, flush=True)
+    )
     workload.close()
-
-    def paired(name, reference):
-        return statistics.median(
-            a / b
-            for a, b in zip(seconds[name], seconds[reference], strict=True)
-        )
-
+    seconds = {name: per_step(records[name]) for name in modes}
+    cpu = {name: per_step(records[name], "cpu_seconds") for name in modes}
     print(
         f"{'pipeline':30} ms/step  CPU ms/step  time / staged  "
         "time / compute-bound (paired)"
@@ -139,8 +125,8 @@ def main(argv=None):
         print(
             f"{name:30} {statistics.median(seconds[name]) * 1e3:7.2f}  "
             f"{statistics.median(cpu[name]) * 1e3:11.2f}  "
-            f"{paired(name, 'staged, auto'):13.3f}  "
-            f"{paired(name, 'compute-bound'):.3f}"
+            f"{paired_ratio(seconds[name], seconds['staged, auto']):13.3f}  "
+            f"{paired_ratio(seconds[name], seconds['compute-bound']):.3f}"
         )
     return 0
 

@@ -18,15 +18,22 @@ import tempfile
 import tensorflow as tf
 
 from benchmarks.modes import ExpertMode, StagedMode
+from benchmarks.paired import paired_ratio, per_step, run_interleaved
 from benchmarks.workloads.images import ImagesWorkload
 
 STEPS = 60
 
 
-def _private_pool(dataset, threads):
-    options = tf.data.Options()
-    options.threading.private_threadpool_size = threads
-    return dataset.with_options(options)
+class _PrivatePoolExpert(ExpertMode):
+    """Expert's pipeline on a private pool of 16 threads."""
+
+    name = "expert-pool16"
+
+    def build(self):
+        model, dataset = super().build()
+        options = tf.data.Options()
+        options.threading.private_threadpool_size = 16
+        return model, dataset.with_options(options)
 
 
 def main(argv=None):
@@ -37,7 +44,7 @@ def main(argv=None):
         workload = ImagesWorkload(steps=STEPS, data_dir=data_dir)
         modes = {
             "expert": ExpertMode(workload),
-            "expert, private pool 16": ExpertMode(workload),
+            "expert, private pool 16": _PrivatePoolExpert(workload),
             "staged, auto": StagedMode(workload),
             "staged, thread_pool_size=16": StagedMode(
                 workload,
@@ -48,34 +55,22 @@ def main(argv=None):
                 workload, name="staged-pool2", options={"thread_pool_size": 2}
             ),
         }
-        for name, mode in modes.items():
-            mode.setup()
-            if name == "expert, private pool 16":
-                mode.dataset = _private_pool(mode.dataset, 16)
-            mode.run()  # warm-up: tracing
-        seconds = {name: [] for name in modes}
-        cpu = {name: [] for name in modes}
-        auto_pools = []
-        for rep in range(reps):
-            for name, mode in modes.items():
-                record = mode.run()
-                seconds[name].append(record["seconds"] / record["steps"])
-                cpu[name].append(record["cpu_seconds"] / record["steps"])
-                if name == "staged, auto":
-                    auto_pools.append(record["verdict"]["thread_pool_size"])
-            print(f"rep {rep + 1}/{reps} done", flush=True)
-        for mode in modes.values():
-            mode.close()
+        records = run_interleaved(
+            modes, reps, log=lambda line: print(line, flush=True)
+        )
         workload.close()
-    expert = seconds["expert"]
+    seconds = {name: per_step(records[name]) for name in modes}
+    cpu = {name: per_step(records[name], "cpu_seconds") for name in modes}
+    auto_pools = [
+        record["verdict"]["thread_pool_size"]
+        for record in records["staged, auto"]
+    ]
     print(f"{'mode':28} ms/step  CPU ms/step  time / expert (paired)")
     for name in modes:
-        paired = statistics.median(
-            a / b for a, b in zip(seconds[name], expert, strict=True)
-        )
         print(
             f"{name:28} {statistics.median(seconds[name]) * 1e3:7.2f}  "
-            f"{statistics.median(cpu[name]) * 1e3:11.2f}  {paired:.3f}"
+            f"{statistics.median(cpu[name]) * 1e3:11.2f}  "
+            f"{paired_ratio(seconds[name], seconds['expert']):.3f}"
         )
     print(f"staged, auto: thread pool sizes of the reps {auto_pools}")
     return 0

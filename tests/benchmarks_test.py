@@ -355,3 +355,82 @@ def test_remote_pipelines_comparison_runs(capsys):
         assert float(ms) > 0 and float(to_staged) > 0 and float(to_limit) > 0
         # The process CPU clock ticks in 10 ms: 2 short steps may read 0.
         assert float(cpu_ms) >= 0
+
+
+def test_paired_ratio_is_the_median_of_the_rounds_ratios():
+    from benchmarks.paired import paired_ratio, per_step
+
+    assert paired_ratio([2.0, 4.0, 9.0], [1.0, 2.0, 3.0]) == 2.0
+    with pytest.raises(ValueError):
+        paired_ratio([1.0, 2.0], [1.0])
+    records = [{"seconds": 1.0, "cpu_seconds": 3.0, "steps": 4}]
+    assert per_step(records) == [0.25]
+    assert per_step(records, "cpu_seconds") == [0.75]
+
+
+def test_run_interleaved_warms_up_each_mode_then_alternates():
+    from benchmarks.paired import run_interleaved
+
+    calls = []
+
+    class FakeMode:
+        def __init__(self, name):
+            self.name = name
+            self.runs = 0
+
+        def setup(self):
+            calls.append(("setup", self.name))
+
+        def run(self):
+            self.runs += 1
+            calls.append(("run", self.name))
+            return {"name": self.name, "run": self.runs}
+
+        def close(self):
+            calls.append(("close", self.name))
+
+    lines = []
+    records = run_interleaved(
+        {"a": FakeMode("a"), "b": FakeMode("b")}, 2, log=lines.append
+    )
+    assert calls == [
+        ("setup", "a"),
+        ("run", "a"),
+        ("setup", "b"),
+        ("run", "b"),
+        ("run", "a"),
+        ("run", "b"),
+        ("run", "a"),
+        ("run", "b"),
+        ("close", "a"),
+        ("close", "b"),
+    ]
+    # The warm-up run is not among the records.
+    assert records == {
+        "a": [{"name": "a", "run": 2}, {"name": "a", "run": 3}],
+        "b": [{"name": "b", "run": 2}, {"name": "b", "run": 3}],
+    }
+    assert lines == ["rep 1/2 done", "rep 2/2 done"]
+
+
+@pytest.mark.timeout(60)
+def test_input_bound_window_leaves_out_making_the_iterator():
+    # As fit makes its iterator before its first step, the input-bound mode
+    # makes its own before the timed window: a slow start-up is not timed.
+    import time
+    import types
+
+    from benchmarks.modes import InputBoundMode
+
+    start_up = 0.3
+
+    class SlowToStart:
+        def __iter__(self):
+            time.sleep(start_up)
+            return iter(range(3))
+
+    mode = InputBoundMode(types.SimpleNamespace(steps=3))
+    mode.staged = SlowToStart()
+    record = mode.run()
+    assert record["steps"] == 3
+    assert record["seconds"] < start_up / 2
