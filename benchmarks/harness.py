@@ -313,6 +313,14 @@ def add_ratios(result):
         )
 
 
+def _remote_kwargs(read, latency):
+    """The `remote` workload's own arguments."""
+    kwargs = {"read": read}
+    if latency is not None:
+        kwargs["read_seconds"] = latency
+    return kwargs
+
+
 def run_benchmark(
     workloads,
     reps=None,
@@ -327,6 +335,7 @@ def run_benchmark(
     log=print,
     staged_options=None,
     remote_read="tf",
+    remote_latency=None,
 ):
     """Runs `workloads` (names) and returns the whole results dict.
 
@@ -351,6 +360,8 @@ def run_benchmark(
             machine); `None` for the defaults.
         remote_read: How the `remote` workload emulates its read: `"tf"`
             or `"python"` (see `benchmarks.workloads.remote.RemoteRead`).
+        remote_latency: Seconds of the `remote` workload's read per batch;
+            `None` for its default (20 ms).
 
     Returns:
         A JSON-able dict (schema in benchmarks/README.md).
@@ -382,7 +393,11 @@ def run_benchmark(
             seed=seed,
             data_dir=data_dir,
             # Options only one workload has.
-            **({"read": remote_read} if workload_name == "remote" else {}),
+            **(
+                _remote_kwargs(remote_read, remote_latency)
+                if workload_name == "remote"
+                else {}
+            ),
         )
         try:
             sections[workload_name] = run_workload(
@@ -408,6 +423,7 @@ def run_benchmark(
             "seed": seed,
             "staged_options": dict(staged_options or {}),
             "remote_read": remote_read,
+            "remote_latency": remote_latency,
         },
         "timed": TIMED,
         "environment": env,

@@ -83,9 +83,16 @@ def parse_args(argv=None):
         "--remote-read",
         choices=READ_KINDS,
         default="tf",
-        help="how the remote workload emulates its 20 ms read: tf, a sleep "
+        help="how the remote workload emulates its read: tf, a sleep "
         "in TensorFlow's C++ runtime (no GIL, as TensorFlow's file systems), "
         "or python, tf.py_function + time.sleep (default: tf)",
+    )
+    parser.add_argument(
+        "--remote-latency-ms",
+        type=float,
+        default=None,
+        help="milliseconds the remote workload's read of one batch takes "
+        "(default: 20)",
     )
     parser.add_argument(
         "--name",
@@ -123,6 +130,8 @@ def parse_args(argv=None):
         value = getattr(args, option)
         if value is not None and value < 1:
             parser.error(f"--{option.replace('_', '-')} must be at least 1")
+    if args.remote_latency_ms is not None and not args.remote_latency_ms > 0:
+        parser.error("--remote-latency-ms must be a positive number")
     if args.name is None:
         args.name = "bench-quick" if args.quick else "bench"
     return args
@@ -147,6 +156,11 @@ def main(argv=None):
         argv=sys.argv if argv is None else ["benchmarks.run", *argv],
         staged_options=args.staged_options,
         remote_read=args.remote_read,
+        remote_latency=(
+            None
+            if args.remote_latency_ms is None
+            else args.remote_latency_ms / 1e3
+        ),
         log=lambda line: print(line, flush=True),
     )
     json_path = report.write_json(

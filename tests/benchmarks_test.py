@@ -273,6 +273,7 @@ def test_staged_options_reach_the_staged_modes(smoke_run):
 def test_remote_read_option(smoke_run, capsys):
     _, results, _, _ = smoke_run
     assert results["config"]["remote_read"] == "tf"
+    assert results["config"]["remote_latency"] is None
     assert results["workloads"]["remote"]["info"]["read"] == "tf"
     assert run.parse_args(["--remote-read", "python"]).remote_read == "python"
     with pytest.raises(SystemExit):
@@ -300,6 +301,29 @@ def test_remote_read_blocks_and_passes_the_lines_through(read):
     # A lower bound (the emulated latency), not a speed check.
     assert time.perf_counter() - started >= 0.05
     assert out.numpy().tolist() == lines.numpy().tolist()
+
+
+def test_remote_latency_option():
+    from benchmarks.harness import _remote_kwargs
+    from benchmarks.workloads.remote import READ_SECONDS, RemoteWorkload
+
+    assert run.parse_args([]).remote_latency_ms is None
+    assert run.parse_args(["--remote-latency-ms", "80"]).remote_latency_ms == 80
+    for bad in ("0", "-5"):
+        with pytest.raises(SystemExit):
+            run.parse_args(["--remote-latency-ms", bad])
+    assert _remote_kwargs("tf", None) == {"read": "tf"}
+    assert _remote_kwargs("tf", 0.08) == {"read": "tf", "read_seconds": 0.08}
+    default = RemoteWorkload(steps=1)
+    assert default.read_seconds == READ_SECONDS
+    assert "waits 20 ms" in default.description
+    slow = RemoteWorkload(steps=1, read_seconds=0.08)
+    assert "waits 80 ms" in slow.description
+    assert slow.params()["read_seconds_per_batch"] == 0.08
+    (read, _) = slow.preprocessing()
+    assert read.seconds == 0.08
+    with pytest.raises(ValueError, match="read_seconds=0"):
+        RemoteWorkload(steps=1, read_seconds=0)
 
 
 def test_remote_read_rejects_an_unknown_kind():

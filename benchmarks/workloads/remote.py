@@ -1,8 +1,9 @@
 """The `remote` workload: every batch waits on a read from slow storage.
 
 IO-latency bound: before the seed workload's CSV parsing, each batch goes
-through `RemoteRead`, a layer that blocks 20 ms, standing for a read from a
-remote object store. The read is emulated two ways (`--remote-read`):
+through `RemoteRead`, a layer that blocks 20 ms (`--remote-latency-ms`),
+standing for a read from a remote object store. The read is emulated two
+ways (`--remote-read`):
 
 - `tf` (the default): a C++ sleep inside TensorFlow (`SleepDataset`), which
   blocks its thread without Python's GIL, as TensorFlow's own file systems
@@ -115,14 +116,18 @@ class RemoteWorkload(SeedWorkload):
         *args: Passed to `Workload`.
         read: How the read is emulated: `"tf"` or `"python"` (see
             `RemoteRead`). Defaults to `"tf"`.
+        read_seconds: Latency of one read (one batch). Defaults to
+            `READ_SECONDS` (20 ms).
         **kwargs: Passed to `Workload`.
     """
 
     name = "remote"
+    # `{ms}`: the read's latency.
     description = (
-        "IO-latency bound: each batch of 'user,item,score' lines waits 20 ms "
-        "in an emulated remote read, then decode_csv -> to_hash_bucket_fast "
-        "-> 2 x Embedding(10000, 8) -> Dense(32) -> Dense(1); Adam, MSE"
+        "IO-latency bound: each batch of 'user,item,score' lines waits {ms} "
+        "ms in an emulated remote read, then decode_csv -> "
+        "to_hash_bucket_fast -> 2 x Embedding(10000, 8) -> Dense(32) -> "
+        "Dense(1); Adam, MSE"
     )
     # How each kind of read is described in the report.
     read_descriptions = {
@@ -137,18 +142,28 @@ class RemoteWorkload(SeedWorkload):
     embedding_dim = 8
     widths = (32,)
 
-    def __init__(self, *args, read="tf", **kwargs):
+    def __init__(self, *args, read="tf", read_seconds=READ_SECONDS, **kwargs):
         super().__init__(*args, **kwargs)
         _check_read(read)
+        if isinstance(read_seconds, bool) or not (
+            isinstance(read_seconds, (int, float)) and read_seconds > 0
+        ):
+            raise ValueError(
+                "Invalid value for argument `read_seconds`. Expected a "
+                f"positive number of seconds. Received: "
+                f"read_seconds={read_seconds!r}"
+            )
         self.read = read
+        self.read_seconds = float(read_seconds)
+        ms = f"{self.read_seconds * 1e3:g}"
         self.description = (
-            f"{type(self).description} (the read: "
+            f"{type(self).description.format(ms=ms)} (the read: "
             f"{self.read_descriptions[read]})"
         )
 
     def preprocessing(self):
         return [
-            RemoteRead(READ_SECONDS, read=self.read, name="remote_read"),
+            RemoteRead(self.read_seconds, read=self.read, name="remote_read"),
             ParseCsvLines(HASH_BUCKETS, name="parse_csv"),
         ]
 
@@ -161,6 +176,6 @@ class RemoteWorkload(SeedWorkload):
     def params(self):
         return {
             **super().params(),
-            "read_seconds_per_batch": READ_SECONDS,
+            "read_seconds_per_batch": self.read_seconds,
             "read": self.read,
         }
