@@ -45,6 +45,8 @@ _VERDICT_KEYS = (
     "suggested_capacity",
     "thread_pool_size",
     "next_thread_pool_size",
+    "cpu_load",
+    "cores_busy",
     "message",
 )
 

@@ -30,6 +30,31 @@ _MIN_SUGGESTED_CAPACITY = 2
 # faster than it did was starved by the pipeline before it.
 _SOURCE_BOUND_FACTOR = 1.5
 _MAX_SUGGESTED_CAPACITY = 64
+# At or above this share of the machine's cores in use (the process's CPU
+# time over the epoch), the cores are busy: an input-bound stage is
+# computing, not waiting, and more threads would only share the cores.
+_CORES_BUSY_LOAD = 0.85
+
+
+def _cpu_count():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _process_cpu_seconds():
+    """CPU seconds this process has used so far, all threads together."""
+    times = os.times()
+    return times.user + times.system
+
+
+def _snapshot(staged):
+    """The stage's counters, with this process's CPU seconds so far."""
+    return {
+        **staged.stats.snapshot(),
+        "process_cpu_seconds": _process_cpu_seconds(),
+    }
 
 
 class _Binding:
@@ -89,10 +114,11 @@ class PrefetchCallback(keras.callbacks.Callback):
     A stage that leaves its threads to keras_stage (`num_threads="auto"`,
     no `thread_pool_size`) is also retuned by the verdict: its private
     pool gets its full size after an epoch that kept the step waiting
-    (threads that wait on IO overlap), and one thread per core after an
-    epoch that kept up and needed no more (more threads would only
-    contend with the training step for the cores). See
-    `keras_stage.data.pool`.
+    (threads that wait on IO overlap), more if the verdict asks for more
+    while the cores had time to spare (the stage waits, it does not
+    compute), and one thread per core after an epoch that kept up and
+    needed no more (more threads would only contend with the training
+    step for the cores). See `keras_stage.data.pool`.
 
     The same figures reach TensorBoard: a `keras.callbacks.TensorBoard` in
     the callbacks writes them with the other epoch logs (as
@@ -154,6 +180,7 @@ class PrefetchCallback(keras.callbacks.Callback):
         self._bindings = {}
         self._epoch_start = None
         self._train_time = None
+        self._train_cpu = None
         self._snapshot = None
         # The first epoch of a fit: its first step traces (see
         # `on_train_batch_end`).
@@ -199,24 +226,23 @@ class PrefetchCallback(keras.callbacks.Callback):
         self._tracing_epoch = False
         binding = self._bindings.get("train")
         if binding is not None:
-            self._after_first_step = (
-                binding.staged.stats.snapshot(),
-                time.time(),
-            )
+            self._after_first_step = (_snapshot(binding.staged), time.time())
 
     def on_epoch_begin(self, epoch, logs=None):
         binding = self._bindings.get("train")
         if binding is None:
             return
         binding.begin_epoch()
-        self._snapshot = binding.staged.stats.snapshot()
+        self._snapshot = _snapshot(binding.staged)
         self._epoch_start = time.time()
         self._train_time = None
+        self._train_cpu = None
 
     def on_test_begin(self, logs=None):
         if self._epoch_start is not None and self._train_time is None:
             # Validation inside fit: the training part of the epoch ends.
             self._train_time = time.time() - self._epoch_start
+            self._train_cpu = _process_cpu_seconds()
         self._begin_phase("test")
 
     def on_test_end(self, logs=None):
@@ -247,7 +273,9 @@ class PrefetchCallback(keras.callbacks.Callback):
         if binding is None or self._snapshot is None:
             return
         binding.end_epoch()
-        now = binding.staged.stats.snapshot()
+        now = _snapshot(binding.staged)
+        if self._train_cpu is not None:
+            now["process_cpu_seconds"] = self._train_cpu
         ended = (
             self._epoch_start + self._train_time
             if self._train_time is not None
@@ -291,7 +319,9 @@ class PrefetchCallback(keras.callbacks.Callback):
         """Resizes the stage's pool for the next epoch from `verdict`."""
         before = pool.size
         after = pool.adapt(
-            verdict["input_bound"], verdict["suggested_num_threads"]
+            verdict["input_bound"],
+            verdict["suggested_num_threads"],
+            cores_busy=verdict["cores_busy"],
         )
         verdict["next_thread_pool_size"] = after
         if after != before:
@@ -360,6 +390,10 @@ def epoch_statistics(before, after, seconds, options):
     else:  # "auto": tf.data sizes the buffer; use the largest fill seen.
         capacity = max(1, after["buffered_peak"])
     seconds = max(seconds, 1e-9)
+    cpu_load = None
+    if "process_cpu_seconds" in before and "process_cpu_seconds" in after:
+        cpu = after["process_cpu_seconds"] - before["process_cpu_seconds"]
+        cpu_load = max(0.0, cpu / seconds / _cpu_count())
     return {
         "consumed": consumed,
         "produced": produced,
@@ -368,6 +402,8 @@ def epoch_statistics(before, after, seconds, options):
         "wait_seconds": wait,
         "busy_seconds": busy,
         "wait_ratio": min(1.0, max(0.0, wait / seconds)),
+        # Share of the machine's cores this process used (None: unknown).
+        "cpu_load": cpu_load,
         "buffer_fill": (
             min(1.0, buffered / (consumed * capacity)) if consumed else 0.0
         ),
@@ -464,5 +500,9 @@ def verdict(stats, options, pool_size=None):
         "suggested_num_threads": needed_threads,
         "suggested_capacity": capacity,
         "thread_pool_size": pool_size,
+        "cpu_load": stats.get("cpu_load"),
+        # Unknown counts as busy: no growth past the pool's usual size.
+        "cores_busy": stats.get("cpu_load") is None
+        or stats["cpu_load"] >= _CORES_BUSY_LOAD,
         "message": message,
     }

@@ -22,6 +22,9 @@ AUTO = "auto"
 # often waiting on IO, so concurrency may usefully exceed the core count.
 _AUTO_POOL_MIN = 16
 _AUTO_POOL_PER_CPU = 4
+# How far past its starting size an adaptive pool grows for a stage that
+# waits on IO (`StagePool.most`).
+_AUTO_POOL_GROWTH = 4
 
 
 def _cpu_count():
@@ -245,6 +248,10 @@ class StageOptions:
     def smallest_pool_size(self):
         """The fewest threads an adaptive pool is given: the cores."""
         return min(_cpu_count(), self.resolved_pool_size())
+
+    def most_pool_size(self):
+        """The most threads an adaptive pool grows to for a stage on IO."""
+        return _AUTO_POOL_GROWTH * self.resolved_pool_size()
 
     def resolved_pool_size(self):
         """Threads in the stage's private pool (an adaptive one's largest)."""

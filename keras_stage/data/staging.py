@@ -282,6 +282,7 @@ def _stage_pool(dataset, fn, options, stats):
             options.name,
             largest=options.resolved_pool_size(),
             smallest=options.smallest_pool_size(),
+            most=options.most_pool_size(),
         )
     return stats.pool
 

@@ -347,8 +347,26 @@ def test_epoch_statistics_are_the_differences_of_two_snapshots():
         "wait_seconds": 2.0,
         "busy_seconds": 4.0,
         "wait_ratio": 0.25,  # 2 s waited of 8 s
+        "cpu_load": None,  # the snapshots have no process CPU time
         "buffer_fill": 0.5,  # 40 buffered over 20 fetches of 4 slots
     }
+
+
+def test_epoch_statistics_measure_the_cores_the_process_used(monkeypatch):
+    from keras_stage.callbacks import prefetch_callback
+
+    monkeypatch.setattr(prefetch_callback, "_cpu_count", lambda: 2)
+    options = StageOptions(capacity=4, name="s")
+    before = dict(BEFORE, process_cpu_seconds=10.0)
+    after = dict(AFTER, process_cpu_seconds=14.0)
+    # 4 CPU seconds over an 8 s epoch on 2 cores: a quarter of them.
+    stats = epoch_statistics(before, after, 8.0, options)
+    assert stats["cpu_load"] == 0.25
+    assert verdict(stats, options)["cores_busy"] is False
+    busy = dict(AFTER, process_cpu_seconds=24.0)  # 14 of 16 CPU seconds
+    stats = epoch_statistics(before, busy, 8.0, options)
+    assert stats["cpu_load"] == 0.875
+    assert verdict(stats, options)["cores_busy"] is True
 
 
 def test_epoch_statistics_scale_an_auto_buffer_by_its_peak_fill():
@@ -410,6 +428,9 @@ def test_verdict_of_an_epoch_bound_by_the_staged_computation():
         "suggested_num_threads": 4,
         "suggested_capacity": 3,
         "thread_pool_size": None,
+        # Not measured in these statistics: counted as busy.
+        "cpu_load": None,
+        "cores_busy": True,
         "message": (
             "Stage 's': input-bound, the training step waited 25% of the "
             "epoch for data; per batch: 800.0 ms of staged computation (per "

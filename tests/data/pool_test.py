@@ -37,6 +37,7 @@ def test_auto_stage_starts_with_the_largest_pool():
     options = staged.stage_options
     assert pool.largest == options.resolved_pool_size()
     assert pool.smallest == options.smallest_pool_size()
+    assert pool.most == options.most_pool_size() > pool.largest
     assert pool.size == pool.largest
     assert [int(x) for x in staged] == [1, 2, 3]
     assert staged.close()
@@ -146,10 +147,36 @@ def test_skipping_stage_with_unknown_cardinality_skips_on_the_pool():
 
 
 def test_adapt_gives_an_input_bound_epoch_the_largest_pool():
-    pool = StagePool("a", largest=16, smallest=2)
+    pool = StagePool("a", largest=16, smallest=2, most=64)
     pool.resize(3)
     assert pool.adapt(input_bound=True, needed_threads=1) == 16
     assert pool.size == 16
+    # Busy cores: the stage computes, and more threads would share them.
+    assert pool.adapt(input_bound=True, needed_threads=40) == 16
+
+
+def test_adapt_grows_a_stage_that_waits_on_idle_cores_to_its_suggestion():
+    pool = StagePool("io", largest=16, smallest=2, most=64)
+    grown = pool.adapt(input_bound=True, needed_threads=22, cores_busy=False)
+    assert grown == pool.size == 22
+    # Still waiting: never fewer threads than it had, never past `most`.
+    assert pool.adapt(True, needed_threads=5, cores_busy=False) == 22
+    assert pool.adapt(True, needed_threads=22, cores_busy=True) == 22
+    assert pool.adapt(True, needed_threads=100, cores_busy=False) == 64
+    # Keeping up needing more than the cores: the pool stays.
+    assert pool.adapt(False, needed_threads=30) == 64
+    assert pool.adapt(False, needed_threads=2) == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_pool_grown_past_largest_runs_that_many_threads():
+    fn, threads = _thread_recording(seconds=0.05)
+    staged = stage(tf.data.Dataset.range(120), fn, name="grown")
+    pool = staged.thread_pool
+    pool.resize(pool.largest + 8)
+    assert [int(x) for x in staged] == list(range(120))
+    assert pool.largest < len(set(threads)) <= pool.largest + 8
+    assert staged.close()
 
 
 @pytest.mark.parametrize("needed", [1, 2])
@@ -189,6 +216,8 @@ def test_resize_rejects_a_bad_size_naming_it(threads, error):
 def test_pool_bounds_are_checked():
     with pytest.raises(ValueError, match="smallest=5, largest=4"):
         StagePool("bounds", largest=4, smallest=5)
+    with pytest.raises(ValueError, match="largest=4, most=3"):
+        StagePool("bounds", largest=4, smallest=1, most=3)
 
 
 def test_stages_built_with_the_same_stats_share_their_pool():
