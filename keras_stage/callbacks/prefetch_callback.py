@@ -15,6 +15,8 @@ import time
 import keras
 import tensorflow as tf
 
+from keras_stage.data.options import usable_cpus
+
 logger = logging.getLogger("keras_stage")
 
 # Above this fraction of the epoch spent waiting for data, a run is called
@@ -34,13 +36,6 @@ _MAX_SUGGESTED_CAPACITY = 64
 # time over the epoch), the cores are busy: an input-bound stage is
 # computing, not waiting, and more threads would only share the cores.
 _CORES_BUSY_LOAD = 0.85
-
-
-def _cpu_count():
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def _process_cpu_seconds():
@@ -393,7 +388,7 @@ def epoch_statistics(before, after, seconds, options):
     cpu_load = None
     if "process_cpu_seconds" in before and "process_cpu_seconds" in after:
         cpu = after["process_cpu_seconds"] - before["process_cpu_seconds"]
-        cpu_load = max(0.0, cpu / seconds / _cpu_count())
+        cpu_load = max(0.0, cpu / seconds / usable_cpus())
     return {
         "consumed": consumed,
         "produced": produced,

@@ -27,7 +27,8 @@ _AUTO_POOL_PER_CPU = 4
 _AUTO_POOL_GROWTH = 4
 
 
-def _cpu_count():
+def usable_cpus():
+    """The CPU cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -247,7 +248,7 @@ class StageOptions:
 
     def smallest_pool_size(self):
         """The fewest threads an adaptive pool is given: the cores."""
-        return min(_cpu_count(), self.resolved_pool_size())
+        return min(usable_cpus(), self.resolved_pool_size())
 
     def most_pool_size(self):
         """The most threads an adaptive pool grows to for a stage on IO."""
@@ -257,7 +258,7 @@ class StageOptions:
         """Threads in the stage's private pool (an adaptive one's largest)."""
         if self.thread_pool_size is not None:
             return self.thread_pool_size
-        cpus = _cpu_count()
+        cpus = usable_cpus()
         if self.num_threads == AUTO:
             return max(_AUTO_POOL_MIN, _AUTO_POOL_PER_CPU * cpus)
         # A stage that waits on IO needs N real threads even on 2 cores.

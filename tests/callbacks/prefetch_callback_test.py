@@ -355,7 +355,7 @@ def test_epoch_statistics_are_the_differences_of_two_snapshots():
 def test_epoch_statistics_measure_the_cores_the_process_used(monkeypatch):
     from keras_stage.callbacks import prefetch_callback
 
-    monkeypatch.setattr(prefetch_callback, "_cpu_count", lambda: 2)
+    monkeypatch.setattr(prefetch_callback, "usable_cpus", lambda: 2)
     options = StageOptions(capacity=4, name="s")
     before = dict(BEFORE, process_cpu_seconds=10.0)
     after = dict(AFTER, process_cpu_seconds=14.0)

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from keras_stage.data import AUTO, StageOptions, stage
-from keras_stage.data.options import _cpu_count
+from keras_stage.data.options import usable_cpus
 
 DATASET = tf.data.Dataset.range(5)
 
@@ -319,7 +319,7 @@ def test_empty_policies_accepted():
 
 
 def test_resolved_pool_size():
-    cpus = _cpu_count()
+    cpus = usable_cpus()
     assert StageOptions(thread_pool_size=5).resolved_pool_size() == 5
     assert StageOptions(num_threads=1).resolved_pool_size() == max(1, cpus)
     # IO-bound stages need N real threads even with fewer cores.
@@ -332,7 +332,7 @@ def test_auto_pool_lets_autotune_exceed_the_cores():
     options = staged.options()
     pool = staged.stage_options.resolved_pool_size()
     assert options.threading.private_threadpool_size == pool
-    assert pool > _cpu_count()
+    assert pool > usable_cpus()
     fixed = stage(DATASET, num_threads=3, thread_pool_size=7).options()
     assert fixed.threading.private_threadpool_size == 7
 
