@@ -341,6 +341,7 @@ class StagedDataset(tf.data.Dataset):
         gate=None,
         placement=None,
         thread_pool=None,
+        counts_in_order=False,
     ):
         self._pipeline = pipeline
         self._thread_pool = thread_pool
@@ -348,7 +349,9 @@ class StagedDataset(tf.data.Dataset):
         self.placement = Placement() if placement is None else placement
         self.stage_options = options
         self.stats = stats
-        self.runner = StageRunner(options, stats, gate=gate)
+        self.runner = StageRunner(
+            options, stats, gate=gate, counts_in_order=counts_in_order
+        )
         super().__init__(_compat.dataset_variant(pipeline))
         _live_stages.add(self)
         # A stage iterated without close() still ends its helper thread.
@@ -442,7 +445,7 @@ class StageIterator:
     def __next__(self):
         while True:
             try:
-                return self._runner.call(next, self._iterator)
+                return self._runner.call(next, self._iterator, elements=1)
             except SkipElement:
                 continue
             except EndOfData:
@@ -632,6 +635,23 @@ def build_stage(
         gate=gate,
         placement=placement,
         thread_pool=pool,
+        counts_in_order=_counts_in_order(fn, options),
+    )
+
+
+def _counts_in_order(fn, options):
+    """Whether the stage finishes elements in the order it delivers them.
+
+    Its counter then tells which fetches cannot wait on the source (see
+    `runner.ReadyElements`). With nothing to compute, or on the tf.data
+    service, elements are counted in the buffer's own thread; one worker
+    finishes them in order; an unordered map delivers whichever finished.
+    """
+    return (
+        fn is None
+        or options.service is not None
+        or not options.deterministic
+        or options.num_threads == 1
     )
 
 

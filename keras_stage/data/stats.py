@@ -260,6 +260,18 @@ class StageStats:
         left = max(0.0, counters[_PRODUCED] - counters[_CONSUMED])
         self._counters.assign_add(_slots({_ORPHANS: left - counters[_ORPHANS]}))
 
+    def unconsumed(self):
+        """Elements counted as finished and not consumed, ever.
+
+        Includes those left in the buffers of dropped iterators. One raw
+        read, called between training steps: `Variable.numpy()` adds name
+        scopes and an identity op, 64 us against 22 in a `fit` here.
+        """
+        counters = tf.raw_ops.ReadVariableOp(
+            resource=self._counters.handle, dtype=tf.float64
+        ).numpy()
+        return int(counters[_PRODUCED] - counters[_CONSUMED])
+
     @property
     def closed(self):
         return bool(self._closed.numpy())

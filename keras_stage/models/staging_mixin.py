@@ -143,7 +143,12 @@ def _guard(model, phase, function):
         _track_iterator(state, phase, iterator)
         while True:
             try:
-                return runner.call(function, iterator, check_origin=True)
+                return runner.call(
+                    function,
+                    iterator,
+                    check_origin=True,
+                    elements=model.steps_per_execution,
+                )
             except SkipElement:
                 continue
             except EndOfData:

@@ -604,6 +604,106 @@ def test_timeout_none_uses_no_helper_thread():
     assert not _stage_threads(staged.name)
 
 
+# -- buffered fetches skip the timeout's helper thread ------------------------
+
+
+def _fetch(iterator):
+    """`next(iterator)` as an int, with the thread that fetched it."""
+    return threading.get_ident(), int(next(iterator))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"fn": lambda x: x + 1, "deterministic": False, "num_threads": 2},
+        {"fn": lambda x: x + 1, "num_threads": 1},
+    ],
+    ids=["nothing-to-compute", "unordered", "one-thread"],
+)
+def test_buffered_fetches_run_in_the_callers_thread(settings):
+    staged = stage(
+        tf.data.Dataset.range(30), capacity=8, timeout=5.0, **settings
+    )
+    step = 1 if "fn" in settings else 0
+    iterator = iter(staged.pipeline)
+    here = threading.get_ident()
+    # An iterator's first call starts its pipeline: it waits, on the helper.
+    got = [staged.runner.call(_fetch, iterator, elements=1)]
+    assert _wait_until(lambda: staged.stats.unconsumed() >= 8, 10)
+    got += [staged.runner.call(_fetch, iterator, elements=1) for _ in range(8)]
+    assert sorted(value for _, value in got) == list(range(step, 9 + step))
+    assert got[0][0] != here
+    assert [thread for thread, _ in got[1:]] == [here] * 8
+    # Without `elements` every call takes the helper thread.
+    assert staged.runner.call(_fetch, iterator)[0] != here
+
+
+@pytest.mark.timeout(60)
+def test_an_ordered_parallel_stage_hands_every_call_to_the_helper():
+    # Its workers finish elements out of order: a later element counted
+    # says nothing of an earlier one that hangs, so no call skips the
+    # timeout however full the buffer is.
+    staged = stage(
+        tf.data.Dataset.range(30),
+        lambda x: x + 1,
+        capacity=8,
+        num_threads=2,
+        timeout=5.0,
+    )
+    iterator = iter(staged.pipeline)
+    here = threading.get_ident()
+    got = [staged.runner.call(_fetch, iterator, elements=1)]
+    assert _wait_until(lambda: staged.stats.unconsumed() >= 8, 10)
+    got += [staged.runner.call(_fetch, iterator, elements=1) for _ in range(8)]
+    assert [value for _, value in got] == list(range(1, 10))
+    assert here not in [thread for thread, _ in got]
+
+
+@pytest.mark.timeout(60)
+def test_a_source_that_stalls_after_the_buffer_still_times_out():
+    # The buffered elements are fetched in the caller's thread; the first
+    # fetch that has to wait on the stalled source goes to the helper
+    # thread and times out.
+    release = threading.Event()
+    try:
+        staged = stage(
+            _blocking_source(release, block_at=6, n=8),
+            capacity=8,
+            num_threads=1,
+            timeout=1.0,
+            name="stalls",
+        )
+        iterator = iter(staged)
+        assert int(next(iterator)) == 0
+        assert _wait_until(lambda: staged.stats.unconsumed() >= 5, 10)
+        assert [int(next(iterator)) for _ in range(5)] == [1, 2, 3, 4, 5]
+        started = time.monotonic()
+        with pytest.raises(StageTimeoutError, match="Stage 'stalls'"):
+            next(iterator)
+        assert 0.9 <= time.monotonic() - started < 10
+    finally:
+        release.set()
+
+
+@pytest.mark.timeout(60)
+def test_an_earlier_iterator_alive_keeps_every_call_on_the_helper():
+    # Both iterators count in the same counters: the second cannot tell
+    # which counted elements are its own.
+    staged = stage(tf.data.Dataset.range(20), capacity=4, timeout=5.0)
+    here = threading.get_ident()
+    first = iter(staged.pipeline)
+    assert staged.runner.call(_fetch, first, elements=1)[1] == 0
+    second = iter(staged.pipeline)
+    got = [staged.runner.call(_fetch, second, elements=1)]
+    assert _wait_until(lambda: staged.stats.unconsumed() >= 6, 10)
+    got += [staged.runner.call(_fetch, second, elements=1) for _ in range(3)]
+    assert [value for _, value in got] == [0, 1, 2, 3]
+    assert here not in [thread for thread, _ in got]
+    del first
+
+
 # -- threads -----------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage.callbacks import PrefetchCallback
+from keras_stage.data.runner import StageRunner
 from keras_stage.layers import StagedInput
 
 FIT_SEED = 7
@@ -475,3 +476,41 @@ def test_staged_input_is_an_identity_in_a_plain_keras_model():
     np.testing.assert_allclose(
         with_layer.predict(X, verbose=0), without.predict(X, verbose=0)
     )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_steps_whose_batches_are_buffered_skip_the_helper_thread(
+    functional_twins, monkeypatch, steps_per_execution
+):
+    # The timeout's helper thread costs two thread wake-ups per step; a
+    # step whose batches are buffered cannot wait, so it runs in the
+    # caller's thread. Only each epoch's first call (its iterator's
+    # start) must take the helper, and training is unchanged.
+    handed_off = []
+    original = StageRunner._call_with_timeout
+
+    def counting(self, fn, args, started):
+        handed_off.append(self.name)
+        return original(self, fn, args, started)
+
+    monkeypatch.setattr(StageRunner, "_call_with_timeout", counting)
+    plain, staged = functional_twins
+    _sync(plain, staged)
+    for model in (plain, staged):
+        model.steps_per_execution = steps_per_execution
+
+    def fit_kwargs():
+        data = tf.data.Dataset.from_tensor_slices((X, Y)).batch(2)
+        return {"x": data, "epochs": EPOCHS, "shuffle": False}
+
+    try:
+        plain_history = _fit(plain, fit_kwargs)
+        staged_history = _fit(staged, fit_kwargs)
+    finally:
+        for model in (plain, staged):
+            model.steps_per_execution = 1
+            model.make_train_function(force=True)
+    _assert_same_training(plain, staged, plain_history, staged_history)
+    calls = EPOCHS * NUM_SAMPLES // 2 // steps_per_execution
+    assert EPOCHS <= len(handed_off) <= calls // 3, (len(handed_off), calls)
