@@ -612,6 +612,20 @@ def _fetch(iterator):
     return threading.get_ident(), int(next(iterator))
 
 
+def _fetch_after_buffering(staged, iterator, buffered=8):
+    """One fetch, then `buffered` more once that many are counted.
+
+    Returns `[(thread, value)]` of every fetch, each made through the
+    stage's runner with `elements=1`.
+    """
+    # An iterator's first call starts its pipeline: it waits, on the helper.
+    got = [staged.runner.call(_fetch, iterator, elements=1)]
+    assert _wait_until(lambda: staged.stats.unconsumed() >= buffered, 10)
+    for _ in range(buffered):
+        got.append(staged.runner.call(_fetch, iterator, elements=1))
+    return got
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "settings",
@@ -629,10 +643,7 @@ def test_buffered_fetches_run_in_the_callers_thread(settings):
     step = 1 if "fn" in settings else 0
     iterator = iter(staged.pipeline)
     here = threading.get_ident()
-    # An iterator's first call starts its pipeline: it waits, on the helper.
-    got = [staged.runner.call(_fetch, iterator, elements=1)]
-    assert _wait_until(lambda: staged.stats.unconsumed() >= 8, 10)
-    got += [staged.runner.call(_fetch, iterator, elements=1) for _ in range(8)]
+    got = _fetch_after_buffering(staged, iterator)
     assert sorted(value for _, value in got) == list(range(step, 9 + step))
     assert got[0][0] != here
     assert [thread for thread, _ in got[1:]] == [here] * 8
@@ -652,11 +663,8 @@ def test_an_ordered_parallel_stage_hands_every_call_to_the_helper():
         num_threads=2,
         timeout=5.0,
     )
-    iterator = iter(staged.pipeline)
     here = threading.get_ident()
-    got = [staged.runner.call(_fetch, iterator, elements=1)]
-    assert _wait_until(lambda: staged.stats.unconsumed() >= 8, 10)
-    got += [staged.runner.call(_fetch, iterator, elements=1) for _ in range(8)]
+    got = _fetch_after_buffering(staged, iter(staged.pipeline))
     assert [value for _, value in got] == list(range(1, 10))
     assert here not in [thread for thread, _ in got]
 
