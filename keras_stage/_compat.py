@@ -37,27 +37,6 @@ def dataset_variant(dataset):
     return dataset._variant_tensor
 
 
-def with_private_pool(dataset, threads):
-    """`dataset` run by a private thread pool of `threads` (a tensor).
-
-    `tf.data.Options.threading.private_threadpool_size` takes a Python int
-    fixed when the pipeline is built; the op behind it,
-    `tf.raw_ops.PrivateThreadPoolDataset`, takes a tensor, which lets a
-    stage size its pool per iterator (`keras_stage.data.pool`). The op
-    needs the flat types and shapes of the elements, which tf.data exposes
-    only as the private `_flat_structure`; `tests/compat_test.py` fails if
-    it moves.
-    """
-    import tensorflow as tf
-
-    variant = tf.raw_ops.PrivateThreadPoolDataset(
-        input_dataset=tf.data.experimental.to_variant(dataset),
-        num_threads=tf.cast(threads, tf.int64),
-        **dataset._flat_structure,
-    )
-    return tf.data.experimental.from_variant(variant, dataset.element_spec)
-
-
 def private_map_dataset():
     """TensorFlow's private `_MapDataset` class, or None if it moved."""
     try:

@@ -81,24 +81,6 @@ def test_dataset_variant_is_the_variant_tensor_a_dataset_is_built_from():
     assert staged.close()
 
 
-# -- with_private_pool -----------------------------------------------------
-
-
-def test_with_private_pool_needs_the_flat_structure():
-    dataset = tf.data.Dataset.from_tensor_slices(
-        {"a": np.arange(3), "b": tf.ragged.constant([[1], [2, 3], []])}
-    )
-    assert hasattr(dataset, "_flat_structure"), (
-        "tf.data.Dataset._flat_structure is gone in TensorFlow "
-        f"{tf.__version__}; " + UPDATE.format("with_private_pool")
-    )
-    pooled = _compat.with_private_pool(dataset, tf.constant(2, tf.int64))
-    assert pooled.element_spec == dataset.element_spec
-    got = list(pooled)
-    assert [int(e["a"]) for e in got] == [0, 1, 2]
-    assert [e["b"].numpy().tolist() for e in got] == [[1], [2, 3], []]
-
-
 # -- get_data_adapter ----------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ import keras  # noqa: E402
 import pytest  # noqa: E402
 
 from keras_stage.data import live_stages  # noqa: E402
+from tests.helpers import HANG_REPORTS  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -30,3 +31,11 @@ def _close_stages_the_test_left_open():
     for staged in live_stages():
         if staged not in before:
             staged.close(timeout=5.0)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter):
+    # Last in the output, so a CI log cut in the middle still shows it.
+    for report in HANG_REPORTS:
+        terminalreporter.write_sep("=", "hang watchdog")
+        terminalreporter.write_line(report)

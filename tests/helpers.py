@@ -1,6 +1,8 @@
 """Helpers shared by the tests."""
 
+import sys
 import threading
+import traceback
 
 
 def stage_threads():
@@ -8,3 +10,31 @@ def stage_threads():
     return {
         t for t in threading.enumerate() if t.name.startswith("keras_stage")
     }
+
+
+# Stacks taken by a test's hang watchdog, printed again at the very end of
+# the run (conftest.py): CI shows a failing run's last lines, where the
+# full dump in the test's captured stderr may be cut.
+HANG_REPORTS = []
+
+
+def record_hang(test, frames_per_thread=8):
+    """Keeps where every other thread is now, innermost frames first.
+
+    The stage's helper threads come last, nearest the end of the log.
+    """
+    here = threading.get_ident()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    frames = sorted(
+        sys._current_frames().items(),
+        key=lambda item: str(names.get(item[0])).startswith("keras_stage"),
+    )
+    lines = [f"{test}: threads when the watchdog fired"]
+    for ident, frame in frames:
+        if ident == here:
+            continue
+        lines.append(f"  thread {names.get(ident, ident)}:")
+        for entry in traceback.extract_stack(frame)[::-1][:frames_per_thread]:
+            where = "/".join(entry.filename.split("/")[-2:])
+            lines.append(f"    {where}:{entry.lineno} {entry.name}")
+    HANG_REPORTS.append("\n".join(lines))

@@ -3,21 +3,24 @@
 How many threads a stage needs depends on what its computation does, which
 is only known once it has run. A stage that waits (reads from remote
 storage) needs many more threads than cores: the `remote` benchmark's
-reads overlap 16 at a time and run 8-11x faster than plain Keras. A stage
+reads overlap 16 at a time and run 12-16x faster than plain Keras. A stage
 that computes (JPEG decoding) on a machine whose cores the training step
 already keeps busy only loses to extra threads: with a fixed pool of 16
-the `images` benchmark took 1.044 of a hand-tuned pipeline's time per
-step, against 0.993 with this pool (`python -m benchmarks.thread_pool`).
+the `images` benchmark took 1.123 of a hand-tuned pipeline's time per
+step, against 1.010 with this pool (`python -m benchmarks.thread_pool`).
 
-`StagePool` holds the size in a variable that the pipeline reads each
-time an iterator is made, through a one-element `flat_map`: at `largest`
-(where it starts) the staged work is autotuned on the pipeline's own pool;
-at any other size it runs that many elements at once on a private pool of
-that size. `adapt` sets the next epoch's size from the epoch that ended:
-`PrefetchCallback` calls it with each training epoch's verdict. A stage
-that kept the step waiting while the cores had time to spare (it waits on
-IO) grows past `largest`, up to `most`, to the threads its verdict asks
-for: with 80 ms reads the `remote` benchmark's verdict asks for 22.
+A tf.data pool is fixed when its pipeline is built, so a stage with a
+`StagePool` has a pipeline per size (`pipelines`), built when an iterator
+first needs it: at `largest` (where it starts) the staged work is
+autotuned on a private pool of that size; at any other size it runs that
+many elements at once on a private pool of that size. Each eager iterator
+(each epoch of a Keras `fit`) is made from the pipeline of the size
+current then. `adapt` sets the next epoch's size from the epoch that
+ended: `PrefetchCallback` calls it with each training epoch's verdict. A
+stage that kept the step waiting while the cores had time to spare (it
+waits on IO) grows past `largest`, up to `most`, to the threads its
+verdict asks for: with 80 ms reads the `remote` benchmark's verdict asks
+for 22.
 
 Example:
 
@@ -64,19 +67,13 @@ class StagePool:
         self.largest = int(largest)
         self.smallest = int(smallest)
         self.most = int(most)
-        # Outside any function or strategy scope: it belongs to the stage.
-        with tf.init_scope(), tf.device("/CPU:0"):
-            self._size = tf.Variable(
-                self.largest,
-                dtype=tf.int64,
-                trainable=False,
-                name=f"{name}_pool_size",
-            )
+        # Read only in Python, when an iterator is made: no graph needs it.
+        self._size = self.largest
 
     @property
     def size(self):
         """Threads the next iterator's pool gets."""
-        return int(self._size.numpy())
+        return self._size
 
     def resize(self, threads):
         """Gives iterators made from now on a pool of `threads`.
@@ -98,7 +95,7 @@ class StagePool:
                 f"thread_pool_size, a fixed pool). Received: "
                 f"threads={threads}"
             )
-        self._size.assign(threads)
+        self._size = threads
         return threads
 
     def adapt(self, input_bound, needed_threads, cores_busy=True):
@@ -139,36 +136,61 @@ class StagePool:
             threads = self.size
         return self.resize(threads)
 
-    def apply(self, make):
-        """The stage's work on a pool of the size current per iterator.
+    def pipelines(self, build):
+        """The stage's pipelines, each iterator's on a pool of the size then.
 
-        The size is read when an iterator is made (a one-element
-        `flat_map`), so `resize` needs no new pipeline. At `largest`, the
-        work runs autotuned on the pipeline's own private pool (see
-        `staging`). At any other size (above `largest`, a stage waiting on
-        IO; below, one computing), on a pool of that size inside the
-        pipeline's, with as many elements at once as it has threads: the
-        autotuner takes its bound from the outer pool and would queue up to
-        that many elements on the inner one, which cost the `images`
-        benchmark CPU.
+        A tf.data pool is fixed when its pipeline is built, so the stage
+        has one pipeline per size, built the first time an iterator needs
+        it: `build(size)` returns the `(lean, measured)` pipelines on a
+        pool of `size`. The datasets returned make their eager iterators
+        (a Keras epoch's, a loop's `iter`) from the pipeline of the size
+        current then. Used as a dataset otherwise (transformed further,
+        iterated inside a `tf.function`, distributed by a strategy), each
+        is the pipeline of the size current when the stage was built.
 
         Args:
-            make: Builds the stage's work: `make(parallel)` with
-                `parallel` elements at once (`tf.data.AUTOTUNE` or a
-                tensor).
+            build: `build(size)` -> `(lean, measured)`.
 
         Returns:
-            The dataset, without a known cardinality (the caller restores
-            it if it must).
+            `(lean, measured)`, resized per iterator.
         """
+        built = {}
 
-        def pooled(_):
-            size = self._size.read_value()
-            return tf.cond(
-                tf.equal(size, self.largest),
-                lambda: make(tf.data.AUTOTUNE),
-                lambda: _compat.with_private_pool(make(size), size),
-            )
+        def pipeline(size, which):
+            if size not in built:
+                built[size] = build(size)
+            return built[size][which]
 
-        one = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64))
-        return one.flat_map(pooled, name=f"{self.name}_pool")
+        size = self.size
+        return tuple(
+            _Resized(pipeline(size, which), pipeline, which, self)
+            for which in range(2)
+        )
+
+
+class _Resized(tf.data.Dataset):
+    """A stage pipeline whose eager iterators run on the pool's current size.
+
+    A dataset of its own (not a wrapper op): a one-element `flat_map` that
+    picked the pipeline per iterator, the earlier design, cost the
+    `images` benchmark 12% of its step here, as much as a 16-thread pool.
+    """
+
+    def __init__(self, base, pipeline, which, pool):
+        self._base = base
+        self._pipeline = pipeline
+        self._which = which
+        self._pool = pool
+        super().__init__(_compat.dataset_variant(base))
+
+    def _inputs(self):
+        return [self._base]
+
+    @property
+    def element_spec(self):
+        return self._base.element_spec
+
+    def __iter__(self):
+        if not tf.executing_eagerly():
+            return super().__iter__()
+        return iter(self._pipeline(self._pool.size, self._which))

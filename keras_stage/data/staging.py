@@ -121,13 +121,15 @@ def _build_pipeline(
     rebatch=None,
     cardinality=None,
     pool=None,
+    pool_size=None,
 ):
     """The stage's pipelines: `(lean, measured)`.
 
     `lean` runs the staged computation and buffers it; `measured` adds the
     consumer's side of the counters around the fetch, for consumers that
     do not record it in their own step (see `StageStats`). `pool`: the
-    `StagePool` that runs the staged work, or None for a fixed pool.
+    stage's `StagePool`, or None for a fixed pool; `pool_size`: with a
+    `StagePool`, the size of the pool these pipelines run on.
     """
     name = options.name
     num_threads = (
@@ -190,10 +192,17 @@ def _build_pipeline(
             name=f"{name}_map",
         )
 
+    threads = options.resolved_pool_size()
     if pool is None:
         produced = staged(num_threads)
     else:
-        produced = _pooled(staged, pool, dataset.cardinality())
+        # At its largest the pool runs the work autotuned; at any other
+        # size as many elements at once as it has threads (the autotuner's
+        # guess for a stage waiting on IO runs behind the threads it has).
+        threads = pool_size
+        produced = staged(
+            tf.data.AUTOTUNE if pool_size == pool.largest else pool_size
+        )
     # Packing (for a device buffer) is a copy, not the stage's work: it
     # runs after the adaptive pool, on the pipeline's own.
     packer = placement.packer_for(produced.element_spec)
@@ -206,10 +215,9 @@ def _build_pipeline(
         )
 
     opts = tf.data.Options()
-    # Also with a `StagePool`: this pool's size is the bound the autotuner
-    # gives the map at the pool's largest size (a pool op inside the
-    # pipeline does not raise it), which a stage waiting on IO needs.
-    opts.threading.private_threadpool_size = options.resolved_pool_size()
+    # The pool's size is also the bound the autotuner gives the map, which
+    # a stage waiting on IO needs above the cores.
+    opts.threading.private_threadpool_size = threads
     # Keep the buffer where the user put it: an injected prefetch would add
     # an unbounded-by-us buffer and hide the consumer's wait.
     opts.experimental_optimization.inject_prefetch = False
@@ -224,7 +232,7 @@ def _build_pipeline(
         # than there are cores (a stage waiting on IO needs that); the
         # autotuner's CPU budget is set to the same size so its model of
         # the pipeline agrees with the threads it really has.
-        opts.autotune.cpu_budget = options.resolved_pool_size()
+        opts.autotune.cpu_budget = threads
     produced = produced.with_options(opts)
 
     def consume(started, element):
@@ -259,23 +267,9 @@ def _build_pipeline(
     return lean, measure(host).apply(to_device(device, 1))
 
 
-def _stage_pool(dataset, fn, options, stats):
-    """The `StagePool` the stage's work runs on, or None for a fixed pool.
-
-    The pool's one-element `flat_map` hides the number of elements, which
-    Keras needs for its progress bar and steps; `assert_cardinality`
-    restores it, but fails an epoch that delivers fewer elements, which a
-    stage that skips failed ones (`ignored_exception_types`) may do. Such a
-    stage with a finite, known cardinality keeps a fixed pool.
-    """
+def _stage_pool(fn, options, stats):
+    """The `StagePool` the stage's work runs on, or None for a fixed pool."""
     if fn is None or not options.adaptive_pool:
-        return None
-    cardinality = tf.get_static_value(dataset.cardinality())
-    if (
-        options.ignored_exception_types
-        and cardinality is not None
-        and cardinality >= 0
-    ):
         return None
     if stats.pool is None:
         stats.pool = StagePool(
@@ -285,15 +279,6 @@ def _stage_pool(dataset, fn, options, stats):
             most=options.most_pool_size(),
         )
     return stats.pool
-
-
-def _pooled(make, pool, cardinality):
-    """`make(parallel)` run by `pool`, with `cardinality` if it is known."""
-    cardinality = tf.get_static_value(cardinality)
-    pooled = pool.apply(make)
-    if cardinality is None or cardinality == tf.data.UNKNOWN_CARDINALITY:
-        return pooled
-    return pooled.apply(tf.data.experimental.assert_cardinality(cardinality))
 
 
 def _served(
@@ -615,18 +600,26 @@ def build_stage(
     with tf.init_scope(), tf.device("/CPU:0"):
         gate = tf.Variable(True, trainable=False, name=f"{options.name}_open")
     placement = Placement.resolve(options, distributed, unpacks)
-    pool = _stage_pool(dataset, fn, options, stats)
-    lean, measured = _build_pipeline(
-        dataset,
-        fn,
-        options,
-        stats,
-        gate,
-        placement,
-        rebatch,
-        cardinality,
-        pool,
-    )
+    pool = _stage_pool(fn, options, stats)
+
+    def build(pool_size=None):
+        return _build_pipeline(
+            dataset,
+            fn,
+            options,
+            stats,
+            gate,
+            placement,
+            rebatch,
+            cardinality,
+            pool,
+            pool_size,
+        )
+
+    if pool is None:
+        lean, measured = build()
+    else:
+        lean, measured = pool.pipelines(build)
     return StagedDataset(
         measured,
         options,

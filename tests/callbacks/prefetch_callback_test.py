@@ -8,6 +8,7 @@ The pure functions behind them are checked on hand-made snapshots.
 
 import copy
 import logging
+import threading
 import time
 
 import keras
@@ -295,6 +296,61 @@ def test_auto_pool_follows_the_verdict_across_epochs_and_fits(capsys):
     assert cb.verdict["input_bound"] is True, cb.verdict
     assert cb.verdict["thread_pool_size"] == smallest
     assert cb.verdict["next_thread_pool_size"] == largest
+
+
+class ThreadRecorder(keras.layers.Layer):
+    """A staged layer noting its traces and the threads that run it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.traces = 0
+        self.threads = []
+
+    def _record(self, x):
+        self.threads.append(threading.get_native_id())
+        return x
+
+    def call(self, x):
+        self.traces += 1  # once per pipeline built
+        y = tf.py_function(self._record, [x], tf.float32)
+        return tf.ensure_shape(y, x.shape)
+
+
+@pytest.mark.timeout(120)
+def test_a_fit_epoch_runs_on_the_pool_its_verdict_sized(monkeypatch):
+    # One core: a compute-bound epoch shrinks the pool to one thread, and
+    # Keras's next epoch iterator runs on a pipeline built for that size.
+    monkeypatch.setattr(keras_stage.data.options, "usable_cpus", lambda: 1)
+    inputs = keras.Input(shape=(2,))
+    x = StagedInput(name="resized_fit")(inputs)
+    recorder = ThreadRecorder()
+    x = SlowLayer()(keras.layers.Dense(2)(recorder(x)))
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+
+    class Epochs(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.marks = []
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.marks.append((len(recorder.threads), recorder.traces))
+
+    epochs = Epochs()
+    cb = PrefetchCallback()
+    model.fit(
+        _dataset(),
+        epochs=3,
+        verbose=0,
+        shuffle=False,
+        callbacks=[cb, epochs],
+    )
+    assert cb.verdict["thread_pool_size"] == 1, cb.verdict
+    (first, traces), (second, _), (third, last_traces) = epochs.marks
+    # The 1-thread pipeline was built once, for the second epoch.
+    assert last_traces == traces + 1, epochs.marks
+    assert len(set(recorder.threads[first:second])) == 1
+    assert len(set(recorder.threads[second:third])) == 1
 
 
 # -- epoch_statistics ----------------------------------------------------------

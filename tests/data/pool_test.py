@@ -95,11 +95,8 @@ def test_pooled_stage_keeps_the_cardinality(dataset, cardinality):
     [
         dict(num_threads=2),
         dict(thread_pool_size=4),
-        # A finite stage that skips would deliver fewer elements than the
-        # cardinality the pool's assert_cardinality restores.
-        dict(ignored_exception_types=(tf.errors.InvalidArgumentError,)),
     ],
-    ids=["num_threads", "thread_pool_size", "skips"],
+    ids=["num_threads", "thread_pool_size"],
 )
 def test_stages_with_a_fixed_pool_have_none(kwargs):
     staged = stage(tf.data.Dataset.range(3), lambda x: x, name="f", **kwargs)
@@ -125,14 +122,36 @@ def test_infinite_stage_that_skips_still_adapts():
     assert staged.close()
 
 
+def _checked(x):
+    """Fails for elements from 3 on (InvalidArgumentError)."""
+    with tf.control_dependencies(
+        [tf.debugging.assert_less(x, tf.constant(3, tf.int64))]
+    ):
+        return tf.identity(x)
+
+
+@pytest.mark.timeout(60)
+def test_finite_stage_that_skips_adapts_and_keeps_the_source_count():
+    # Each pool size has a pipeline of its own (no one-element flat_map
+    # hiding the count): nothing asserts a count the skips would break.
+    staged = stage(
+        tf.data.Dataset.range(6),
+        _checked,
+        ignored_exception_types=(tf.errors.InvalidArgumentError,),
+        name="skips_finite",
+    )
+    assert staged.thread_pool is not None
+    assert int(staged.cardinality()) == 6
+    for size in (staged.thread_pool.largest, 1):
+        staged.thread_pool.resize(size)
+        assert [int(x) for x in staged] == [0, 1, 2]
+    assert staged.stats.snapshot()["skipped"] == 6
+    assert staged.close()
+
+
 @pytest.mark.timeout(60)
 def test_skipping_stage_with_unknown_cardinality_skips_on_the_pool():
-    def checked(x):
-        with tf.control_dependencies(
-            [tf.debugging.assert_less(x, tf.constant(3, tf.int64))]
-        ):
-            return tf.identity(x)
-
+    checked = _checked
     dataset = tf.data.Dataset.range(6).filter(lambda x: x >= 0)
     staged = stage(
         dataset,
@@ -239,3 +258,38 @@ def test_smallest_pool_is_the_cores_bounded_by_the_largest():
     assert options.adaptive_pool
     assert not StageOptions(num_threads=3).adaptive_pool
     assert not StageOptions(thread_pool_size=3).adaptive_pool
+
+
+def test_each_size_builds_its_pipeline_once():
+    traced = []
+
+    def fn(x):
+        traced.append(1)  # runs when a pipeline is built, not per element
+        return x + 1
+
+    staged = stage(tf.data.Dataset.range(3), fn, name="built_once")
+    built_at_start = len(traced)
+    for size in (1, 1, 2, staged.thread_pool.largest, 1):
+        staged.thread_pool.resize(size)
+        assert [int(x) for x in staged] == [1, 2, 3]
+    # Sizes 1 and 2 were new; the largest was built with the stage.
+    assert len(traced) == 3 * built_at_start
+    assert staged.close()
+
+
+def test_a_dataset_made_from_the_stage_is_the_pipeline_built_with_it():
+    # Transformed further, the stage is one graph, which cannot change
+    # pools per iterator: the one built with the stage, at its size then.
+    traced = []
+
+    def fn(x):
+        traced.append(1)
+        return x + 1
+
+    staged = stage(tf.data.Dataset.range(3), fn, name="transformed")
+    built_at_start = len(traced)
+    staged.thread_pool.resize(1)
+    doubled = staged.pipeline.map(lambda x: x * 2)
+    assert [int(x) for x in doubled] == [2, 4, 6]
+    assert len(traced) == built_at_start
+    assert staged.close()

@@ -18,6 +18,7 @@ import builtins
 import contextlib
 import faulthandler
 import functools
+import os
 import threading
 import time
 import warnings
@@ -31,7 +32,7 @@ from hypothesis import strategies as st
 
 import keras_stage
 from keras_stage.layers import StagedInput
-from tests.helpers import stage_threads
+from tests.helpers import record_hang, stage_threads
 
 pytestmark = pytest.mark.reliability
 
@@ -268,6 +269,7 @@ def _no_hang(seconds=EXAMPLE_SECONDS):
                 state["fired"] = True
                 # Where every thread is, for the report (captured stderr).
                 faulthandler.dump_traceback(all_threads=True)
+                record_hang(os.environ.get("PYTEST_CURRENT_TEST", "?"))
                 _thread.interrupt_main()
 
     timer = threading.Timer(seconds, fire)
