@@ -111,9 +111,10 @@ class PrefetchCallback(keras.callbacks.Callback):
     pool gets its full size after an epoch that kept the step waiting
     (threads that wait on IO overlap), more if the verdict asks for more
     while the cores had time to spare (the stage waits, it does not
-    compute), and one thread per core after an epoch that kept up and
-    needed no more (more threads would only contend with the training
-    step for the cores). See `keras_stage.data.pool`.
+    compute), and the threads the verdict suggests (one per core at most)
+    after an epoch that kept up needing no more than the cores (more
+    threads would only contend with the training step for them). See
+    `keras_stage.data.pool`.
 
     The same figures reach TensorBoard: a `keras.callbacks.TensorBoard` in
     the callbacks writes them with the other epoch logs (as

@@ -36,6 +36,9 @@ Example:
 True
 """
 
+import contextlib
+import weakref
+
 import tensorflow as tf
 
 from keras_stage import _compat
@@ -69,6 +72,10 @@ class StagePool:
         self.most = int(most)
         # Read only in Python, when an iterator is made: no graph needs it.
         self._size = self.largest
+        # The fewest threads `adapt` gives (see there).
+        self._fewest = 1
+        # Iterators made on one thread: they finish elements in order.
+        self._one_thread = weakref.WeakSet()
 
     @property
     def size(self):
@@ -110,8 +117,11 @@ class StagePool:
         the pool. An epoch that kept up with the step and needed no more
         threads than `smallest` (`needed_threads`, the verdict's
         `suggested_num_threads`: per-batch staged time over training time,
-        with headroom) gets `smallest`: more threads could only contend
-        for the cores the step uses. Any other epoch leaves the size as it
+        with headroom) gets the threads it needs: more could only contend
+        for the cores the step uses, and one thread finishes elements in
+        order, so its buffered batches skip the timeout's hand-off (see
+        `runner.ReadyElements`). Never fewer than a size that once kept
+        the step waiting, plus one. Any other epoch leaves the size as it
         is. Shrinking to an in-between size is what a stage that waits on
         IO must not get: its threads cost no CPU, and the suggestion moves
         with every epoch's step time (on the `remote` benchmark it ranged
@@ -128,13 +138,29 @@ class StagePool:
             The new size.
         """
         if input_bound:
+            if self.size < self.largest:
+                # Too few: never shrink to this size again.
+                self._fewest = max(self._fewest, self.size + 1)
             wanted = self.largest if cores_busy else int(needed_threads)
             threads = min(self.most, max(self.size, self.largest, wanted))
         elif int(needed_threads) <= self.smallest:
-            threads = self.smallest
+            wanted = max(1, int(needed_threads), self._fewest)
+            threads = min(self.smallest, wanted)
         else:
             threads = self.size
         return self.resize(threads)
+
+    def finishes_in_order(self, iterator):
+        """Whether `iterator` was made on a pool of one thread.
+
+        Its map finishes elements in the order it delivers them, so the
+        stage's counters tell which of its fetches cannot wait (see
+        `runner.ReadyElements`).
+        """
+        try:
+            return iterator in self._one_thread
+        except TypeError:  # not weakly referable: never known
+            return False
 
     def pipelines(self, build):
         """The stage's pipelines, each iterator's on a pool of the size then.
@@ -193,4 +219,9 @@ class _Resized(tf.data.Dataset):
     def __iter__(self):
         if not tf.executing_eagerly():
             return super().__iter__()
-        return iter(self._pipeline(self._pool.size, self._which))
+        size = self._pool.size
+        iterator = iter(self._pipeline(size, self._which))
+        if size == 1:
+            with contextlib.suppress(TypeError):  # not weakly referable
+                self._pool._one_thread.add(iterator)
+        return iterator

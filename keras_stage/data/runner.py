@@ -200,6 +200,12 @@ class ReadyElements:
         self._ready -= elements
         return True
 
+    def untrusted(self, iterator):
+        """Notes `iterator` as current; none of its calls is ready."""
+        if self._iterator is None or self._iterator() is not iterator:
+            self._start(iterator)
+        self._left_behind = None
+
     def _start(self, iterator):
         if self._iterator is not None:
             self._earlier.append(self._iterator)
@@ -227,8 +233,9 @@ class StageRunner:
             order the consumer gets them, so that a call whose elements
             are counted runs without the helper thread (`ReadyElements`).
             An ordered parallel map finishes them out of order: a later
-            element done says nothing of a hung earlier one. Defaults to
-            `False`.
+            element done says nothing of a hung earlier one. A callable
+            tells it per iterator (`StagePool.finishes_in_order`: those
+            made on one thread). Defaults to `False`.
     """
 
     def __init__(self, options, stats, gate=None, counts_in_order=False):
@@ -247,6 +254,7 @@ class StageRunner:
         # its previous call, so the timeout counts from this call's start.
         self.records_in_step = False
         self._ready = ReadyElements(stats) if counts_in_order else None
+        self._in_order = counts_in_order if callable(counts_in_order) else None
         # The names staging.py gives the stage's tf.data transformations.
         self._own_ops = re.compile(
             rf"\b{re.escape(options.name)}_(map|buffer|wait|fetch)\b"
@@ -301,6 +309,11 @@ class StageRunner:
     def _buffered(self, args, elements):
         """Whether the call's `elements` are in the buffer already."""
         if elements is None or self._ready is None:
+            return False
+        if self._in_order is not None and not self._in_order(args[0]):
+            # Noted all the same: while it lives, the counts are not the
+            # next iterator's alone.
+            self._ready.untrusted(args[0])
             return False
         return self._ready.take(args[0], elements)
 

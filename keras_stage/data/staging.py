@@ -628,24 +628,28 @@ def build_stage(
         gate=gate,
         placement=placement,
         thread_pool=pool,
-        counts_in_order=_counts_in_order(fn, options),
+        counts_in_order=_counts_in_order(fn, options, pool),
     )
 
 
-def _counts_in_order(fn, options):
+def _counts_in_order(fn, options, pool=None):
     """Whether the stage finishes elements in the order it delivers them.
 
     Its counter then tells which fetches cannot wait on the source (see
     `runner.ReadyElements`). With nothing to compute, or on the tf.data
     service, elements are counted in the buffer's own thread; one worker
     finishes them in order; an unordered map delivers whichever finished.
+    With a `pool`, per iterator: those made on one thread.
     """
-    return (
+    in_order = (
         fn is None
         or options.service is not None
         or not options.deterministic
         or options.num_threads == 1
     )
+    if in_order or pool is None:
+        return in_order
+    return pool.finishes_in_order
 
 
 def live_stages():

@@ -198,11 +198,27 @@ def test_a_pool_grown_past_largest_runs_that_many_threads():
     assert staged.close()
 
 
-@pytest.mark.parametrize("needed", [1, 2])
-def test_adapt_shrinks_a_stage_that_kept_up_on_the_cores(needed):
+@pytest.mark.parametrize("needed, threads", [(0, 1), (1, 1), (2, 2)])
+def test_adapt_shrinks_a_stage_that_kept_up_on_the_cores(needed, threads):
+    # To the threads its verdict asks for: at least one, at most the cores.
     pool = StagePool("b", largest=16, smallest=2)
-    assert pool.adapt(input_bound=False, needed_threads=needed) == 2
-    assert pool.size == 2
+    assert pool.adapt(input_bound=False, needed_threads=needed) == threads
+    assert pool.size == threads
+
+
+def test_adapt_never_shrinks_again_to_a_size_that_kept_the_step_waiting():
+    pool = StagePool("floor", largest=16, smallest=4)
+    assert pool.adapt(False, needed_threads=1) == 1
+    # One thread was too few: the step waited; the full pool comes back.
+    assert pool.adapt(True, needed_threads=1) == 16
+    assert pool.adapt(False, needed_threads=1) == 2
+    # Nor past the cores, however often a small pool fell behind.
+    pool.resize(3)
+    pool.adapt(True, needed_threads=1)
+    assert pool.adapt(False, needed_threads=1) == 4
+    pool.resize(4)
+    pool.adapt(True, needed_threads=1)
+    assert pool.adapt(False, needed_threads=1) == 4
 
 
 @pytest.mark.parametrize("size", [16, 2, 5])

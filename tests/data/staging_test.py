@@ -670,6 +670,24 @@ def test_an_ordered_parallel_stage_hands_every_call_to_the_helper():
 
 
 @pytest.mark.timeout(60)
+def test_an_auto_stage_shrunk_to_one_thread_skips_the_hand_off():
+    # Its pool decides per iterator: one made on one thread finishes its
+    # elements in order; one made on two does not.
+    staged = stage(
+        tf.data.Dataset.range(30), lambda x: x + 1, capacity=8, timeout=5.0
+    )
+    here = threading.get_ident()
+    staged.thread_pool.resize(1)
+    got = _fetch_after_buffering(staged, iter(staged.pipeline))
+    assert [value for _, value in got] == list(range(1, 10))
+    assert [thread for thread, _ in got[1:]] == [here] * 8
+    staged.thread_pool.resize(2)
+    got = _fetch_after_buffering(staged, iter(staged.pipeline))
+    assert [value for _, value in got] == list(range(1, 10))
+    assert here not in [thread for thread, _ in got]
+
+
+@pytest.mark.timeout(60)
 def test_a_source_that_stalls_after_the_buffer_still_times_out():
     # The buffered elements are fetched in the caller's thread; the first
     # fetch that has to wait on the stalled source goes to the helper
