@@ -18,10 +18,12 @@ def stage_threads():
 HANG_REPORTS = []
 
 
-def record_hang(test, frames_per_thread=8):
-    """Keeps where every other thread is now, innermost frames first.
+def record_hang(test, frames_per_thread=12):
+    """Keeps where every other thread is now: its innermost frames.
 
-    The stage's helper threads come last, nearest the end of the log.
+    As in a traceback, innermost last; the stage's helper threads come
+    last, so a log's last lines show the innermost frames of the thread
+    that runs the stage's calls.
     """
     here = threading.get_ident()
     names = {t.ident: t.name for t in threading.enumerate()}
@@ -34,7 +36,7 @@ def record_hang(test, frames_per_thread=8):
         if ident == here:
             continue
         lines.append(f"  thread {names.get(ident, ident)}:")
-        for entry in traceback.extract_stack(frame)[::-1][:frames_per_thread]:
+        for entry in traceback.extract_stack(frame)[-frames_per_thread:]:
             where = "/".join(entry.filename.split("/")[-2:])
             lines.append(f"    {where}:{entry.lineno} {entry.name}")
     HANG_REPORTS.append("\n".join(lines))

@@ -1,0 +1,32 @@
+"""The test helpers that report on hangs."""
+
+import threading
+
+import pytest
+
+from tests.helpers import HANG_REPORTS, record_hang
+
+
+@pytest.mark.timeout(30)
+def test_hang_report_ends_with_the_stage_threads_innermost_frames():
+    release = threading.Event()
+
+    def blocked_call():
+        release.wait(20)
+
+    thread = threading.Thread(target=blocked_call, name="keras_stage-hung")
+    thread.start()
+    try:
+        record_hang("a test")
+        report = HANG_REPORTS.pop()
+    finally:
+        release.set()
+        thread.join(5)
+    lines = report.splitlines()
+    assert lines[0] == "a test: threads when the watchdog fired"
+    assert "  thread keras_stage-hung:" in lines
+    # The stage's thread is last; its innermost frames end the report.
+    last = lines.index("  thread keras_stage-hung:")
+    assert not any(line.startswith("  thread") for line in lines[last + 1 :])
+    assert any("blocked_call" in line for line in lines[last + 1 :])
+    assert lines[-1].endswith(" wait")
