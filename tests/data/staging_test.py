@@ -644,7 +644,13 @@ def test_buffered_fetches_run_in_the_callers_thread(settings):
     iterator = iter(staged.pipeline)
     here = threading.get_ident()
     got = _fetch_after_buffering(staged, iterator)
-    assert sorted(value for _, value in got) == list(range(step, 9 + step))
+    values = [value for _, value in got]
+    if settings.get("deterministic", True):
+        assert values == list(range(step, 9 + step))
+    else:
+        # Whichever finished first: 9 distinct elements of the source.
+        assert len(set(values)) == 9
+        assert set(values) <= set(range(step, 30 + step))
     assert got[0][0] != here
     assert [thread for thread, _ in got[1:]] == [here] * 8
     # Without `elements` every call takes the helper thread.
