@@ -157,10 +157,14 @@ class StagePool:
         stage's counters tell which of its fetches cannot wait (see
         `runner.ReadyElements`).
         """
-        try:
-            return iterator in self._one_thread
-        except TypeError:  # not weakly referable: never known
-            return False
+        # A WeakSet answers False for what it cannot reference weakly.
+        return iterator in self._one_thread
+
+    def _made(self, iterator, size):
+        """Notes that `iterator` was made on a pool of `size` threads."""
+        if size == 1:
+            with contextlib.suppress(TypeError):  # not weakly referable
+                self._one_thread.add(iterator)
 
     def pipelines(self, build):
         """The stage's pipelines, each iterator's on a pool of the size then.
@@ -221,7 +225,5 @@ class _Resized(tf.data.Dataset):
             return super().__iter__()
         size = self._pool.size
         iterator = iter(self._pipeline(size, self._which))
-        if size == 1:
-            with contextlib.suppress(TypeError):  # not weakly referable
-                self._pool._one_thread.add(iterator)
+        self._pool._made(iterator, size)
         return iterator

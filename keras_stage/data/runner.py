@@ -188,10 +188,7 @@ class ReadyElements:
         Counts them as taken if so. The first call of each iterator is
         never ready (see the class docstring).
         """
-        if self._iterator is None or self._iterator() is not iterator:
-            self._start(iterator)
-            return False
-        if self._left_behind is None:
+        if not self._follow(iterator) or self._left_behind is None:
             return False
         if self._ready < elements:
             self._ready = self.stats.unconsumed() - self._left_behind
@@ -202,9 +199,15 @@ class ReadyElements:
 
     def untrusted(self, iterator):
         """Notes `iterator` as current; none of its calls is ready."""
-        if self._iterator is None or self._iterator() is not iterator:
-            self._start(iterator)
+        self._follow(iterator)
         self._left_behind = None
+
+    def _follow(self, iterator):
+        """Whether `iterator` was current already; makes it current."""
+        if self._iterator is not None and self._iterator() is iterator:
+            return True
+        self._start(iterator)
+        return False
 
     def _start(self, iterator):
         if self._iterator is not None:

@@ -151,11 +151,10 @@ def test_finite_stage_that_skips_adapts_and_keeps_the_source_count():
 
 @pytest.mark.timeout(60)
 def test_skipping_stage_with_unknown_cardinality_skips_on_the_pool():
-    checked = _checked
     dataset = tf.data.Dataset.range(6).filter(lambda x: x >= 0)
     staged = stage(
         dataset,
-        checked,
+        _checked,
         ignored_exception_types=(tf.errors.InvalidArgumentError,),
         name="skip_unknown",
     )
