@@ -1,7 +1,9 @@
 """Helpers shared by the tests."""
 
+import gc
 import sys
 import threading
+import time
 import traceback
 
 
@@ -40,3 +42,32 @@ def record_hang(test, frames_per_thread=12):
             where = "/".join(entry.filename.split("/")[-2:])
             lines.append(f"    {where}:{entry.lineno} {entry.name}")
     HANG_REPORTS.append("\n".join(lines))
+
+
+class GcClock:
+    """Seconds the garbage collector ran while the clock was started.
+
+    A slow example may be slow because collections of a process full of
+    models take long, not because a stage stalled; a watchdog's report
+    says which.
+    """
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.collections = 0
+        self._began = None
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.seconds += time.perf_counter() - self._began
+            self.collections += 1
+            self._began = None
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc_info):
+        gc.callbacks.remove(self._callback)

@@ -1,10 +1,11 @@
 """The test helpers that report on hangs."""
 
+import gc
 import threading
 
 import pytest
 
-from tests.helpers import HANG_REPORTS, record_hang
+from tests.helpers import HANG_REPORTS, GcClock, record_hang
 
 
 @pytest.mark.timeout(30)
@@ -30,3 +31,13 @@ def test_hang_report_ends_with_the_stage_threads_innermost_frames():
     assert not any(line.startswith("  thread") for line in lines[last + 1 :])
     assert any("blocked_call" in line for line in lines[last + 1 :])
     assert lines[-1].endswith(" wait")
+
+
+def test_gc_clock_times_the_collections_while_it_runs():
+    with GcClock() as clock:
+        gc.collect()
+        gc.collect()
+    assert clock.collections == 2
+    assert clock.seconds > 0
+    gc.collect()  # stopped: no longer counted
+    assert clock.collections == 2

@@ -169,7 +169,10 @@ class ReadyElements:
     will never deliver. A tf.data iterator produces nothing before its
     first fetch, so what is unconsumed when its first call starts was left
     by the others. A count is read (one variable read, 22 us in a `fit`
-    here) only when the elements known to be ready run out.
+    here) only when the elements known to be ready run out; a consumer's
+    step can return it instead (`note`). A consumer that records its
+    fetches in its own step must show that it does (a call that reported)
+    before a read is trusted (see `counts_fetches`).
 
     Args:
         stats: The stage's `StageStats`.
@@ -177,10 +180,14 @@ class ReadyElements:
 
     def __init__(self, stats):
         self.stats = stats
+        # Whether the stats count every fetch whether or not the consumer
+        # reports (see `take`).
+        self.counts_fetches = True
         self._iterator = None  # a weak reference to the current one
         self._earlier = []  # weak references to those before it
         self._left_behind = None  # None: the count is not trusted
         self._ready = 0
+        self._noted = False  # whether the current iterator's calls report
 
     def take(self, iterator, elements):
         """Whether a call of `iterator` taking `elements` finds them ready.
@@ -191,20 +198,43 @@ class ReadyElements:
         if not self._follow(iterator) or self._left_behind is None:
             return False
         if self._ready < elements:
+            if not (self.counts_fetches or self._noted):
+                # The consumer records its fetches in its own step, and
+                # this one never reported: a step that does not record
+                # (a subclass's own) counts none, and the count of
+                # unconsumed elements would grow for ever.
+                return False
             self._ready = self.stats.unconsumed() - self._left_behind
             if self._ready < elements:
                 return False
         self._ready -= elements
         return True
 
+    def note(self, iterator, unconsumed):
+        """Takes a count of unconsumed elements read after a call of `iterator`.
+
+        A consumer's step can return `StageStats.unconsumed`'s count with
+        its outputs (`StageStats.take_report`) for the cost of one output,
+        where reading it between steps costs a variable read. A count read
+        after a call is still a floor for the next one: finished elements
+        only grow, and only this iterator consumes them.
+        """
+        if self._left_behind is None or not self._is_current(iterator):
+            return
+        self._noted = True
+        self._ready = max(self._ready, int(unconsumed) - self._left_behind)
+
     def untrusted(self, iterator):
         """Notes `iterator` as current; none of its calls is ready."""
         self._follow(iterator)
         self._left_behind = None
 
+    def _is_current(self, iterator):
+        return self._iterator is not None and self._iterator() is iterator
+
     def _follow(self, iterator):
         """Whether `iterator` was current already; makes it current."""
-        if self._iterator is not None and self._iterator() is iterator:
+        if self._is_current(iterator):
             return True
         self._start(iterator)
         return False
@@ -214,6 +244,7 @@ class ReadyElements:
             self._earlier.append(self._iterator)
         self._earlier = [ref for ref in self._earlier if ref() is not None]
         self._ready = 0
+        self._noted = False
         self._left_behind = None
         try:
             self._iterator = weakref.ref(iterator)
@@ -252,12 +283,9 @@ class StageRunner:
         self._abandoned = []
         # Abandoned threads known to be blocked on a stalled source.
         self._stalled = set()
-        # Set by a consumer that records its fetches in its own step (see
-        # `StageStats.record_fetch`): its wait clock starts at the end of
-        # its previous call, so the timeout counts from this call's start.
-        self.records_in_step = False
         self._ready = ReadyElements(stats) if counts_in_order else None
         self._in_order = counts_in_order if callable(counts_in_order) else None
+        self.records_in_step = False
         # The names staging.py gives the stage's tf.data transformations.
         self._own_ops = re.compile(
             rf"\b{re.escape(options.name)}_(map|buffer|wait|fetch)\b"
@@ -266,6 +294,24 @@ class StageRunner:
     @property
     def name(self):
         return self.options.name
+
+    @property
+    def records_in_step(self):
+        """Whether the consumer records its fetches in its own step.
+
+        Set by such a consumer (see `StageStats.record_fetch`): its wait
+        clock starts at the end of its previous call, so the timeout counts
+        from this call's start; and the pipeline does not count its
+        fetches, so only a call that reports (`take_report`) shows that
+        they are counted.
+        """
+        return self._records_in_step
+
+    @records_in_step.setter
+    def records_in_step(self, value):
+        self._records_in_step = bool(value)
+        if self._ready is not None:
+            self._ready.counts_fetches = not value
 
     def raised_by_stage(self, error):
         """Whether `error` came out of this stage's pipeline.
@@ -319,6 +365,20 @@ class StageRunner:
             self._ready.untrusted(args[0])
             return False
         return self._ready.take(args[0], elements)
+
+    def take_report(self, iterator, values):
+        """Takes the report a call of `iterator` returned with its outputs.
+
+        See `StageStats.take_report`; its count of unconsumed elements
+        tells the next call whether its elements are ready
+        (`ReadyElements.note`).
+        """
+        unconsumed = self.stats.take_report(values)
+        if self._ready is None:
+            return
+        if self._in_order is not None and not self._in_order(iterator):
+            return
+        self._ready.note(iterator, unconsumed)
 
     def _apply_policies(self, error):
         options = self.options

@@ -329,6 +329,45 @@ def test_same_model_fits_again_after_a_stage_timeout(release):
     assert np.all(np.isfinite(history["loss"]))
 
 
+class _OwnTrainStep(keras_stage.Model):
+    """A subclass with its own train step, which records no fetch."""
+
+    def __init__(self, **stage_kwargs):
+        super().__init__(name="own_train_step")
+        self.stage = StagedInput(**stage_kwargs)
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(self.stage(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+@pytest.mark.timeout(60)
+def test_a_subclass_step_that_records_nothing_still_times_out(release):
+    # keras_stage's step counts each fetch; a subclass's own step does not,
+    # so the stage's count of unconsumed batches only grows and must never
+    # let a call skip the timeout's helper thread.
+    model = _OwnTrainStep(
+        name="own_step", timeout=1.0, capacity=1, num_threads=1
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    started = time.monotonic()
+    with pytest.raises(StageTimeoutError, match="own_step_train"):
+        model.fit(
+            _hanging_dataset(release, hang_at=5, batches=8),
+            verbose=0,
+            shuffle=False,
+        )
+    assert time.monotonic() - started < 30
+
+
 @pytest.mark.timeout(60)
 def test_thread_left_by_a_timeout_ends_when_the_source_unblocks(release):
     model = _model(name="hang", timeout=1.0, capacity=1, num_threads=1)

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 import keras_stage
 from keras_stage.layers import StagedInput
-from tests.helpers import record_hang, stage_threads
+from tests.helpers import GcClock, record_hang, stage_threads
 
 pytestmark = pytest.mark.reliability
 
@@ -262,6 +262,24 @@ def _no_hang(seconds=EXAMPLE_SECONDS):
     """
     lock = threading.Lock()
     state = {"armed": True, "fired": False}
+    # The block marks its phases (`mark(name)` when one begins), so a slow
+    # example's report says which phase took the time, and how much of it
+    # the garbage collector did.
+    marks = [("start", time.monotonic())]
+
+    def mark(name):
+        marks.append((name, time.monotonic()))
+
+    def timings():
+        ends = [when for _, when in marks[1:]] + [time.monotonic()]
+        phases = ", ".join(
+            f"{name} {end - began:.1f} s"
+            for (name, began), end in zip(marks, ends, strict=True)
+        )
+        return (
+            f"{phases}; garbage collection {gc_clock.seconds:.1f} s in "
+            f"{gc_clock.collections} collections"
+        )
 
     def fire():
         with lock:
@@ -269,17 +287,19 @@ def _no_hang(seconds=EXAMPLE_SECONDS):
                 state["fired"] = True
                 # Where every thread is, for the report (captured stderr).
                 faulthandler.dump_traceback(all_threads=True)
-                record_hang(os.environ.get("PYTEST_CURRENT_TEST", "?"))
+                test = os.environ.get("PYTEST_CURRENT_TEST", "?")
+                record_hang(f"{test} ({timings()})")
                 _thread.interrupt_main()
 
     timer = threading.Timer(seconds, fire)
     timer.start()
     try:
-        yield
+        with GcClock() as gc_clock:
+            yield mark
     except KeyboardInterrupt:
         if not state["fired"]:
             raise  # a real Ctrl-C
-        pytest.fail(f"Still running after {seconds} s: a hang.")
+        pytest.fail(f"Still running after {seconds} s: a hang ({timings()}).")
     finally:
         with lock:
             state["armed"] = False
@@ -288,7 +308,7 @@ def _no_hang(seconds=EXAMPLE_SECONDS):
         # Python drops a KeyboardInterrupt raised inside a callback it
         # cannot propagate from (a weakref's, during garbage collection):
         # the example went on and ended, but too late all the same.
-        pytest.fail(f"Took longer than {seconds} s: a stall.")
+        pytest.fail(f"Took longer than {seconds} s: a stall ({timings()}).")
 
 
 def _order_may_change(options):
@@ -325,11 +345,16 @@ def test_random_options_train_like_plain_keras_or_name_the_argument(kind, case):
     event("rejected" if culprits else "trained")
     if not culprits and _order_may_change(options):
         event("trained, batch order may change: compared by evaluate")
-    with _no_hang():
+    # The plain Keras reference (once per source) is not what the
+    # watchdog guards.
+    plain = None if culprits else _plain(kind)
+    with _no_hang() as mark:
         if culprits:
             _check_rejected(kind, options, culprits)
         else:
-            _check_trains_like_plain_keras(kind, inputs_kind, options)
+            _check_trains_like_plain_keras(
+                kind, inputs_kind, options, plain, mark
+            )
     assert not stage_threads() - before
 
 
@@ -344,14 +369,17 @@ def _check_rejected(kind, options, culprits):
     )
 
 
-def _check_trains_like_plain_keras(kind, inputs_kind, options):
-    (plain_loss, plain_weights, plain_warnings), plain_eval = _plain(kind)
+def _check_trains_like_plain_keras(kind, inputs_kind, options, plain, mark):
+    (plain_loss, plain_weights, plain_warnings), plain_eval = plain
+    mark("build")
     staged = _compiled(_build(inputs_kind, options), inputs_kind)
     if _order_may_change(options):
         # Batch order changes an epoch of SGD; an evaluate is order-free.
+        mark("evaluate")
         loss, messages = _evaluate(staged, kind)
         np.testing.assert_allclose(loss, plain_eval[0], rtol=1e-5)
         _assert_no_new_warnings(messages, plain_eval[1], options)
+    mark("fit")
     loss, weights, messages = _fit(staged, kind)
 
     assert len(loss) == 1 and np.isfinite(loss[0])
@@ -376,8 +404,11 @@ def test_stage_that_may_reorder_still_sees_every_batch(kind):
     }
     assert _order_may_change(options)
     before = stage_threads()
-    with _no_hang():
-        _check_trains_like_plain_keras(kind, SOURCES[kind][0], options)
+    plain = _plain(kind)
+    with _no_hang() as mark:
+        _check_trains_like_plain_keras(
+            kind, SOURCES[kind][0], options, plain, mark
+        )
     assert not stage_threads() - before
 
 

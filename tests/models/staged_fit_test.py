@@ -17,6 +17,7 @@ import keras_stage
 from keras_stage.callbacks import PrefetchCallback
 from keras_stage.data.runner import StageRunner
 from keras_stage.layers import StagedInput
+from keras_stage.models import staging_mixin
 
 FIT_SEED = 7
 NUM_SAMPLES = 40
@@ -514,3 +515,77 @@ def test_steps_whose_batches_are_buffered_skip_the_helper_thread(
     _assert_same_training(plain, staged, plain_history, staged_history)
     calls = EPOCHS * NUM_SAMPLES // 2 // steps_per_execution
     assert EPOCHS <= len(handed_off) <= calls // 3, (len(handed_off), calls)
+
+
+class _LogKeys(keras.callbacks.Callback):
+    """Every key of every log a callback sees."""
+
+    def on_train_begin(self, logs=None):
+        self.keys = set()
+
+    def _note(self, logs):
+        self.keys |= set(logs or {})
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._note(logs)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._note(logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._note(logs)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_step_reports_reach_the_stage_and_never_the_logs(
+    functional_twins, monkeypatch, steps_per_execution
+):
+    # keras_stage's step returns its stage's report (the fetch's clock and
+    # counters) in its logs; the guard takes it out before Keras's loop,
+    # callbacks or History see it, once per call.
+    reports = []
+    original = StageRunner.take_report
+
+    def counting(self, iterator, values):
+        reports.append((self.name, len(values)))
+        return original(self, iterator, values)
+
+    monkeypatch.setattr(StageRunner, "take_report", counting)
+    staged = functional_twins[1]
+    staged.steps_per_execution = steps_per_execution
+    keys = _LogKeys()
+    prefetch = PrefetchCallback(verbose=0)
+    data = tf.data.Dataset.from_tensor_slices((X, Y)).batch(2)
+    counted = _step_stats(staged, "train")
+    consumed = counted.snapshot()["consumed"] if counted else 0
+    try:
+        history = staged.fit(
+            data,
+            validation_data=data,
+            epochs=2,
+            verbose=0,
+            shuffle=False,
+            callbacks=[keys, prefetch],
+        ).history
+    finally:
+        staged.steps_per_execution = 1
+        staged.make_train_function(force=True)
+        staged.make_test_function(force=True)
+    seen = keys.keys | set(history)
+    assert not any(key.startswith("_keras_stage") for key in seen), seen
+    calls = 2 * (NUM_SAMPLES // 2) // steps_per_execution
+    train = [size for name, size in reports if name.endswith("_train")]
+    test = [size for name, size in reports if name.endswith("_val")]
+    assert len(train) == calls and len(test) == calls, sorted(set(reports))
+    # One batch per call: the fetch's facts go to Python; several: the step
+    # counted them in the graph and reports its count only.
+    assert set(train) == set(test) == {18 if steps_per_execution == 1 else 8}
+    # Either way every fetch is counted.
+    snapshot = _step_stats(staged, "train").snapshot()
+    assert snapshot["consumed"] - consumed == 2 * NUM_SAMPLES // 2
+
+
+def _step_stats(model, phase):
+    """The stats `model`'s compiled `phase` step records in, or None."""
+    return staging_mixin._state(model).step_stats.get(phase)
