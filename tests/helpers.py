@@ -1,6 +1,7 @@
 """Helpers shared by the tests."""
 
 import gc
+import os
 import sys
 import threading
 import time
@@ -34,6 +35,7 @@ def record_hang(test, frames_per_thread=12):
         key=lambda item: str(names.get(item[0])).startswith("keras_stage"),
     )
     lines = [f"{test}: threads when the watchdog fired"]
+    lines.extend(busiest_threads())
     for ident, frame in frames:
         if ident == here:
             continue
@@ -42,6 +44,44 @@ def record_hang(test, frames_per_thread=12):
             where = "/".join(entry.filename.split("/")[-2:])
             lines.append(f"    {where}:{entry.lineno} {entry.name}")
     HANG_REPORTS.append("\n".join(lines))
+
+
+def _thread_cpu():
+    """`{(tid, name): CPU seconds}` of this process's OS threads (Linux)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    cpu = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        cpu[tid, name] = (int(fields[11]) + int(fields[12])) / ticks
+    return cpu
+
+
+def busiest_threads(seconds=1.0, count=5):
+    """Lines naming the OS threads that used the most CPU over `seconds`.
+
+    A test that is slow without being blocked may be starved: a thread
+    another test left running (a pipeline pulling from a Python source
+    holds the GIL) shows here with its TensorFlow or Python name.
+    """
+    if not os.path.isdir("/proc/self/task"):
+        return []
+    before = _thread_cpu()
+    time.sleep(seconds)
+    after = _thread_cpu()
+    used = sorted(
+        ((after[key] - before.get(key, 0.0), key) for key in after),
+        reverse=True,
+    )
+    lines = [f"  busiest threads over {seconds:g} s ({len(after)} alive):"]
+    for cpu, (tid, name) in used[:count]:
+        lines.append(f"    {name} (tid {tid}): {cpu / seconds:.0%} of a core")
+    return lines
 
 
 class GcClock:

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from tests.helpers import HANG_REPORTS, GcClock, record_hang
+from tests.helpers import HANG_REPORTS, GcClock, busiest_threads, record_hang
 
 
 @pytest.mark.timeout(30)
@@ -41,3 +41,25 @@ def test_gc_clock_times_the_collections_while_it_runs():
     assert clock.seconds > 0
     gc.collect()  # stopped: no longer counted
     assert clock.collections == 2
+
+
+@pytest.mark.timeout(30)
+def test_busiest_threads_name_a_spinning_thread():
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            pass
+
+    thread = threading.Thread(target=spin, name="spinner")
+    thread.start()
+    try:
+        lines = busiest_threads(seconds=0.5, count=3)
+    finally:
+        stop.set()
+        thread.join(5)
+    assert lines[0].startswith("  busiest threads over 0.5 s")
+    assert len(lines) == 4
+    # The spinner first (Python threads share the process's OS name).
+    busiest = int(lines[1].rsplit(": ", 1)[1].split("%")[0])
+    assert busiest >= 50, lines
