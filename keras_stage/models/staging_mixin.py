@@ -304,6 +304,9 @@ def _recorded_step(model, phase, step, data):
     fetch = stats.record_fetch(data, accumulate=False)
     outputs = step(data)
     end = stats.record_step_end(outputs)
+    if not isinstance(outputs, dict):  # Keras's own steps return dicts
+        stats.accumulate(fetch)
+        return outputs
     if model.steps_per_execution > 1:
         stats.accumulate(fetch)
         fetch = None
