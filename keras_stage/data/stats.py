@@ -72,8 +72,6 @@ def _float64(value):
 _UNCONSUMED = [0.0] * _SLOTS
 _UNCONSUMED[_PRODUCED] = 1.0
 _UNCONSUMED[_CONSUMED] = _UNCONSUMED[_ORPHANS] = -1.0
-_ONE_CONSUMED = [0.0] * _SLOTS
-_ONE_CONSUMED[_CONSUMED] = 1.0
 
 # A step's report (see `StageStats.report`): the fetch's start mark, its
 # arrival time, the counters at the arrival and after the step; or, for a
@@ -190,17 +188,16 @@ class StageStats:
         return tf.maximum(unconsumed - 1.0, tf.constant(0.0, tf.float64))
 
     def _record_fetch(
-        self, counters, started, waited, buffered=None, extra=None
+        self, counters, started, waited, buffered=None, extra=None, count=True
     ):
+        """Adds a fetch's wait and fill; with `count`, counts it done too."""
         if buffered is None:
             buffered = self._buffered(counters)
-        values = {
-            _CONSUMED: 1,
-            _WAIT: waited,
-            _BUFFERED: buffered,
+        values = {_WAIT: waited, _BUFFERED: buffered}
+        if count:
+            values[_CONSUMED] = 1
             # Only the consumer's thread writes this slot.
-            _DONE_FETCH: started - counters[_DONE_FETCH],
-        }
+            values[_DONE_FETCH] = started - counters[_DONE_FETCH]
         values.update(extra or {})
         update = self._counters.assign_add(_slots(values))
         if not self.track_peak:
@@ -250,7 +247,7 @@ class StageStats:
             self.accumulate(fetch, count=True)
             return fetch
         with tf.control_dependencies([counters]):
-            self._counters.assign_add(tf.constant(_ONE_CONSUMED, tf.float64))
+            self._counters.assign_add(_slots({_CONSUMED: 1}))
         self._fetch_done.assign(tf.abs(marked))
         return fetch
 
@@ -282,21 +279,13 @@ class StageStats:
         # delta keeps the update one op.
         rate = 1.0 - (1.0 - _BASELINE_WEIGHT) * tf.cast(baseline > 0.0, f64)
         moved = later * ready * rate * beyond
-        if count:
-            return self._record_fetch(
-                counters,
-                started,
-                waited,
-                buffered=buffered,
-                extra={_BASELINE: moved},
-            )
-        update = self._counters.assign_add(
-            _slots({_WAIT: waited, _BUFFERED: buffered, _BASELINE: moved})
-        )
-        if not self.track_peak:
-            return update
-        return tf.group(
-            update, self._peak.assign(tf.maximum(self._peak, buffered))
+        return self._record_fetch(
+            counters,
+            started,
+            waited,
+            buffered=buffered,
+            extra={_BASELINE: moved},
+            count=count,
         )
 
     def report(self, fetch, end):

@@ -296,15 +296,11 @@ def _recorded_step(model, phase, step, data):
     stats = _state(model).recording.get(phase)
     if stats is None:
         return step(data)
-    if not _own_step(model, phase):
-        stats.record_fetch(data)
-        outputs = step(data)
-        stats.record_step_end(outputs)
-        return outputs
     fetch = stats.record_fetch(data, accumulate=False)
     outputs = step(data)
     end = stats.record_step_end(outputs)
-    if not isinstance(outputs, dict):  # Keras's own steps return dicts
+    # Keras's own steps return dicts.
+    if not _own_step(model, phase) or not isinstance(outputs, dict):
         stats.accumulate(fetch)
         return outputs
     if model.steps_per_execution > 1:
