@@ -33,6 +33,9 @@ logger = logging.getLogger("keras_stage")
 
 # How often the waiting caller re-checks the input-wait clock.
 _POLL_SECONDS = 0.5
+# One call in this many whose elements are buffered still runs the
+# consumer's recording step (see `StageRunner.call`'s `ready_fn`).
+READY_SAMPLE = 16
 
 
 _NODE = re.compile(r"\{\{node ([^}]+)\}\}")
@@ -187,6 +190,9 @@ class ReadyElements:
         self._earlier = []  # weak references to those before it
         self._left_behind = None  # None: the count is not trusted
         self._ready = 0
+        # The count at the last reading (a read or a note): the buffer fill
+        # `fill` estimates for calls that record nothing.
+        self._level = 0
         self._noted = False  # whether the current iterator's calls report
 
     def take(self, iterator, elements):
@@ -205,6 +211,7 @@ class ReadyElements:
                 # unconsumed elements would grow for ever.
                 return False
             self._ready = self.stats.unconsumed() - self._left_behind
+            self._level = self._ready
             if self._ready < elements:
                 return False
         self._ready -= elements
@@ -222,7 +229,17 @@ class ReadyElements:
         if self._left_behind is None or not self._is_current(iterator):
             return
         self._noted = True
-        self._ready = max(self._ready, int(unconsumed) - self._left_behind)
+        self._level = int(unconsumed) - self._left_behind
+        self._ready = max(self._ready, self._level)
+
+    def fill(self):
+        """The buffer fill a fetch of a ready element saw, estimated.
+
+        The other elements counted at the last reading: the pipeline keeps
+        producing while its buffer has room, so a ready stage's buffer
+        stays about that full between readings.
+        """
+        return max(self._level - 1, 0)
 
     def untrusted(self, iterator):
         """Notes `iterator` as current; none of its calls is ready."""
@@ -243,7 +260,7 @@ class ReadyElements:
         if self._iterator is not None:
             self._earlier.append(self._iterator)
         self._earlier = [ref for ref in self._earlier if ref() is not None]
-        self._ready = 0
+        self._ready = self._level = 0
         self._noted = False
         self._left_behind = None
         try:
@@ -284,6 +301,7 @@ class StageRunner:
         # Abandoned threads known to be blocked on a stalled source.
         self._stalled = set()
         self._ready = ReadyElements(stats) if counts_in_order else None
+        self._ready_calls = 0  # see `_sample_ready`
         self._in_order = counts_in_order if callable(counts_in_order) else None
         self.records_in_step = False
         # The names staging.py gives the stage's tf.data transformations.
@@ -327,7 +345,7 @@ class StageRunner:
             or "IteratorGetNext" in message
         )
 
-    def call(self, fn, *args, check_origin=False, elements=None):
+    def call(self, fn, *args, check_origin=False, elements=None, ready_fn=None):
         """Runs `fn(*args)` under the stage's policies.
 
         With `check_origin`, errors not raised by the stage's pipeline (see
@@ -337,6 +355,15 @@ class StageRunner:
         buffered runs in this thread (it cannot wait for input, so it
         cannot time out). None runs every call with the timeout.
 
+        `ready_fn`, for a consumer that records its fetches in its step
+        (`records_in_step`): the same call without that recording, run
+        instead of `fn` when the call's `elements` are known to be
+        buffered (they did not wait, so there is no wait to measure), but
+        for one call in `READY_SAMPLE`, whose recording keeps the
+        consumer's baseline (see `StageStats.record_fetch`) and count
+        current. Its fetches are counted in Python
+        (`StageStats.count_taken`).
+
         Raises:
             SkipElement: the element failed with an ignored exception type.
             EndOfData: the data ended (a closed exception type).
@@ -345,7 +372,15 @@ class StageRunner:
         """
         started = time.time()
         try:
-            if self.options.timeout is None or self._buffered(args, elements):
+            if self.options.timeout is None and ready_fn is None:
+                return fn(*args)
+            if self._buffered(args, elements):
+                if ready_fn is not None and self._sample_ready():
+                    out = ready_fn(*args)
+                    self.stats.count_taken(elements, self._ready.fill())
+                    return out
+                return fn(*args)
+            if self.options.timeout is None:
                 return fn(*args)
             return self._call_with_timeout(fn, args, started)
         except StageTimeoutError:
@@ -354,6 +389,11 @@ class StageRunner:
             if check_origin and not self.raised_by_stage(e):
                 raise
             return self._apply_policies(e)
+
+    def _sample_ready(self):
+        """Whether a ready call may skip recording (all but one in N)."""
+        self._ready_calls = (self._ready_calls + 1) % READY_SAMPLE
+        return self._ready_calls != 0
 
     def _buffered(self, args, elements):
         """Whether the call's `elements` are in the buffer already."""

@@ -111,6 +111,10 @@ def on_host(fn):
     return pinned
 
 
+# The buffer of a host stage with nothing to compute and capacity "auto".
+IDLE_CAPACITY = 8
+
+
 def _build_pipeline(
     dataset,
     fn,
@@ -138,6 +142,13 @@ def _build_pipeline(
     capacity = (
         tf.data.AUTOTUNE if options.capacity == AUTO else options.capacity
     )
+    if fn is None and capacity == tf.data.AUTOTUNE and placement.device is None:
+        # tf.data's autotuner keeps the buffer of a stage with nothing to
+        # compute at about one element (its source is never late), so a
+        # consumer's next call seldom knows its batch is there and pays a
+        # count read or the timeout's hand-off (see `ReadyElements`); a few
+        # more host-side elements spare most of them.
+        capacity = IDLE_CAPACITY
 
     # tf.data passes a tuple element (exactly `tuple`) as separate
     # arguments and any other structure as one.

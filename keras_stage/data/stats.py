@@ -90,6 +90,9 @@ class StageStats:
             buffers). Defaults to `False`.
     """
 
+    # The length of a step's report of its fetch (see `report`).
+    REPORT_SIZE = _REPORT_SIZE
+
     def __init__(self, name, track_peak=False):
         self.name = name
         self.track_peak = track_peak
@@ -127,6 +130,10 @@ class StageStats:
         self._reported_buffered = 0.0
         self._reported_peak = 0.0
         self._baseline = 0.0
+        # Fetches of calls that ran without recording them (their elements
+        # were known to be buffered, see `count_taken`), not yet added to
+        # the consumed slot (`mark_request` adds them).
+        self._taken = 0
 
     # -- graph side: called inside tf.data functions -------------------------
 
@@ -337,17 +344,20 @@ class StageStats:
         end = values[-_SLOTS:]
         if len(values) == _REPORT_SIZE:
             self._take_fetch(values)
-        return int(end[_PRODUCED] - end[_CONSUMED])
+        return int(end[_PRODUCED] - end[_CONSUMED]) - self._taken
 
     def _take_fetch(self, values):
         marked = values[_REPORT_MARK]
         counters = values[_REPORT_COUNTERS : _REPORT_COUNTERS + _SLOTS]
         took = values[_REPORT_ARRIVED] - abs(marked)
-        unconsumed = (
-            counters[_PRODUCED] - counters[_CONSUMED] - counters[_ORPHANS]
-        )
-        buffered = max(unconsumed - 1.0, 0.0)
         with self._lock:
+            unconsumed = (
+                counters[_PRODUCED]
+                - counters[_CONSUMED]
+                - counters[_ORPHANS]
+                - self._taken
+            )
+            buffered = max(unconsumed - 1.0, 0.0)
             beyond = took - self._baseline
             if marked > 0.0:  # not an epoch's first fetch
                 if buffered > 0.0:
@@ -358,17 +368,44 @@ class StageStats:
             self._reported_buffered += buffered
             self._reported_peak = max(self._reported_peak, buffered)
 
+    def count_taken(self, elements, buffered):
+        """Counts, in Python, the fetches of a call that did not record them.
+
+        For a consumer whose step records its fetches (`record_fetch`) and
+        which runs a call without that recording when its elements were
+        known to be buffered (`ReadyElements`): such fetches did not wait,
+        and each saw about `buffered` other elements in the buffer (an
+        estimate: the count at the last reading). Consumed-count readers
+        here add them (`unconsumed`, `snapshot`, `take_report`);
+        `mark_request` moves them into the counters.
+
+        Args:
+            elements: The fetches the call made.
+            buffered: The buffer fill to record for each.
+        """
+        with self._lock:
+            self._taken += elements
+            self._reported_buffered += elements * buffered
+            self._reported_peak = max(self._reported_peak, buffered)
+
     def mark_request(self):
         """Starts the consumer's fetch clock now (at an epoch's start).
 
         Elements produced and never consumed so far were left in the
         buffer of an iterator dropped before this epoch (Keras makes one
-        per epoch); from now on they no longer count as buffered.
+        per epoch); from now on they no longer count as buffered. Fetches
+        counted in Python (`count_taken`) join the counters here, so the
+        graph's own arithmetic (`accumulate`) sees them from now on.
         """
         self._fetch_start.assign(-time.time())  # negated: see `record_fetch`
-        counters = self._counters.numpy()
-        left = max(0.0, counters[_PRODUCED] - counters[_CONSUMED])
-        self._counters.assign_add(_slots({_ORPHANS: left - counters[_ORPHANS]}))
+        with self._lock:  # `snapshot` reads both sides at once
+            taken, self._taken = self._taken, 0
+            counters = self._counters.numpy()
+            consumed = counters[_CONSUMED] + taken
+            left = max(0.0, counters[_PRODUCED] - consumed)
+            self._counters.assign_add(
+                _slots({_CONSUMED: taken, _ORPHANS: left - counters[_ORPHANS]})
+            )
 
     def unconsumed(self):
         """Elements counted as finished and not consumed, ever.
@@ -380,7 +417,7 @@ class StageStats:
         counters = tf.raw_ops.ReadVariableOp(
             resource=self._counters.handle, dtype=tf.float64
         ).numpy()
-        return int(counters[_PRODUCED] - counters[_CONSUMED])
+        return int(counters[_PRODUCED] - counters[_CONSUMED]) - self._taken
 
     @property
     def closed(self):
@@ -427,10 +464,11 @@ class StageStats:
             wait = self._reported_wait
             buffered = self._reported_buffered
             peak = self._reported_peak
-        counters = self._counters.numpy()
+            taken = self._taken
+            counters = self._counters.numpy()
         return {
             "produced": int(counters[_PRODUCED]),
-            "consumed": int(counters[_CONSUMED]),
+            "consumed": int(counters[_CONSUMED]) + taken,
             "skipped": skipped,
             "skipped_messages": messages,
             "wait_seconds": float(counters[_WAIT]) + wait,

@@ -35,6 +35,7 @@ from keras_stage.callbacks.data_backup import DataBackup
 from keras_stage.callbacks.prefetch_callback import PrefetchCallback
 from keras_stage.data.errors import StageTimeoutError
 from keras_stage.data.runner import EndOfData, SkipElement
+from keras_stage.data.stats import StageStats
 from keras_stage.layers.staged_input import StagedInput
 from keras_stage.models.inputs import stage_data
 from keras_stage.planner.planner import plan_model
@@ -134,6 +135,7 @@ def find_staged_input(model):
 
 def _guard(model, phase, function):
     """Wraps a compiled Keras step with the stage runner of `phase`."""
+    unrecorded = _UnrecordedStep(model, phase)
 
     def guarded(iterator):
         state = _state(model)
@@ -149,10 +151,13 @@ def _guard(model, phase, function):
                         iterator,
                         check_origin=True,
                         elements=model.steps_per_execution,
+                        ready_fn=unrecorded.get(),
                     )
                 )
                 if report is not None:
-                    runner.take_report(iterator, report.numpy().tolist())
+                    values = report.numpy().tolist()
+                    unrecorded.reported(values)
+                    runner.take_report(iterator, values)
                 return outputs
             except SkipElement:
                 continue
@@ -170,6 +175,77 @@ def _guard(model, phase, function):
 
     guarded.keras_stage_guarded = True
     return guarded
+
+
+# Calls of a guarded step that report their fetch before it makes the
+# step's unrecorded twin: a second trace (a second or more for a large
+# model) pays for itself only over many steps (some 45 us each here).
+_UNRECORDED_AFTER = 100
+
+
+class _UnrecordedStep:
+    """`phase`'s compiled step without the fetch recording, made on demand.
+
+    The recording (`_recorded_step`) costs a 1 ms training step some 45 us
+    here (8%, more than its 14 ops suggest); a call whose batch is known
+    to be buffered has no wait to measure, so the runner runs this twin
+    instead (see `StageRunner.call`'s `ready_fn`). Only keras_stage's own
+    steps, one batch per call: those report each fetch to the guard, which
+    counts the twin's fetches in Python.
+    """
+
+    def __init__(self, model, phase):
+        self._model = weakref.ref(model)
+        self._phase = phase
+        self._reports = 0  # full reports (see `StageStats.report`) seen
+        self._function = None
+
+    def reported(self, values):
+        """Notes a report the recorded step returned."""
+        if len(values) == StageStats.REPORT_SIZE:
+            self._reports += 1
+
+    def get(self):
+        """The twin for the next call, or None to record it."""
+        model = self._model()
+        if (
+            model is None
+            or self._reports < _UNRECORDED_AFTER
+            or model.steps_per_execution != 1
+            or self._phase not in _state(model).recording
+        ):
+            return None
+        return self._call
+
+    def _call(self, iterator):
+        model = self._model()
+        if self._function is None:
+            # Made at the first call the runner finds ready: a stage that
+            # cannot know (an ordered parallel map) never traces it.
+            self._function = _make_unrecorded(model, self._phase)
+        local = _state(model).local
+        local.unrecorded = True  # read by `_recorded_step` while tracing
+        try:
+            return self._function(iterator)
+        finally:
+            local.unrecorded = False
+
+
+def _make_unrecorded(model, phase):
+    """A fresh compiled Keras step of `phase`, traced without recording.
+
+    Keras's `make_*_function(force=True)` stores what it makes on the
+    model: the guarded step stays there.
+    """
+    attr = _FUNCTIONS[phase]
+    guarded = getattr(model, attr)
+    try:
+        getattr(super(StagingMixin, model), f"make_{phase}_function")(
+            force=True
+        )
+        return getattr(model, attr)
+    finally:
+        setattr(model, attr, guarded)
 
 
 @contextlib.contextmanager
@@ -293,9 +369,12 @@ def _recorded_step(model, phase, step, data):
     accumulate their fetches in the graph (the latter still report their
     count).
     """
-    stats = _state(model).recording.get(phase)
+    state = _state(model)
+    stats = state.recording.get(phase)
     if stats is None:
         return step(data)
+    if getattr(state.local, "unrecorded", False):
+        return step(data)  # its batch was buffered: see `_UnrecordedStep`
     fetch = stats.record_fetch(data, accumulate=False)
     outputs = step(data)
     end = stats.record_step_end(outputs)

@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 from keras_stage.data import StageOptions, StageStats, StageTimeoutError
+from keras_stage.data import runner as runner_module
 from keras_stage.data.errors import annotate
 from keras_stage.data.runner import EndOfData, SkipElement, StageRunner
 
@@ -158,3 +159,68 @@ def test_slow_call_outside_an_input_wait_never_times_out():
         assert runner.call(lambda: done.wait(1.2) or "finished") == "finished"
     finally:
         assert runner.close() is True
+
+
+# -- calls whose elements are buffered ---------------------------------------
+
+
+class _Iterator:
+    """Stands for a consumer's iterator (the runner keeps a weak reference)."""
+
+
+def test_a_buffered_call_runs_unrecorded_but_one_in_ready_sample():
+    # A consumer recording its fetches in its step hands the runner the
+    # same call without that recording (`ready_fn`); the runner uses it
+    # for calls whose element is known to be buffered, counting their
+    # fetches in Python, and keeps recording one in READY_SAMPLE.
+    options = StageOptions(name="ready", timeout=None)
+    stats = StageStats(options.name)
+    runner = StageRunner(options, stats, counts_in_order=True)
+    runner.records_in_step = True
+    iterator = _Iterator()
+    ran = []
+
+    def recorded(it):
+        ran.append("recorded")
+
+    def unrecorded(it):
+        ran.append("unrecorded")
+
+    # The first call of an iterator is never known to be ready.
+    runner.call(recorded, iterator, elements=1, ready_fn=unrecorded)
+    assert ran == ["recorded"]
+    counters = stats._counters.numpy()
+    counters[0] = 100.0  # produced
+    stats._counters.assign(counters)
+    # The consumer's step reports the counters after it.
+    runner.take_report(iterator, list(counters))
+    ran.clear()
+    calls = 2 * runner_module.READY_SAMPLE
+    for _ in range(calls):
+        runner.call(recorded, iterator, elements=1, ready_fn=unrecorded)
+    assert ran.count("recorded") == 2
+    assert ran.count("unrecorded") == calls - 2
+    snapshot = stats.snapshot()
+    assert snapshot["consumed"] == calls - 2
+    # Each saw the 99 other elements the report showed.
+    assert snapshot["buffered_sum"] == 99 * (calls - 2)
+    assert stats.unconsumed() == 100 - (calls - 2)
+
+
+def test_a_call_not_known_ready_records_its_fetch():
+    options = StageOptions(name="not_ready", timeout=None)
+    stats = StageStats(options.name)
+    runner = StageRunner(options, stats, counts_in_order=True)
+    runner.records_in_step = True
+    iterator = _Iterator()
+    ran = []
+    for _ in range(3):
+        runner.call(
+            lambda it: ran.append("recorded"),
+            iterator,
+            elements=1,
+            ready_fn=lambda it: ran.append("unrecorded"),
+        )
+    # Nothing was produced, nor reported: no call knew its element ready.
+    assert ran == ["recorded"] * 3
+    assert stats.snapshot()["consumed"] == 0

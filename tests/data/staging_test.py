@@ -1073,3 +1073,26 @@ def test_timeout_still_fires_after_a_full_pass():
         assert time.monotonic() - started < 10
     finally:
         release.set()
+
+
+def test_fetches_counted_in_python_join_every_count():
+    # Calls whose batch was buffered run without recording their fetch
+    # (`StageStats.count_taken`): every reader of the consumed count adds
+    # them until the next epoch's `mark_request` moves them into the
+    # counters.
+    stats = StageStats("taken", track_peak=True)
+    stats._counters.assign(_counters_with(stats, 5))
+    stats.count_taken(2, buffered=3)
+    assert stats.unconsumed() == 3
+    snapshot = stats.snapshot()
+    assert snapshot["consumed"] == 2
+    assert snapshot["buffered_sum"] == 6
+    assert snapshot["buffered_peak"] == 3
+    # A step's report carries the graph's counters, which lack them.
+    assert stats.take_report(list(stats._counters.numpy())) == 3
+    stats.mark_request()
+    counters = stats._counters.numpy()
+    assert counters[2] == 2  # the consumed slot
+    assert counters[7] == 3  # left unconsumed before this epoch
+    assert stats.unconsumed() == 3
+    assert stats.snapshot()["consumed"] == 2

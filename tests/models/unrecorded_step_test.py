@@ -1,0 +1,136 @@
+"""Steps whose batch is buffered run without recording their fetch.
+
+keras_stage's train/test step records each fetch (`_recorded_step`); once
+a guarded step has reported enough fetches, a call whose batch the stage
+knows to be buffered runs the step's unrecorded twin instead
+(`_UnrecordedStep`), and its fetch is counted in Python. These tests lower
+that threshold so that a short fit uses the twin, and check that it trains
+exactly like plain Keras, counts every batch, keeps the report out of the
+logs, and does not weaken the timeout.
+"""
+
+import threading
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_stage
+from keras_stage.callbacks import PrefetchCallback
+from keras_stage.data import StageTimeoutError
+from keras_stage.layers import StagedInput
+from keras_stage.models import staging_mixin
+
+BATCHES = 24
+BATCH_SIZE = 4
+
+_rng = np.random.default_rng(3)
+X = _rng.normal(size=(BATCHES * BATCH_SIZE, 4)).astype("float32")
+Y = _rng.normal(size=(BATCHES * BATCH_SIZE, 1)).astype("float32")
+
+
+@pytest.fixture
+def twin_calls(monkeypatch):
+    """Makes guarded steps use their twin after 2 reports; counts its calls.
+
+    Returns `{phase: calls}` of the twins made.
+    """
+    monkeypatch.setattr(staging_mixin, "_UNRECORDED_AFTER", 2)
+    calls = {}
+    make = staging_mixin._make_unrecorded
+
+    def counting(model, phase):
+        function = make(model, phase)
+        calls.setdefault(phase, 0)
+
+        def counted(iterator):
+            calls[phase] += 1
+            return function(iterator)
+
+        return counted
+
+    monkeypatch.setattr(staging_mixin, "_make_unrecorded", counting)
+    return calls
+
+
+def _model(staged, **stage_kwargs):
+    inputs = keras.Input(shape=(4,))
+    x = StagedInput(**stage_kwargs)(inputs) if staged else inputs
+    x = keras.layers.Dense(8, activation="relu")(x)
+    model_class = keras_stage.Model if staged else keras.Model
+    return model_class(inputs, keras.layers.Dense(1)(x))
+
+
+def _dataset():
+    return tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH_SIZE)
+
+
+@pytest.mark.timeout(120)
+def test_unrecorded_steps_train_like_keras_and_count_every_batch(twin_calls):
+    plain, staged = _model(staged=False), _model(staged=True, name="twin")
+    staged.set_weights(plain.get_weights())
+    for model in (plain, staged):
+        model.compile(optimizer="sgd", loss="mse")
+    fit = dict(
+        x=_dataset(),
+        validation_data=_dataset(),
+        epochs=2,
+        verbose=0,
+        shuffle=False,
+    )
+    plain_history = plain.fit(**fit).history
+    staged_history = staged.fit(
+        callbacks=[PrefetchCallback(verbose=0)], **fit
+    ).history
+
+    # Both phases ran most of their steps on the twin.
+    assert twin_calls["train"] > BATCHES
+    assert twin_calls["test"] > BATCHES
+    for key, values in plain_history.items():
+        np.testing.assert_allclose(
+            staged_history[key], values, rtol=1e-6, atol=1e-6, err_msg=key
+        )
+    for plain_w, staged_w in zip(
+        plain.get_weights(), staged.get_weights(), strict=True
+    ):
+        np.testing.assert_allclose(staged_w, plain_w, rtol=1e-6, atol=1e-6)
+    assert not any(key.startswith("_keras_stage") for key in staged_history)
+    # Every batch counted, recorded or not; the twins' fetches did not wait.
+    for phase in ("train", "test"):
+        stats = staging_mixin._state(staged).step_stats[phase]
+        assert stats.snapshot()["consumed"] == 2 * BATCHES, phase
+    assert all(0.0 <= r <= 1.0 for r in staged_history["stage_wait_ratio"])
+
+
+@pytest.fixture
+def release():
+    """An event the hanging source waits on; set when the test ends."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+@pytest.mark.timeout(60)
+def test_timeout_fires_after_steps_ran_unrecorded(twin_calls, release):
+    hang_at = 3 * BATCHES // 4
+
+    def generate():
+        for i in range(BATCHES):
+            if i == hang_at:
+                release.wait(60)  # a source that stops answering
+            yield X[:BATCH_SIZE], Y[:BATCH_SIZE]
+
+    spec = (
+        tf.TensorSpec((None, 4), tf.float32),
+        tf.TensorSpec((None, 1), tf.float32),
+    )
+    data = tf.data.Dataset.from_generator(generate, output_signature=spec)
+    model = _model(staged=True, name="twin_hang", timeout=1.0)
+    model.compile(optimizer="sgd", loss="mse")
+    started = time.monotonic()
+    with pytest.raises(StageTimeoutError, match="twin_hang_train"):
+        model.fit(data, verbose=0, shuffle=False)
+    assert time.monotonic() - started < 30
+    assert twin_calls["train"] > 0
