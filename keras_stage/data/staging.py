@@ -486,7 +486,8 @@ def stage(
             argument) returning the staged element; `None` stages the
             elements as they are. Defaults to `None`.
         capacity: Maximum number of finished elements buffered: a positive
-            int or `"auto"`. Defaults to `"auto"`.
+            int or `"auto"` (tf.data autotuning; 8 elements for a host
+            stage with `fn=None`). Defaults to `"auto"`.
         num_threads: Elements produced at once: a positive int or `"auto"`.
             With ints, at no time are more than `capacity` finished elements
             buffered plus `num_threads` in production. Defaults to `"auto"`.

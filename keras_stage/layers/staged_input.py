@@ -86,7 +86,9 @@ class StagedInput(keras.layers.Layer):
 
     Args:
         capacity: Maximum number of finished batches waiting for the
-            training step: a positive int or `"auto"`. Defaults to `"auto"`.
+            training step: a positive int or `"auto"` (tf.data autotuning;
+            8 batches for a stage with nothing to compute). Defaults to
+            `"auto"`.
         num_threads: Batches produced at once: a positive int or `"auto"`
             (tf.data autotuning, allowed to grow past the core count for
             stages that wait on IO). Defaults to `"auto"`.
