@@ -179,15 +179,17 @@ def _guard(model, phase, function):
 
 # Calls of a guarded step that report their fetch before it makes the
 # step's unrecorded twin: a second trace (a second or more for a large
-# model) pays for itself only over many steps (some 45 us each here).
+# model) pays for itself only over many steps (some 50 us each here).
 _UNRECORDED_AFTER = 100
 
 
 class _UnrecordedStep:
     """`phase`'s compiled step without the fetch recording, made on demand.
 
-    The recording (`_recorded_step`) costs a 1 ms training step some 45 us
-    here (8%, more than its 14 ops suggest); a call whose batch is known
+    The recording (`_recorded_step`) costs a 1.1 ms training step some
+    50-65 us here (Keras runs the step in a `tf.while_loop` and hands its
+    outputs out in an Optional, where every output and every op after the
+    step's outputs lengthens the call); a call whose batch is known
     to be buffered has no wait to measure, so the runner runs this twin
     instead (see `StageRunner.call`'s `ready_fn`). Only keras_stage's own
     steps, one batch per call: those report each fetch to the guard, which
