@@ -8,7 +8,6 @@ API is rejected with a message naming the argument.
 """
 
 import logging
-import threading
 import time
 
 import keras
@@ -258,14 +257,6 @@ def test_model_error_is_neither_skipped_nor_blamed_on_the_stage():
 
 
 # -- timeout ---------------------------------------------------------------
-
-
-@pytest.fixture
-def release():
-    """An event the hanging source waits on; set when the test ends."""
-    event = threading.Event()
-    yield event
-    event.set()
 
 
 def _hanging_dataset(release, hang_at=2, batches=6):

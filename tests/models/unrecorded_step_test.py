@@ -9,7 +9,6 @@ exactly like plain Keras, counts every batch, keeps the report out of the
 logs, and does not weaken the timeout.
 """
 
-import threading
 import time
 
 import keras
@@ -102,14 +101,6 @@ def test_unrecorded_steps_train_like_keras_and_count_every_batch(twin_calls):
         stats = staging_mixin._state(staged).step_stats[phase]
         assert stats.snapshot()["consumed"] == 2 * BATCHES, phase
     assert all(0.0 <= r <= 1.0 for r in staged_history["stage_wait_ratio"])
-
-
-@pytest.fixture
-def release():
-    """An event the hanging source waits on; set when the test ends."""
-    event = threading.Event()
-    yield event
-    event.set()
 
 
 @pytest.mark.timeout(60)
