@@ -50,7 +50,8 @@ def parse_args(argv=None):
         "--reps",
         type=int,
         default=None,
-        help="timed repetitions per mode (default 7; 3 with --quick)",
+        help="timed repetitions per mode (default 7, 3 with --quick; "
+        "three times that for none)",
     )
     parser.add_argument(
         "--steps",

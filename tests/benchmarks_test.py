@@ -15,7 +15,7 @@ import pytest
 # matplotlib for the charts; the tensorflow-io environment does not.
 pytest.importorskip("matplotlib")
 
-from benchmarks import report, run  # noqa: E402
+from benchmarks import harness, report, run  # noqa: E402
 from benchmarks.harness import add_ratios  # noqa: E402
 from benchmarks.modes import MODE_ORDER  # noqa: E402
 from benchmarks.workloads import WORKLOADS, trunk_scale  # noqa: E402
@@ -458,3 +458,31 @@ def test_input_bound_window_leaves_out_making_the_iterator():
     record = mode.run()
     assert record["steps"] == 3
     assert record["seconds"] < start_up / 2
+
+
+def test_default_repetitions_scale_with_the_workload(monkeypatch):
+    # `none`'s 3% target needs more repetitions than the others' defaults;
+    # an explicit count is every workload's.
+    asked = {}
+
+    def fake_run_workload(workload, reps, log=print, staged_options=None):
+        asked[workload.name] = reps
+        return {}
+
+    monkeypatch.setattr(harness, "run_workload", fake_run_workload)
+    harness.run_benchmark(["seed", "none"], steps=1, log=lambda line: None)
+    assert asked == {
+        "seed": harness.DEFAULT_REPS,
+        "none": 3 * harness.DEFAULT_REPS,
+    }
+    harness.run_benchmark(
+        ["seed", "none"], steps=1, quick=True, log=lambda line: None
+    )
+    assert asked == {
+        "seed": harness.QUICK_REPS,
+        "none": 3 * harness.QUICK_REPS,
+    }
+    harness.run_benchmark(
+        ["seed", "none"], reps=2, steps=1, log=lambda line: None
+    )
+    assert asked == {"seed": 2, "none": 2}

@@ -75,6 +75,9 @@ class Workload:
     # an epoch of the slowest mode takes a few seconds here (resp. ~1 s).
     default_steps = 40
     quick_steps = 12
+    # Default repetitions of `make bench` (and `make bench-quick`) times
+    # this; an explicit `--reps` is taken as it is.
+    reps_factor = 1
 
     def __init__(
         self, steps, trunk="light", batch_size=None, seed=0, data_dir=None
