@@ -372,15 +372,16 @@ class StageRunner:
         """
         started = time.time()
         try:
-            if self.options.timeout is None and ready_fn is None:
-                return fn(*args)
-            if self._buffered(args, elements):
-                if ready_fn is not None and self._sample_ready():
-                    out = ready_fn(*args)
-                    self.stats.count_taken(elements, self._ready.fill())
-                    return out
-                return fn(*args)
-            if self.options.timeout is None:
+            timeout = self.options.timeout
+            # Without a timeout, the count only serves `ready_fn`.
+            buffered = (
+                timeout is not None or ready_fn is not None
+            ) and self._buffered(args, elements)
+            if buffered and ready_fn is not None and self._sample_ready():
+                out = ready_fn(*args)
+                self.stats.count_taken(elements, self._ready.fill())
+                return out
+            if buffered or timeout is None:
                 return fn(*args)
             return self._call_with_timeout(fn, args, started)
         except StageTimeoutError:

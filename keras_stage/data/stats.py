@@ -341,22 +341,16 @@ class StageStats:
             (see `unconsumed`): a floor for the next call, since finished
             elements only grow and only the consumer consumes them.
         """
-        end = values[-_SLOTS:]
         if len(values) == _REPORT_SIZE:
             self._take_fetch(values)
-        return int(end[_PRODUCED] - end[_CONSUMED]) - self._taken
+        return self._unconsumed(values[-_SLOTS:])
 
     def _take_fetch(self, values):
         marked = values[_REPORT_MARK]
         counters = values[_REPORT_COUNTERS : _REPORT_COUNTERS + _SLOTS]
         took = values[_REPORT_ARRIVED] - abs(marked)
         with self._lock:
-            unconsumed = (
-                counters[_PRODUCED]
-                - counters[_CONSUMED]
-                - counters[_ORPHANS]
-                - self._taken
-            )
+            unconsumed = self._unconsumed(counters) - counters[_ORPHANS]
             buffered = max(unconsumed - 1.0, 0.0)
             beyond = took - self._baseline
             if marked > 0.0:  # not an epoch's first fetch
@@ -417,6 +411,10 @@ class StageStats:
         counters = tf.raw_ops.ReadVariableOp(
             resource=self._counters.handle, dtype=tf.float64
         ).numpy()
+        return self._unconsumed(counters)
+
+    def _unconsumed(self, counters):
+        # The counters lack the fetches counted in Python (`count_taken`).
         return int(counters[_PRODUCED] - counters[_CONSUMED]) - self._taken
 
     @property

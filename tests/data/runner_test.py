@@ -168,26 +168,35 @@ class _Iterator:
     """Stands for a consumer's iterator (the runner keeps a weak reference)."""
 
 
+def _in_step_runner(name):
+    """A runner of a consumer recording its fetches in its step, its stats."""
+    options = StageOptions(name=name, timeout=None)
+    stats = StageStats(options.name)
+    runner = StageRunner(options, stats, counts_in_order=True)
+    runner.records_in_step = True
+    return runner, stats
+
+
+def _call(runner, iterator, ran):
+    """One call of `iterator`, noting in `ran` which of the two ran."""
+    runner.call(
+        lambda it: ran.append("recorded"),
+        iterator,
+        elements=1,
+        ready_fn=lambda it: ran.append("unrecorded"),
+    )
+
+
 def test_a_buffered_call_runs_unrecorded_but_one_in_ready_sample():
     # A consumer recording its fetches in its step hands the runner the
     # same call without that recording (`ready_fn`); the runner uses it
     # for calls whose element is known to be buffered, counting their
     # fetches in Python, and keeps recording one in READY_SAMPLE.
-    options = StageOptions(name="ready", timeout=None)
-    stats = StageStats(options.name)
-    runner = StageRunner(options, stats, counts_in_order=True)
-    runner.records_in_step = True
+    runner, stats = _in_step_runner("ready")
     iterator = _Iterator()
     ran = []
-
-    def recorded(it):
-        ran.append("recorded")
-
-    def unrecorded(it):
-        ran.append("unrecorded")
-
     # The first call of an iterator is never known to be ready.
-    runner.call(recorded, iterator, elements=1, ready_fn=unrecorded)
+    _call(runner, iterator, ran)
     assert ran == ["recorded"]
     counters = stats._counters.numpy()
     counters[0] = 100.0  # produced
@@ -197,7 +206,7 @@ def test_a_buffered_call_runs_unrecorded_but_one_in_ready_sample():
     ran.clear()
     calls = 2 * runner_module.READY_SAMPLE
     for _ in range(calls):
-        runner.call(recorded, iterator, elements=1, ready_fn=unrecorded)
+        _call(runner, iterator, ran)
     assert ran.count("recorded") == 2
     assert ran.count("unrecorded") == calls - 2
     snapshot = stats.snapshot()
@@ -208,19 +217,11 @@ def test_a_buffered_call_runs_unrecorded_but_one_in_ready_sample():
 
 
 def test_a_call_not_known_ready_records_its_fetch():
-    options = StageOptions(name="not_ready", timeout=None)
-    stats = StageStats(options.name)
-    runner = StageRunner(options, stats, counts_in_order=True)
-    runner.records_in_step = True
+    runner, stats = _in_step_runner("not_ready")
     iterator = _Iterator()
     ran = []
     for _ in range(3):
-        runner.call(
-            lambda it: ran.append("recorded"),
-            iterator,
-            elements=1,
-            ready_fn=lambda it: ran.append("unrecorded"),
-        )
+        _call(runner, iterator, ran)
     # Nothing was produced, nor reported: no call knew its element ready.
     assert ran == ["recorded"] * 3
     assert stats.snapshot()["consumed"] == 0
