@@ -19,7 +19,9 @@ This module owns the protocol. For each workload, in one process:
    (untimed) after each (see `_collect_garbage`);
 5. summarise: median, min and max steps/s per mode, the limit
    (the slower of compute-bound and input-bound) and every mode's time as
-   a ratio to plain, to expert and to the limit.
+   a ratio to plain, to expert and to the limit: of the medians, and
+   paired (the median over the rounds of the ratio within each round,
+   which cancels the machine's drift between rounds).
 
 A mode that raises is recorded with its error and left out of the later
 repetitions; the other modes go on. Warnings raised while a mode runs are
@@ -35,6 +37,7 @@ import keras
 
 from benchmarks import environment
 from benchmarks.modes import BASE_MODES, MODE_ORDER, StagedMode
+from benchmarks.paired import paired_ratio
 from benchmarks.timing import TIMED, summarize
 from benchmarks.workloads import WORKLOADS
 
@@ -194,6 +197,7 @@ def run_workload(workload, reps, log=print, staged_options=None):
         for name in order:
             record = _run_rep(runs[name])
             if record is not None:
+                record["round"] = rep  # pairs it with the round's others
                 runs[name].reps.append(record)
         log(
             f"  rep {rep + 1}/{reps}: "
@@ -275,6 +279,15 @@ def add_ratios(result):
     plain's median steps/s / the mode's` (above 1: slower than plain),
     likewise `ratio_to_expert` and `ratio_to_limit`; `speedup_vs_plain`
     is `1 / ratio_to_plain`. A ratio is None when either side failed.
+
+    The `paired_` ratios compare the repetitions of one round (see
+    `_paired`): `paired_ratio_to_plain` is the median over the rounds of
+    the mode's time per step over plain's in the same round (the limit's:
+    the slower of compute-bound and input-bound in that round), and
+    `paired_speedup_vs_plain` the median of the inverse ratios. A single
+    repetition here spreads by 10-20% with the machine's load, which moves
+    every mode of a round alike: the paired ratio cancels that, where the
+    ratio of medians takes each side's median from different rounds.
     """
     modes = result["modes"]
     compute = _median_sps(modes, "compute-bound")
@@ -297,6 +310,8 @@ def add_ratios(result):
         }
     plain = _median_sps(modes, "plain")
     expert = _median_sps(modes, "expert")
+    rounds = {name: _round_times(modes[name]) for name in modes}
+    limit_rounds = _limit_rounds(rounds)
     for name in modes:
         sps = _median_sps(modes, name)
 
@@ -311,6 +326,49 @@ def add_ratios(result):
         modes[name]["speedup_vs_plain"] = (
             None if sps is None or plain is None else sps / plain
         )
+        own = rounds[name]
+        modes[name]["paired_ratio_to_plain"] = _paired(own, rounds.get("plain"))
+        modes[name]["paired_ratio_to_expert"] = _paired(
+            own, rounds.get("expert")
+        )
+        modes[name]["paired_ratio_to_limit"] = _paired(own, limit_rounds)
+        modes[name]["paired_speedup_vs_plain"] = _paired(
+            rounds.get("plain"), own
+        )
+
+
+def _round_times(mode):
+    """`{round: seconds per step}` of a mode's repetitions, or None.
+
+    Records without a round (results written before rounds were noted)
+    are numbered in order.
+    """
+    if "error" in mode or not mode.get("reps"):
+        return None
+    return {
+        rep.get("round", i): 1 / rep["steps_per_second"]
+        for i, rep in enumerate(mode["reps"])
+    }
+
+
+def _limit_rounds(rounds):
+    """The limit's time per step in each round both bounds ran."""
+    compute, inputs = rounds.get("compute-bound"), rounds.get("input-bound")
+    if compute is None or inputs is None:
+        return None
+    return {r: max(compute[r], inputs[r]) for r in compute if r in inputs}
+
+
+def _paired(times, reference):
+    """Median over the rounds both ran of `times / reference`, or None."""
+    if times is None or reference is None:
+        return None
+    common = [r for r in times if r in reference]
+    if not common:
+        return None
+    return paired_ratio(
+        [times[r] for r in common], [reference[r] for r in common]
+    )
 
 
 def _remote_kwargs(read, latency):
@@ -343,7 +401,7 @@ def run_benchmark(
         workloads: Workload names, keys of `benchmarks.workloads.WORKLOADS`.
         reps: Timed repetitions per mode; `None` for the default (7, or 3
             with `quick`, times the workload's `reps_factor`: 21 and 9 for
-            `none`).
+            `criteo`, `images` and `none`).
         steps: Batches per epoch for every workload; `None` for each
             workload's default (or its quick default with `quick`).
         quick: Use the reduced sizes of `make bench-quick`.

@@ -159,6 +159,9 @@ class CriteoWorkload(Workload):
     default_batch_size = 512
     default_steps = 100
     quick_steps = 25
+    # Its 5% target ("no slower than expert") is smaller than the 10-20%
+    # single repetitions of a mode spread here: 7 cannot settle it.
+    reps_factor = 3
     # At these sizes (`--trunk light`) a training step of the trunk takes
     # about 3x as long as parsing the batch on one core (~14 ms vs ~4-5 ms
     # on the 2-core reference machine): the same order, as issue 4 asks.
