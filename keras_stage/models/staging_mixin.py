@@ -191,9 +191,10 @@ class _UnrecordedStep:
     outputs out in an Optional, where every output and every op after the
     step's outputs lengthens the call); a call whose batch is known
     to be buffered has no wait to measure, so the runner runs this twin
-    instead (see `StageRunner.call`'s `ready_fn`). Only keras_stage's own
-    steps, one batch per call: those report each fetch to the guard, which
-    counts the twin's fetches in Python.
+    instead (see `StageRunner.call`'s `ready_fn`). Its batch being there,
+    the twin also skips Keras's end-of-data Optional (`_make_unrecorded`).
+    Only keras_stage's own steps, one batch per call: those report each
+    fetch to the guard, which counts the twin's fetches in Python.
     """
 
     def __init__(self, model, phase):
@@ -234,20 +235,38 @@ class _UnrecordedStep:
 
 
 def _make_unrecorded(model, phase):
-    """A fresh compiled Keras step of `phase`, traced without recording.
+    """`phase`'s step on an iterator's next batch, compiled unrecorded.
 
-    Keras's `make_*_function(force=True)` stores what it makes on the
-    model: the guarded step stays there.
+    What Keras's compiled step does at `steps_per_execution=1` with one
+    replica and no XLA (the only steps that record, see `_step_stats`)
+    without its end-of-data check: Keras hands the step's outputs out in a
+    `tf.data` Optional, which costs each call two eager ops after the step
+    (has_value, get_value: 40-50 us here). The twin only runs on a batch
+    the stage knows to be buffered, so its data cannot end there; if it
+    did, `get_next` raises the end of the data, as Keras's steps did
+    before it used the Optional.
     """
-    attr = _FUNCTIONS[phase]
-    guarded = getattr(model, attr)
-    try:
-        getattr(super(StagingMixin, model), f"make_{phase}_function")(
-            force=True
+    step = getattr(model, f"{phase}_step")
+    strategy = model.distribute_strategy
+
+    def one_step(iterator):
+        # Keras's adapters pass absent parts (no labels, no sample weights)
+        # as empty Optionals, and its steps take them as None.
+        data = keras.tree.map_structure(
+            lambda x: None if isinstance(x, tf.experimental.Optional) else x,
+            iterator.get_next(),
         )
-        return getattr(model, attr)
-    finally:
-        setattr(model, attr, guarded)
+        outputs = strategy.run(step, args=(data,))
+        # One replica: its own results (plain tensors already, under the
+        # default strategy).
+        return tf.nest.map_structure(
+            lambda value: strategy.experimental_local_results(value)[0],
+            outputs,
+        )
+
+    if model.run_eagerly:
+        return one_step
+    return tf.function(one_step, reduce_retracing=True, autograph=False)
 
 
 @contextlib.contextmanager
