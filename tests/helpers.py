@@ -105,6 +105,16 @@ class GcClock:
             self.collections += 1
             self._began = None
 
+    @property
+    def running_seconds(self):
+        """How long the collection under way has run, or None if none is.
+
+        A collection that never ends (a finalizer blocked on a lock) shows
+        here, and in a thread dump as "Garbage-collecting".
+        """
+        began = self._began
+        return None if began is None else time.perf_counter() - began
+
     def __enter__(self):
         gc.callbacks.append(self._callback)
         return self

@@ -276,9 +276,15 @@ def _no_hang(seconds=EXAMPLE_SECONDS):
             f"{name} {end - began:.1f} s"
             for (name, began), end in zip(marks, ends, strict=True)
         )
+        running = gc_clock.running_seconds
         return (
             f"{phases}; garbage collection {gc_clock.seconds:.1f} s in "
             f"{gc_clock.collections} collections"
+            + (
+                ""
+                if running is None
+                else f"; one still running after {running:.1f} s"
+            )
         )
 
     def fire():
