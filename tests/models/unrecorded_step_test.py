@@ -19,6 +19,7 @@ import tensorflow as tf
 import keras_stage
 from keras_stage.callbacks import PrefetchCallback
 from keras_stage.data import StageTimeoutError
+from keras_stage.data import runner as runner_module
 from keras_stage.layers import StagedInput
 from keras_stage.models import staging_mixin
 
@@ -125,3 +126,33 @@ def test_timeout_fires_after_steps_ran_unrecorded(twin_calls, release):
         model.fit(data, verbose=0, shuffle=False)
     assert time.monotonic() - started < 30
     assert twin_calls["train"] > 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_the_twin_steps_like_keras_and_ends_with_the_data(run_eagerly):
+    # The twin is keras_stage's own compiled step, without Keras's
+    # end-of-data Optional: it trains like Keras's step, and at the end of
+    # the data raises the end of sequence the runner ends the epoch on.
+    plain, staged = _model(staged=False), _model(staged=True, name="own")
+    staged.set_weights(plain.get_weights())
+    for model in (plain, staged):
+        model.compile(optimizer="sgd", loss="mse", run_eagerly=run_eagerly)
+    twin = staging_mixin._make_unrecorded(staged, "train")
+    data = _dataset().take(3)
+    plain_iterator, twin_iterator = iter(data), iter(data)
+    plain.make_train_function()
+    for _ in range(3):
+        expected = plain.train_function(plain_iterator)
+        logs = twin(twin_iterator)
+        assert set(logs) == set(expected)
+        np.testing.assert_allclose(
+            float(logs["loss"]), float(expected["loss"]), rtol=1e-6
+        )
+    for plain_w, staged_w in zip(
+        plain.get_weights(), staged.get_weights(), strict=True
+    ):
+        np.testing.assert_allclose(staged_w, plain_w, rtol=1e-6, atol=1e-6)
+    with pytest.raises(tf.errors.OutOfRangeError) as info:
+        twin(twin_iterator)
+    assert runner_module._is_end_of_data(info.value)
