@@ -7,6 +7,7 @@ ratios are computed consistently from the repetitions.
 
 import json
 import math
+import os
 import statistics
 
 import pytest
@@ -559,3 +560,33 @@ def test_default_repetitions_scale_with_the_workload(monkeypatch):
     }
     harness.run_benchmark(names, reps=2, steps=1, log=lambda line: None)
     assert asked == dict.fromkeys(names, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_criteo_overlap_comparison_runs(monkeypatch, capsys):
+    from benchmarks import criteo_overlap
+
+    monkeypatch.setattr(criteo_overlap, "STEPS", 2)
+    assert criteo_overlap.main(["1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    names = {"plain", "trunk alone", "staged"}
+    if criteo_overlap.idle_class_supported():
+        names |= {
+            "trunk, idle-class loop beside",
+            "staged, stage threads idle-class",
+        }
+        # The staged-idle run after the warm-up moved its iterator's threads
+        # (its private pool at least); the warm-up moved none.
+        moved = lines[-1].rsplit("[", 1)[1].rstrip("]").split(",")
+        assert [int(count) > 0 for count in moved] == [True], lines[-1]
+        # Only the stage's threads: this one (the trunk's caller) keeps the
+        # normal class.
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+        lines = lines[:-1]
+    rows = {
+        line[:34].strip(): line[34:].split() for line in lines[-len(names) :]
+    }
+    assert set(rows) == names
+    assert rows["plain"][2] == "1.000"
+    assert all(float(value) > 0 for row in rows.values() for value in row)
