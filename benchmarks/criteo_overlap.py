@@ -33,7 +33,7 @@ import time
 import keras
 
 from benchmarks.modes import ComputeBoundMode, PlainMode, StagedMode
-from benchmarks.paired import paired_ratio, per_step, run_interleaved
+from benchmarks.paired import paired_ratio, timed_rounds
 from benchmarks.workloads.criteo import CriteoWorkload
 
 STEPS = 100
@@ -152,21 +152,15 @@ def main(argv=None):
         modes["staged, stage threads idle-class"] = idle_staged
     else:
         print("no SCHED_IDLE here (Linux only): idle-class modes left out")
-    records = run_interleaved(
-        modes, reps, log=lambda line: print(line, flush=True)
-    )
+    _, seconds, cpu = timed_rounds(modes, reps)
     workload.close()
-    seconds = {name: per_step(records[name]) for name in modes}
-    cpu = {name: per_step(records[name], "cpu_seconds") for name in modes}
     print(
         f"{'mode':34} ms/step  CPU ms/step  time / plain (paired)  "
         "speedup over plain (paired)"
     )
     for name in modes:
         ratio = paired_ratio(seconds[name], seconds["plain"])
-        speedup = statistics.median(
-            b / a for a, b in zip(seconds[name], seconds["plain"], strict=True)
-        )
+        speedup = paired_ratio(seconds["plain"], seconds[name])
         print(
             f"{name:34} {statistics.median(seconds[name]) * 1e3:7.2f}  "
             f"{statistics.median(cpu[name]) * 1e3:11.2f}  "

@@ -31,7 +31,7 @@ import sys
 import tensorflow as tf
 
 from benchmarks.modes import ComputeBoundMode, FitMode, StagedMode
-from benchmarks.paired import paired_ratio, per_step, run_interleaved
+from benchmarks.paired import paired_ratio, timed_rounds
 from benchmarks.workloads.remote import RemoteWorkload
 
 STEPS = 300
@@ -111,12 +111,8 @@ def main(argv=None):
         "split, 16 + 1": PipelineMode(workload, "split-16-1", POOL, 1),
         "compute-bound": ComputeBoundMode(workload),
     }
-    records = run_interleaved(
-        modes, reps, log=lambda line: print(line, flush=True)
-    )
+    _, seconds, cpu = timed_rounds(modes, reps)
     workload.close()
-    seconds = {name: per_step(records[name]) for name in modes}
-    cpu = {name: per_step(records[name], "cpu_seconds") for name in modes}
     print(
         f"{'pipeline':30} ms/step  CPU ms/step  time / staged  "
         "time / compute-bound (paired)"

@@ -18,7 +18,7 @@ import tempfile
 import tensorflow as tf
 
 from benchmarks.modes import ExpertMode, StagedMode
-from benchmarks.paired import paired_ratio, per_step, run_interleaved
+from benchmarks.paired import paired_ratio, timed_rounds
 from benchmarks.workloads.images import ImagesWorkload
 
 STEPS = 60
@@ -55,12 +55,8 @@ def main(argv=None):
                 workload, name="staged-pool2", options={"thread_pool_size": 2}
             ),
         }
-        records = run_interleaved(
-            modes, reps, log=lambda line: print(line, flush=True)
-        )
+        records, seconds, cpu = timed_rounds(modes, reps)
         workload.close()
-    seconds = {name: per_step(records[name]) for name in modes}
-    cpu = {name: per_step(records[name], "cpu_seconds") for name in modes}
     auto_pools = [
         record["verdict"]["thread_pool_size"]
         for record in records["staged, auto"]

@@ -408,14 +408,22 @@ def test_remote_read_rejects_an_unknown_kind():
         RemoteWorkload(steps=1, read="disk")
 
 
+def _compare_briefly(module, monkeypatch, capsys):
+    """Runs comparison script `module` for one round of 2 steps.
+
+    Returns the lines it printed.
+    """
+    monkeypatch.setattr(module, "STEPS", 2)
+    assert module.main(["1"]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_thread_pool_comparison_runs(monkeypatch, capsys):
     from benchmarks import thread_pool
 
-    monkeypatch.setattr(thread_pool, "STEPS", 2)
-    assert thread_pool.main(["1"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    lines = _compare_briefly(thread_pool, monkeypatch, capsys)
     rows = {line[:28].strip(): line[28:].split() for line in lines[-6:-1]}
     assert set(rows) == {
         "expert",
@@ -567,9 +575,7 @@ def test_default_repetitions_scale_with_the_workload(monkeypatch):
 def test_criteo_overlap_comparison_runs(monkeypatch, capsys):
     from benchmarks import criteo_overlap
 
-    monkeypatch.setattr(criteo_overlap, "STEPS", 2)
-    assert criteo_overlap.main(["1"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    lines = _compare_briefly(criteo_overlap, monkeypatch, capsys)
     names = {"plain", "trunk alone", "staged"}
     if criteo_overlap.idle_class_supported():
         names |= {

@@ -163,8 +163,10 @@ class CriteoWorkload(Workload):
     # single repetitions of a mode spread here: 7 cannot settle it.
     reps_factor = 3
     # At these sizes (`--trunk light`) a training step of the trunk takes
-    # about 3x as long as parsing the batch on one core (~14 ms vs ~4-5 ms
-    # on the 2-core reference machine): the same order, as issue 4 asks.
+    # 3-5x as long as parsing the batch (trunk alone 4.2-5.3 ms/step and
+    # 6.3-7.4 ms of CPU, parsing 1.4-1.5 ms of CPU per batch on the 2-core
+    # reference machine in the 321d727 runs): the same order, as issue 4
+    # asks.
     # `--trunk heavy` makes the MLPs 4x wider.
     bottom_widths = (32,)
     top_widths = (128, 64)
