@@ -576,12 +576,21 @@ def test_criteo_overlap_comparison_runs(monkeypatch, capsys):
     from benchmarks import criteo_overlap
 
     lines = _compare_briefly(criteo_overlap, monkeypatch, capsys)
-    names = {"plain", "trunk alone", "staged"}
+    names = {
+        "plain",
+        "expert",
+        "trunk alone",
+        "staged",
+        "trunk, a process parses beside",
+    }
+    parsing = ["trunk, a process parses beside"]
     if criteo_overlap.idle_class_supported():
         names |= {
+            "trunk, idle-class process parses",
             "trunk, idle-class loop beside",
             "staged, stage threads idle-class",
         }
+        parsing.append("trunk, idle-class process parses")
         # The staged-idle run after the warm-up moved its iterator's threads
         # (its private pool at least); the warm-up moved none.
         moved = lines[-1].rsplit("[", 1)[1].rstrip("]").split(",")
@@ -590,6 +599,12 @@ def test_criteo_overlap_comparison_runs(monkeypatch, capsys):
         # normal class.
         assert os.sched_getscheduler(0) == os.SCHED_OTHER
         lines = lines[:-1]
+    # The parsing processes answered every repetition's request to finish
+    # (a process that ended or hung fails the run instead).
+    lags = lines[-1].split(": ", 1)[1].split("; ")
+    assert [lag.split(":")[0] for lag in lags] == parsing, lines[-1]
+    assert all(lag.endswith(" ms") for lag in lags), lines[-1]
+    lines = lines[:-1]
     rows = {
         line[:34].strip(): line[34:].split() for line in lines[-len(names) :]
     }
