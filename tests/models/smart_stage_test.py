@@ -249,7 +249,19 @@ def test_model_stays_whole_after_a_staged_fit(tmp_path):
     np.testing.assert_allclose(
         staged(X), plain.predict(X, verbose=0), rtol=1e-5, atol=1e-6
     )
-    # Keras's own plain steps still work on raw data.
+    # Keras's own plain steps still work on raw data (the README suggests
+    # predict_on_batch for small inputs: it builds no stage).
+    np.testing.assert_allclose(
+        staged.predict_on_batch(X[:8]),
+        plain.predict(X[:8], verbose=0),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    np.testing.assert_allclose(
+        staged.test_on_batch(X[:8], Y[:8]),
+        plain.test_on_batch(X[:8], Y[:8]),
+        rtol=1e-6,
+    )
     staged.train_on_batch(X[:8], Y[:8])
     path = tmp_path / "m.keras"
     staged.save(path)
