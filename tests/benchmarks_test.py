@@ -611,3 +611,53 @@ def test_criteo_overlap_comparison_runs(monkeypatch, capsys):
     assert set(rows) == names
     assert rows["plain"][2] == "1.000"
     assert all(float(value) > 0 for row in rows.values() for value in row)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_regimes_time_every_regime_and_mode(tmp_path, capsys):
+    from benchmarks import regimes
+
+    argv = ["--tiny", "--rounds", "1", "--name", "smoke"]
+    assert regimes.main([*argv, "--out", str(tmp_path)]) == 0
+    # Every stage the run made has stopped its threads.
+    assert all(staged.close(timeout=1.0) for staged in live_stages())
+    with open(tmp_path / "smoke.json") as f:
+        results = json.load(f)
+    assert results["config"]["rounds"] == 1
+    assert results["environment"]["git_commit"]
+    assert list(results["models"]) == list(regimes.MODELS)
+    table = capsys.readouterr().out
+    for model in results["models"].values():
+        assert list(model["regimes"]) == list(regimes.REGIMES)
+        for name, regime in model["regimes"].items():
+            assert name in table
+            assert list(regime["modes"]) == list(regimes.MODES)
+            for mode in regime["modes"].values():
+                (record,) = mode["rounds"]
+                assert 0 < mode["steps_seconds_median"] < mode["seconds_median"]
+                assert record["seconds"] == mode["seconds_median"]
+            # The same batches in every mode.
+            assert len({m["steps"] for m in regime["modes"].values()}) == 1
+            ratios = regime["paired_ratios"]
+            assert set(ratios) == {"staged/plain", "expert/plain"}
+            assert all(v > 0 for r in ratios.values() for v in r.values())
+            check = regime["target"]
+            assert check["value"] == ratios["staged/plain"]["seconds"]
+            assert check["met"] == (check["value"] <= check["bound"])
+    assert len(results["targets"]) == len(regimes.MODELS) * len(regimes.REGIMES)
+
+
+def test_regimes_cli_and_targets(capsys):
+    from benchmarks import regimes
+
+    with pytest.raises(SystemExit):
+        regimes.parse_args(["--regimes", "short_epochs,long_epochs"])
+    assert "long_epochs" in capsys.readouterr().err
+    args = regimes.parse_args(["--quick", "--models", "dense"])
+    assert (args.rounds, args.models, args.name) == (2, ["dense"], "regimes")
+    assert args.regimes == list(regimes.REGIMES)
+    assert regimes.target("dense", "short_epochs") == 1.05
+    assert regimes.target("tabular", "short_epochs") == 1.0
+    assert regimes.target("tabular", "fresh_model") == 1.10
+    assert regimes.target("dense", "predict8_x10") == 1.5
