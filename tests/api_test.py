@@ -118,8 +118,10 @@ def test_staged_input_signature():
         *_STAGE_OPTIONS,
         *_DEVICE_OPTIONS,
         *_SERVICE_OPTIONS,
+        "adaptive",
         "kwargs",
     ]
+    assert params["adaptive"].default is True
     assert params["service"].default is None
     assert params["processing_mode"].default == "distributed_epoch"
 

@@ -132,6 +132,15 @@ class StagedInput(keras.layers.Layer):
             `"distributed_epoch"` (each example once per epoch, split
             across the workers) or `"parallel_epochs"` (every worker runs
             the whole dataset). Defaults to `"distributed_epoch"`.
+        adaptive: Stage a fit/evaluate/predict call on in-memory arrays
+            only when it can pay: a call too short to repay its stage's
+            set-up (one batch, or less staged work in all than the set-up
+            measured on the model's earlier staged calls) runs the whole
+            model in Keras's own step instead, with the same results.
+            `False` stages every call. Calls with exception policies
+            (`ignored_exception_types`, other `closed_exception_types`) or
+            a `service`, and calls on datasets, generators or PyDatasets
+            are always staged. Defaults to `True`.
         **kwargs: Base layer arguments (`name`, ...).
 
     Example:
@@ -164,9 +173,16 @@ class StagedInput(keras.layers.Layer):
         pack_transfer=AUTO,
         service=None,
         processing_mode="distributed_epoch",
+        adaptive=True,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        if not isinstance(adaptive, bool):
+            raise TypeError(
+                "Invalid value for argument `adaptive`. Expected True or "
+                f"False. Received: adaptive={adaptive!r}"
+            )
+        self.adaptive = adaptive
         if isinstance(closed_exception_types, (list, tuple)):
             closed_exception_types = tuple(
                 _exception_from_name(t, "closed_exception_types")
@@ -275,4 +291,5 @@ class StagedInput(keras.layers.Layer):
             _exception_to_name(t) for t in options["ignored_exception_types"]
         ]
         config.update(options)
+        config["adaptive"] = self.adaptive
         return config

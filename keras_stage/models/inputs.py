@@ -15,6 +15,8 @@ import tensorflow as tf
 from keras_stage import _compat
 from keras_stage.data.service import DISTRIBUTED_EPOCH
 from keras_stage.data.staging import StagedDataset
+from keras_stage.models.call_costs import in_memory
+from keras_stage.models.iterators import DeferredPipeline
 from keras_stage.models.sources import check_source, is_python_source
 
 logger = logging.getLogger("keras_stage")
@@ -110,11 +112,28 @@ class StagedData:
         # The structure of the data before the stage (the model's inputs).
         self.element_spec = element_spec
         staged.runner.records_in_step = in_step
+        # Whether Keras gets iterators made when first read (see
+        # `DeferredPipeline`): only over Keras's own dataset of in-memory
+        # arrays, built for this call and drawing its shuffle per
+        # iterator. Making an iterator of a user's dataset can change what
+        # the next one draws (a seeded `shuffle` shares its seed generator
+        # between iterators), so those are made when Keras makes them.
+        self.defers = False
+        # Told the seconds each iterator of `pipeline` took to make.
+        self.on_iterator = None
+        # Set by a consumer that notes the stage's costs (see CallCosts):
+        # the phase they are noted for, and the work counters at the start.
+        self.cost_phase = None
+        self.work_before = None
 
     @property
     def in_step(self):
         """Whether the compiled step records the fetches (see StageStats)."""
         return self.staged.runner.records_in_step
+
+    def _made(self, seconds):
+        if self.on_iterator is not None:
+            self.on_iterator(seconds)
 
     def end_call(self):
         """Drops what iterators of a stage built for the ended call still make.
@@ -133,6 +152,8 @@ class StagedData:
             self.staged.lean_pipeline if self.in_step else self.staged.pipeline
         )
         if self.strategy is None:
+            if self.defers:
+                return DeferredPipeline(pipeline, self._made)
             return pipeline
         return distribute_inputs(
             self.strategy, pipeline, self.staged.stage_options
@@ -248,7 +269,7 @@ def stage_data(
     )
     if split is not None:
         staged.runner.staged_layers = tuple(split.plan.staged_layers)
-    return StagedData(
+    data = StagedData(
         staged,
         adapter,
         split,
@@ -256,3 +277,5 @@ def stage_data(
         in_step=stats is not None,
         strategy=strategy if distributed else None,
     )
+    data.defers = in_memory(x)
+    return data

@@ -24,6 +24,7 @@ like its Keras base class.
 import contextlib
 import logging
 import threading
+import time
 import warnings
 import weakref
 
@@ -37,7 +38,9 @@ from keras_stage.data.errors import StageTimeoutError
 from keras_stage.data.runner import EndOfData, SkipElement
 from keras_stage.data.stats import StageStats
 from keras_stage.layers.staged_input import StagedInput
+from keras_stage.models.call_costs import CallCosts, array_batches
 from keras_stage.models.inputs import stage_data
+from keras_stage.models.iterators import resolve
 from keras_stage.planner.planner import plan_model
 from keras_stage.planner.state_access import all_layers
 
@@ -88,6 +91,8 @@ class _StagingState:
         # Set, in the thread tracing a step, to the trunk the model's call
         # runs instead of the whole model.
         self.local = threading.local()
+        # What the model's staged calls cost, to skip those that cannot pay.
+        self.costs = CallCosts()
 
 
 def _state(model):
@@ -138,6 +143,7 @@ def _guard(model, phase, function):
     unrecorded = _UnrecordedStep(model, phase)
 
     def guarded(iterator):
+        iterator = resolve(iterator)
         state = _state(model)
         runner = state.runners.get(phase)
         if runner is None:
@@ -551,10 +557,21 @@ def _with_data_backup(model, callbacks):
     return out
 
 
-def _end_call(prefetch, built):
+@contextlib.contextmanager
+def _unstaged_call(prefetch):
+    """Runs a call whose stage was skipped; its callback ends as usual."""
+    try:
+        yield
+    finally:
+        prefetch.close()
+
+
+def _end_call(model, prefetch, built):
     """Ends a fit/evaluate/predict call: its stages and their threads."""
     try:
         for data in built:
+            if data.owned and data.cost_phase is not None:
+                _note_work(model, data)
             data.end_call()
     finally:
         prefetch.close()
@@ -578,6 +595,126 @@ def _with_prefetch_callback(callbacks):
     prefetch = found[0] if found else PrefetchCallback()
     others = [cb for cb in callbacks if cb is not prefetch]
     return [prefetch] + others, prefetch
+
+
+def _may_skip_stage(layer):
+    """Whether skipping a call's stage changes nothing but its speed.
+
+    Exception policies and the tf.data service change what a call does;
+    the timeout guards reading, which in-memory arrays do not do.
+    """
+    options = layer.stage_options
+    return (
+        layer.adaptive
+        and not options.ignored_exception_types
+        and tuple(options.closed_exception_types)
+        == (tf.errors.OutOfRangeError,)
+        and options.service is None
+    )
+
+
+def _stages(model, layer, phase, batches, iterators=1, checked_callbacks=()):
+    """Whether a call of `phase` reading `batches` batches is staged.
+
+    See `CallCosts.stages`; `batches` is None when not from arrays.
+    `checked_callbacks`: the call's callbacks, checked as a staged call
+    checks them whichever way it runs.
+    """
+    _with_prefetch_callback(checked_callbacks)
+    if not _may_skip_stage(layer):
+        return True
+    costs = _state(model).costs
+    if costs.stages(phase, batches, iterators):
+        return True
+    logger.info(
+        "Model '%s': %s runs the whole model in Keras's step, unstaged: %s.",
+        model.name,
+        phase,
+        costs.describe(phase, batches, iterators),
+    )
+    return False
+
+
+def _staged_data(model, phase, *args, **kwargs):
+    """`stage_data(*args, **kwargs)`, its costs noted for `phase`."""
+    costs = _state(model).costs
+    split = kwargs.get("split")
+    traced = 0.0 if split is None else split.trace_seconds
+    started = time.perf_counter()
+    data = stage_data(*args, **kwargs)
+    seconds = time.perf_counter() - started
+    if split is not None:
+        # Tracing the staged layers is paid once per model, not per call.
+        seconds -= split.trace_seconds - traced
+    costs.note_build(phase, seconds)
+
+    def made(seconds):
+        costs.note_iterator(phase, seconds)
+
+    data.on_iterator = made
+    data.cost_phase = phase
+    snapshot = data.staged.stats.snapshot()
+    data.work_before = (snapshot["busy_seconds"], snapshot["produced"])
+    return data
+
+
+def _note_work(model, data):
+    """Notes the staged work `data`'s stage did in the call ending."""
+    if data.staged.stats.closed:
+        return
+    snapshot = data.staged.stats.snapshot()
+    busy, produced = data.work_before
+    _state(model).costs.note_work(
+        data.cost_phase,
+        snapshot["busy_seconds"] - busy,
+        snapshot["produced"] - produced,
+        has_work=data.split is not None,
+    )
+
+
+def _validation_runs(initial_epoch, epochs, validation_freq):
+    """How many of a fit's epochs run validation (as Keras's fit decides)."""
+    return sum(
+        1
+        for epoch in range(initial_epoch, epochs)
+        if (
+            (epoch + 1) % validation_freq == 0
+            if isinstance(validation_freq, int)
+            else epoch + 1 in validation_freq
+        )
+    )
+
+
+def _fit_stages(model, layer, x, validation_data, **kwargs):
+    """Whether a fit is staged: its training or its validation can pay."""
+    epochs = max(kwargs["epochs"] - kwargs["initial_epoch"], 0)
+    batches = array_batches(x, kwargs["batch_size"], kwargs["steps_per_epoch"])
+    if _stages(
+        model,
+        layer,
+        "train",
+        None if batches is None else batches * epochs,
+        iterators=epochs,
+    ):
+        return True
+    if validation_data is None:
+        return False
+    val_x, _, _ = keras.utils.unpack_x_y_sample_weight(validation_data)
+    runs = _validation_runs(
+        kwargs["initial_epoch"], kwargs["epochs"], kwargs["validation_freq"]
+    )
+    batches = array_batches(
+        val_x,
+        kwargs["validation_batch_size"] or kwargs["batch_size"],
+        kwargs["validation_steps"],
+    )
+    return _stages(
+        model,
+        layer,
+        "test",
+        None if batches is None else batches * runs,
+        iterators=runs,
+    )
 
 
 class StagingMixin:
@@ -621,6 +758,7 @@ class StagingMixin:
         state.plan = state.split = None
         state.staged_functions.clear()
         state.announced = False
+        state.costs = CallCosts()
 
     def get_stage_plan(self):
         """The SmartStage plan of this model: what the stage runs, and why.
@@ -777,9 +915,8 @@ class StagingMixin:
         validation_batch_size=None,
         validation_freq=1,
     ):
-        layer, split = self._stage_setup()
-        if layer is None:
-            return super().fit(
+        def unstaged():
+            return super(StagingMixin, self).fit(
                 x=x,
                 y=y,
                 batch_size=batch_size,
@@ -797,18 +934,40 @@ class StagingMixin:
                 validation_batch_size=validation_batch_size,
                 validation_freq=validation_freq,
             )
+
+        layer, split = self._stage_setup()
+        if layer is None:
+            return unstaged()
+        callbacks, prefetch = _with_prefetch_callback(callbacks)
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = (
                 _compat.train_validation_split(
                     (x, y, sample_weight), validation_split
                 )
             )
-        callbacks, prefetch = _with_prefetch_callback(callbacks)
+            validation_split = 0.0
+        if not _fit_stages(
+            self,
+            layer,
+            x,
+            validation_data,
+            batch_size=batch_size,
+            epochs=epochs,
+            initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch,
+            validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size,
+            validation_freq=validation_freq,
+        ):
+            with _unstaged_call(prefetch):
+                return unstaged()
         callbacks = _with_data_backup(self, callbacks)
         state = _state(self)
         built = []
         try:
-            train = stage_data(
+            train = _staged_data(
+                self,
+                "train",
                 layer,
                 "train",
                 x,
@@ -829,7 +988,9 @@ class StagingMixin:
                 val_x, val_y, val_sw = keras.utils.unpack_x_y_sample_weight(
                     validation_data
                 )
-                val = stage_data(
+                val = _staged_data(
+                    self,
+                    "test",
                     layer,
                     "val",
                     val_x,
@@ -868,7 +1029,7 @@ class StagingMixin:
             state.iterators.clear()
             state.pending_restores.clear()
             _release_placements(self, state, ("train", "test"))
-            _end_call(prefetch, built)
+            _end_call(self, prefetch, built)
 
     def evaluate(
         self,
@@ -883,8 +1044,20 @@ class StagingMixin:
         **kwargs,
     ):
         layer, split = self._stage_setup()
-        if layer is None or kwargs.get("_use_cached_eval_dataset"):
-            # Unstaged, or the validation of a staged fit (already staged).
+        staged = (
+            layer is not None
+            and not kwargs.get("_use_cached_eval_dataset")
+            and _stages(
+                self,
+                layer,
+                "test",
+                array_batches(x, batch_size, steps),
+                checked_callbacks=callbacks,
+            )
+        )
+        if not staged:
+            # Unstaged, the validation of a staged fit (already staged), or
+            # too short to repay its stage.
             return super().evaluate(
                 x=x,
                 y=y,
@@ -905,7 +1078,9 @@ class StagingMixin:
         outer_placement = state.placements.get("test")
         built = []
         try:
-            test = stage_data(
+            test = _staged_data(
+                self,
+                "test",
                 layer,
                 "test",
                 x,
@@ -945,13 +1120,19 @@ class StagingMixin:
                 _release_placements(self, state, ("test",))
             else:
                 _bind_placement(self, state, "test", outer_placement)
-            _end_call(prefetch, built)
+            _end_call(self, prefetch, built)
 
     def predict(
         self, x, batch_size=None, verbose="auto", steps=None, callbacks=None
     ):
         layer, split = self._stage_setup()
-        if layer is None:
+        if layer is None or not _stages(
+            self,
+            layer,
+            "predict",
+            array_batches(x, batch_size, steps),
+            checked_callbacks=callbacks,
+        ):
             return super().predict(
                 x,
                 batch_size=batch_size,
@@ -962,7 +1143,9 @@ class StagingMixin:
         callbacks, prefetch = _with_prefetch_callback(callbacks)
         built = []
         try:
-            data = stage_data(
+            data = _staged_data(
+                self,
+                "predict",
                 layer,
                 "predict",
                 x,
@@ -986,4 +1169,4 @@ class StagingMixin:
                 )
         finally:
             _release_placements(self, _state(self), ("predict",))
-            _end_call(prefetch, built)
+            _end_call(self, prefetch, built)

@@ -26,6 +26,7 @@ planner cuts before it and leaves it in the trunk.
 """
 
 import re
+import time
 
 import keras
 import tensorflow as tf
@@ -35,6 +36,7 @@ from keras_stage.data.tfio_support import explain_tfio_error
 from keras_stage.planner.stage_plan import BoundaryTensor, StagePlan
 from keras_stage.planner.state_access import (
     TraceError,
+    all_layers,
     seed_states,
     trace_access,
 )
@@ -494,6 +496,29 @@ def _input_name(name, taken):
     return candidate
 
 
+def _state_objects(model):
+    """The tensors and TF resources the layers of `model` hold directly.
+
+    A trace captures these by identity: Keras's preprocessing layers swap
+    them for new ones when re-adapted (variables are assigned in place).
+    """
+    found = []
+    for layer in all_layers(model):
+        for value in vars(layer).values():
+            if isinstance(
+                value,
+                (tf.Tensor, tf.saved_model.experimental.TrackableResource),
+            ):
+                found.append(value)
+    return found
+
+
+def _same_objects(before, now):
+    return len(before) == len(now) and all(
+        a is b for a, b in zip(before, now, strict=True)
+    )
+
+
 class StageSplit:
     """The two runnable halves of a planned model.
 
@@ -548,6 +573,10 @@ class StageSplit:
             if self.seed_states
             else None
         )
+        # Per training flag: (the state objects it was traced with, fn).
+        self._stage_fns = {}
+        # Seconds spent tracing the staged computation so far.
+        self.trace_seconds = 0.0
 
     def number(self, dataset):
         """Tags each element with its ordinal, in order, if seeds need it.
@@ -565,7 +594,36 @@ class StageSplit:
 
         The element is Keras's `(x,)`, `(x, y)`, `(x, y, sample_weight)` or
         a bare `x`; `x` is replaced by the cut tensors.
+
+        A `tf.function`, kept across calls: a stage built for a later
+        fit/evaluate/predict on data of the same structure reuses its trace
+        instead of tracing every staged layer again. It is traced afresh
+        when a staged layer holds new state objects (a lookup layer
+        re-adapted builds a new table; Normalization a new mean tensor),
+        which a trace would otherwise keep.
         """
+        state = _state_objects(self.prefix)
+        cached = self._stage_fns.get(bool(training))
+        if cached is not None and _same_objects(cached[0], state):
+            return cached[1]
+        # Without autograph, as Keras traces its own steps: layer calls
+        # are Python over tensors, and autograph's conversion of every
+        # layer call is most of a trace's time.
+        element_fn = self._element_fn(training)
+
+        def traced(element):
+            # Runs only while tracing: what a first stage build pays once.
+            started = time.perf_counter()
+            try:
+                return element_fn(element)
+            finally:
+                self.trace_seconds += time.perf_counter() - started
+
+        fn = tf.function(traced, autograph=False, reduce_retracing=True)
+        self._stage_fns[bool(training)] = (state, fn)
+        return fn
+
+    def _element_fn(self, training):
         prefix = self.prefix
         numbered = self._ordinal is not None
 

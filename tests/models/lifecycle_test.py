@@ -33,8 +33,10 @@ Y = X.sum(axis=1, keepdims=True)
 def _staged_model():
     inputs = keras.Input(shape=(2,))
     # The default timeout runs each step on a keras_stage helper thread,
-    # which is the thread these tests watch.
-    x = StagedInput(capacity=2, num_threads=2, name="life")(inputs)
+    # which is the thread these tests watch; every call is staged.
+    x = StagedInput(capacity=2, num_threads=2, name="life", adaptive=False)(
+        inputs
+    )
     model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
     model.compile(optimizer="sgd", loss="mse")
     return model
@@ -273,7 +275,9 @@ def test_iterator_kept_alive_by_a_failed_fit_stops_counting():
     # iterator of the stage: its elements must not keep counting in the
     # stats the model's next fit records in.
     inputs = keras.Input(shape=(2,))
-    x = StagedInput(capacity=32, num_threads=1, name="kept")(inputs)
+    x = StagedInput(capacity=32, num_threads=1, name="kept", adaptive=False)(
+        inputs
+    )
     model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(RuntimeError) as info:

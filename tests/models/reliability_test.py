@@ -52,9 +52,14 @@ Y = X.sum(axis=1, keepdims=True)
 
 def _model(name="rel", timeout=DEFAULT_TIMEOUT):
     inputs = keras.Input(shape=(2,))
-    x = StagedInput(capacity=2, num_threads=1, timeout=timeout, name=name)(
-        inputs
-    )
+    # Every call staged: these tests end and restart the stage.
+    x = StagedInput(
+        capacity=2,
+        num_threads=1,
+        timeout=timeout,
+        name=name,
+        adaptive=False,
+    )(inputs)
     model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
     model.compile(optimizer="sgd", loss="mse")
     return model

@@ -35,7 +35,9 @@ X_DICT = {"a": X[:, :2], "b": X[:, 2:]}
 
 
 def _staged_input():
-    return StagedInput(capacity=2, num_threads=2)
+    # Every call staged: these tests check the stage itself (calls that
+    # skip it: stage_reuse_test.py).
+    return StagedInput(capacity=2, num_threads=2, adaptive=False)
 
 
 def _trunk(x):

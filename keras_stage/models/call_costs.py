@@ -1,0 +1,148 @@
+"""Whether a staged call can pay for its stage, from measured costs.
+
+A stage saves at most the staged work of every batch but the first (the
+first batch is waited for however it is made), and costs its set-up: the
+pipeline it builds and each iterator it makes (instantiating the staged
+computation). `CallCosts` keeps both as measured on the model's earlier
+staged calls, per phase, and `stages` answers, before a call, whether
+staging it can be faster than running the whole model in Keras's own step
+(the same results either way). A call is never skipped on a guess: only
+what was measured on this model counts, and what cannot be bounded (data
+from a `tf.data.Dataset`, a generator or a `PyDataset`, whose reading the
+stage also overlaps) is always staged.
+"""
+
+import logging
+import math
+
+import numpy as np
+
+logger = logging.getLogger("keras_stage")
+
+# Keras's batch size when fit/evaluate/predict get arrays and none is given.
+_KERAS_DEFAULT_BATCH_SIZE = 32
+
+
+def array_batches(x, batch_size, steps):
+    """The batch count of a call on in-memory arrays, or None.
+
+    None for data whose reading a stage may overlap (a dataset, generator
+    or PyDataset) or whose length is not known.
+    """
+    if steps is not None:
+        return steps if in_memory(x) else None
+    if not in_memory(x):
+        return None
+    leaves = _leaves(x)
+    if not leaves:
+        return None
+    rows = len(leaves[0])
+    return math.ceil(rows / (batch_size or _KERAS_DEFAULT_BATCH_SIZE))
+
+
+def _leaves(x):
+    if isinstance(x, dict):
+        return [leaf for value in x.values() for leaf in _leaves(value)]
+    if isinstance(x, (list, tuple)):
+        return [leaf for value in x for leaf in _leaves(value)]
+    return [x]
+
+
+def in_memory(x):
+    """Whether `x` is arrays (NumPy, tensors) or nested lists/dicts of them."""
+    leaves = _leaves(x)
+    return bool(leaves) and all(
+        isinstance(leaf, np.ndarray) or _is_tensor(leaf) for leaf in leaves
+    )
+
+
+def _is_tensor(value):
+    # Tensors of any backend: they have a shape and a dtype and are not
+    # datasets (a tf.data.Dataset has neither).
+    return hasattr(value, "shape") and hasattr(value, "dtype")
+
+
+class PhaseCosts:
+    """What staging one phase (train, test, predict) cost on a model."""
+
+    def __init__(self):
+        # Seconds to build a call's stage, and to make one iterator of it.
+        self.build_seconds = None
+        self.iterator_seconds = None
+        # Seconds of staged work per batch; None when not measured (no
+        # staged computation, or timing off under op determinism).
+        self.batch_seconds = None
+
+    def measured(self):
+        return (
+            self.build_seconds is not None
+            and self.iterator_seconds is not None
+            and self.batch_seconds is not None
+        )
+
+    def saving(self, batches):
+        """The most staging `batches` batches can save, in seconds."""
+        return max(batches - 1, 0) * self.batch_seconds
+
+    def cost(self, iterators):
+        """What a call making `iterators` iterators pays for its stage."""
+        return self.build_seconds + iterators * self.iterator_seconds
+
+
+class CallCosts:
+    """The measured costs of a model's staged calls, per phase."""
+
+    def __init__(self):
+        self._phases = {}
+
+    def phase(self, phase):
+        if phase not in self._phases:
+            self._phases[phase] = PhaseCosts()
+        return self._phases[phase]
+
+    def note_build(self, phase, seconds):
+        self.phase(phase).build_seconds = seconds
+
+    def note_iterator(self, phase, seconds):
+        self.phase(phase).iterator_seconds = seconds
+
+    def note_work(self, phase, busy_seconds, produced, has_work):
+        """Notes the staged work a call did: its busy seconds per batch.
+
+        `has_work`: whether the stage computes anything (a SmartStage
+        prefix); a stage of in-memory arrays that computes nothing has
+        nothing to overlap.
+        """
+        costs = self.phase(phase)
+        if not has_work:
+            costs.batch_seconds = 0.0
+        elif produced > 0 and busy_seconds > 0:
+            costs.batch_seconds = busy_seconds / produced
+
+    def stages(self, phase, batches, iterators):
+        """Whether a call of `batches` batches in all should be staged.
+
+        `batches`: the batches it reads from in-memory arrays, or None
+        when it reads something else (always staged). `iterators`: the
+        iterators it makes (one per epoch).
+        """
+        if batches is None:
+            return True
+        if batches <= 1:
+            return False  # one batch: nothing to overlap
+        costs = self.phase(phase)
+        if not costs.measured():
+            return True
+        return costs.saving(batches) > costs.cost(iterators)
+
+    def describe(self, phase, batches, iterators):
+        """Why `stages` said no, in a sentence."""
+        if batches <= 1:
+            return "a call of one batch has nothing to overlap"
+        costs = self.phase(phase)
+        return (
+            f"staging {batches} batches can save at most "
+            f"{1000 * costs.saving(batches):.1f} ms of staged work, less "
+            f"than the {1000 * costs.cost(iterators):.1f} ms its stage "
+            "costs to set up (measured on this model)"
+        )

@@ -1,0 +1,72 @@
+"""Tests for keras_stage/models/call_costs.py: when a call skips its stage."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_stage.models.call_costs import CallCosts, array_batches
+
+
+def _measured(build=0.05, iterator=0.02, batch=0.001):
+    costs = CallCosts()
+    costs.note_build("train", build)
+    costs.note_iterator("train", iterator)
+    costs.note_work("train", batch * 10, 10, has_work=True)
+    return costs
+
+
+def test_array_batches_counts_the_batches_keras_makes():
+    x = {"a": np.zeros((100, 3)), "b": np.zeros((100,))}
+    assert array_batches(x, 32, None) == 4  # Keras's last batch is partial
+    assert array_batches(x, None, None) == 4  # Keras's default of 32
+    assert array_batches(np.zeros((8, 2)), 8, None) == 1
+    assert array_batches(tf.zeros((10, 2)), 4, None) == 3
+    assert array_batches(x, 32, 2) == 2  # `steps` bounds the call
+
+
+def test_array_batches_is_none_for_data_a_stage_may_overlap():
+    dataset = tf.data.Dataset.range(10).batch(2)
+    assert array_batches(dataset, None, None) is None
+    assert array_batches(dataset, None, 5) is None
+    assert array_batches((i for i in range(3)), None, None) is None
+    assert array_batches(None, None, None) is None
+
+
+def test_one_batch_is_never_staged():
+    assert not CallCosts().stages("predict", 1, 1)
+
+
+def test_unmeasured_or_unbounded_calls_are_staged():
+    costs = CallCosts()
+    assert costs.stages("train", 100, 1)  # nothing measured yet
+    assert costs.stages("train", None, 1)  # not arrays
+    costs.note_build("train", 0.05)
+    costs.note_iterator("train", 0.02)
+    # Timing off (op determinism): busy seconds are not measured.
+    costs.note_work("train", 0.0, 10, has_work=True)
+    assert costs.stages("train", 100, 1)
+
+
+def test_a_call_is_staged_only_when_its_work_can_repay_the_set_up():
+    costs = _measured(build=0.05, iterator=0.02, batch=0.001)
+    # 70 ms of set-up: 71 batches of 1 ms can save 70 ms, 72 can save 71.
+    assert not costs.stages("train", 71, 1)
+    assert costs.stages("train", 72, 1)
+    # Each epoch's iterator counts: 4 epochs cost 130 ms.
+    assert not costs.stages("train", 120, 4)
+    assert costs.stages("train", 140, 4)
+    assert "can save at most" in costs.describe("train", 71, 1)
+
+
+def test_a_stage_that_computes_nothing_on_arrays_has_nothing_to_save():
+    costs = CallCosts()
+    costs.note_build("test", 0.01)
+    costs.note_iterator("test", 0.001)
+    costs.note_work("test", 0.0, 0, has_work=False)
+    assert not costs.stages("test", 1000, 1)
+
+
+@pytest.mark.parametrize("phase", ["train", "test", "predict"])
+def test_phases_are_measured_apart(phase):
+    costs = _measured()
+    assert costs.stages(phase, 50, 1) == (phase != "train")
