@@ -12,12 +12,11 @@ from a `tf.data.Dataset`, a generator or a `PyDataset`, whose reading the
 stage also overlaps) is always staged.
 """
 
-import logging
 import math
 
+import keras
 import numpy as np
-
-logger = logging.getLogger("keras_stage")
+import tensorflow as tf
 
 # Keras's batch size when fit/evaluate/predict get arrays and none is given.
 _KERAS_DEFAULT_BATCH_SIZE = 32
@@ -60,6 +59,66 @@ def _is_tensor(value):
     # Tensors of any backend: they have a shape and a dtype and are not
     # datasets (a tf.data.Dataset has neither).
     return hasattr(value, "shape") and hasattr(value, "dtype")
+
+
+def may_skip_stage(layer):
+    """Whether skipping a call's stage changes nothing but its speed.
+
+    `layer`: the call's `StagedInput`. Exception policies and the tf.data
+    service change what a call does; the timeout guards reading, which
+    in-memory arrays do not do.
+    """
+    options = layer.stage_options
+    return (
+        layer.adaptive
+        and not options.ignored_exception_types
+        and tuple(options.closed_exception_types)
+        == (tf.errors.OutOfRangeError,)
+        and options.service is None
+    )
+
+
+def validation_runs(initial_epoch, epochs, validation_freq):
+    """How many of a fit's epochs run validation (as Keras's fit decides)."""
+    return sum(
+        1
+        for epoch in range(initial_epoch, epochs)
+        if (
+            (epoch + 1) % validation_freq == 0
+            if isinstance(validation_freq, int)
+            else epoch + 1 in validation_freq
+        )
+    )
+
+
+def fit_batches(
+    x,
+    validation_data,
+    batch_size,
+    epochs,
+    initial_epoch,
+    steps_per_epoch,
+    validation_steps,
+    validation_batch_size,
+    validation_freq,
+):
+    """A fit's `((batches, epochs), (batches, runs))`.
+
+    For its training and its validation: batches in all (None when not
+    from arrays, see `array_batches`), and the epochs and validation runs,
+    each making one iterator.
+    """
+    epochs, first = max(epochs - initial_epoch, 0), initial_epoch
+    train = array_batches(x, batch_size, steps_per_epoch)
+    train = None if train is None else train * epochs
+    if validation_data is None:
+        return (train, epochs), (None, 0)
+    runs = validation_runs(first, first + epochs, validation_freq)
+    val_x, _, _ = keras.utils.unpack_x_y_sample_weight(validation_data)
+    val = array_batches(
+        val_x, validation_batch_size or batch_size, validation_steps
+    )
+    return (train, epochs), (None if val is None else val * runs, runs)
 
 
 class PhaseCosts:

@@ -38,7 +38,12 @@ from keras_stage.data.errors import StageTimeoutError
 from keras_stage.data.runner import EndOfData, SkipElement
 from keras_stage.data.stats import StageStats
 from keras_stage.layers.staged_input import StagedInput
-from keras_stage.models.call_costs import CallCosts, array_batches
+from keras_stage.models.call_costs import (
+    CallCosts,
+    array_batches,
+    fit_batches,
+    may_skip_stage,
+)
 from keras_stage.models.inputs import stage_data
 from keras_stage.models.iterators import resolve
 from keras_stage.planner.planner import plan_model
@@ -597,22 +602,6 @@ def _with_prefetch_callback(callbacks):
     return [prefetch] + others, prefetch
 
 
-def _may_skip_stage(layer):
-    """Whether skipping a call's stage changes nothing but its speed.
-
-    Exception policies and the tf.data service change what a call does;
-    the timeout guards reading, which in-memory arrays do not do.
-    """
-    options = layer.stage_options
-    return (
-        layer.adaptive
-        and not options.ignored_exception_types
-        and tuple(options.closed_exception_types)
-        == (tf.errors.OutOfRangeError,)
-        and options.service is None
-    )
-
-
 def _stages(model, layer, phase, batches, iterators=1, checked_callbacks=()):
     """Whether a call of `phase` reading `batches` batches is staged.
 
@@ -621,7 +610,7 @@ def _stages(model, layer, phase, batches, iterators=1, checked_callbacks=()):
     checks them whichever way it runs.
     """
     _with_prefetch_callback(checked_callbacks)
-    if not _may_skip_stage(layer):
+    if not may_skip_stage(layer):
         return True
     costs = _state(model).costs
     if costs.stages(phase, batches, iterators):
@@ -672,48 +661,12 @@ def _note_work(model, data):
     )
 
 
-def _validation_runs(initial_epoch, epochs, validation_freq):
-    """How many of a fit's epochs run validation (as Keras's fit decides)."""
-    return sum(
-        1
-        for epoch in range(initial_epoch, epochs)
-        if (
-            (epoch + 1) % validation_freq == 0
-            if isinstance(validation_freq, int)
-            else epoch + 1 in validation_freq
-        )
-    )
-
-
 def _fit_stages(model, layer, x, validation_data, **kwargs):
     """Whether a fit is staged: its training or its validation can pay."""
-    epochs = max(kwargs["epochs"] - kwargs["initial_epoch"], 0)
-    batches = array_batches(x, kwargs["batch_size"], kwargs["steps_per_epoch"])
-    if _stages(
-        model,
-        layer,
-        "train",
-        None if batches is None else batches * epochs,
-        iterators=epochs,
-    ):
-        return True
-    if validation_data is None:
-        return False
-    val_x, _, _ = keras.utils.unpack_x_y_sample_weight(validation_data)
-    runs = _validation_runs(
-        kwargs["initial_epoch"], kwargs["epochs"], kwargs["validation_freq"]
-    )
-    batches = array_batches(
-        val_x,
-        kwargs["validation_batch_size"] or kwargs["batch_size"],
-        kwargs["validation_steps"],
-    )
-    return _stages(
-        model,
-        layer,
-        "test",
-        None if batches is None else batches * runs,
-        iterators=runs,
+    (train, epochs), (val, runs) = fit_batches(x, validation_data, **kwargs)
+    return _stages(model, layer, "train", train, iterators=epochs) or (
+        validation_data is not None
+        and _stages(model, layer, "test", val, iterators=runs)
     )
 
 

@@ -278,8 +278,10 @@ def trace_access(model, nodes):
         return tf.constant(0)
 
     failures = []
-    # AutoGraph on, as in Keras's own train step.
-    traced = tf.function(walk)
+    # AutoGraph off, as in Keras's own compiled steps (their step function
+    # is `do_not_convert`): layer calls are Python over tensors, and
+    # converting each of them is most of a trace's time.
+    traced = tf.function(walk, autograph=False)
     graph = traced.get_concrete_function(*specs).graph
     if failures:
         _clear_trace_losses(nodes)

@@ -4,7 +4,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_stage.models.call_costs import CallCosts, array_batches
+import keras_stage
+from keras_stage.models.call_costs import (
+    CallCosts,
+    array_batches,
+    fit_batches,
+    may_skip_stage,
+)
 
 
 def _measured(build=0.05, iterator=0.02, batch=0.001):
@@ -70,3 +76,40 @@ def test_a_stage_that_computes_nothing_on_arrays_has_nothing_to_save():
 def test_phases_are_measured_apart(phase):
     costs = _measured()
     assert costs.stages(phase, 50, 1) == (phase != "train")
+
+
+def test_fit_batches_counts_epochs_and_validation_runs_as_keras_runs_them():
+    x, val = np.zeros((100, 2)), (np.zeros((40, 2)), np.zeros((40, 1)))
+    kwargs = dict(
+        batch_size=10,
+        epochs=5,
+        initial_epoch=1,
+        steps_per_epoch=None,
+        validation_steps=None,
+        validation_batch_size=None,
+        validation_freq=2,
+    )
+    # Epochs 1..4 train; epochs 2 and 4 (1-based) validate.
+    assert fit_batches(x, val, **kwargs) == ((40, 4), (8, 2))
+    assert fit_batches(x, None, **kwargs) == ((40, 4), (None, 0))
+    kwargs.update(validation_freq=[1, 5], validation_batch_size=20)
+    assert fit_batches(x, val, **kwargs) == ((40, 4), (2, 1))
+    dataset = tf.data.Dataset.range(3)
+    assert fit_batches(dataset, None, **kwargs)[0] == (None, 4)
+
+
+@pytest.mark.parametrize(
+    "options, skippable",
+    [
+        ({}, True),
+        ({"adaptive": False}, False),
+        ({"ignored_exception_types": (tf.errors.DataLossError,)}, False),
+        ({"closed_exception_types": (StopIteration,)}, False),
+        ({"service": "grpc://localhost:5050"}, False),
+    ],
+)
+def test_only_calls_whose_stage_changes_nothing_but_speed_may_skip_it(
+    options, skippable
+):
+    layer = keras_stage.layers.StagedInput(**options)
+    assert may_skip_stage(layer) is skippable
