@@ -131,6 +131,10 @@ class PhaseCosts:
         # Seconds of staged work per batch; None when not measured (no
         # staged computation, or timing off under op determinism).
         self.batch_seconds = None
+        # Median seconds of a step of a staged call (waits included), and
+        # of one running the whole model; None until measured.
+        self.staged_step = None
+        self.plain_step = None
 
     def measured(self):
         return (
@@ -178,6 +182,16 @@ class CallCosts:
         elif produced > 0 and busy_seconds > 0:
             costs.batch_seconds = busy_seconds / produced
 
+    def note_steps(self, phase, staged, seconds):
+        """Notes the seconds of each step of a call, staged or not."""
+        if not seconds:
+            return
+        median = float(np.median(seconds))
+        if staged:
+            self.phase(phase).staged_step = median
+        else:
+            self.phase(phase).plain_step = median
+
     def stages(self, phase, batches, iterators):
         """Whether a call of `batches` batches in all should be staged.
 
@@ -185,23 +199,40 @@ class CallCosts:
         when it reads something else (always staged). `iterators`: the
         iterators it makes (one per epoch).
         """
-        if batches is None:
-            return True
-        if batches <= 1:
-            return False  # one batch: nothing to overlap
-        costs = self.phase(phase)
-        if not costs.measured():
-            return True
-        return costs.saving(batches) > costs.cost(iterators)
+        return self._decide(phase, batches, iterators)[0]
 
     def describe(self, phase, batches, iterators):
-        """Why `stages` said no, in a sentence."""
+        """Why `stages` decided as it did, in a sentence."""
+        return self._decide(phase, batches, iterators)[1]
+
+    def _decide(self, phase, batches, iterators):
+        if batches is None:
+            return True, "its data is not in-memory arrays"
         if batches <= 1:
-            return "a call of one batch has nothing to overlap"
+            return False, "a call of one batch has nothing to overlap"
         costs = self.phase(phase)
-        return (
-            f"staging {batches} batches can save at most "
-            f"{1000 * costs.saving(batches):.1f} ms of staged work, less "
-            f"than the {1000 * costs.cost(iterators):.1f} ms its stage "
-            "costs to set up (measured on this model)"
+        if not costs.measured():
+            return True, "nothing is measured on this model yet"
+        set_up = costs.cost(iterators)
+        if costs.saving(batches) <= set_up:
+            return False, (
+                f"staging {batches} batches can save at most "
+                f"{1000 * costs.saving(batches):.1f} ms of staged work, "
+                f"less than the {1000 * set_up:.1f} ms its stage costs to "
+                "set up (measured on this model)"
+            )
+        if costs.staged_step is None:
+            return True, "its staged steps are not measured"
+        if costs.plain_step is None:
+            # Once: the whole model's step is the baseline a stage must
+            # beat, and running it costs what plain Keras costs.
+            return False, "the whole model's step is measured once"
+        staged = set_up + batches * costs.staged_step
+        plain = batches * costs.plain_step
+        verdict = (
+            f"{batches} staged steps of {1000 * costs.staged_step:.2f} ms "
+            f"and {1000 * set_up:.1f} ms of set-up against whole-model steps "
+            f"of {1000 * costs.plain_step:.2f} ms (medians measured on this "
+            "model)"
         )
+        return staged < plain, verdict

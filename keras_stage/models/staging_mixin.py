@@ -96,8 +96,10 @@ class _StagingState:
         # Set, in the thread tracing a step, to the trunk the model's call
         # runs instead of the whole model.
         self.local = threading.local()
-        # What the model's staged calls cost, to skip those that cannot pay.
+        # What the model's staged calls cost, to skip those that cannot pay,
+        # and the seconds of each train/test step of the current call.
         self.costs = CallCosts()
+        self.step_seconds = {"train": [], "test": []}
 
 
 def _state(model):
@@ -148,11 +150,14 @@ def _guard(model, phase, function):
     unrecorded = _UnrecordedStep(model, phase)
 
     def guarded(iterator):
+        started = time.perf_counter()
         iterator = resolve(iterator)
         state = _state(model)
         runner = state.runners.get(phase)
         if runner is None:
-            return _reported(function(iterator))[0]
+            outputs = _reported(function(iterator))[0]
+            state.step_seconds[phase].append(time.perf_counter() - started)
+            return outputs
         _track_iterator(state, phase, iterator)
         while True:
             try:
@@ -169,6 +174,7 @@ def _guard(model, phase, function):
                     values = report.numpy().tolist()
                     unrecorded.reported(values)
                     runner.take_report(iterator, values)
+                state.step_seconds[phase].append(time.perf_counter() - started)
                 return outputs
             except SkipElement:
                 continue
@@ -563,6 +569,19 @@ def _with_data_backup(model, callbacks):
 
 
 @contextlib.contextmanager
+def _timed_steps(model, phases, staged):
+    """Notes the median step of a call's `phases`, staged or not."""
+    state = _state(model)
+    for phase in phases:
+        state.step_seconds[phase] = []
+    try:
+        yield
+    finally:
+        for phase in phases:
+            state.costs.note_steps(phase, staged, state.step_seconds[phase])
+
+
+@contextlib.contextmanager
 def _unstaged_call(prefetch):
     """Runs a call whose stage was skipped; its callback ends as usual."""
     try:
@@ -912,7 +931,10 @@ class StagingMixin:
             validation_batch_size=validation_batch_size,
             validation_freq=validation_freq,
         ):
-            with _unstaged_call(prefetch):
+            with (
+                _unstaged_call(prefetch),
+                _timed_steps(self, ("train", "test"), staged=False),
+            ):
                 return unstaged()
         callbacks = _with_data_backup(self, callbacks)
         state = _state(self)
@@ -963,6 +985,7 @@ class StagingMixin:
             with (
                 _skips_end_epochs_early(layer, built, callbacks),
                 _staged_steps(self, ("train", "test"), splits),
+                _timed_steps(self, ("train", "test"), staged=True),
             ):
                 return super().fit(
                     x=train.pipeline,
@@ -996,22 +1019,8 @@ class StagingMixin:
         return_dict=False,
         **kwargs,
     ):
-        layer, split = self._stage_setup()
-        staged = (
-            layer is not None
-            and not kwargs.get("_use_cached_eval_dataset")
-            and _stages(
-                self,
-                layer,
-                "test",
-                array_batches(x, batch_size, steps),
-                checked_callbacks=callbacks,
-            )
-        )
-        if not staged:
-            # Unstaged, the validation of a staged fit (already staged), or
-            # too short to repay its stage.
-            return super().evaluate(
+        def unstaged():
+            return super(StagingMixin, self).evaluate(
                 x=x,
                 y=y,
                 batch_size=batch_size,
@@ -1022,6 +1031,20 @@ class StagingMixin:
                 return_dict=return_dict,
                 **kwargs,
             )
+
+        layer, split = self._stage_setup()
+        if layer is None or kwargs.get("_use_cached_eval_dataset"):
+            # Unstaged, or the validation of a fit (staged with the fit).
+            return unstaged()
+        if not _stages(
+            self,
+            layer,
+            "test",
+            array_batches(x, batch_size, steps),
+            checked_callbacks=callbacks,
+        ):
+            with _timed_steps(self, ("test",), staged=False):
+                return unstaged()
         callbacks, prefetch = _with_prefetch_callback(callbacks)
         state = _state(self)
         # Set when evaluate runs inside fit (from a callback): the runner of
@@ -1051,6 +1074,7 @@ class StagingMixin:
             with (
                 _skips_end_epochs_early(layer, built, callbacks),
                 _staged_steps(self, ("test",), {"test": test.split}),
+                _timed_steps(self, ("test",), staged=True),
             ):
                 return super().evaluate(
                     x=test.pipeline,

@@ -113,3 +113,21 @@ def test_only_calls_whose_stage_changes_nothing_but_speed_may_skip_it(
 ):
     layer = keras_stage.layers.StagedInput(**options)
     assert may_skip_stage(layer) is skippable
+
+
+def test_a_stage_that_may_pay_is_compared_with_the_whole_models_step():
+    costs = _measured(build=0.05, iterator=0.02, batch=0.005)
+    assert costs.stages("train", 100, 1)  # its steps are not measured yet
+    costs.note_steps("train", True, [0.004, 0.004, 0.5])  # median 4 ms
+    # The whole model's step is measured once, by a call that runs it.
+    assert not costs.stages("train", 100, 1)
+    assert "measured once" in costs.describe("train", 100, 1)
+    costs.note_steps("train", False, [0.005] * 3)
+    # 70 ms + 100 x 4 ms = 470 ms against 100 x 5 ms = 500 ms.
+    assert costs.stages("train", 100, 1)
+    # Against 4.5 ms whole-model steps the stage no longer pays.
+    costs.note_steps("train", False, [0.0045])
+    assert not costs.stages("train", 100, 1)
+    assert "whole-model steps of 4.50 ms" in costs.describe("train", 100, 1)
+    costs.note_steps("train", False, [])  # a call with no step notes nothing
+    assert costs.phase("train").plain_step == 0.0045
