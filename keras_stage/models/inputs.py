@@ -152,9 +152,7 @@ class StagedData:
             self.staged.lean_pipeline if self.in_step else self.staged.pipeline
         )
         if self.strategy is None:
-            if self.defers:
-                return DeferredPipeline(pipeline, self._made)
-            return pipeline
+            return DeferredPipeline(pipeline, self._made, defer=self.defers)
         return distribute_inputs(
             self.strategy, pipeline, self.staged.stage_options
         )

@@ -58,12 +58,14 @@ class DeferredPipeline(tf.data.Dataset):
 
     Used as a dataset otherwise (inside a `tf.function`, transformed) it is
     `pipeline` itself. `made(seconds)` is told how long each real
-    iterator took to make.
+    iterator took to make. With `defer=False` the real iterators are made
+    when Keras asks for them, and only timed.
     """
 
-    def __init__(self, pipeline, made):
+    def __init__(self, pipeline, made, defer=True):
         self._pipeline = pipeline
         self._made = made
+        self._defer = defer
         super().__init__(_compat.dataset_variant(pipeline))
 
     def _inputs(self):
@@ -76,4 +78,5 @@ class DeferredPipeline(tf.data.Dataset):
     def __iter__(self):
         if not tf.executing_eagerly():
             return iter(self._pipeline)
-        return DeferredIterator(self._pipeline, self._made)
+        iterator = DeferredIterator(self._pipeline, self._made)
+        return iterator if self._defer else iterator.resolve()

@@ -100,6 +100,7 @@ class _StagingState:
         # and the seconds of each train/test step of the current call.
         self.costs = CallCosts()
         self.step_seconds = {"train": [], "test": []}
+        self.iterator_seconds = {"train": 0.0, "test": 0.0, "predict": 0.0}
 
 
 def _state(model):
@@ -569,16 +570,54 @@ def _with_data_backup(model, callbacks):
 
 
 @contextlib.contextmanager
-def _timed_steps(model, phases, staged):
-    """Notes the median step of a call's `phases`, staged or not."""
+def _timed_steps(model, staged):
+    """Notes the median step of a call's phases, staged or not.
+
+    `staged` maps each phase to whether its steps read the stage's work
+    (False: the whole model ran in the step).
+    """
     state = _state(model)
-    for phase in phases:
+    for phase in staged:
         state.step_seconds[phase] = []
+        state.iterator_seconds[phase] = 0.0
     try:
         yield
     finally:
-        for phase in phases:
-            state.costs.note_steps(phase, staged, state.step_seconds[phase])
+        for phase, flag in staged.items():
+            state.costs.note_steps(
+                phase,
+                flag,
+                state.step_seconds[phase],
+                state.iterator_seconds[phase],
+            )
+
+
+def _call_split(model, layer, phase, split):
+    """The split a staged call of `phase` runs, or None for the whole model.
+
+    With None the stage still reads the data (its timeout and policies
+    apply) and the staged layers run in the step: chosen when the
+    model's steps measured that way were faster (see
+    `CallCosts.prefix_in_stage`).
+    """
+    if split is None or not may_skip_stage(layer):
+        return split
+    in_stage, reason = _state(model).costs.prefix_in_stage(phase)
+    if in_stage:
+        return split
+    logger.info(
+        "Model '%s': %s runs its staged layers in the step; the stage only "
+        "reads the data: %s.",
+        model.name,
+        phase,
+        reason,
+    )
+    return None
+
+
+def _reads_staged_work(split, call_split):
+    """Whether a staged call's steps read the stage's work (for timing)."""
+    return split is None or call_split is not None
 
 
 @contextlib.contextmanager
@@ -658,6 +697,7 @@ def _staged_data(model, phase, *args, **kwargs):
 
     def made(seconds):
         costs.note_iterator(phase, seconds)
+        _state(model).iterator_seconds[phase] += seconds
 
     data.on_iterator = made
     data.cost_phase = phase
@@ -933,12 +973,18 @@ class StagingMixin:
         ):
             with (
                 _unstaged_call(prefetch),
-                _timed_steps(self, ("train", "test"), staged=False),
+                _timed_steps(self, {"train": False, "test": False}),
             ):
                 return unstaged()
         callbacks = _with_data_backup(self, callbacks)
         state = _state(self)
         built = []
+        train_split = _call_split(self, layer, "train", split)
+        val_split = (
+            None
+            if validation_data is None
+            else _call_split(self, layer, "test", split)
+        )
         try:
             train = _staged_data(
                 self,
@@ -952,13 +998,13 @@ class StagingMixin:
                 steps=steps_per_epoch,
                 shuffle=shuffle,
                 class_weight=class_weight,
-                split=split,
+                split=train_split,
                 stats=_step_stats(self, layer, "train"),
                 strategy=self.distribute_strategy,
             )
             built.append(train)
             _bind(self, prefetch, state, "train", train)
-            val_pipeline, val_split = None, None
+            val_pipeline = None
             if validation_data is not None:
                 val_x, val_y, val_sw = keras.utils.unpack_x_y_sample_weight(
                     validation_data
@@ -973,19 +1019,25 @@ class StagingMixin:
                     val_sw,
                     batch_size=validation_batch_size or batch_size,
                     steps=validation_steps,
-                    split=split,
+                    split=val_split,
                     stats=_step_stats(self, layer, "test"),
                     strategy=self.distribute_strategy,
                 )
                 built.append(val)
                 _bind(self, prefetch, state, "test", val)
-                val_pipeline, val_split = val.pipeline, val.split
+                val_pipeline = val.pipeline
             _build_for_strategy(self, train)
             splits = {"train": train.split, "test": val_split}
             with (
                 _skips_end_epochs_early(layer, built, callbacks),
                 _staged_steps(self, ("train", "test"), splits),
-                _timed_steps(self, ("train", "test"), staged=True),
+                _timed_steps(
+                    self,
+                    {
+                        "train": _reads_staged_work(split, train_split),
+                        "test": _reads_staged_work(split, val_split),
+                    },
+                ),
             ):
                 return super().fit(
                     x=train.pipeline,
@@ -1043,7 +1095,7 @@ class StagingMixin:
             array_batches(x, batch_size, steps),
             checked_callbacks=callbacks,
         ):
-            with _timed_steps(self, ("test",), staged=False):
+            with _timed_steps(self, {"test": False}):
                 return unstaged()
         callbacks, prefetch = _with_prefetch_callback(callbacks)
         state = _state(self)
@@ -1053,6 +1105,7 @@ class StagingMixin:
         outer_recording = state.recording.get("test")
         outer_placement = state.placements.get("test")
         built = []
+        test_split = _call_split(self, layer, "test", split)
         try:
             test = _staged_data(
                 self,
@@ -1064,7 +1117,7 @@ class StagingMixin:
                 sample_weight,
                 batch_size=batch_size,
                 steps=steps,
-                split=split,
+                split=test_split,
                 stats=_step_stats(self, layer, "test"),
                 strategy=self.distribute_strategy,
             )
@@ -1074,7 +1127,9 @@ class StagingMixin:
             with (
                 _skips_end_epochs_early(layer, built, callbacks),
                 _staged_steps(self, ("test",), {"test": test.split}),
-                _timed_steps(self, ("test",), staged=True),
+                _timed_steps(
+                    self, {"test": _reads_staged_work(split, test_split)}
+                ),
             ):
                 return super().evaluate(
                     x=test.pipeline,
