@@ -94,7 +94,10 @@ class PrefetchCallback(keras.callbacks.Callback):
     Each epoch it adds to the logs:
 
     - `stage_wait_ratio`: fraction of the epoch's training time spent
-      waiting for input (0..1). Near 0: the stage keeps up.
+      waiting for input (0..1). Near 0: the stage keeps up. Absent when
+      the wait was not measured: under op determinism
+      (`tf.config.experimental.enable_op_determinism`) TensorFlow forbids
+      the in-graph clock that times it.
     - `stage_buffer_fill`: mean fill of the stage buffer when the training
       step asked for a batch (0..1). Near 1: batches were waiting.
     - `stage_skipped`: batches skipped this epoch by
@@ -141,7 +144,9 @@ class PrefetchCallback(keras.callbacks.Callback):
             `next_thread_pool_size` (the threads of the pool the epoch ran
             on and of the next epoch's, for a stage whose pool is resized;
             else None), `message` and `epoch`; `None` until the first
-            epoch of a `fit` ends.
+            epoch of a `fit` ends. Figures that need a timing the epoch
+            could not take (under op determinism) are None, and so are
+            `input_bound` and the suggestions built on them.
 
     Example:
 
@@ -292,7 +297,10 @@ class PrefetchCallback(keras.callbacks.Callback):
         self._after_first_step = None
         self._tracing_epoch = False
         if logs is not None:
-            logs["stage_wait_ratio"] = stats["wait_ratio"]
+            # A wait not measured is left out, not logged as 0 or NaN (which
+            # a progress bar shows like a diverged loss).
+            if stats["wait_ratio"] is not None:
+                logs["stage_wait_ratio"] = stats["wait_ratio"]
             logs["stage_buffer_fill"] = stats["buffer_fill"]
             logs["stage_skipped"] = stats["skipped"]
         pool = binding.staged.thread_pool
@@ -302,7 +310,7 @@ class PrefetchCallback(keras.callbacks.Callback):
         )
         self.verdict["epoch"] = epoch
         self.verdict["next_thread_pool_size"] = None
-        if pool is not None:
+        if pool is not None and self.verdict["input_bound"] is not None:
             self._adapt_pool(pool, self.verdict)
         self._write_summaries(epoch, stats, self.verdict)
         if self.verbose:
@@ -353,6 +361,8 @@ class PrefetchCallback(keras.callbacks.Callback):
                 values[f"{key}_ms_per_batch"] = 1000.0 * seconds
         with self._writer.as_default():
             for name, value in values.items():
+                if value is None:  # not measured (op determinism)
+                    continue
                 tf.summary.scalar(f"stage/{name}", float(value), step=epoch)
         self._writer.flush()
 
@@ -374,12 +384,21 @@ class PrefetchCallback(keras.callbacks.Callback):
         )
 
 
+def _measured(seconds):
+    """`seconds`, or None for a time the stage could not take (NaN)."""
+    return None if math.isnan(seconds) else seconds
+
+
 def epoch_statistics(before, after, seconds, options):
-    """Turns two stage snapshots into one epoch's statistics."""
+    """Turns two stage snapshots into one epoch's statistics.
+
+    Times a snapshot reports as NaN (not measured, see `StageStats`) are
+    None here, and so is the wait ratio built on the wait.
+    """
     consumed = after["consumed"] - before["consumed"]
     produced = after["produced"] - before["produced"]
-    wait = after["wait_seconds"] - before["wait_seconds"]
-    busy = after["busy_seconds"] - before["busy_seconds"]
+    wait = _measured(after["wait_seconds"] - before["wait_seconds"])
+    busy = _measured(after["busy_seconds"] - before["busy_seconds"])
     buffered = after["buffered_sum"] - before["buffered_sum"]
     if isinstance(options.capacity, int):
         capacity = options.capacity
@@ -397,7 +416,9 @@ def epoch_statistics(before, after, seconds, options):
         "seconds": seconds,
         "wait_seconds": wait,
         "busy_seconds": busy,
-        "wait_ratio": min(1.0, max(0.0, wait / seconds)),
+        "wait_ratio": (
+            None if wait is None else min(1.0, max(0.0, wait / seconds))
+        ),
         # Share of the machine's cores this process used (None: unknown).
         "cpu_load": cpu_load,
         "buffer_fill": (
@@ -418,8 +439,11 @@ def verdict(stats, options, pool_size=None):
     starved by its source, whose time per batch is then the stage's pace.
     Input-bound runs are told which of the two to fix. `pool_size`: the
     threads of the pool the epoch ran on, if the stage's pool is resized
-    between epochs.
+    between epochs. An epoch whose wait or staged computation was not
+    timed (None) gets `_untimed_verdict`.
     """
+    if stats["wait_seconds"] is None or stats["busy_seconds"] is None:
+        return _untimed_verdict(stats, options, pool_size)
     produced = max(stats["produced"], 1)
     consumed = max(stats["consumed"], 1)
     pace = stats["seconds"] / produced
@@ -498,6 +522,53 @@ def verdict(stats, options, pool_size=None):
         "thread_pool_size": pool_size,
         "cpu_load": stats.get("cpu_load"),
         # Unknown counts as busy: no growth past the pool's usual size.
+        "cores_busy": stats.get("cpu_load") is None
+        or stats["cpu_load"] >= _CORES_BUSY_LOAD,
+        "message": message,
+    }
+
+
+def _untimed_verdict(stats, options, pool_size):
+    """The verdict of an epoch the stage could not time (op determinism).
+
+    The rules of thumb need both the step's wait and the staged
+    computation's time; without either, the verdict says what was
+    measured (the epoch's pace and the buffer's fill) and advises nothing.
+    """
+    pace = stats["seconds"] / max(stats["produced"], 1)
+    wait_ratio = stats["wait_ratio"]
+    busy = stats["busy_seconds"]
+    prepare = None if busy is None else busy / max(stats["produced"], 1)
+    unmeasured = []
+    if wait_ratio is None:
+        waited = "the training step's wait for data was not measured"
+        unmeasured.append("the wait")
+    else:
+        waited = (
+            f"the training step waited {wait_ratio:.0%} of the epoch for data"
+        )
+    if prepare is None:
+        unmeasured.append("the staged computation")
+    message = (
+        f"Stage '{options.name}': {waited}; per batch, the stage delivered "
+        f"one every {pace * 1e3:.1f} ms and its buffer was "
+        f"{stats['buffer_fill']:.0%} full. Op determinism is on, and "
+        f"TensorFlow forbids the clock that times {' and '.join(unmeasured)}"
+        ": no advice on num_threads or capacity."
+    )
+    return {
+        "input_bound": None,
+        "source_bound": None,
+        "wait_ratio": wait_ratio,
+        "buffer_fill": stats["buffer_fill"],
+        "source_seconds_per_batch": None,
+        "delivery_seconds_per_batch": pace,
+        "prepare_seconds_per_batch": prepare,
+        "train_seconds_per_batch": None,
+        "suggested_num_threads": None,
+        "suggested_capacity": None,
+        "thread_pool_size": pool_size,
+        "cpu_load": stats.get("cpu_load"),
         "cores_busy": stats.get("cpu_load") is None
         or stats["cpu_load"] >= _CORES_BUSY_LOAD,
         "message": message,

@@ -75,6 +75,44 @@ def _is_end_of_data(error):
     )
 
 
+# The error types a bad record raises, which `ignored_exception_types` can
+# usefully skip: a value its parse, decode or conversion rejects
+# (InvalidArgumentError) and a corrupt record (DataLossError). The others
+# are about the machinery or the configuration, which every later batch
+# would hit too, so skipping them would skip every batch: op determinism
+# refusing an op, an uninitialized table (FailedPreconditionError), an op
+# without a kernel (UnimplementedError), memory (ResourceExhaustedError),
+# cancellation, internal and remote errors; UnknownError, which says
+# nothing of its cause (tf.py_function reports a Python ValueError or
+# TypeError, what a bad record raises there, as InvalidArgumentError); and
+# NotFoundError (a record naming a missing file is one record's, but a
+# deleted variable or a wrong dataset path is every batch's, and the
+# message cannot tell them apart).
+_PER_RECORD_ERRORS = (tf.errors.InvalidArgumentError, tf.errors.DataLossError)
+# The stage's own assertion (`StageStats`), an InvalidArgumentError that
+# fails every element once the stage is closed; tf.data quotes its text
+# with the quotes escaped.
+_OWN_ASSERTION = re.compile(r"Stage \\?'.*?\\?' was closed")
+
+
+def _is_per_record(error):
+    """Whether `error` may be one bad record's (see `_PER_RECORD_ERRORS`)."""
+    message = getattr(error, "message", None) or str(error)
+    return isinstance(error, _PER_RECORD_ERRORS) and not (
+        _OWN_ASSERTION.search(message)
+    )
+
+
+def _is_clock_refused(error):
+    """Whether `error` is a clock op refused under op determinism."""
+    message = getattr(error, "message", None) or ""
+    return (
+        isinstance(error, tf.errors.FailedPreconditionError)
+        and "Timestamp" in message
+        and "determinism" in message
+    )
+
+
 class SkipElement(Exception):
     """Raised by `StageRunner.call` when the element was ignored."""
 
@@ -272,6 +310,34 @@ class ReadyElements:
             self._left_behind = self.stats.unconsumed()
 
 
+class _HostWait:
+    """A call's wait for input, timed on the host from the consumed count.
+
+    For pipelines and steps traced without a clock (op determinism, see
+    `StageStats.fetches_timed`), which cannot mark when a fetch begins and
+    ends; the count of consumed elements still moves as each arrives. The
+    call waits from its start, or from its last element's arrival, until
+    it has its `elements` (None: until it returns). So with several
+    elements per call the timeout also counts the step on the one before,
+    where a clock in the graph would not.
+    """
+
+    def __init__(self, stats, started, elements):
+        self._stats = stats
+        self._since = started
+        self._first = self._last = stats.consumed()
+        self._elements = elements
+
+    def seconds_waiting(self):
+        count = self._stats.consumed()
+        now = time.time()
+        if count != self._last:
+            self._last, self._since = count, now
+        if self._elements is not None and count - self._first >= self._elements:
+            return 0.0
+        return max(0.0, now - self._since)
+
+
 class StageRunner:
     """Applies a stage's exception policies and timeout to blocking calls.
 
@@ -302,6 +368,8 @@ class StageRunner:
         self._stalled = set()
         self._ready = ReadyElements(stats) if counts_in_order else None
         self._ready_calls = 0  # see `_sample_ready`
+        # The most elements the call under way fetches (see `call`).
+        self._elements = None
         self._in_order = counts_in_order if callable(counts_in_order) else None
         self.records_in_step = False
         # The names staging.py gives the stage's tf.data transformations.
@@ -383,13 +451,25 @@ class StageRunner:
                 return out
             if buffered or timeout is None:
                 return fn(*args)
+            self._elements = elements
             return self._call_with_timeout(fn, args, started)
         except StageTimeoutError:
             raise
         except Exception as e:
-            if check_origin and not self.raised_by_stage(e):
+            if check_origin and not (
+                self.raised_by_stage(e) or self._refused_own_clock(e)
+            ):
                 raise
             return self._apply_policies(e)
+
+    def _refused_own_clock(self, error):
+        """Whether `error` is the stage's clock, refused by op determinism.
+
+        A consumer's step traced with the stage's clock before determinism
+        was enabled fails in the step, not in the pipeline: the error is
+        still the stage's (see `StageStats.clock_refused`).
+        """
+        return _is_clock_refused(error) and self.stats.clock_refused
 
     def _sample_ready(self):
         """Whether a ready call may skip recording (all but one in N)."""
@@ -438,30 +518,49 @@ class StageRunner:
         raise error
 
     def _hint(self, error):
-        """Where in the staged layers `error` arose, and how to skip it."""
-        skip = (
-            f"to skip the batches that fail like this, add "
-            f"tf.errors.{type(error).__name__} to the stage's "
-            "ignored_exception_types"
-        )
+        """Where in the staged layers `error` arose, and what to do.
+
+        Skipping (`ignored_exception_types`) is suggested only for errors a
+        bad record raises (see `_PER_RECORD_ERRORS`).
+        """
         layer = failing_layer(error, self.staged_layers)
-        if layer is None:
-            return skip
-        return f"in its layer '{layer}'; {skip}"
+        where = None if layer is None else f"in its layer '{layer}'"
+        advice = None
+        if _is_clock_refused(error):
+            advice = (
+                "its counters were traced with a clock before op determinism "
+                "was enabled, and TensorFlow refuses that clock now: build "
+                "the stage, and any step recording it, again after "
+                "tf.config.experimental.enable_op_determinism() (a "
+                "keras_stage model: compile it again)"
+            )
+        elif _is_per_record(error):
+            advice = (
+                f"to skip the batches that fail like this, add "
+                f"tf.errors.{type(error).__name__} to the stage's "
+                "ignored_exception_types"
+            )
+        return "; ".join(part for part in (where, advice) if part) or None
 
     def _call_with_timeout(self, fn, args, started):
         if self._caller is None or not self._caller.alive:
             self._caller = _CallThread(f"keras_stage-{self.name}")
         caller = self._caller
+        progress = None
+        if not self.stats.fetches_timed:
+            progress = _HostWait(self.stats, started, self._elements)
         try:
             caller.submit(fn, args)
             while True:
                 result = caller.wait(_POLL_SECONDS)
                 if result is not None:
                     break
-                waited = self.stats.seconds_waiting(
-                    since=started if self.records_in_step else None
-                )
+                if progress is not None:
+                    waited = progress.seconds_waiting()
+                else:
+                    waited = self.stats.seconds_waiting(
+                        since=started if self.records_in_step else None
+                    )
                 if waited > self.options.timeout:
                     self.stats.close()
                     self.close_gate()

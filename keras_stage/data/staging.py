@@ -9,6 +9,7 @@ timeout are applied where the consumer fetches (see `runner.py`).
 """
 
 import itertools
+import time
 import weakref
 
 import tensorflow as tf
@@ -162,8 +163,9 @@ def _build_pipeline(
             # element depends on them.
             stats.count_produced(None, gate)
             return element
-        started = tf.timestamp()
-        with tf.control_dependencies([started]):
+        # None under op determinism: counted, not timed (`start_busy`).
+        started = stats.start_busy()
+        with tf.control_dependencies([] if started is None else [started]):
             out = staged_fn(element)
         # Count only elements whose computation finished; tf.data runs the
         # counter op with the map (no identity ops are needed to keep it).
@@ -434,18 +436,25 @@ class StageIterator:
         self._staged = staged
         self._runner = staged.runner
         self._iterator = iter(staged.pipeline)
+        # A pipeline built without a clock (op determinism) cannot time
+        # the fetch; here, where the caller does nothing else, the host can.
+        self._times_on_host = not staged.stats.fetches_timed
 
     def __iter__(self):
         return self
 
     def __next__(self):
         while True:
+            started = time.perf_counter()
             try:
-                return self._runner.call(next, self._iterator, elements=1)
+                element = self._runner.call(next, self._iterator, elements=1)
             except SkipElement:
                 continue
             except EndOfData:
                 raise StopIteration from None
+            if self._times_on_host:
+                self._staged.stats.add_wait(time.perf_counter() - started)
+            return element
 
     @property
     def element_spec(self):

@@ -19,12 +19,21 @@ it counts as waiting (see `record_fetch`). A step that returns a report
 to Python (`report`, `take_report`) leaves that arithmetic to Python,
 where it costs a few float operations instead of some 30 graph ops in
 every step.
+
+Under op determinism (`tf.config.experimental.enable_op_determinism`)
+TensorFlow refuses to run `tf.timestamp`: graphs built then count elements
+and buffer fill without a clock, and `snapshot` reports the seconds they
+could not time as NaN (see `clock_allowed`).
 """
 
+import logging
+import math
 import threading
 import time
 
 import tensorflow as tf
+
+logger = logging.getLogger("keras_stage")
 
 # How many error messages of skipped elements a stage keeps per report.
 MAX_SKIPPED_MESSAGES = 5
@@ -78,6 +87,51 @@ _UNCONSUMED[_CONSUMED] = _UNCONSUMED[_ORPHANS] = -1.0
 # step that accumulated its fetches in the graph, the counters after it.
 _REPORT_MARK, _REPORT_ARRIVED, _REPORT_COUNTERS = 0, 1, 2
 _REPORT_SIZE = 2 + 2 * _SLOTS
+
+
+# Called while tf.data and tf.function trace with AutoGraph: converting
+# the logging (down to pytest's handlers) is not theirs to do.
+@tf.autograph.experimental.do_not_convert
+def clock_allowed():
+    """Whether a graph built now may read the clock (`tf.timestamp`).
+
+    Not under op determinism: TensorFlow's Timestamp kernel then fails
+    every run with a `FailedPreconditionError`. TensorFlow exports the
+    setter (`tf.config.experimental.enable_op_determinism`) but no getter
+    (only the private `tensorflow.python.framework.config
+    .is_op_determinism_enabled`), so this asks the kernel itself: what is
+    checked is exactly what would fail, for 10-20 us of eager op here.
+    Called while a graph is traced, never at import: a user may enable
+    determinism after importing keras_stage, and a graph keeps the clock
+    (or its absence) it was traced with.
+    """
+    with tf.init_scope(), tf.device("/CPU:0"):
+        try:
+            tf.timestamp()
+        except tf.errors.FailedPreconditionError:
+            _note_no_clock()
+            return False
+    return True
+
+
+# The note `_note_no_clock` logs, once per process.
+NO_CLOCK_NOTE = (
+    "Op determinism is on: TensorFlow forbids in-graph clocks then, so "
+    "keras_stage counts batches and buffer fill but does not time its "
+    "stages (no stage_wait_ratio in the logs), and tf.data runs each stage "
+    "one batch at a time without its buffer (its counters are stateful ops)."
+)
+_no_clock_noted = False
+_no_clock_lock = threading.Lock()
+
+
+def _note_no_clock():
+    global _no_clock_noted
+    with _no_clock_lock:
+        if _no_clock_noted:
+            return
+        _no_clock_noted = True
+    logger.warning(NO_CLOCK_NOTE)
 
 
 class StageStats:
@@ -134,8 +188,29 @@ class StageStats:
         # were known to be buffered, see `count_taken`), not yet added to
         # the consumed slot (`mark_request` adds them).
         self._taken = 0
+        # Whether the graphs last traced on each side took timestamps (see
+        # `clock_allowed`); None until one is traced.
+        self._wait_timed = None
+        self._busy_timed = None
+        # Whether any graph traced on these stats holds a clock.
+        self._clocked = False
+        # Whether the consumer timed its fetches on the host (`add_wait`).
+        self._host_waits = False
 
     # -- graph side: called inside tf.data functions -------------------------
+
+    def start_busy(self):
+        """The start of an element's staged computation, in its map.
+
+        A timestamp, or None when the clock is forbidden (see
+        `clock_allowed`): `count_produced` then counts the element without
+        its busy time, which `snapshot` reports as not measured.
+        """
+        self._busy_timed = clock_allowed()
+        if not self._busy_timed:
+            return None
+        self._clocked = True
+        return tf.timestamp()
 
     def _open_check(self):
         # An element that was abandoned blocked must not arrive late.
@@ -151,9 +226,9 @@ class StageStats:
         """Counts one finished element; fails it if its pipeline was closed.
 
         Args:
-            started: When the staged computation began on it, or None for
-                a stage with nothing to compute (no busy time, two ops
-                fewer per element).
+            started: When the staged computation began on it
+                (`start_busy`), or None for a stage with nothing to compute
+                (no busy time, two ops fewer per element) or no clock.
             gate: The pipeline's boolean variable, False once it is closed
                 (see `staging.build_stage`): an iterator a finished call
                 left alive must not count its elements in stats the next
@@ -175,8 +250,16 @@ class StageStats:
                 _slots({_PRODUCED: 1, _BUSY: busy})
             )
 
+    def _wait_clock(self):
+        """Whether the consumer's side being traced may take timestamps."""
+        self._wait_timed = clock_allowed()
+        self._clocked = self._clocked or self._wait_timed
+        return self._wait_timed
+
     def begin_wait(self):
-        """Marks a fetch as begun; returns its start time."""
+        """Marks a fetch as begun; returns its start time (NaN: no clock)."""
+        if not self._wait_clock():
+            return tf.constant(math.nan, tf.float64)
         now = tf.timestamp()
         with tf.control_dependencies([self._fetch_start.assign(now)]):
             return tf.identity(now)
@@ -184,6 +267,8 @@ class StageStats:
     def end_wait(self, started):
         """Records a finished fetch that began at `started`."""
         counters = self._counters.read_value()
+        if not self._wait_clock():
+            return self._record_fetch(counters, None, None)
         waited = tf.timestamp() - started
         return self._record_fetch(counters, started, waited)
 
@@ -197,14 +282,20 @@ class StageStats:
     def _record_fetch(
         self, counters, started, waited, buffered=None, extra=None, count=True
     ):
-        """Adds a fetch's wait and fill; with `count`, counts it done too."""
+        """Adds a fetch's wait and fill; with `count`, counts it done too.
+
+        `started` and `waited` are None for a fetch timed by no clock.
+        """
         if buffered is None:
             buffered = self._buffered(counters)
-        values = {_WAIT: waited, _BUFFERED: buffered}
+        values = {_BUFFERED: buffered}
+        if waited is not None:
+            values[_WAIT] = waited
         if count:
             values[_CONSUMED] = 1
-            # Only the consumer's thread writes this slot.
-            values[_DONE_FETCH] = started - counters[_DONE_FETCH]
+            if started is not None:
+                # Only the consumer's thread writes this slot.
+                values[_DONE_FETCH] = started - counters[_DONE_FETCH]
         values.update(extra or {})
         update = self._counters.assign_add(_slots(values))
         if not self.track_peak:
@@ -228,7 +319,9 @@ class StageStats:
         `mark_request`, which stores the time negated: the first call of
         an epoch may also trace the step, so that fetch's wait is not
         counted (its timeout still is). Fails if the stage was closed, so a
-        late element never trains a step.
+        late element never trains a step. Without a clock (see
+        `clock_allowed`) the fetch is counted, with the buffer fill it saw,
+        and its arrival time is None (NaN in `report`).
 
         Args:
             element: The fetched element; the record waits for it.
@@ -243,12 +336,13 @@ class StageStats:
         """
         leaves = tf.nest.flatten(element, expand_composites=True)
         check = self._open_check()
+        timed = self._wait_clock()
         # Ops without inputs run whenever the step's graph likes: tie the
         # clock to the element's arrival.
         with tf.control_dependencies(leaves + [check]):
             marked = self._fetch_start.read_value()
             counters = self._counters.read_value()
-            arrived = tf.timestamp()
+            arrived = tf.timestamp() if timed else None
         fetch = (marked, arrived, counters)
         if accumulate:
             self.accumulate(fetch, count=True)
@@ -270,6 +364,8 @@ class StageStats:
                 `False`.
         """
         marked, arrived, counters = fetch
+        if arrived is None:  # no clock: the fill only
+            return self._record_fetch(counters, None, None, count=count)
         started = tf.abs(marked)
         took = arrived - started
         # Arithmetic on 0/1 masks rather than tf.where and boolean ops:
@@ -306,6 +402,8 @@ class StageStats:
         if fetch is None:
             return end
         marked, arrived, counters = fetch
+        if arrived is None:  # no clock: `take_report` times nothing
+            arrived = tf.constant(math.nan, tf.float64)
         return tf.concat([tf.stack([marked, arrived]), counters, end], 0)
 
     def record_step_end(self, outputs):
@@ -321,6 +419,9 @@ class StageStats:
             of a variable read between steps (see `take_report`).
         """
         leaves = tf.nest.flatten(outputs, expand_composites=True)
+        if not self._wait_clock():
+            with tf.control_dependencies(leaves):
+                return self._counters.read_value()
         with tf.control_dependencies(leaves):
             mark = self._fetch_start.assign(tf.timestamp())
         with tf.control_dependencies([mark]):
@@ -353,7 +454,8 @@ class StageStats:
             unconsumed = self._unconsumed(counters) - counters[_ORPHANS]
             buffered = max(unconsumed - 1.0, 0.0)
             beyond = took - self._baseline
-            if marked > 0.0:  # not an epoch's first fetch
+            # A step traced without a clock reports its arrival as NaN.
+            if marked > 0.0 and not math.isnan(took):
                 if buffered > 0.0:
                     rate = _BASELINE_WEIGHT if self._baseline > 0.0 else 1.0
                     self._baseline += rate * beyond
@@ -361,6 +463,39 @@ class StageStats:
                     self._reported_wait += max(beyond, 0.0)
             self._reported_buffered += buffered
             self._reported_peak = max(self._reported_peak, buffered)
+
+    def add_wait(self, seconds):
+        """Adds the wait of a fetch timed on the host.
+
+        For a consumer whose pipeline was traced without a clock (see
+        `fetches_timed`) and which does nothing but fetch in the call it
+        times (an eager iterator).
+        """
+        with self._lock:
+            self._reported_wait += seconds
+            self._host_waits = True
+
+    @property
+    def fetches_timed(self):
+        """Whether the consumer's fetches are timed in the graph.
+
+        As the consumer's side was last traced; before any trace, as a
+        graph traced now would be (see `clock_allowed`).
+        """
+        if self._wait_timed is None:
+            return clock_allowed()
+        return self._wait_timed
+
+    @property
+    def clock_refused(self):
+        """Whether graphs traced on these stats hold a clock now refused.
+
+        True once op determinism was enabled after such a graph was traced
+        (a consumer's step, or a pipeline): it fails at run time with a
+        `FailedPreconditionError`, and must be traced again, on new stats
+        for a consumer that keeps its traced step with its stats.
+        """
+        return self._clocked and not clock_allowed()
 
     def count_taken(self, elements, buffered):
         """Counts, in Python, the fetches of a call that did not record them.
@@ -413,6 +548,18 @@ class StageStats:
         ).numpy()
         return self._unconsumed(counters)
 
+    def consumed(self):
+        """Fetches counted in the graph so far (one raw variable read).
+
+        A fetch is counted when its element arrives, clock or no clock: a
+        consumer's wait can be timed on the host from it (the runner's
+        timeout does so under op determinism).
+        """
+        counters = tf.raw_ops.ReadVariableOp(
+            resource=self._counters.handle, dtype=tf.float64
+        ).numpy()
+        return int(counters[_CONSUMED])
+
     def _unconsumed(self, counters):
         # The counters lack the fetches counted in Python (`count_taken`).
         return int(counters[_PRODUCED] - counters[_CONSUMED]) - self._taken
@@ -455,7 +602,12 @@ class StageStats:
         return max(0.0, time.time() - started)
 
     def snapshot(self):
-        """Returns the counters as a dict of Python numbers."""
+        """Returns the counters as a dict of Python numbers.
+
+        `wait_seconds` and `busy_seconds` are NaN when the graphs last
+        traced could not time them (see `clock_allowed`): not measured,
+        which a difference of two snapshots keeps.
+        """
         with self._lock:
             skipped = self.skipped
             messages = list(self.skipped_messages)
@@ -464,13 +616,19 @@ class StageStats:
             peak = self._reported_peak
             taken = self._taken
             counters = self._counters.numpy()
+            wait_timed = self._wait_timed is not False or self._host_waits
+        busy_timed = self._busy_timed is not False
         return {
             "produced": int(counters[_PRODUCED]),
             "consumed": int(counters[_CONSUMED]) + taken,
             "skipped": skipped,
             "skipped_messages": messages,
-            "wait_seconds": float(counters[_WAIT]) + wait,
-            "busy_seconds": float(counters[_BUSY]),
+            "wait_seconds": (
+                float(counters[_WAIT]) + wait if wait_timed else math.nan
+            ),
+            "busy_seconds": (
+                float(counters[_BUSY]) if busy_timed else math.nan
+            ),
             "buffered_sum": int(counters[_BUFFERED] + buffered),
             "buffered_peak": int(max(self._peak.numpy(), peak)),
             "time": time.time(),

@@ -1,0 +1,168 @@
+"""`stage()` under op determinism: it runs, counts, and keeps its timeout.
+
+With `tf.config.experimental.enable_op_determinism()` TensorFlow refuses
+`tf.timestamp`; a stage built then counts without the clock, its eager
+iterator times each fetch on the host, and the timeout watches the
+consumed count instead of in-graph marks.
+"""
+
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_stage.data import StageOptions, StageTimeoutError, stage
+from keras_stage.data.runner import StageRunner
+from keras_stage.data.stats import StageStats
+from tests.op_determinism import op_determinism
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def determinism():
+    with op_determinism():
+        yield
+
+
+def _parse(line):
+    return tf.strings.to_number(line)
+
+
+def _lines(bad_at=()):
+    rows = [f"{i}.5" for i in range(12)]
+    for i in bad_at:
+        rows[i] = "not a number"
+    return tf.data.Dataset.from_tensor_slices(rows).batch(2)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, "auto"])
+def test_eager_stage_runs_counts_and_times_fetches_on_the_host(
+    determinism, num_threads
+):
+    staged = stage(
+        _lines(bad_at=[5]),
+        _parse,
+        capacity=2,
+        num_threads=num_threads,
+        ignored_exception_types=(tf.errors.InvalidArgumentError,),
+        name="deterministic_parse",
+    )
+    for epoch in range(2):
+        batches = [b.numpy().tolist() for b in staged]
+        assert batches == [
+            [0.5, 1.5],
+            [2.5, 3.5],
+            [6.5, 7.5],
+            [8.5, 9.5],
+            [10.5, 11.5],
+        ], epoch
+    snapshot = staged.stats.snapshot()
+    assert snapshot["consumed"] == 10
+    assert snapshot["produced"] == 10
+    assert snapshot["skipped"] == 2
+    # The host timed each fetch; the staged computation had no clock.
+    assert math.isfinite(snapshot["wait_seconds"])
+    assert snapshot["wait_seconds"] > 0.0
+    assert math.isnan(snapshot["busy_seconds"])
+    assert staged.close()
+
+
+def test_a_stage_with_nothing_to_compute_has_no_busy_time(determinism):
+    staged = stage(tf.data.Dataset.range(5), capacity=2, name="copy")
+    assert [int(x) for x in staged] == [0, 1, 2, 3, 4]
+    snapshot = staged.stats.snapshot()
+    assert snapshot["busy_seconds"] == 0.0
+    assert math.isfinite(snapshot["wait_seconds"])
+    assert staged.close()
+
+
+def test_deterministic_stage_gives_what_the_plain_dataset_gives(determinism):
+    def noisy(x):
+        noise = tf.random.stateless_uniform((3,), seed=tf.stack([x, 7]))
+        return tf.cast(x, tf.float32) + noise
+
+    source = tf.data.Dataset.range(20)
+    staged = stage(source, noisy, capacity=4, num_threads=4, name="noisy")
+    expected = np.stack([noisy(x).numpy() for x in source])
+    np.testing.assert_array_equal(
+        np.stack([x.numpy() for x in staged]), expected
+    )
+    assert staged.close()
+
+
+def test_the_timeout_still_fires_on_a_stalled_source(determinism):
+    release = threading.Event()
+
+    def generate():
+        for i in range(5):
+            if i == 2:
+                release.wait(30)
+            yield i
+
+    source = tf.data.Dataset.from_generator(
+        generate, output_signature=tf.TensorSpec((), tf.int64)
+    )
+    try:
+        staged = stage(
+            source, capacity=1, num_threads=1, timeout=1.0, name="stalls"
+        )
+        iterator = iter(staged)
+        assert [int(next(iterator)) for _ in range(2)] == [0, 1]
+        started = time.monotonic()
+        with pytest.raises(StageTimeoutError, match="Stage 'stalls' timed out"):
+            next(iterator)
+        waited = time.monotonic() - started
+    finally:
+        release.set()
+    assert 0.9 <= waited < 10
+    # The helper thread left blocked on the source ends once released.
+    deadline = time.monotonic() + 10.0
+    while not staged.close(timeout=1.0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert staged.close()
+
+
+def test_a_slow_step_after_its_fetch_never_times_out(determinism):
+    # Only the wait for input counts; without a clock the runner learns
+    # that the fetch is over from the consumed count.
+    options = StageOptions(name="slow_step", timeout=0.3)
+    stats = StageStats(options.name)
+    runner = StageRunner(options, stats)
+
+    @tf.function
+    def record(element):
+        return stats.record_fetch(element, accumulate=True)[2]
+
+    def step():
+        record(tf.constant(1.0))
+        time.sleep(1.2)  # the training step, well past the timeout
+        return "trained"
+
+    try:
+        assert runner.call(step, elements=1) == "trained"
+    finally:
+        assert runner.close()
+
+
+def test_a_stage_built_before_determinism_says_to_build_it_again():
+    staged = stage(_lines(), _parse, capacity=2, num_threads=1, name="early")
+    with op_determinism():
+        with pytest.raises(
+            tf.errors.FailedPreconditionError,
+            match=(
+                r"\[keras_stage\] raised inside stage 'early': its counters "
+                r"were traced with a clock before op determinism was "
+                r"enabled.*build the stage, and any step recording it, "
+                r"again after tf\.config\.experimental\."
+                r"enable_op_determinism\(\)"
+            ),
+        ) as info:
+            next(iter(staged))
+        assert "ignored_exception_types" not in info.value.message
+        again = stage(_lines(), _parse, capacity=2, num_threads=1)
+        assert len(list(again)) == 6
+    assert staged.close() and again.close()

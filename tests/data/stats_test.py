@@ -1,0 +1,148 @@
+"""Tests of `StageStats` without a clock: under op determinism.
+
+TensorFlow refuses `tf.timestamp` once op determinism is on; the stats
+decide when a graph is traced whether it may take one, count without it,
+and report the times they could not take as NaN.
+"""
+
+import logging
+import math
+
+import pytest
+import tensorflow as tf
+
+from keras_stage.data import stats as stats_module
+from keras_stage.data.stats import NO_CLOCK_NOTE, StageStats, clock_allowed
+from tests.op_determinism import enabled, op_determinism
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def determinism():
+    with op_determinism():
+        yield
+
+
+def _step(stats, accumulate=False):
+    """A consumer's step recording its fetch of one element, compiled."""
+
+    @tf.function
+    def step(element):
+        fetch = stats.record_fetch(element, accumulate=accumulate)
+        end = stats.record_step_end(element * 2)
+        if accumulate:
+            return end
+        return stats.report(fetch, end)
+
+    return step
+
+
+def _produce(stats, elements):
+    """Counts `elements` finished, as the stage's map does."""
+    gate = tf.Variable(True)
+
+    @tf.function
+    def produce():
+        stats.count_produced(None, gate)
+
+    for _ in range(elements):
+        produce()
+
+
+def test_clock_allowed_follows_tensorflows_determinism_setting():
+    assert enabled() is False
+    assert clock_allowed() is True
+    with op_determinism():
+        # TensorFlow's own (private) getter says the same: if this fails,
+        # TensorFlow changed what refuses the clock.
+        assert enabled() is True
+        assert clock_allowed() is False
+    assert clock_allowed() is True
+
+
+def test_stats_made_before_determinism_trace_without_a_clock(determinism):
+    # The stats (and keras_stage) exist before determinism is on: the
+    # choice is the trace's, not the constructor's or the import's.
+    stats = StageStats("made_before")
+    assert stats.fetches_timed is False
+    report = _step(stats)(tf.constant(1.0)).numpy().tolist()
+    assert len(report) == StageStats.REPORT_SIZE
+    assert math.isnan(report[1])  # no arrival time
+    stats.take_report(report)
+    snapshot = stats.snapshot()
+    assert snapshot["consumed"] == 1
+    assert math.isnan(snapshot["wait_seconds"])
+    assert stats.fetches_timed is False
+
+
+def test_a_step_traced_before_determinism_keeps_its_clock_and_says_so():
+    stats = StageStats("traced_before")
+    step = _step(stats)
+    step(tf.constant(1.0))
+    assert stats.clock_refused is False
+    with op_determinism():
+        assert stats.clock_refused is True
+        with pytest.raises(
+            tf.errors.FailedPreconditionError, match="Timestamp cannot"
+        ):
+            step(tf.constant(1.0))
+    assert stats.clock_refused is False
+    assert math.isfinite(stats.snapshot()["wait_seconds"])
+
+
+def test_untimed_reports_count_the_buffer_fill_but_no_wait(determinism):
+    stats = StageStats("fill")
+    step = _step(stats)
+    stats.mark_request()
+    _produce(stats, 3)
+    for _ in range(2):
+        stats.take_report(step(tf.constant(1.0)).numpy().tolist())
+    snapshot = stats.snapshot()
+    assert snapshot["consumed"] == 2
+    # The first fetch saw two others buffered, the second one.
+    assert snapshot["buffered_sum"] == 3
+    assert math.isnan(snapshot["wait_seconds"])
+
+
+def test_steps_accumulating_in_the_graph_run_without_a_clock(determinism):
+    # Steps running several batches per call accumulate in the graph.
+    stats = StageStats("accumulating", track_peak=True)
+    stats.mark_request()
+    _produce(stats, 2)
+    step = _step(stats, accumulate=True)
+    for _ in range(2):
+        step(tf.constant(1.0))
+    snapshot = stats.snapshot()
+    assert snapshot["consumed"] == 2
+    assert snapshot["buffered_sum"] == 1
+    assert snapshot["buffered_peak"] == 1
+    assert math.isnan(snapshot["wait_seconds"])
+
+
+def test_waits_timed_on_the_host_are_measured(determinism):
+    stats = StageStats("host")
+    _step(stats)  # traced lazily: nothing yet
+    stats.begin_wait()  # a pipeline's marker, traced without a clock
+    assert stats.fetches_timed is False
+    assert math.isnan(stats.snapshot()["wait_seconds"])
+    stats.add_wait(0.25)
+    assert stats.snapshot()["wait_seconds"] == pytest.approx(0.25)
+
+
+def test_busy_time_is_not_measured_without_a_clock(determinism):
+    stats = StageStats("busy")
+    assert stats.start_busy() is None
+    assert math.isnan(stats.snapshot()["busy_seconds"])
+
+
+def test_the_note_is_logged_once_per_process(determinism, caplog):
+    caplog.set_level(logging.WARNING, logger="keras_stage")
+    for name in ("first", "second"):
+        stats = StageStats(name)
+        stats.start_busy()
+        _step(stats)(tf.constant(1.0))
+    notes = [r for r in caplog.records if r.getMessage() == NO_CLOCK_NOTE]
+    assert len(notes) == 1
+    assert stats_module._no_clock_noted is True
+    assert "\n" not in NO_CLOCK_NOTE

@@ -1,0 +1,279 @@
+"""Staged runs under op determinism train exactly like plain Keras.
+
+The Keras reproducibility recipe, `keras.utils.set_random_seed(s)` plus
+`tf.config.experimental.enable_op_determinism()`, makes TensorFlow refuse
+`tf.timestamp`. Each test turns determinism on after keras_stage was
+imported (as a user would), builds a staged model and a plain
+`keras.Model` with the same weights, seeds both the same way right before
+each call, and checks that fit, evaluate and predict give the same numbers,
+bit for bit, and that the PrefetchCallback reports what it measured and
+says what it could not.
+"""
+
+import logging
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_stage
+from keras_stage.callbacks import PrefetchCallback
+from keras_stage.data.stats import NO_CLOCK_NOTE
+from keras_stage.layers import StagedInput
+from tests.op_determinism import op_determinism
+
+pytestmark = pytest.mark.timeout(180)
+
+SEED = 5
+N = 44  # not a multiple of the batch size: a partial last batch
+BATCH = 8
+_rng = np.random.default_rng(0)
+X = _rng.normal(size=(N, 4)).astype("float32")
+Y = _rng.normal(size=(N, 1)).astype("float32")
+WORDS = np.array([f"w{i % 9}" for i in range(N)], dtype=object)
+VOCABULARY = [f"w{i}" for i in range(6)]  # w6-w8 are out of vocabulary
+UNMEASURED = "the training step's wait for data was not measured"
+
+
+@pytest.fixture
+def determinism():
+    with op_determinism():
+        yield
+
+
+class _RecordingPrefetch(PrefetchCallback):
+    """Records which phases were staged, to prove staging happened."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.phases = []
+
+    def attach(self, phase, staged, adapter=None):
+        self.phases.append(phase)
+        super().attach(phase, staged, adapter)
+
+
+def _dense(model_class, dropout=True):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input(shape=(4,), name="x")
+    x = StagedInput(capacity=2, num_threads=2, name="stage")(inputs)
+    x = keras.layers.Dense(8, activation="relu", name="hidden")(x)
+    if dropout:  # seeded randomness
+        x = keras.layers.Dropout(0.3, name="dropout")(x)
+    return model_class(inputs, keras.layers.Dense(1, name="head")(x))
+
+
+def _words(model_class):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input(shape=(), dtype="string", name="word")
+    x = StagedInput(capacity=2, num_threads=2, name="stage")(inputs)
+    ids = keras.layers.StringLookup(vocabulary=VOCABULARY, name="lookup")(x)
+    hashed = keras.layers.Hashing(num_bins=16, name="hash")(x)
+    a = keras.layers.Embedding(len(VOCABULARY) + 1, 4, name="emb_a")(ids)
+    b = keras.layers.Embedding(16, 4, name="emb_b")(hashed)
+    x = keras.layers.Concatenate(name="concat")([a, b])
+    return model_class(inputs, keras.layers.Dense(1, name="head")(x))
+
+
+def _twins(build, smart_stage=False, **compile_kwargs):
+    """A staged model and a plain `keras.Model` with the same weights."""
+    staged, plain = build(keras_stage.Model), build(keras.Model)
+    plain.set_weights(staged.get_weights())
+    for model in (staged, plain):
+        kwargs = dict(compile_kwargs)
+        if model is staged:
+            kwargs["smart_stage"] = smart_stage
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01), loss="mse", **kwargs
+        )
+    return staged, plain
+
+
+def _data(x, y=None, shuffle=False):
+    data = tf.data.Dataset.from_tensor_slices(x if y is None else (x, y))
+    if shuffle:
+        # Its seeds pair the global seed with `seed`: the same global seed
+        # here shuffles both models' data alike, epoch after epoch.
+        tf.random.set_seed(SEED)
+        data = data.shuffle(N, seed=SEED)
+    return data.batch(BATCH)
+
+
+def _seeded(call, *args, **kwargs):
+    keras.utils.set_random_seed(SEED)
+    if call.__name__ == "fit":
+        kwargs["shuffle"] = False  # the datasets shuffle themselves
+    return call(*args, verbose=0, **kwargs)
+
+
+def _assert_same_weights(staged, plain):
+    for a, b in zip(staged.get_weights(), plain.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+CASES = {
+    # StagedInput only: the stage copies the batches.
+    "staged_input": (_dense, X, False, {}),
+    # Several batches per call: the step accumulates its fetches in the
+    # graph instead of reporting them.
+    "steps_per_execution": (_dense, X, False, {"steps_per_execution": 2}),
+    # SmartStage: the lookup and the hashing run in the stage.
+    "smart_stage": (_words, WORDS, True, {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fit_evaluate_predict_equal_plain_keras(determinism, case, caplog):
+    build, x, smart_stage, compile_kwargs = CASES[case]
+    caplog.set_level(logging.WARNING, logger="keras_stage")
+    staged, plain = _twins(build, smart_stage, **compile_kwargs)
+    if smart_stage:
+        assert sorted(staged.get_stage_plan().staged_layers) == [
+            "hash",
+            "lookup",
+            "stage",
+        ]
+    prefetch = _RecordingPrefetch()
+    histories = [
+        _seeded(
+            model.fit,
+            _data(x, Y, shuffle=True),
+            epochs=3,
+            validation_data=_data(x[:12], Y[:12]),
+            callbacks=[prefetch] if model is staged else [],
+        ).history
+        for model in (staged, plain)
+    ]
+    assert prefetch.phases == ["train", "test"]
+    for key, values in histories[1].items():
+        assert histories[0][key] == values, key
+    _assert_same_weights(staged, plain)
+
+    # The same PrefetchCallback serves the evaluate and predict calls.
+    results = [
+        _seeded(
+            model.evaluate,
+            _data(x, Y),
+            callbacks=[prefetch] if model is staged else [],
+        )
+        for model in (staged, plain)
+    ]
+    assert results[0] == results[1]
+    predictions = [
+        _seeded(
+            model.predict,
+            _data(x),
+            callbacks=[prefetch] if model is staged else [],
+        )
+        for model in (staged, plain)
+    ]
+    np.testing.assert_array_equal(predictions[0], predictions[1])
+    assert prefetch.phases == ["train", "test", "test", "predict"]
+    # One note, however many stages and steps were traced without a clock.
+    notes = [r for r in caplog.records if r.getMessage() == NO_CLOCK_NOTE]
+    assert len(notes) == 1
+
+
+def test_prefetch_callback_logs_what_it_measured_and_no_wait(
+    determinism, capsys
+):
+    staged, _ = _twins(_dense)
+    callback = PrefetchCallback(verbose=1)
+    history = _seeded(
+        staged.fit, _data(X, Y), epochs=2, callbacks=[callback]
+    ).history
+    # Measured without a clock: counts and buffer fill.
+    assert history["stage_skipped"] == [0, 0]
+    assert all(0.0 <= fill <= 1.0 for fill in history["stage_buffer_fill"])
+    # The wait needs a clock: left out, not reported as a measured 0.0.
+    assert "stage_wait_ratio" not in history
+    verdict = callback.verdict
+    assert verdict["epoch"] == 1
+    assert verdict["wait_ratio"] is None
+    assert verdict["input_bound"] is None
+    assert verdict["suggested_num_threads"] is None
+    assert verdict["suggested_capacity"] is None
+    assert verdict["delivery_seconds_per_batch"] > 0.0
+    assert verdict["message"].startswith(f"Stage 'stage_train': {UNMEASURED}")
+    assert "Op determinism is on" in verdict["message"]
+    assert "no advice on num_threads or capacity" in verdict["message"]
+    printed = capsys.readouterr().out
+    assert printed.count(UNMEASURED) == 2
+
+
+def _scalars(folder):
+    """{tag: [(step, value), ...]} of every event file under `folder`."""
+    found = {}
+    for path in tf.io.gfile.glob(f"{folder}/events.out.tfevents.*"):
+        for record in tf.data.TFRecordDataset(path):
+            event = tf.compat.v1.Event.FromString(record.numpy())
+            for value in event.summary.value:
+                if not value.HasField("tensor"):
+                    continue
+                array = tf.make_ndarray(value.tensor)
+                if array.dtype.kind in "fiub":  # not Keras's text summaries
+                    found.setdefault(value.tag, []).append(
+                        (event.step, float(array))
+                    )
+    return found
+
+
+def test_tensorboard_gets_the_measured_figures_only(determinism, tmp_path):
+    staged, _ = _twins(_dense)
+    history = _seeded(
+        staged.fit,
+        _data(X, Y),
+        epochs=2,
+        callbacks=[
+            PrefetchCallback(log_dir=tmp_path / "stage_logs"),
+            keras.callbacks.TensorBoard(log_dir=str(tmp_path / "keras")),
+        ],
+    ).history
+    written = _scalars(tmp_path / "stage_logs" / "stage")
+    assert sorted(written) == [
+        "stage/buffer_fill",
+        "stage/delivery_ms_per_batch",
+        "stage/prepare_ms_per_batch",
+        "stage/skipped",
+    ]
+    # A stage with nothing to compute needs no clock to know it spent 0 ms.
+    assert [v for _, v in written["stage/prepare_ms_per_batch"]] == [0.0, 0.0]
+    for values in written.values():
+        assert [step for step, _ in values] == [0, 1]
+    assert [v for _, v in written["stage/buffer_fill"]] == pytest.approx(
+        history["stage_buffer_fill"]
+    )
+    keras_written = _scalars(tmp_path / "keras" / "train")
+    assert "epoch_stage_buffer_fill" in keras_written
+    assert "epoch_stage_skipped" in keras_written
+    assert "epoch_stage_wait_ratio" not in keras_written
+
+
+def test_a_model_fit_before_determinism_trains_after_it():
+    # No dropout: its seed state, which `set_weights` does not copy, moves
+    # with the fits only the staged model runs here.
+    staged, plain = _twins(lambda cls: _dense(cls, dropout=False))
+    _seeded(staged.fit, _data(X, Y), epochs=1)
+    with op_determinism():
+        try:
+            _seeded(staged.fit, _data(X, Y), epochs=1)
+        except tf.errors.FailedPreconditionError as error:
+            # Its step was traced with the stage's clock, which TensorFlow
+            # now refuses, until the model traces a step afresh (which it
+            # may do itself: see `StageStats.clock_refused`).
+            assert re.search(
+                r"raised inside stage 'stage_train': its counters were "
+                r"traced with a clock before op determinism was enabled.*"
+                r"a keras_stage model: compile it again",
+                error.message,
+            )
+            assert "ignored_exception_types" not in error.message
+        # Compiled again, its steps are traced afresh, without the clock.
+        for model in (staged, plain):
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        plain.set_weights(staged.get_weights())
+        for model in (staged, plain):
+            _seeded(model.fit, _data(X, Y, shuffle=True), epochs=2)
+        _assert_same_weights(staged, plain)
