@@ -127,6 +127,7 @@ def _build_pipeline(
     cardinality=None,
     pool=None,
     pool_size=None,
+    measured=True,
 ):
     """The stage's pipelines: `(lean, measured)`.
 
@@ -268,7 +269,7 @@ def _build_pipeline(
     device = placement.device
     if device is None:
         lean = produced.prefetch(capacity, name=f"{name}_buffer")
-        return lean, measure(lean)
+        return lean, measure(lean) if measured else lean
     # The buffer on the device: tf.data copies each element there ahead of
     # the consumer (the copy overlaps the step). It must end the pipeline,
     # so a consumer counting in the pipeline measures the host side of the
@@ -276,6 +277,8 @@ def _build_pipeline(
     to_device = tf.data.experimental.prefetch_to_device
     size = None if capacity == tf.data.AUTOTUNE else capacity
     lean = produced.apply(to_device(device, size))
+    if not measured:
+        return lean, lean
     host = produced.prefetch(capacity, name=f"{name}_buffer")
     return lean, measure(host).apply(to_device(device, 1))
 
@@ -603,13 +606,16 @@ def build_stage(
     unpacks=False,
     rebatch=None,
     cardinality=None,
+    consumer_records=False,
 ):
     """`stage()` with validated `StageOptions` and the `StageStats` to use.
 
     A consumer whose compiled step records the fetches itself keeps one
     `StageStats` across the stages it consumes (the step captures its
     variables when traced), and builds each stage with it; `None` makes
-    new ones. `distributed` and `unpacks`: see `Placement.resolve`.
+    new ones. With `consumer_records`, it reads only the lean pipeline:
+    the measured one is not built (the stage's `pipeline` is the lean
+    one). `distributed` and `unpacks`: see `Placement.resolve`.
     `rebatch` and `cardinality`: with a service, the batch size to re-form
     and the number of batches an epoch then has, if known.
     """
@@ -635,6 +641,7 @@ def build_stage(
             cardinality,
             pool,
             pool_size,
+            measured=not consumer_records,
         )
 
     if pool is None:

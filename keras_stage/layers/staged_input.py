@@ -235,6 +235,7 @@ class StagedInput(keras.layers.Layer):
         unpacks=False,
         rebatch=None,
         cardinality=None,
+        consumer_records=False,
         **overrides,
     ):
         """Stages `dataset` with this layer's options.
@@ -256,6 +257,9 @@ class StagedInput(keras.layers.Layer):
                 to `None`.
             cardinality: The number of batches each epoch of the stage
                 yields, when known, or `None`. Defaults to `None`.
+            consumer_records: Whether the consumer records its fetches in
+                its own step with `stats` (and reads only
+                `lean_pipeline`). Defaults to `False`.
             **overrides: Options that differ from the layer's for this
                 stage (e.g. `service=None` to stage in this process).
 
@@ -274,6 +278,7 @@ class StagedInput(keras.layers.Layer):
             unpacks=unpacks,
             rebatch=rebatch,
             cardinality=cardinality,
+            consumer_records=consumer_records,
         )
 
     def new_stats(self, name):

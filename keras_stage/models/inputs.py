@@ -131,6 +131,14 @@ class StagedData:
         """Whether the compiled step records the fetches (see StageStats)."""
         return self.staged.runner.records_in_step
 
+    @property
+    def eager_dataset(self):
+        """What Keras reads in Python (predict): the stage's own dataset.
+
+        Its eager iterators apply the stage's policies (`StageIterator`).
+        """
+        return DeferredPipeline(self.staged, self._made, defer=self.defers)
+
     def _made(self, seconds):
         if self.on_iterator is not None:
             self.on_iterator(seconds)
@@ -261,6 +269,7 @@ def stage_data(
         fn=fn,
         name=f"{layer.stage_options.name}_{phase}",
         stats=stats,
+        consumer_records=stats is not None,
         distributed=distributed,
         unpacks=True,
         **overrides,

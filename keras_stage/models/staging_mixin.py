@@ -382,7 +382,9 @@ def _step_stats(model, layer, phase):
     ):
         return None
     stats = state.step_stats.get(phase)
-    if stats is None or stats.closed:
+    # Stats traced with a clock that op determinism now refuses are
+    # replaced like closed ones (the traced step would fail).
+    if stats is None or stats.closed or stats.clock_refused:
         if stats is not None:
             # The traced step still records in the closed stats.
             _drop_traced_steps(model, state, phase)
@@ -479,6 +481,50 @@ def _staged_steps(model, phases, splits):
             setattr(model, attr, plain[phase])
             state.active[phase] = saved[phase]
         state.staged_jit = jit
+
+
+# The key of the compiled steps of calls that skip their stage.
+_UNSTAGED = "unstaged"
+
+
+@contextlib.contextmanager
+def _unstaged_steps(model, phases):
+    """Runs a call that skips its stage, with steps traced for that alone.
+
+    They run the whole model and record nothing: a stage-only call (no
+    split) records its fetches in Keras's own compiled step, which an
+    unstaged call must not run. Puts the outer call's steps, runner and
+    recording back afterwards (an evaluate from a callback of a fit).
+    """
+    state = _state(model)
+    saved = {}
+    for phase in phases:
+        attr = _FUNCTIONS[phase]
+        saved[phase] = (
+            getattr(model, attr, None),
+            state.active.get(phase),
+            state.runners.pop(phase, None),
+            state.recording.pop(phase, None),
+        )
+        setattr(model, attr, state.staged_functions.get((phase, _UNSTAGED)))
+        state.active[phase] = None
+    try:
+        yield
+    finally:
+        for phase in phases:
+            attr = _FUNCTIONS[phase]
+            state.staged_functions[(phase, _UNSTAGED)] = getattr(
+                model, attr, None
+            )
+            function, active, runner, recording = saved[phase]
+            setattr(model, attr, function)
+            state.active[phase] = active
+            for bindings, value in (
+                (state.runners, runner),
+                (state.recording, recording),
+            ):
+                if value is not None:
+                    bindings[phase] = value
 
 
 def _trunk_jit(model, splits):
@@ -973,6 +1019,7 @@ class StagingMixin:
         ):
             with (
                 _unstaged_call(prefetch),
+                _unstaged_steps(self, ("train", "test")),
                 _timed_steps(self, {"train": False, "test": False}),
             ):
                 return unstaged()
@@ -1095,7 +1142,10 @@ class StagingMixin:
             array_batches(x, batch_size, steps),
             checked_callbacks=callbacks,
         ):
-            with _timed_steps(self, {"test": False}):
+            with (
+                _unstaged_steps(self, ("test",)),
+                _timed_steps(self, {"test": False}),
+            ):
                 return unstaged()
         callbacks, prefetch = _with_prefetch_callback(callbacks)
         state = _state(self)
@@ -1158,20 +1208,27 @@ class StagingMixin:
         self, x, batch_size=None, verbose="auto", steps=None, callbacks=None
     ):
         layer, split = self._stage_setup()
-        if layer is None or not _stages(
-            self,
-            layer,
-            "predict",
-            array_batches(x, batch_size, steps),
-            checked_callbacks=callbacks,
-        ):
-            return super().predict(
+
+        def unstaged():
+            return super(StagingMixin, self).predict(
                 x,
                 batch_size=batch_size,
                 verbose=verbose,
                 steps=steps,
                 callbacks=callbacks,
             )
+
+        if layer is None:
+            return unstaged()
+        if not _stages(
+            self,
+            layer,
+            "predict",
+            array_batches(x, batch_size, steps),
+            checked_callbacks=callbacks,
+        ):
+            with _unstaged_steps(self, ("predict",)):
+                return unstaged()
         callbacks, prefetch = _with_prefetch_callback(callbacks)
         built = []
         try:
@@ -1194,7 +1251,7 @@ class StagingMixin:
             # own iterator applies the stage's policies there.
             with _staged_steps(self, ("predict",), {"predict": data.split}):
                 return super().predict(
-                    data.staged,
+                    data.eager_dataset,
                     verbose=verbose,
                     steps=steps,
                     callbacks=callbacks,

@@ -15,6 +15,8 @@ from keras_stage.data import (
     live_stages,
     stage,
 )
+from keras_stage.data.options import StageOptions
+from keras_stage.data.staging import build_stage
 from keras_stage.data.stats import StageStats
 
 BAD_CSV = tf.errors.InvalidArgumentError
@@ -1096,3 +1098,21 @@ def test_fetches_counted_in_python_join_every_count():
     assert counters[7] == 3  # left unconsumed before this epoch
     assert stats.unconsumed() == 3
     assert stats.snapshot()["consumed"] == 2
+
+
+@pytest.mark.parametrize("consumer_records", [False, True])
+def test_a_stage_whose_consumer_records_builds_no_fetch_map(consumer_records):
+    options = StageOptions(name="recorded", capacity=2, num_threads=1)
+    staged = build_stage(
+        tf.data.Dataset.range(4),
+        lambda x: x * 2,
+        options,
+        stats=StageStats("recorded"),
+        consumer_records=consumer_records,
+    )
+    graph = staged._as_serialized_graph().numpy()
+    assert (b"recorded_fetch" in graph) is not consumer_records
+    lean = staged.lean_pipeline._as_serialized_graph().numpy()
+    assert b"recorded_fetch" not in lean
+    assert [int(x) for x in staged.lean_pipeline] == [0, 2, 4, 6]
+    staged.close()

@@ -158,3 +158,21 @@ def test_deferred_pipeline_makes_an_iterator_only_when_read():
     assert len(made) == 1 and made[0] >= 0.0
     assert resolve(unread) is not resolve(read)
     assert pipeline.element_spec == tf.data.Dataset.range(3).element_spec
+
+
+def test_an_unstaged_call_records_nothing_in_the_stage():
+    inputs = keras.Input(shape=(2,))
+    x = keras_stage.layers.StagedInput()(inputs)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((64, 2), "float32"), np.ones((64, 1), "float32")
+    staged = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert "stage_wait_ratio" in staged.history  # the first call measures
+    stats = model._keras_stage_state.step_stats["train"]
+    consumed = stats.snapshot()["consumed"]
+    unstaged = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert "stage_wait_ratio" not in unstaged.history
+    # The unstaged steps are traced apart: no fetch counted in the stage.
+    assert stats.snapshot()["consumed"] == consumed
+    model.train_on_batch(x[:16], y[:16])
+    assert stats.snapshot()["consumed"] == consumed
