@@ -131,11 +131,6 @@ class PhaseCosts:
         # Seconds of staged work per batch; None when not measured (no
         # staged computation, or timing off under op determinism).
         self.batch_seconds = None
-        # Seconds of a step of a staged call (waits and iterators
-        # included), and of one running the whole model; None until
-        # measured (see `CallCosts.note_steps`).
-        self.staged_step = None
-        self.plain_step = None
 
     def measured(self):
         return (
@@ -183,23 +178,6 @@ class CallCosts:
         elif produced > 0 and busy_seconds > 0:
             costs.batch_seconds = busy_seconds / produced
 
-    def note_steps(self, phase, staged, seconds, iterator_seconds=0.0):
-        """Notes a call's steps of `phase`, staged or the whole model's.
-
-        `seconds`: each step's; `iterator_seconds`: what the call spent
-        making iterators of its stage. Kept as the cost of one step: the
-        mean step after the first (which traces or makes an iterator),
-        plus the iterators' time spread over the steps.
-        """
-        if not seconds:
-            return
-        steps = seconds[1:] or seconds
-        cost = float(np.mean(steps)) + iterator_seconds / len(seconds)
-        if staged:
-            self.phase(phase).staged_step = cost
-        else:
-            self.phase(phase).plain_step = cost
-
     def stages(self, phase, batches, iterators):
         """Whether a call of `batches` batches in all should be staged.
 
@@ -229,38 +207,8 @@ class CallCosts:
                 f"less than the {1000 * set_up:.1f} ms its stage costs to "
                 "set up (measured on this model)"
             )
-        if costs.staged_step is None:
-            return True, "its staged steps are not measured"
-        if costs.plain_step is None:
-            # Once: the whole model's step is the baseline a stage must
-            # beat, and running it costs what plain Keras costs.
-            return False, "the whole model's step is measured once"
-        staged = costs.build_seconds + batches * costs.staged_step
-        plain = batches * costs.plain_step
-        verdict = (
-            f"{batches} staged steps of {1000 * costs.staged_step:.2f} ms "
-            f"and {1000 * costs.build_seconds:.1f} ms of set-up against "
-            f"whole-model steps of {1000 * costs.plain_step:.2f} ms "
-            "(measured on this model, iterators included)"
+        return True, (
+            f"staging {batches} batches can save up to "
+            f"{1000 * costs.saving(batches):.1f} ms of staged work, more "
+            f"than the {1000 * set_up:.1f} ms its stage costs to set up"
         )
-        return staged < plain, verdict
-
-    def prefix_in_stage(self, phase):
-        """`(in_stage, reason)`: where a staged call runs the staged layers.
-
-        In the stage unless this model's steps ran faster with them in the
-        step (as measured on earlier calls, the stage reading the
-        data either way); measured that way once, after the first staged
-        call, so that the stage must beat a step that computes them.
-        """
-        costs = self.phase(phase)
-        if costs.staged_step is None:
-            return True, "its staged steps are not measured"
-        if costs.plain_step is None:
-            return False, "the whole model's step is measured once"
-        verdict = (
-            f"steps of {1000 * costs.staged_step:.2f} ms with them in the "
-            f"stage against {1000 * costs.plain_step:.2f} ms in the step "
-            "(measured on this model, iterators included)"
-        )
-        return costs.staged_step < costs.plain_step, verdict

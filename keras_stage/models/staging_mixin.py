@@ -17,14 +17,15 @@ yields the cut tensors, and while Keras traces the train/test/predict step
 the model's call runs the trunk on them. Staged and plain runs keep
 separate compiled steps.
 
+Which calls are staged is `adaptive.py`'s; what the model keeps between
+calls is `model_state.py`'s.
+
 A model without a `StagedInput` and without `smart_stage` behaves exactly
 like its Keras base class.
 """
 
 import contextlib
 import logging
-import threading
-import time
 import warnings
 import weakref
 
@@ -38,78 +39,17 @@ from keras_stage.data.errors import StageTimeoutError
 from keras_stage.data.runner import EndOfData, SkipElement
 from keras_stage.data.stats import StageStats
 from keras_stage.layers.staged_input import StagedInput
-from keras_stage.models.call_costs import (
-    CallCosts,
-    array_batches,
-    fit_batches,
-    may_skip_stage,
-)
-from keras_stage.models.inputs import stage_data
+from keras_stage.models import adaptive
+from keras_stage.models.call_costs import CallCosts, array_batches
 from keras_stage.models.iterators import resolve
+from keras_stage.models.model_state import FUNCTIONS as _FUNCTIONS
+from keras_stage.models.model_state import state as _state
 from keras_stage.planner.planner import plan_model
 from keras_stage.planner.state_access import all_layers
 
 logger = logging.getLogger("keras_stage")
 
 _SMART_STAGE_VALUES = (True, False, "longest")
-# Keras's compiled steps, by the phase keras_stage stages for them.
-_FUNCTIONS = {
-    "train": "train_function",
-    "test": "test_function",
-    "predict": "predict_function",
-}
-
-
-class _StagingState:
-    """Per-model run state, kept out of Keras's attribute tracking."""
-
-    def __init__(self):
-        self.smart_stage = False
-        self.runners = {}
-        # The stats each compiled step ("train", "test") records its
-        # fetches in: kept across calls, since a traced step captures
-        # them, and replaced (with a retrace) once closed by a timeout.
-        self.step_stats = {}
-        # The stats of the phases whose step records during this call.
-        self.recording = {}
-        # SmartStage: the plan and split (computed on first use after
-        # compile), the split each phase's step runs, and the compiled
-        # steps of staged runs, kept apart from Keras's plain ones.
-        self.plan = None
-        self.split = None
-        self.active = {}
-        self.staged_functions = {}
-        self.requested_jit = "auto"
-        self.staged_jit = None
-        self.default_input = None
-        self.announced = False
-        # Per phase: the placement of the stage feeding the step (which
-        # unpacks packed elements), and the unpacked spec its traced step
-        # was built for.
-        self.placements = {}
-        self.layouts = {}
-        # Per phase: the iterator its step read last (weakly), and a
-        # restore of its position to run before the next step (see
-        # `DataBackup`).
-        self.iterators = {}
-        self.pending_restores = {}
-        # Set, in the thread tracing a step, to the trunk the model's call
-        # runs instead of the whole model.
-        self.local = threading.local()
-        # What the model's staged calls cost, to skip those that cannot pay,
-        # and the seconds of each train/test step of the current call.
-        self.costs = CallCosts()
-        self.step_seconds = {"train": [], "test": []}
-        self.iterator_seconds = {"train": 0.0, "test": 0.0, "predict": 0.0}
-
-
-def _state(model):
-    state = model.__dict__.get("_keras_stage_state")
-    if state is None:
-        state = _StagingState()
-        # A plain object, so Keras's tracker neither tracks nor saves it.
-        object.__setattr__(model, "_keras_stage_state", state)
-    return state
 
 
 def find_staged_input(model):
@@ -151,14 +91,11 @@ def _guard(model, phase, function):
     unrecorded = _UnrecordedStep(model, phase)
 
     def guarded(iterator):
-        started = time.perf_counter()
         iterator = resolve(iterator)
         state = _state(model)
         runner = state.runners.get(phase)
         if runner is None:
-            outputs = _reported(function(iterator))[0]
-            state.step_seconds[phase].append(time.perf_counter() - started)
-            return outputs
+            return _reported(function(iterator))[0]
         _track_iterator(state, phase, iterator)
         while True:
             try:
@@ -175,7 +112,6 @@ def _guard(model, phase, function):
                     values = report.numpy().tolist()
                     unrecorded.reported(values)
                     runner.take_report(iterator, values)
-                state.step_seconds[phase].append(time.perf_counter() - started)
                 return outputs
             except SkipElement:
                 continue
@@ -616,57 +552,6 @@ def _with_data_backup(model, callbacks):
 
 
 @contextlib.contextmanager
-def _timed_steps(model, staged):
-    """Notes the median step of a call's phases, staged or not.
-
-    `staged` maps each phase to whether its steps read the stage's work
-    (False: the whole model ran in the step).
-    """
-    state = _state(model)
-    for phase in staged:
-        state.step_seconds[phase] = []
-        state.iterator_seconds[phase] = 0.0
-    try:
-        yield
-    finally:
-        for phase, flag in staged.items():
-            state.costs.note_steps(
-                phase,
-                flag,
-                state.step_seconds[phase],
-                state.iterator_seconds[phase],
-            )
-
-
-def _call_split(model, layer, phase, split):
-    """The split a staged call of `phase` runs, or None for the whole model.
-
-    With None the stage still reads the data (its timeout and policies
-    apply) and the staged layers run in the step: chosen when the
-    model's steps measured that way were faster (see
-    `CallCosts.prefix_in_stage`).
-    """
-    if split is None or not may_skip_stage(layer):
-        return split
-    in_stage, reason = _state(model).costs.prefix_in_stage(phase)
-    if in_stage:
-        return split
-    logger.info(
-        "Model '%s': %s runs its staged layers in the step; the stage only "
-        "reads the data: %s.",
-        model.name,
-        phase,
-        reason,
-    )
-    return None
-
-
-def _reads_staged_work(split, call_split):
-    """Whether a staged call's steps read the stage's work (for timing)."""
-    return split is None or call_split is not None
-
-
-@contextlib.contextmanager
 def _unstaged_call(prefetch):
     """Runs a call whose stage was skipped; its callback ends as usual."""
     try:
@@ -680,7 +565,7 @@ def _end_call(model, prefetch, built):
     try:
         for data in built:
             if data.owned and data.cost_phase is not None:
-                _note_work(model, data)
+                adaptive.note_work(model, data)
             data.end_call()
     finally:
         prefetch.close()
@@ -704,75 +589,6 @@ def _with_prefetch_callback(callbacks):
     prefetch = found[0] if found else PrefetchCallback()
     others = [cb for cb in callbacks if cb is not prefetch]
     return [prefetch] + others, prefetch
-
-
-def _stages(model, layer, phase, batches, iterators=1, checked_callbacks=()):
-    """Whether a call of `phase` reading `batches` batches is staged.
-
-    See `CallCosts.stages`; `batches` is None when not from arrays.
-    `checked_callbacks`: the call's callbacks, checked as a staged call
-    checks them whichever way it runs.
-    """
-    _with_prefetch_callback(checked_callbacks)
-    if not may_skip_stage(layer):
-        return True
-    costs = _state(model).costs
-    if costs.stages(phase, batches, iterators):
-        return True
-    logger.info(
-        "Model '%s': %s runs the whole model in Keras's step, unstaged: %s.",
-        model.name,
-        phase,
-        costs.describe(phase, batches, iterators),
-    )
-    return False
-
-
-def _staged_data(model, phase, *args, **kwargs):
-    """`stage_data(*args, **kwargs)`, its costs noted for `phase`."""
-    costs = _state(model).costs
-    split = kwargs.get("split")
-    traced = 0.0 if split is None else split.trace_seconds
-    started = time.perf_counter()
-    data = stage_data(*args, **kwargs)
-    seconds = time.perf_counter() - started
-    if split is not None:
-        # Tracing the staged layers is paid once per model, not per call.
-        seconds -= split.trace_seconds - traced
-    costs.note_build(phase, seconds)
-
-    def made(seconds):
-        costs.note_iterator(phase, seconds)
-        _state(model).iterator_seconds[phase] += seconds
-
-    data.on_iterator = made
-    data.cost_phase = phase
-    snapshot = data.staged.stats.snapshot()
-    data.work_before = (snapshot["busy_seconds"], snapshot["produced"])
-    return data
-
-
-def _note_work(model, data):
-    """Notes the staged work `data`'s stage did in the call ending."""
-    if data.staged.stats.closed:
-        return
-    snapshot = data.staged.stats.snapshot()
-    busy, produced = data.work_before
-    _state(model).costs.note_work(
-        data.cost_phase,
-        snapshot["busy_seconds"] - busy,
-        snapshot["produced"] - produced,
-        has_work=data.split is not None,
-    )
-
-
-def _fit_stages(model, layer, x, validation_data, **kwargs):
-    """Whether a fit is staged: its training or its validation can pay."""
-    (train, epochs), (val, runs) = fit_batches(x, validation_data, **kwargs)
-    return _stages(model, layer, "train", train, iterators=epochs) or (
-        validation_data is not None
-        and _stages(model, layer, "test", val, iterators=runs)
-    )
 
 
 class StagingMixin:
@@ -1004,7 +820,7 @@ class StagingMixin:
                 )
             )
             validation_split = 0.0
-        if not _fit_stages(
+        if not adaptive.fit_stages(
             self,
             layer,
             x,
@@ -1020,20 +836,13 @@ class StagingMixin:
             with (
                 _unstaged_call(prefetch),
                 _unstaged_steps(self, ("train", "test")),
-                _timed_steps(self, {"train": False, "test": False}),
             ):
                 return unstaged()
         callbacks = _with_data_backup(self, callbacks)
         state = _state(self)
         built = []
-        train_split = _call_split(self, layer, "train", split)
-        val_split = (
-            None
-            if validation_data is None
-            else _call_split(self, layer, "test", split)
-        )
         try:
-            train = _staged_data(
+            train = adaptive.staged_data(
                 self,
                 "train",
                 layer,
@@ -1045,18 +854,18 @@ class StagingMixin:
                 steps=steps_per_epoch,
                 shuffle=shuffle,
                 class_weight=class_weight,
-                split=train_split,
+                split=split,
                 stats=_step_stats(self, layer, "train"),
                 strategy=self.distribute_strategy,
             )
             built.append(train)
             _bind(self, prefetch, state, "train", train)
-            val_pipeline = None
+            val_pipeline, val_split = None, None
             if validation_data is not None:
                 val_x, val_y, val_sw = keras.utils.unpack_x_y_sample_weight(
                     validation_data
                 )
-                val = _staged_data(
+                val = adaptive.staged_data(
                     self,
                     "test",
                     layer,
@@ -1066,25 +875,18 @@ class StagingMixin:
                     val_sw,
                     batch_size=validation_batch_size or batch_size,
                     steps=validation_steps,
-                    split=val_split,
+                    split=split,
                     stats=_step_stats(self, layer, "test"),
                     strategy=self.distribute_strategy,
                 )
                 built.append(val)
                 _bind(self, prefetch, state, "test", val)
-                val_pipeline = val.pipeline
+                val_pipeline, val_split = val.pipeline, val.split
             _build_for_strategy(self, train)
             splits = {"train": train.split, "test": val_split}
             with (
                 _skips_end_epochs_early(layer, built, callbacks),
                 _staged_steps(self, ("train", "test"), splits),
-                _timed_steps(
-                    self,
-                    {
-                        "train": _reads_staged_work(split, train_split),
-                        "test": _reads_staged_work(split, val_split),
-                    },
-                ),
             ):
                 return super().fit(
                     x=train.pipeline,
@@ -1135,17 +937,11 @@ class StagingMixin:
         if layer is None or kwargs.get("_use_cached_eval_dataset"):
             # Unstaged, or the validation of a fit (staged with the fit).
             return unstaged()
-        if not _stages(
-            self,
-            layer,
-            "test",
-            array_batches(x, batch_size, steps),
-            checked_callbacks=callbacks,
+        _with_prefetch_callback(callbacks)  # checked either way
+        if not adaptive.stages(
+            self, layer, "test", array_batches(x, batch_size, steps)
         ):
-            with (
-                _unstaged_steps(self, ("test",)),
-                _timed_steps(self, {"test": False}),
-            ):
+            with _unstaged_steps(self, ("test",)):
                 return unstaged()
         callbacks, prefetch = _with_prefetch_callback(callbacks)
         state = _state(self)
@@ -1155,9 +951,8 @@ class StagingMixin:
         outer_recording = state.recording.get("test")
         outer_placement = state.placements.get("test")
         built = []
-        test_split = _call_split(self, layer, "test", split)
         try:
-            test = _staged_data(
+            test = adaptive.staged_data(
                 self,
                 "test",
                 layer,
@@ -1167,7 +962,7 @@ class StagingMixin:
                 sample_weight,
                 batch_size=batch_size,
                 steps=steps,
-                split=test_split,
+                split=split,
                 stats=_step_stats(self, layer, "test"),
                 strategy=self.distribute_strategy,
             )
@@ -1177,9 +972,6 @@ class StagingMixin:
             with (
                 _skips_end_epochs_early(layer, built, callbacks),
                 _staged_steps(self, ("test",), {"test": test.split}),
-                _timed_steps(
-                    self, {"test": _reads_staged_work(split, test_split)}
-                ),
             ):
                 return super().evaluate(
                     x=test.pipeline,
@@ -1220,19 +1012,16 @@ class StagingMixin:
 
         if layer is None:
             return unstaged()
-        if not _stages(
-            self,
-            layer,
-            "predict",
-            array_batches(x, batch_size, steps),
-            checked_callbacks=callbacks,
+        _with_prefetch_callback(callbacks)  # checked either way
+        if not adaptive.stages(
+            self, layer, "predict", array_batches(x, batch_size, steps)
         ):
             with _unstaged_steps(self, ("predict",)):
                 return unstaged()
         callbacks, prefetch = _with_prefetch_callback(callbacks)
         built = []
         try:
-            data = _staged_data(
+            data = adaptive.staged_data(
                 self,
                 "predict",
                 layer,

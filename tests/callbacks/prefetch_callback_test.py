@@ -257,9 +257,9 @@ def test_auto_pool_follows_the_verdict_across_epochs_and_fits(capsys):
     # epoch shrinks the pool to the threads its verdict asks for (one: the
     # staged Rescaling takes far less than the 30 ms step), an input-bound
     # one gives it its full size back, and the size carries over to the
-    # next fit of the model (every fit staged: adaptive=False).
+    # next fit of the model.
     inputs = keras.Input(shape=(2,))
-    x = StagedInput(name="adaptive", adaptive=False)(inputs)
+    x = StagedInput(name="adaptive")(inputs)
     x = keras.layers.Rescaling(2.0)(x)  # staged: the stage has work
     x = SlowLayer()(keras.layers.Dense(2)(x))
     model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))

@@ -1,0 +1,68 @@
+"""What a keras_stage model keeps between its staged calls.
+
+One `StagingState` per model, kept out of Keras's attribute tracking (it
+is neither tracked nor saved): the SmartStage plan and split, the compiled
+steps of staged and unstaged calls, the stats those steps record in, the
+measured costs of its calls (`CallCosts`) and, while a call runs, what
+binds its stages to its steps.
+"""
+
+import threading
+
+from keras_stage.models.call_costs import CallCosts
+
+# Keras's compiled steps, by the phase keras_stage stages for them.
+FUNCTIONS = {
+    "train": "train_function",
+    "test": "test_function",
+    "predict": "predict_function",
+}
+
+
+class StagingState:
+    """Per-model run state, kept out of Keras's attribute tracking."""
+
+    def __init__(self):
+        self.smart_stage = False
+        self.runners = {}
+        # The stats each compiled step ("train", "test") records its
+        # fetches in: kept across calls, since a traced step captures
+        # them, and replaced (with a retrace) once closed by a timeout.
+        self.step_stats = {}
+        # The stats of the phases whose step records during this call.
+        self.recording = {}
+        # SmartStage: the plan and split (computed on first use after
+        # compile), the split each phase's step runs, and the compiled
+        # steps of staged runs, kept apart from Keras's plain ones.
+        self.plan = None
+        self.split = None
+        self.active = {}
+        self.staged_functions = {}
+        self.requested_jit = "auto"
+        self.staged_jit = None
+        self.default_input = None
+        self.announced = False
+        # Per phase: the placement of the stage feeding the step (which
+        # unpacks packed elements), and the unpacked spec its traced step
+        # was built for.
+        self.placements = {}
+        self.layouts = {}
+        # Per phase: the iterator its step read last (weakly), and a
+        # restore of its position to run before the next step (see
+        # `DataBackup`).
+        self.iterators = {}
+        self.pending_restores = {}
+        # Set, in the thread tracing a step, to the trunk the model's call
+        # runs instead of the whole model.
+        self.local = threading.local()
+        # What the model's staged calls cost, to skip those that cannot pay.
+        self.costs = CallCosts()
+
+
+def state(model):
+    state = model.__dict__.get("_keras_stage_state")
+    if state is None:
+        state = StagingState()
+        # A plain object, so Keras's tracker neither tracks nor saves it.
+        object.__setattr__(model, "_keras_stage_state", state)
+    return state
