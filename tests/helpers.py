@@ -121,3 +121,15 @@ class GcClock:
 
     def __exit__(self, *exc_info):
         gc.callbacks.remove(self._callback)
+
+
+
+def tensorboard_scalars(folder):
+    """{tag: [(step, value), ...]} of every event file under `folder`.
+
+    The reader the TensorBoard example prints from, so that the tests read
+    the event files as a user following it would.
+    """
+    from examples.tensorboard import scalars
+
+    return scalars(folder)

@@ -507,25 +507,20 @@ def verdict(stats, options, pool_size=None):
             f"keeps up; num_threads={needed_threads} would be enough (now "
             f"{options.num_threads})."
         )
-    return {
-        "input_bound": input_bound,
-        "source_bound": source_bound,
-        "wait_ratio": stats["wait_ratio"],
-        "buffer_fill": stats["buffer_fill"],
+    return _verdict_record(
+        stats,
+        pool_size,
+        message,
+        input_bound=input_bound,
+        source_bound=source_bound,
         # The source's time per batch when it is the bottleneck, else None.
-        "source_seconds_per_batch": pace if source_bound else None,
-        "delivery_seconds_per_batch": pace,
-        "prepare_seconds_per_batch": prepare,
-        "train_seconds_per_batch": compute,
-        "suggested_num_threads": needed_threads,
-        "suggested_capacity": capacity,
-        "thread_pool_size": pool_size,
-        "cpu_load": stats.get("cpu_load"),
-        # Unknown counts as busy: no growth past the pool's usual size.
-        "cores_busy": stats.get("cpu_load") is None
-        or stats["cpu_load"] >= _CORES_BUSY_LOAD,
-        "message": message,
-    }
+        source_seconds_per_batch=pace if source_bound else None,
+        delivery_seconds_per_batch=pace,
+        prepare_seconds_per_batch=prepare,
+        train_seconds_per_batch=compute,
+        suggested_num_threads=needed_threads,
+        suggested_capacity=capacity,
+    )
 
 
 def _untimed_verdict(stats, options, pool_size):
@@ -556,19 +551,32 @@ def _untimed_verdict(stats, options, pool_size):
         f"TensorFlow forbids the clock that times {' and '.join(unmeasured)}"
         ": no advice on num_threads or capacity."
     )
+    return _verdict_record(
+        stats,
+        pool_size,
+        message,
+        input_bound=None,
+        source_bound=None,
+        source_seconds_per_batch=None,
+        delivery_seconds_per_batch=pace,
+        prepare_seconds_per_batch=prepare,
+        train_seconds_per_batch=None,
+        suggested_num_threads=None,
+        suggested_capacity=None,
+    )
+
+
+def _verdict_record(stats, pool_size, message, **figures):
+    """The verdict dict: the epoch's `figures` and what every verdict has."""
     return {
-        "input_bound": None,
-        "source_bound": None,
-        "wait_ratio": wait_ratio,
+        "input_bound": figures.pop("input_bound"),
+        "source_bound": figures.pop("source_bound"),
+        "wait_ratio": stats["wait_ratio"],
         "buffer_fill": stats["buffer_fill"],
-        "source_seconds_per_batch": None,
-        "delivery_seconds_per_batch": pace,
-        "prepare_seconds_per_batch": prepare,
-        "train_seconds_per_batch": None,
-        "suggested_num_threads": None,
-        "suggested_capacity": None,
+        **figures,
         "thread_pool_size": pool_size,
         "cpu_load": stats.get("cpu_load"),
+        # Unknown counts as busy: no growth past the pool's usual size.
         "cores_busy": stats.get("cpu_load") is None
         or stats["cpu_load"] >= _CORES_BUSY_LOAD,
         "message": message,

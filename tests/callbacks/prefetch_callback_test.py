@@ -21,6 +21,7 @@ from keras_stage.callbacks import PrefetchCallback
 from keras_stage.callbacks.prefetch_callback import epoch_statistics, verdict
 from keras_stage.data import StageOptions
 from keras_stage.layers import StagedInput
+from tests.helpers import tensorboard_scalars
 
 SLEEP_SECONDS = 0.03
 # Enough batches that one scheduling stall of a loaded machine cannot
@@ -673,24 +674,6 @@ def test_closed_step_stats_are_replaced_and_the_step_retraced():
 # -- TensorBoard ---------------------------------------------------------------
 
 
-def _scalars(folder):
-    """{tag: [(step, value), ...]} of every event file under `folder`."""
-    found = {}
-    for path in tf.io.gfile.glob(f"{folder}/events.out.tfevents.*"):
-        for record in tf.data.TFRecordDataset(path):
-            event = tf.compat.v1.Event.FromString(record.numpy())
-            for value in event.summary.value:
-                if value.HasField("tensor"):
-                    array = tf.make_ndarray(value.tensor)
-                    if array.dtype.kind not in "fiub":
-                        continue  # text summaries (Keras writes the model)
-                    number = float(array)
-                else:
-                    number = value.simple_value
-                found.setdefault(value.tag, []).append((event.step, number))
-    return found
-
-
 def _tiny_staged_model():
     inputs = keras.Input(shape=(2,))
     x = StagedInput(capacity=2, num_threads=1, name="tb")(inputs)
@@ -711,7 +694,7 @@ def test_log_dir_writes_the_stage_figures_per_epoch(tmp_path):
         verbose=0,
         callbacks=[callback],
     ).history
-    scalars = _scalars(tmp_path / "stage")
+    scalars = tensorboard_scalars(tmp_path / "stage")
     for name in (
         "wait_ratio",
         "buffer_fill",
@@ -739,7 +722,7 @@ def test_keras_tensorboard_callback_records_the_stage_logs(tmp_path):
         verbose=0,
         callbacks=[keras.callbacks.TensorBoard(log_dir=str(tmp_path))],
     )
-    scalars = _scalars(tmp_path / "train")
+    scalars = tensorboard_scalars(tmp_path / "train")
     for key in ("stage_wait_ratio", "stage_buffer_fill", "stage_skipped"):
         assert [step for step, _ in scalars[f"epoch_{key}"]] == [0, 1]
 

@@ -21,6 +21,7 @@ import keras_stage
 from keras_stage.callbacks import PrefetchCallback
 from keras_stage.data.stats import NO_CLOCK_NOTE
 from keras_stage.layers import StagedInput
+from tests.helpers import tensorboard_scalars
 from tests.op_determinism import op_determinism
 
 pytestmark = pytest.mark.timeout(180)
@@ -202,23 +203,6 @@ def test_prefetch_callback_logs_what_it_measured_and_no_wait(
     assert printed.count(UNMEASURED) == 2
 
 
-def _scalars(folder):
-    """{tag: [(step, value), ...]} of every event file under `folder`."""
-    found = {}
-    for path in tf.io.gfile.glob(f"{folder}/events.out.tfevents.*"):
-        for record in tf.data.TFRecordDataset(path):
-            event = tf.compat.v1.Event.FromString(record.numpy())
-            for value in event.summary.value:
-                if not value.HasField("tensor"):
-                    continue
-                array = tf.make_ndarray(value.tensor)
-                if array.dtype.kind in "fiub":  # not Keras's text summaries
-                    found.setdefault(value.tag, []).append(
-                        (event.step, float(array))
-                    )
-    return found
-
-
 def test_tensorboard_gets_the_measured_figures_only(determinism, tmp_path):
     staged, _ = _twins(_dense)
     history = _seeded(
@@ -230,7 +214,7 @@ def test_tensorboard_gets_the_measured_figures_only(determinism, tmp_path):
             keras.callbacks.TensorBoard(log_dir=str(tmp_path / "keras")),
         ],
     ).history
-    written = _scalars(tmp_path / "stage_logs" / "stage")
+    written = tensorboard_scalars(tmp_path / "stage_logs" / "stage")
     assert sorted(written) == [
         "stage/buffer_fill",
         "stage/delivery_ms_per_batch",
@@ -244,7 +228,7 @@ def test_tensorboard_gets_the_measured_figures_only(determinism, tmp_path):
     assert [v for _, v in written["stage/buffer_fill"]] == pytest.approx(
         history["stage_buffer_fill"]
     )
-    keras_written = _scalars(tmp_path / "keras" / "train")
+    keras_written = tensorboard_scalars(tmp_path / "keras" / "train")
     assert "epoch_stage_buffer_fill" in keras_written
     assert "epoch_stage_skipped" in keras_written
     assert "epoch_stage_wait_ratio" not in keras_written
