@@ -123,7 +123,6 @@ class GcClock:
         gc.callbacks.remove(self._callback)
 
 
-
 def tensorboard_scalars(folder):
     """{tag: [(step, value), ...]} of every event file under `folder`.
 
