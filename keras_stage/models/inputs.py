@@ -100,6 +100,7 @@ class StagedData:
         in_step=False,
         owned=True,
         strategy=None,
+        defers=False,
     ):
         self.staged = staged
         self.adapter = adapter
@@ -118,7 +119,7 @@ class StagedData:
         # iterator. Making an iterator of a user's dataset can change what
         # the next one draws (a seeded `shuffle` shares its seed generator
         # between iterators), so those are made when Keras makes them.
-        self.defers = False
+        self.defers = defers
         # Told the seconds each iterator of `pipeline` took to make.
         self.on_iterator = None
         # Set by a consumer that notes the stage's costs (see CallCosts):
@@ -276,13 +277,12 @@ def stage_data(
     )
     if split is not None:
         staged.runner.staged_layers = tuple(split.plan.staged_layers)
-    data = StagedData(
+    return StagedData(
         staged,
         adapter,
         split,
         element_spec,
         in_step=stats is not None,
         strategy=strategy if distributed else None,
+        defers=in_memory(x),
     )
-    data.defers = in_memory(x)
-    return data

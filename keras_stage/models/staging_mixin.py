@@ -551,20 +551,11 @@ def _with_data_backup(model, callbacks):
     return out
 
 
-@contextlib.contextmanager
-def _unstaged_call(prefetch):
-    """Runs a call whose stage was skipped; its callback ends as usual."""
-    try:
-        yield
-    finally:
-        prefetch.close()
-
-
 def _end_call(model, prefetch, built):
     """Ends a fit/evaluate/predict call: its stages and their threads."""
     try:
         for data in built:
-            if data.owned and data.cost_phase is not None:
+            if data.owned:
                 adaptive.note_work(model, data)
             data.end_call()
     finally:
@@ -833,11 +824,11 @@ class StagingMixin:
             validation_batch_size=validation_batch_size,
             validation_freq=validation_freq,
         ):
-            with (
-                _unstaged_call(prefetch),
-                _unstaged_steps(self, ("train", "test")),
-            ):
-                return unstaged()
+            try:
+                with _unstaged_steps(self, ("train", "test")):
+                    return unstaged()
+            finally:
+                prefetch.close()
         callbacks = _with_data_backup(self, callbacks)
         state = _state(self)
         built = []
@@ -937,13 +928,15 @@ class StagingMixin:
         if layer is None or kwargs.get("_use_cached_eval_dataset"):
             # Unstaged, or the validation of a fit (staged with the fit).
             return unstaged()
-        _with_prefetch_callback(callbacks)  # checked either way
+        # Checked whichever way the call runs; an unstaged one gets the
+        # user's callbacks as they are.
+        staged_callbacks, prefetch = _with_prefetch_callback(callbacks)
         if not adaptive.stages(
             self, layer, "test", array_batches(x, batch_size, steps)
         ):
             with _unstaged_steps(self, ("test",)):
                 return unstaged()
-        callbacks, prefetch = _with_prefetch_callback(callbacks)
+        callbacks = staged_callbacks
         state = _state(self)
         # Set when evaluate runs inside fit (from a callback): the runner of
         # the fit's validation stage, restored afterwards.
@@ -1012,13 +1005,14 @@ class StagingMixin:
 
         if layer is None:
             return unstaged()
-        _with_prefetch_callback(callbacks)  # checked either way
+        # Checked whichever way the call runs (see `evaluate`).
+        staged_callbacks, prefetch = _with_prefetch_callback(callbacks)
         if not adaptive.stages(
             self, layer, "predict", array_batches(x, batch_size, steps)
         ):
             with _unstaged_steps(self, ("predict",)):
                 return unstaged()
-        callbacks, prefetch = _with_prefetch_callback(callbacks)
+        callbacks = staged_callbacks
         built = []
         try:
             data = adaptive.staged_data(
