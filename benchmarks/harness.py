@@ -17,11 +17,14 @@ This module owns the protocol. For each workload, in one process:
    staged-tuned compute-bound input-bound` then again, so drift in the
    machine's load hits every mode alike, with a full garbage collection
    (untimed) after each (see `_collect_garbage`);
-5. summarise: median, min and max steps/s per mode, the limit
-   (the slower of compute-bound and input-bound) and every mode's time as
-   a ratio to plain, to expert and to the limit: of the medians, and
-   paired (the median over the rounds of the ratio within each round,
-   which cancels the machine's drift between rounds).
+5. summarise: median, min and max per mode of the whole calls' seconds
+   and of the steps' steps/s, the limit (the slower of compute-bound and
+   input-bound) and every mode's time as a ratio to plain, to expert and
+   to the limit: of the medians, and paired (the median over the rounds
+   of the ratio within each round, which cancels the machine's drift
+   between rounds). The headline ratios (`ratio_to_plain`, ...) are of
+   whole calls; the same ratios of the steps alone are beside them
+   (`steps_ratio_to_plain`, ...).
 
 A mode that raises is recorded with its error and left out of the later
 repetitions; the other modes go on. Warnings raised while a mode runs are
@@ -200,13 +203,14 @@ def run_workload(workload, reps, log=print, staged_options=None):
                 record["round"] = rep  # pairs it with the round's others
                 runs[name].reps.append(record)
         log(
-            f"  rep {rep + 1}/{reps}: "
+            f"  rep {rep + 1}/{reps}, steps/s of the whole call (of the "
+            "steps): "
             + ", ".join(
-                f"{name} {runs[name].reps[-1]['steps_per_second']:.1f}"
+                f"{name} {_call_rate(runs[name].reps[-1]):.1f} "
+                f"({runs[name].reps[-1]['steps_per_second']:.1f})"
                 for name in order
                 if runs[name].error is None and runs[name].reps
             )
-            + " steps/s"
         )
     modes = {name: _mode_result(run) for name, run in runs.items()}
     if tuned is None:
@@ -237,9 +241,20 @@ def _log_warm_up(log, name, run):
         )
 
 
+def _call_rate(record):
+    """Steps per second of a repetition's whole call."""
+    return record["steps"] / record["call_seconds"]
+
+
 def _mode_result(run):
     out = {"description": run.mode.description, "settings": run.settings()}
     if run.reps:
+        # The whole calls: the headline.
+        out["call_seconds"] = summarize([r["call_seconds"] for r in run.reps])
+        out["call_seconds_per_step"] = summarize(
+            [r["call_seconds"] / r["steps"] for r in run.reps]
+        )
+        # The steps alone.
         sps = [r["steps_per_second"] for r in run.reps]
         out["steps_per_second"] = summarize(sps)
         out["seconds_per_step"] = summarize([1 / v for v in sps])
@@ -264,91 +279,163 @@ def _mode_result(run):
     return out
 
 
-def _median_sps(modes, name):
+def _median(modes, name, key):
+    """The median of `modes[name][key]`, or None if the mode has none."""
     mode = modes.get(name)
-    if not mode or "error" in mode or "steps_per_second" not in mode:
+    if not mode or "error" in mode or key not in mode:
         return None
-    return mode["steps_per_second"]["median"]
+    return mode[key]["median"]
+
+
+def _call_speed(modes, name):
+    """Steps/s of a mode's median whole call (1 / median s per step)."""
+    seconds = _median(modes, name, "call_seconds_per_step")
+    return None if seconds is None else 1 / seconds
+
+
+def _steps_speed(modes, name):
+    """A mode's median steps/s of the steps alone."""
+    return _median(modes, name, "steps_per_second")
+
+
+def _limit(modes, speed):
+    """`(steps/s, bound_by, compute-bound's, input-bound's)` of the limit.
+
+    The slower of compute-bound and input-bound by `speed(modes, name)`;
+    the first two are None where either is missing.
+    """
+    compute = speed(modes, "compute-bound")
+    inputs = speed(modes, "input-bound")
+    if compute is None or inputs is None:
+        return None, None, compute, inputs
+    bound_by = "compute-bound" if compute <= inputs else "input-bound"
+    return min(compute, inputs), bound_by, compute, inputs
+
+
+def _inverse(value):
+    return None if value is None else 1 / value
+
+
+# The two kinds of ratio: (prefix of its keys, median steps/s of a mode,
+# seconds per step of one repetition). Whole calls are the headline.
+_KINDS = (
+    ("", _call_speed, lambda rep: rep["call_seconds"] / rep["steps"]),
+    ("steps_", _steps_speed, lambda rep: 1 / rep["steps_per_second"]),
+)
 
 
 def add_ratios(result):
     """Adds the limit and each mode's ratios to a workload's results.
 
-    The limit is the slower of `compute-bound` and `input-bound` (median
-    steps/s). Ratios are time ratios of medians: `ratio_to_plain =
-    plain's median steps/s / the mode's` (above 1: slower than plain),
-    likewise `ratio_to_expert` and `ratio_to_limit`; `speedup_vs_plain`
-    is `1 / ratio_to_plain`. A ratio is None when either side failed.
+    Every ratio is a time ratio (above 1: slower than the reference),
+    computed twice:
 
-    The `paired_` ratios compare the repetitions of one round (see
-    `_paired`): `paired_ratio_to_plain` is the median over the rounds of
-    the mode's time per step over plain's in the same round (the limit's:
-    the slower of compute-bound and input-bound in that round), and
-    `paired_speedup_vs_plain` the median of the inverse ratios. A single
-    repetition here spreads by 10-20% with the machine's load, which moves
-    every mode of a round alike: the paired ratio cancels that, where the
-    ratio of medians takes each side's median from different rounds.
+    - of whole calls, the headline: `ratio_to_plain` is the mode's median
+      seconds per step of its whole calls (`call_seconds_per_step`: the
+      `fit` call, set-up and tear-down included; for `input-bound` making
+      the iterator, the pass and dropping it) over plain's; likewise
+      `ratio_to_expert` and `ratio_to_limit`, and `speedup_vs_plain` is
+      plain's over the mode's. Their limit is the slower of
+      `compute-bound` and `input-bound` by that median
+      (`limit["call_seconds_per_step"]`, `limit["call_bound_by"]`).
+    - of the steps alone (the first batch's beginning to the last one's
+      end), with the prefix `steps_`: `steps_ratio_to_plain = plain's
+      median steps/s / the mode's`, likewise `steps_ratio_to_expert`,
+      `steps_ratio_to_limit` and `steps_speedup_vs_plain`, against the
+      slower bound by median steps/s (`limit["steps_per_second"]`,
+      `limit["bound_by"]`). These are what the unprefixed keys meant
+      before whole calls became the headline.
+
+    The `paired_` ratios (`steps_paired_` of the steps) compare the
+    repetitions of one round (see `_paired`): `paired_ratio_to_plain` is
+    the median over the rounds of the mode's time per step over plain's
+    in the same round (the limit's: the slower of compute-bound and
+    input-bound in that round), and `paired_speedup_vs_plain` the median
+    of the inverse ratios. A single repetition here spreads by 10-20% with
+    the machine's load, which moves every mode of a round alike: the
+    paired ratio cancels that, where the ratio of medians takes each
+    side's median from different rounds.
+
+    A ratio is None when either side failed or lacks the times.
     """
     modes = result["modes"]
-    compute = _median_sps(modes, "compute-bound")
-    inputs = _median_sps(modes, "input-bound")
-    if compute is None or inputs is None:
-        limit = None
+    limit, bound_by, compute, inputs = _limit(modes, _steps_speed)
+    if limit is None:
         result["limit"] = None
     else:
-        limit = min(compute, inputs)
+        call, call_bound_by, call_compute, call_inputs = _limit(
+            modes, _call_speed
+        )
         result["limit"] = {
+            # The steps alone (these keys' meaning is unchanged).
             "steps_per_second": limit,
             "seconds_per_step": 1 / limit,
-            "bound_by": "compute-bound" if compute <= inputs else "input-bound",
+            "bound_by": bound_by,
             "compute_bound_seconds_per_step": 1 / compute,
             "input_bound_seconds_per_step": 1 / inputs,
             # No overlap at all: each side in turn, each with every core.
             # When both sides keep every core busy (CPU-bound parsing on
             # few cores), overlapping them cannot do much better.
             "sequential_seconds_per_step": 1 / compute + 1 / inputs,
+            # Whole calls: the limit of the headline ratios.
+            "call_seconds_per_step": _inverse(call),
+            "call_bound_by": call_bound_by,
+            "compute_bound_call_seconds_per_step": _inverse(call_compute),
+            "input_bound_call_seconds_per_step": _inverse(call_inputs),
+            "sequential_call_seconds_per_step": (
+                None if call is None else 1 / call_compute + 1 / call_inputs
+            ),
         }
-    plain = _median_sps(modes, "plain")
-    expert = _median_sps(modes, "expert")
-    rounds = {name: _round_times(modes[name]) for name in modes}
-    limit_rounds = _limit_rounds(rounds)
-    for name in modes:
-        sps = _median_sps(modes, name)
+    for prefix, speed, rep_time in _KINDS:
+        limit = _limit(modes, speed)[0]
+        plain = speed(modes, "plain")
+        expert = speed(modes, "expert")
+        rounds = {name: _round_times(modes[name], rep_time) for name in modes}
+        limit_rounds = _limit_rounds(rounds)
+        for name in modes:
+            sps = speed(modes, name)
 
-        def ratio(reference, sps=sps):
-            if sps is None or reference is None:
-                return None
-            return reference / sps
+            def ratio(reference, sps=sps):
+                if sps is None or reference is None:
+                    return None
+                return reference / sps
 
-        modes[name]["ratio_to_plain"] = ratio(plain)
-        modes[name]["ratio_to_expert"] = ratio(expert)
-        modes[name]["ratio_to_limit"] = ratio(limit)
-        modes[name]["speedup_vs_plain"] = (
-            None if sps is None or plain is None else sps / plain
-        )
-        own = rounds[name]
-        modes[name]["paired_ratio_to_plain"] = _paired(own, rounds.get("plain"))
-        modes[name]["paired_ratio_to_expert"] = _paired(
-            own, rounds.get("expert")
-        )
-        modes[name]["paired_ratio_to_limit"] = _paired(own, limit_rounds)
-        modes[name]["paired_speedup_vs_plain"] = _paired(
-            rounds.get("plain"), own
-        )
+            out = modes[name]
+            out[f"{prefix}ratio_to_plain"] = ratio(plain)
+            out[f"{prefix}ratio_to_expert"] = ratio(expert)
+            out[f"{prefix}ratio_to_limit"] = ratio(limit)
+            out[f"{prefix}speedup_vs_plain"] = (
+                None if sps is None or plain is None else sps / plain
+            )
+            own = rounds[name]
+            out[f"{prefix}paired_ratio_to_plain"] = _paired(
+                own, rounds.get("plain")
+            )
+            out[f"{prefix}paired_ratio_to_expert"] = _paired(
+                own, rounds.get("expert")
+            )
+            out[f"{prefix}paired_ratio_to_limit"] = _paired(own, limit_rounds)
+            out[f"{prefix}paired_speedup_vs_plain"] = _paired(
+                rounds.get("plain"), own
+            )
 
 
-def _round_times(mode):
-    """`{round: seconds per step}` of a mode's repetitions, or None.
+def _round_times(mode, rep_time):
+    """`{round: rep_time(rep)}` of a mode's repetitions, or None.
 
-    Records without a round (results written before rounds were noted)
-    are numbered in order.
+    None also when a repetition lacks the times `rep_time` reads (results
+    written before whole calls were timed). Records without a round are
+    numbered in order.
     """
     if "error" in mode or not mode.get("reps"):
         return None
-    return {
-        rep.get("round", i): 1 / rep["steps_per_second"]
-        for i, rep in enumerate(mode["reps"])
-    }
+    try:
+        return {
+            rep.get("round", i): rep_time(rep)
+            for i, rep in enumerate(mode["reps"])
+        }
+    except KeyError:
+        return None
 
 
 def _limit_rounds(rounds):

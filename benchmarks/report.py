@@ -39,14 +39,19 @@ _COLORS = {
 def target_checks(results):
     """The staged mode's numbers against the project's targets.
 
-    `met` judges the ratio of medians (`key`); `paired_value` is the
-    same ratio paired by round (`paired_<key>`, see
-    `benchmarks.harness.add_ratios`) and `paired_met` judges it.
+    Targets are judged on whole calls (the headline ratios, see
+    `benchmarks.harness.add_ratios`): `met` judges the ratio of medians
+    (`key`); `paired_value` is the same ratio paired by round
+    (`paired_<key>`) and `paired_met` judges it. The same two figures of
+    the steps alone (`steps_<key>`, `steps_paired_<key>`) are judged
+    beside them (`steps_value`, `steps_met`, `steps_paired_value`,
+    `steps_paired_met`).
 
     Returns:
         A list of dicts: `workload`, `mode`, `target`, `key`, `value`,
         `bound`, `met` (None when the value is missing), `paired_value`,
-        `paired_met`, for the workloads present in `results`.
+        `paired_met`, `steps_value`, `steps_met`, `steps_paired_value`,
+        `steps_paired_met`, for the workloads present in `results`.
     """
     checks = []
     for workload, key, op, bound, wording in TARGETS:
@@ -54,21 +59,21 @@ def target_checks(results):
         if section is None:
             continue
         staged = section["modes"].get("staged", {})
-        value = staged.get(key)
-        paired = staged.get(f"paired_{key}")
-        checks.append(
-            {
-                "workload": workload,
-                "mode": "staged",
-                "target": wording,
-                "key": key,
-                "value": value,
-                "bound": f"{op} {bound:.3g}",
-                "met": _meets(value, op, bound),
-                "paired_value": paired,
-                "paired_met": _meets(paired, op, bound),
-            }
-        )
+        check = {
+            "workload": workload,
+            "mode": "staged",
+            "target": wording,
+            "key": key,
+            "bound": f"{op} {bound:.3g}",
+        }
+        for prefix in ("", "steps_"):
+            value = staged.get(f"{prefix}{key}")
+            paired = staged.get(f"{prefix}paired_{key}")
+            check[f"{prefix}value"] = value
+            check[f"{prefix}met"] = _meets(value, op, bound)
+            check[f"{prefix}paired_value"] = paired
+            check[f"{prefix}paired_met"] = _meets(paired, op, bound)
+        checks.append(check)
     return checks
 
 
@@ -124,8 +129,87 @@ def _notes(name, mode):
     return "; ".join(notes)
 
 
+def _row(mode_name, cells, notes):
+    return f"  {mode_name:<14}" + "".join(cells) + f"  {notes}"
+
+
+# The table's columns after the mode: (header, width).
+_COLUMNS = (
+    ("ms/call", 8),
+    ("min-max", 12),
+    ("x plain", 8),
+    ("t/expert", 9),
+    ("t/limit", 8),
+    ("steps/s", 9),
+    ("ms/step", 8),
+    ("x plain", 8),
+    ("t/expert", 9),
+    ("t/limit", 8),
+    ("cores", 6),
+    ("out s", 6),
+    ("gc s", 6),
+)
+
+
+def _cells(values):
+    return [f"{v:>{w}}" for v, (_, w) in zip(values, _COLUMNS, strict=True)]
+
+
+def _mode_cells(mode):
+    """The table's cells of a mode that ran (see `_COLUMNS`)."""
+    call = mode.get("call_seconds_per_step")
+    sps = mode["steps_per_second"]
+    outside = mode.get("outside_seconds", {}).get("median")
+    return _cells(
+        [
+            _num(call and 1e3 * call["median"], ".2f"),
+            "-"
+            if call is None
+            else f"{1e3 * call['min']:.2f}-{1e3 * call['max']:.2f}",
+            _num(mode.get("speedup_vs_plain"), ".2f") + "x",
+            _num(mode.get("ratio_to_expert"), ".2f"),
+            _num(mode.get("ratio_to_limit"), ".2f"),
+            f"{sps['median']:.1f}",
+            f"{1e3 / sps['median']:.2f}",
+            _num(mode.get("steps_speedup_vs_plain"), ".2f") + "x",
+            _num(mode.get("steps_ratio_to_expert"), ".2f"),
+            _num(mode.get("steps_ratio_to_limit"), ".2f"),
+            _num(mode["cores"]["median"], ".2f"),
+            _num(outside, ".2f"),
+            _num(mode["cleanup_seconds"]["median"], ".2f"),
+        ]
+    )
+
+
+def _limit_lines(limit):
+    """The limit of the whole calls and of the steps, one line each."""
+    lines = []
+    kinds = (
+        ("whole calls", "call_", "call_bound_by"),
+        ("steps only", "", "bound_by"),
+    )
+    for label, infix, bound_by in kinds:
+        if limit.get(f"{infix}seconds_per_step") is None:
+            continue
+        lines.append(
+            f"  limit, {label}: "
+            f"{1e3 * limit[f'{infix}seconds_per_step']:.2f} ms/step "
+            f"({limit[bound_by]}): trunk alone "
+            f"{1e3 * limit[f'compute_bound_{infix}seconds_per_step']:.2f}, "
+            "preprocessing alone "
+            f"{1e3 * limit[f'input_bound_{infix}seconds_per_step']:.2f}, "
+            "one after the other "
+            f"{1e3 * limit[f'sequential_{infix}seconds_per_step']:.2f}"
+        )
+    return lines
+
+
 def format_table(results):
-    """The results as text: one block per workload, one row per mode."""
+    """The results as text: one block per workload, one row per mode.
+
+    The first columns are of whole calls (the headline), the next of the
+    steps alone.
+    """
     env = results["environment"]
     config = results["config"]
     lines = [
@@ -138,11 +222,11 @@ def format_table(results):
         f"{config['reps']} timed reps per mode, interleaved, after a warm-up;"
         f" trunk={config['trunk']}; {results['wall_seconds']:.0f} s in all",
     ]
-    header = (
-        f"  {'mode':<14}{'steps/s':>8}{'min-max':>14}{'ms/step':>8}"
-        f"{'x plain':>8}{'t/expert':>9}{'t/limit':>8}{'cores':>6}"
-        f"{'fit+s':>6}{'gc s':>6}  notes"
+    groups = (
+        f"  {'':<14}{'whole call (fit, set-up included), per step':<45}"
+        f"{'steps only (first batch to last)':<42}"
     )
+    header = _row("mode", [f"{h:>{w}}" for h, w in _COLUMNS], "notes")
     for name, section in results["workloads"].items():
         info = section["info"]
         load = section["load"]
@@ -166,68 +250,57 @@ def format_table(results):
                 subsequent_indent="  ",
             )
         )
-        limit = section["limit"]
-        if limit is not None:
-            lines.append(
-                f"  limit {1e3 * limit['seconds_per_step']:.2f} ms/step "
-                f"({limit['bound_by']}): trunk alone "
-                f"{1e3 * limit['compute_bound_seconds_per_step']:.2f}, "
-                "preprocessing alone "
-                f"{1e3 * limit['input_bound_seconds_per_step']:.2f}, "
-                "one after the other "
-                f"{1e3 * limit['sequential_seconds_per_step']:.2f} ms/step"
-            )
-        lines.append(header)
+        if section["limit"] is not None:
+            lines.extend(_limit_lines(section["limit"]))
+        lines.append(groups.rstrip())
+        lines.append(header.rstrip())
         for mode_name in MODE_ORDER:
             mode = section["modes"].get(mode_name)
             if mode is None:
                 continue
-            sps = mode.get("steps_per_second")
-            if sps is None:
-                lines.append(
-                    f"  {mode_name:<14}{'-':>8}{'-':>14}{'-':>8}{'-':>8}"
-                    f"{'-':>9}{'-':>8}{'-':>6}{'-':>6}{'-':>6}  "
-                    f"{_notes(mode_name, mode)}"
-                )
-                continue
-            spread = f"{sps['min']:.1f}-{sps['max']:.1f}"
-            outside = mode.get("outside_seconds", {}).get("median")
+            if mode.get("steps_per_second") is None:
+                cells = _cells(["-"] * len(_COLUMNS))
+            else:
+                cells = _mode_cells(mode)
             lines.append(
-                f"  {mode_name:<14}{sps['median']:>8.1f}{spread:>14}"
-                f"{1e3 / sps['median']:>8.2f}"
-                f"{_num(mode['speedup_vs_plain'], '.2f'):>7}x"
-                f"{_num(mode['ratio_to_expert'], '.2f'):>9}"
-                f"{_num(mode['ratio_to_limit'], '.2f'):>8}"
-                f"{_num(mode['cores']['median'], '.2f'):>6}"
-                f"{_num(outside, '.2f'):>6}"
-                f"{_num(mode['cleanup_seconds']['median'], '.2f'):>6}"
-                f"  {_notes(mode_name, mode)}"
+                _row(mode_name, cells, _notes(mode_name, mode)).rstrip()
             )
     checks = target_checks(results)
     if checks:
         lines.append("")
-        lines.append("Targets for staged (informational, 2-core machine):")
+        lines.append(
+            "Targets for staged (informational, 2-core machine), judged on "
+            "whole calls; the steps alone after 'steps':"
+        )
         for check in checks:
-            status = _STATUS[check["met"]]
-            paired = check.get("paired_value")
             lines.append(
                 f"  {check['workload']:<8}{check['target']:<30}"
                 f"{check['key']} = {_num(check['value'], '.2f')} "
-                f"({check['bound']}): {status}; paired "
-                f"{_num(paired, '.3f')}: {_STATUS[check.get('paired_met')]}"
+                f"({check['bound']}): {_STATUS[check['met']]}; paired "
+                f"{_num(check.get('paired_value'), '.3f')}: "
+                f"{_STATUS[check.get('paired_met')]}; steps "
+                f"{_num(check.get('steps_value'), '.2f')}: "
+                f"{_STATUS[check.get('steps_met')]}, paired "
+                f"{_num(check.get('steps_paired_value'), '.3f')}: "
+                f"{_STATUS[check.get('steps_paired_met')]}"
             )
     lines.append("")
     legend = (
-        "x plain: speedup over plain (ratio of median steps/s). t/expert, "
-        "t/limit: time per step over expert's, over the limit's (the slower "
-        "of compute-bound and input-bound); below 1 is faster. Targets: "
-        "paired is the median over the rounds of the same ratio within each "
-        "round (the modes run in turn every round). cores: CPU "
-        "time of the process over wall time in the timed window (median). "
-        "fit+s: seconds of each fit call outside the timed window (set-up "
-        "and tear-down; median). gc s: seconds of the garbage collection "
-        "run after each repetition, untimed (freeing the mode's pipelines; "
-        "median)."
+        "Whole call: each repetition's fit call from its start to its "
+        "return, set-up and tear-down included (input-bound: making the "
+        "iterator, the pass, dropping it); ms/call is its median time per "
+        "step, min-max its range. Steps only: from the first batch's "
+        "beginning to the last one's end (input-bound: the first next() to "
+        "the last); steps/s and ms/step are medians. x plain: speedup over "
+        "plain (ratio of medians). t/expert, t/limit: time per step over "
+        "expert's, over the limit's (the slower of compute-bound and "
+        "input-bound, of the same kind); below 1 is faster. Targets: paired "
+        "is the median over the rounds of the same ratio within each round "
+        "(the modes run in turn every round). cores: CPU time of the process "
+        "over wall time in the steps window (median). out s: seconds of "
+        "each call outside the steps window (set-up and tear-down; median). "
+        "gc s: seconds of the garbage collection run after each repetition, "
+        "untimed (freeing the mode's pipelines; median)."
     )
     lines.extend(textwrap.wrap(legend, width=79))
     return "\n".join(lines)
@@ -236,7 +309,8 @@ def format_table(results):
 def plot_chart(results, path):
     """Writes a PNG bar chart: speedup vs plain and time / limit per mode.
 
-    Bars are medians, whiskers the min-max over the repetitions.
+    Of whole calls (the headline ratios). Bars are the ratios of medians,
+    whiskers the min-max over the repetitions.
     """
     import matplotlib
 
@@ -248,7 +322,8 @@ def plot_chart(results, path):
         m
         for m in MODE_ORDER
         if any(
-            "steps_per_second" in results["workloads"][w]["modes"].get(m, {})
+            "call_seconds_per_step"
+            in results["workloads"][w]["modes"].get(m, {})
             for w in workloads
         )
     ]
@@ -256,8 +331,16 @@ def plot_chart(results, path):
         1, 2, figsize=(max(8, 2.2 * len(workloads) + 4), 4.5), squeeze=False
     )
     panels = (
-        (axes[0][0], "speedup vs plain (higher is faster)", _speedup),
-        (axes[0][1], "time per step / limit (1 = at the limit)", _to_limit),
+        (
+            axes[0][0],
+            "whole calls: speedup vs plain (higher is faster)",
+            _speedup,
+        ),
+        (
+            axes[0][1],
+            "whole calls: time / limit (1 = at the limit)",
+            _to_limit,
+        ),
     )
     width = 0.8 / max(len(modes), 1)
     for ax, title, values in panels:
@@ -300,23 +383,25 @@ def plot_chart(results, path):
     return path
 
 
-def _reference(section, name):
-    mode = section["modes"].get(name, {})
-    return mode.get("steps_per_second", {}).get("median")
+def _call_times(section, name):
+    """A mode's whole-call seconds per step {median, min, max}, or None."""
+    return section["modes"].get(name, {}).get("call_seconds_per_step")
 
 
 def _speedup(section, mode_name):
-    sps = section["modes"].get(mode_name, {}).get("steps_per_second")
-    plain = _reference(section, "plain")
-    if sps is None or plain is None:
+    times = _call_times(section, mode_name)
+    plain = _call_times(section, "plain")
+    if times is None or plain is None:
         return None
-    return sps["median"] / plain, sps["min"] / plain, sps["max"] / plain
+    plain = plain["median"]
+    # The fastest repetition gives the highest speedup.
+    return plain / times["median"], plain / times["max"], plain / times["min"]
 
 
 def _to_limit(section, mode_name):
-    sps = section["modes"].get(mode_name, {}).get("steps_per_second")
-    if sps is None or section["limit"] is None:
+    times = _call_times(section, mode_name)
+    limit = section["limit"]
+    if times is None or limit is None or limit["call_seconds_per_step"] is None:
         return None
-    limit = section["limit"]["steps_per_second"]
-    # Time ratios: the fastest repetition gives the lowest ratio.
-    return limit / sps["median"], limit / sps["max"], limit / sps["min"]
+    limit = limit["call_seconds_per_step"]
+    return times["median"] / limit, times["min"] / limit, times["max"] / limit

@@ -33,7 +33,9 @@ def parse_args(argv=None):
         description=(
             "Train each workload in every mode (plain, expert, staged, "
             "staged-tuned, compute-bound, input-bound), interleaved, and "
-            "report steps/s as ratios to plain and to the limit."
+            "report each mode's time as ratios to plain, to expert and to "
+            "the limit: of whole fit calls (set-up included), and of the "
+            "steps alone beside them."
         ),
     )
     parser.add_argument(

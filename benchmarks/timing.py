@@ -9,8 +9,10 @@ This module owns the measurement itself:
   the first one and every wait for data, but not `fit`'s own set-up before
   the first batch (data adapter, iterator and stage creation, callbacks'
   `on_train_begin`/`on_epoch_begin`) nor its tear-down after the last one.
-  The first step alone and the whole `fit` call are recorded too.
-- `summarize`, the median, min and max of the repetitions' steps/s.
+  The first step alone is recorded too, and the modes time the whole
+  `fit` call around it (`call_seconds`), which the headline ratios
+  compare (see `TIMED`).
+- `summarize`, the median, min and max of the repetitions' times.
 
 The definitions are stated once here, in `TIMED`, and copied into every
 results file.
@@ -23,21 +25,28 @@ import time
 import keras
 
 TIMED = (
-    "Training modes: one repetition is one epoch, model.fit(dataset, "
-    "epochs=1) over `steps` batches; its time runs from "
-    "on_train_batch_begin of the first batch to on_train_batch_end of the "
-    "last (all steps, waits for data included; fit's set-up before the "
-    "first batch and tear-down after the last excluded; `fit_seconds` is "
-    "the whole call). input-bound: one repetition is one pass of `steps` "
-    "elements of the staged dataset in an eager Python loop, timed from "
-    "before the first next() to after the last (the iterator is made "
-    "before, as fit makes its own before the first batch). "
-    "steps/s = steps / time. "
-    "cpu_seconds: this process's CPU time (all threads) over the same "
+    "Whole calls (the headline ratios): training modes: one repetition is "
+    "one epoch, model.fit(dataset, epochs=1) over `steps` batches, timed "
+    "from the call to its return (fit's set-up, the steps and its "
+    "tear-down: `call_seconds`, equal to `fit_seconds`); compute-bound is "
+    "such a fit of the trunk alone on batches held in memory. input-bound: "
+    "one repetition is making an iterator of the staged dataset, one eager "
+    "pass of `steps` elements and dropping the iterator. "
+    "Steps only (the `steps_` ratios, `seconds`, `steps_per_second`): "
+    "training modes from on_train_batch_begin of the first batch to "
+    "on_train_batch_end of the last (all steps, waits for data included; "
+    "fit's set-up before the first batch and tear-down after the last "
+    "excluded); input-bound from before the first next() to after the "
+    "last (the iterator made before). "
+    "outside_seconds = call_seconds - seconds. "
+    "cpu_seconds: this process's CPU time (all threads) over the steps "
     "window; cores = cpu_seconds / seconds. "
-    "A warm-up repetition per mode (tracing) is not timed. Medians over "
-    "the repetitions; ratios are of medians of steps/s (time ratios: "
-    "above 1 is slower than the reference)."
+    "A warm-up repetition per mode (tracing) is not timed, nor the "
+    "gc.collect() after each repetition (cleanup_seconds). Medians over "
+    "the repetitions; ratios are of the medians (whole calls: of seconds "
+    "per step; steps: of steps/s), time ratios: above 1 is slower than "
+    "the reference. The limit is the slower of compute-bound and "
+    "input-bound, of the same kind."
 )
 
 

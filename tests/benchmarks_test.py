@@ -34,11 +34,22 @@ MODE_KEYS = {
     "cores",
     "cleanup_seconds",
     "reps",
+    "call_seconds",
+    "call_seconds_per_step",
+    "outside_seconds",
+}
+# The ratios of whole calls (the headline), and of the steps alone.
+RATIO_KEYS = (
     "ratio_to_plain",
     "ratio_to_expert",
     "ratio_to_limit",
     "speedup_vs_plain",
-}
+    "paired_ratio_to_plain",
+    "paired_ratio_to_expert",
+    "paired_ratio_to_limit",
+    "paired_speedup_vs_plain",
+)
+MODE_KEYS |= {*RATIO_KEYS, *(f"steps_{key}" for key in RATIO_KEYS)}
 REP_KEYS = {
     "seconds",
     "steps",
@@ -47,6 +58,21 @@ REP_KEYS = {
     "cpu_seconds",
     "cores",
     "cleanup_seconds",
+    "call_seconds",
+    "outside_seconds",
+}
+LIMIT_KEYS = {
+    "steps_per_second",
+    "seconds_per_step",
+    "bound_by",
+    "compute_bound_seconds_per_step",
+    "input_bound_seconds_per_step",
+    "sequential_seconds_per_step",
+    "call_seconds_per_step",
+    "call_bound_by",
+    "compute_bound_call_seconds_per_step",
+    "input_bound_call_seconds_per_step",
+    "sequential_call_seconds_per_step",
 }
 
 
@@ -113,6 +139,7 @@ def test_results_schema(smoke_run):
     assert results["config"]["reps"] == 1
     assert results["config"]["steps"] == STEPS
     assert "on_train_batch_begin" in results["timed"]
+    assert "Whole calls (the headline ratios)" in results["timed"]
     env = results["environment"]
     for key in ("tensorflow", "keras", "keras_stage", "cpu_count", "python"):
         assert env[key]
@@ -122,12 +149,14 @@ def test_results_schema(smoke_run):
         assert section["info"]["steps"] == STEPS
         assert section["info"]["batch_size"] == BATCH
         limit = section["limit"]
-        assert set(limit) >= {"steps_per_second", "bound_by"}
-        assert _close(
-            limit["sequential_seconds_per_step"],
-            limit["compute_bound_seconds_per_step"]
-            + limit["input_bound_seconds_per_step"],
-        )
+        assert set(limit) >= LIMIT_KEYS
+        assert all(limit[key] is not None for key in LIMIT_KEYS)
+        for infix in ("", "call_"):
+            assert _close(
+                limit[f"sequential_{infix}seconds_per_step"],
+                limit[f"compute_bound_{infix}seconds_per_step"]
+                + limit[f"input_bound_{infix}seconds_per_step"],
+            )
         for name, mode in section["modes"].items():
             assert MODE_KEYS <= set(mode), name
             assert len(mode["reps"]) == 1
@@ -136,8 +165,15 @@ def test_results_schema(smoke_run):
             assert rep["steps"] == STEPS
             assert rep["seconds"] > 0
             assert rep["cpu_seconds"] >= 0
+            # The whole call holds the steps window.
+            assert rep["call_seconds"] >= rep["seconds"]
+            assert _close(
+                rep["outside_seconds"], rep["call_seconds"] - rep["seconds"]
+            )
             if name != "input-bound":
                 assert rep["fit_seconds"] >= rep["seconds"]
+                # A fit mode's whole call is its fit call.
+                assert rep["call_seconds"] == rep["fit_seconds"]
                 assert _close(
                     rep["outside_seconds"], rep["fit_seconds"] - rep["seconds"]
                 )
@@ -162,6 +198,7 @@ def test_ratios_are_consistent_with_the_repetitions(smoke_run):
     for section in results["workloads"].values():
         modes = section["modes"]
         median = {}
+        call = {}
         for name, mode in modes.items():
             sps = [r["steps_per_second"] for r in mode["reps"]]
             for rep in mode["reps"]:
@@ -172,34 +209,77 @@ def test_ratios_are_consistent_with_the_repetitions(smoke_run):
             assert _close(mode["steps_per_second"]["median"], median[name])
             assert mode["steps_per_second"]["min"] == min(sps)
             assert mode["steps_per_second"]["max"] == max(sps)
-        limit = min(median["compute-bound"], median["input-bound"])
-        assert _close(section["limit"]["steps_per_second"], limit)
+            # Whole calls: the fit call's seconds (input-bound: its
+            # iterator and pass), per step.
+            calls = [
+                r["call_seconds"] if name == "input-bound" else r["fit_seconds"]
+                for r in mode["reps"]
+            ]
+            call[name] = statistics.median(calls) / STEPS
+            assert _close(mode["call_seconds"]["median"], call[name] * STEPS)
+            assert _close(mode["call_seconds_per_step"]["median"], call[name])
+            assert mode["call_seconds"]["min"] == min(calls)
+            assert mode["call_seconds"]["max"] == max(calls)
+        limit = section["limit"]
+        # The steps alone.
+        steps_limit = min(median["compute-bound"], median["input-bound"])
+        assert _close(limit["steps_per_second"], steps_limit)
         for name, mode in modes.items():
             assert _close(
-                mode["ratio_to_plain"], median["plain"] / median[name]
+                mode["steps_ratio_to_plain"], median["plain"] / median[name]
             )
             assert _close(
-                mode["ratio_to_expert"], median["expert"] / median[name]
+                mode["steps_ratio_to_expert"], median["expert"] / median[name]
             )
-            assert _close(mode["ratio_to_limit"], limit / median[name])
+            assert _close(
+                mode["steps_ratio_to_limit"], steps_limit / median[name]
+            )
+            assert _close(
+                mode["steps_speedup_vs_plain"] * mode["steps_ratio_to_plain"], 1
+            )
+        assert modes["plain"]["steps_ratio_to_plain"] == 1
+        assert _close(modes[limit["bound_by"]]["steps_ratio_to_limit"], 1)
+        # Whole calls, the headline: from the medians of the fit calls.
+        call_limit = max(call["compute-bound"], call["input-bound"])
+        assert _close(limit["call_seconds_per_step"], call_limit)
+        for name, mode in modes.items():
+            assert _close(mode["ratio_to_plain"], call[name] / call["plain"])
+            assert _close(mode["ratio_to_expert"], call[name] / call["expert"])
+            assert _close(mode["ratio_to_limit"], call[name] / call_limit)
             assert _close(mode["speedup_vs_plain"] * mode["ratio_to_plain"], 1)
         assert modes["plain"]["ratio_to_plain"] == 1
-        bound = section["limit"]["bound_by"]
-        assert _close(modes[bound]["ratio_to_limit"], 1)
+        assert _close(modes[limit["call_bound_by"]]["ratio_to_limit"], 1)
         # Paired: every mode ran every round, and plain against itself is 1.
-        times = {
+        steps_times = {
             name: {r["round"]: 1 / r["steps_per_second"] for r in m["reps"]}
             for name, m in modes.items()
         }
-        assert all(sorted(t) == sorted(times["plain"]) for t in times.values())
-        for name, mode in modes.items():
-            assert _close(
-                mode["paired_ratio_to_plain"],
-                statistics.median(
-                    times[name][r] / times["plain"][r] for r in times[name]
-                ),
+        call_times = {
+            name: {
+                r["round"]: r["call_seconds"] / r["steps"] for r in m["reps"]
+            }
+            for name, m in modes.items()
+        }
+        for prefix, times in (("", call_times), ("steps_", steps_times)):
+            assert all(
+                sorted(t) == sorted(times["plain"]) for t in times.values()
             )
-        assert modes["plain"]["paired_ratio_to_plain"] == 1
+            for name, mode in modes.items():
+                assert _close(
+                    mode[f"{prefix}paired_ratio_to_plain"],
+                    statistics.median(
+                        times[name][r] / times["plain"][r] for r in times[name]
+                    ),
+                )
+            assert modes["plain"][f"{prefix}paired_ratio_to_plain"] == 1
+    # The targets are judged on whole calls, the steps beside them.
+    for check in results["targets"]:
+        staged = results["workloads"][check["workload"]]["modes"]["staged"]
+        key = check["key"]
+        assert check["value"] == staged[key]
+        assert check["paired_value"] == staged[f"paired_{key}"]
+        assert check["steps_value"] == staged[f"steps_{key}"]
+        assert check["steps_paired_value"] == staged[f"steps_paired_{key}"]
 
 
 @pytest.mark.slow
@@ -210,12 +290,26 @@ def test_table_shows_every_workload(smoke_run):
     for workload in WORKLOADS:
         assert f"\n{workload}: batch {BATCH}" in table
     assert table.count("staged-tuned") == len(WORKLOADS)
+    # Whole calls and the steps alone, side by side, for every workload.
+    assert table.count("whole call (fit, set-up included)") == len(WORKLOADS)
+    assert table.count("steps only (first batch to last)") == len(WORKLOADS)
+    assert table.count("limit, whole calls: ") == len(WORKLOADS)
+    assert table.count("limit, steps only: ") == len(WORKLOADS)
 
 
-def _section(medians):
+def _section(medians, calls=None):
+    """Modes with these median steps/s and whole-call seconds per step."""
+    calls = calls or {}
     return {
         "modes": {
-            name: {"steps_per_second": {"median": sps}}
+            name: {
+                "steps_per_second": {"median": sps},
+                **(
+                    {"call_seconds_per_step": {"median": calls[name]}}
+                    if name in calls
+                    else {}
+                ),
+            }
             for name, sps in medians.items()
         }
     }
@@ -229,28 +323,60 @@ def test_add_ratios_uses_the_slower_limit_and_time_ratios():
             "staged": 25.0,
             "compute-bound": 40.0,
             "input-bound": 30.0,
-        }
+        },
+        # Whole calls: set-up makes the compute-bound call the slower, and
+        # staged's the slowest.
+        calls={
+            "plain": 0.2,
+            "expert": 0.1,
+            "staged": 0.25,
+            "compute-bound": 0.125,
+            "input-bound": 0.05,
+        },
     )
     add_ratios(section)
     assert section["limit"]["bound_by"] == "input-bound"
     assert section["limit"]["steps_per_second"] == 30.0
     staged = section["modes"]["staged"]
-    assert staged["ratio_to_plain"] == 0.4
-    assert staged["speedup_vs_plain"] == 2.5
-    assert staged["ratio_to_expert"] == 0.8
-    assert staged["ratio_to_limit"] == 1.2
+    assert staged["steps_ratio_to_plain"] == 0.4
+    assert staged["steps_speedup_vs_plain"] == 2.5
+    assert staged["steps_ratio_to_expert"] == 0.8
+    assert staged["steps_ratio_to_limit"] == 1.2
+    # The headline, of whole calls.
+    assert section["limit"]["call_bound_by"] == "compute-bound"
+    assert _close(section["limit"]["call_seconds_per_step"], 0.125)
+    assert _close(section["limit"]["sequential_call_seconds_per_step"], 0.175)
+    assert _close(staged["ratio_to_plain"], 1.25)
+    assert _close(staged["speedup_vs_plain"], 0.8)
+    assert _close(staged["ratio_to_expert"], 2.5)
+    assert _close(staged["ratio_to_limit"], 2.0)
 
 
-def _rounds(times):
-    """A section whose modes ran one repetition per round at `times`."""
+def _rounds(times, outside=None):
+    """A section whose modes ran one repetition per round at `times`.
+
+    `times` are seconds per step of the steps; each whole call of 10
+    steps takes `outside[name]` seconds more (none by default).
+    """
+    outside = outside or {}
     return {
         "modes": {
             name: {
                 "steps_per_second": {
                     "median": statistics.median(1 / t for t in seconds)
                 },
+                "call_seconds_per_step": {
+                    "median": statistics.median(
+                        t + outside.get(name, 0) / 10 for t in seconds
+                    )
+                },
                 "reps": [
-                    {"round": r, "steps_per_second": 1 / t}
+                    {
+                        "round": r,
+                        "steps": 10,
+                        "steps_per_second": 1 / t,
+                        "call_seconds": 10 * t + outside.get(name, 0),
+                    }
                     for r, t in enumerate(seconds)
                 ],
             }
@@ -273,12 +399,16 @@ def test_add_ratios_pairs_the_repetitions_of_each_round():
     )
     add_ratios(section)
     staged = section["modes"]["staged"]
-    assert _close(staged["paired_ratio_to_plain"], 1.02)
-    assert _close(staged["paired_ratio_to_expert"], 1.02)
-    assert _close(staged["paired_speedup_vs_plain"], 1 / 1.02)
-    # The limit of each round is its slower bound: 0.6, 1.0, 0.6.
-    assert _close(staged["paired_ratio_to_limit"], 1.02 / 0.6 * 1.1)
-    assert section["modes"]["plain"]["paired_ratio_to_plain"] == 1
+    for prefix in ("", "steps_"):
+        # No time outside the steps: whole calls and steps agree.
+        assert _close(staged[f"{prefix}paired_ratio_to_plain"], 1.02)
+        assert _close(staged[f"{prefix}paired_ratio_to_expert"], 1.02)
+        assert _close(staged[f"{prefix}paired_speedup_vs_plain"], 1 / 1.02)
+        # The limit of each round is its slower bound: 0.6, 1.0, 0.6.
+        assert _close(
+            staged[f"{prefix}paired_ratio_to_limit"], 1.02 / 0.6 * 1.1
+        )
+        assert section["modes"]["plain"][f"{prefix}paired_ratio_to_plain"] == 1
     checks = {
         (c["workload"], c["key"]): c
         for c in report.target_checks({"workloads": {"none": section}})
@@ -287,6 +417,39 @@ def test_add_ratios_pairs_the_repetitions_of_each_round():
     assert _close(check["paired_value"], 1.02)
     assert check["paired_met"] is True
     assert check["met"] == (check["value"] <= 1.03)
+    assert _close(check["steps_paired_value"], 1.02)
+    assert check["steps_paired_met"] is True
+    assert check["steps_met"] == (check["steps_value"] <= 1.03)
+
+
+def test_whole_call_ratios_count_the_set_up():
+    # Staged's steps are 2% faster than plain's in every round, but each of
+    # its calls spends 0.2 s more outside them (10 steps a call).
+    section = _rounds(
+        {
+            "plain": [0.10, 0.20, 0.11],
+            "staged": [0.098, 0.196, 0.1078],
+            "compute-bound": [0.05, 0.10, 0.055],
+            "input-bound": [0.06, 0.09, 0.06],
+        },
+        outside={"staged": 0.2},
+    )
+    add_ratios(section)
+    staged = section["modes"]["staged"]
+    assert _close(staged["steps_paired_ratio_to_plain"], 0.98)
+    # Per round, (10 x step + 0.2) / (10 x plain's step): 1.18, 1.08 and
+    # 0.1278 / 0.11 (1.16), the median.
+    assert _close(staged["paired_ratio_to_plain"], 0.1278 / 0.11)
+    assert _close(staged["ratio_to_plain"], (0.1078 + 0.02) / 0.11)
+    assert _close(staged["steps_ratio_to_plain"], 0.98)
+    checks = {
+        (c["workload"], c["key"]): c
+        for c in report.target_checks({"workloads": {"none": section}})
+    }
+    # Within 3% of plain by its steps, not by its whole calls.
+    check = checks[("none", "ratio_to_plain")]
+    assert (check["met"], check["paired_met"]) == (False, False)
+    assert (check["steps_met"], check["steps_paired_met"]) == (True, True)
 
 
 def test_add_ratios_pairs_only_the_rounds_both_ran():
@@ -294,19 +457,38 @@ def test_add_ratios_pairs_only_the_rounds_both_ran():
     # staged failed in round 1: its record is missing.
     del section["modes"]["staged"]["reps"][1]
     add_ratios(section)
-    assert _close(section["modes"]["staged"]["paired_ratio_to_plain"], 1.15)
-    assert section["modes"]["staged"]["paired_ratio_to_expert"] is None
-    assert section["modes"]["staged"]["paired_ratio_to_limit"] is None
+    for prefix in ("", "steps_"):
+        staged = section["modes"]["staged"]
+        assert _close(staged[f"{prefix}paired_ratio_to_plain"], 1.15)
+        assert staged[f"{prefix}paired_ratio_to_expert"] is None
+        assert staged[f"{prefix}paired_ratio_to_limit"] is None
 
 
 def test_add_ratios_leaves_failed_modes_out():
-    section = _section({"plain": 10.0, "expert": 20.0, "compute-bound": 5.0})
+    section = _section(
+        {"plain": 10.0, "expert": 20.0, "compute-bound": 5.0},
+        calls={"plain": 0.5, "expert": 0.25, "compute-bound": 1.0},
+    )
     section["modes"]["staged"] = {"error": "boom"}
     add_ratios(section)
     assert section["limit"] is None
-    assert section["modes"]["staged"]["ratio_to_plain"] is None
-    assert section["modes"]["expert"]["ratio_to_plain"] == 0.5
-    assert section["modes"]["expert"]["ratio_to_limit"] is None
+    for prefix in ("", "steps_"):
+        modes = section["modes"]
+        assert modes["staged"][f"{prefix}ratio_to_plain"] is None
+        assert modes["expert"][f"{prefix}ratio_to_plain"] == 0.5
+        assert modes["expert"][f"{prefix}ratio_to_limit"] is None
+
+
+def test_add_ratios_of_results_without_whole_calls():
+    # Results written before whole calls were timed: the steps' ratios
+    # only, the whole calls' left None.
+    section = _section({"plain": 10.0, "expert": 20.0})
+    section["modes"]["expert"]["reps"] = [{"steps_per_second": 20.0}]
+    add_ratios(section)
+    expert = section["modes"]["expert"]
+    assert expert["steps_ratio_to_plain"] == 0.5
+    assert expert["ratio_to_plain"] is None
+    assert expert["paired_ratio_to_plain"] is None
 
 
 def test_trunk_option():
@@ -539,6 +721,11 @@ def test_input_bound_window_leaves_out_making_the_iterator():
     record = mode.run()
     assert record["steps"] == 3
     assert record["seconds"] < start_up / 2
+    # The whole call holds it.
+    assert record["call_seconds"] >= start_up
+    assert _close(
+        record["outside_seconds"], record["call_seconds"] - record["seconds"]
+    )
 
 
 def test_default_repetitions_scale_with_the_workload(monkeypatch):
