@@ -160,3 +160,46 @@ def symbolic_build(model, data_spec):
     from the raw data's `element_spec` makes Keras's own build a no-op.
     """
     model._symbolic_build(data_batch=data_spec)
+
+
+# The keyword Keras's fit passes to evaluate for its validation runs.
+FIT_VALIDATION_KWARG = "_use_cached_eval_dataset"
+
+
+def is_fit_validation(evaluate_kwargs):
+    """Whether an `evaluate` call is the validation run of a `fit`.
+
+    Keras's fit validates through `self.evaluate(...,
+    _use_cached_eval_dataset=True)`, on the validation data the fit already
+    staged: such an evaluate must not stage again. That private keyword is
+    the only sign Keras gives.
+    """
+    return bool(evaluate_kwargs.get(FIT_VALIDATION_KWARG))
+
+
+def dataset_inputs(dataset):
+    """The datasets `dataset` is built on (its inputs), or None if unknown.
+
+    Whether a source can run several epochs on one iterator depends on
+    what every dataset and function under it does (see
+    `models/epoch_sources.py`); tf.data lists a dataset's inputs only in
+    `Dataset._inputs`. None for a dataset that does not say (a custom
+    subclass without it).
+    """
+    try:
+        return list(dataset._inputs())
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+
+
+def dataset_functions(dataset):
+    """The traced functions of `dataset`'s own transformation (maps, filters).
+
+    tf.data keeps them only in `Dataset._functions()`, each a structured
+    function wrapper whose `function` is the concrete function tf.data
+    runs. None if they cannot be read.
+    """
+    try:
+        return [wrapper.function for wrapper in dataset._functions()]
+    except (AttributeError, NotImplementedError, TypeError):
+        return None

@@ -304,3 +304,22 @@ def test_symbolic_build_builds_metrics_from_specs():
     _compat.symbolic_build(model, spec)
     assert [m.name for m in model.metrics] == ["loss", "compile_metrics"]
     assert model.metrics[1].built
+
+
+def test_keras_fit_still_validates_through_the_private_evaluate_keyword():
+    import inspect
+
+    trainer = _private(
+        "keras.src.backend.tensorflow.trainer",
+        "TensorFlowTrainer",
+        "is_fit_validation",
+    )
+    assert f"{_compat.FIT_VALIDATION_KWARG}=True" in inspect.getsource(
+        trainer.fit
+    ), (
+        f"Keras {keras.__version__}'s fit no longer passes "
+        f"{_compat.FIT_VALIDATION_KWARG}=True to evaluate; "
+        + UPDATE.format("is_fit_validation")
+    )
+    assert _compat.is_fit_validation({_compat.FIT_VALIDATION_KWARG: True})
+    assert not _compat.is_fit_validation({})

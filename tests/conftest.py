@@ -10,6 +10,7 @@ import keras  # noqa: E402
 import pytest  # noqa: E402
 
 from keras_stage.data import live_stages  # noqa: E402
+from keras_stage.models.call_costs import forget_shared_costs  # noqa: E402
 from tests.helpers import HANG_REPORTS  # noqa: E402
 
 
@@ -17,6 +18,14 @@ from tests.helpers import HANG_REPORTS  # noqa: E402
 def _seed_everything():
     # Python, NumPy and the backend, so staged and plain runs start alike.
     keras.utils.set_random_seed(1234)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _measure_costs_afresh():
+    # Staged-call costs are shared between models with the same stage
+    # (`adaptive.costs`): each test starts as a fresh process would.
+    forget_shared_costs()
     yield
 
 

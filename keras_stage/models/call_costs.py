@@ -7,16 +7,24 @@ computation). `CallCosts` keeps both as measured on the model's earlier
 staged calls, per phase, and `stages` answers, before a call, whether
 staging it can be faster than running the whole model in Keras's own step
 (the same results either way). A call is never skipped on a guess: only
-what was measured on this model counts, and what cannot be bounded (data
-from a `tf.data.Dataset`, a generator or a `PyDataset`, whose reading the
-stage also overlaps) is always staged.
+what was measured counts, on this model or on one with the same stage
+(`stage_signature`: a fresh model per trial pays its stage once per
+process, not once per model), and what cannot be bounded (data from a
+`tf.data.Dataset`, a generator or a `PyDataset`, whose reading the stage
+also overlaps) is always staged. A model's first staged call also pays
+its SmartStage plan and the trace of its prefix, once per model: those
+are noted apart and added only for a model that has not paid them yet.
 """
 
+import collections
 import math
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+from keras_stage.layers.staged_input import StagedInput
+from keras_stage.planner.state_access import all_layers
 
 # Keras's batch size when fit/evaluate/predict get arrays and none is given.
 _KERAS_DEFAULT_BATCH_SIZE = 32
@@ -131,6 +139,9 @@ class PhaseCosts:
         # Seconds of staged work per batch; None when not measured (no
         # staged computation, or timing off under op determinism).
         self.batch_seconds = None
+        # Seconds a model's first staged call of the phase spends tracing
+        # its staged prefix (0 without a SmartStage split).
+        self.trace_seconds = 0.0
 
     def measured(self):
         return (
@@ -153,6 +164,8 @@ class CallCosts:
 
     def __init__(self):
         self._phases = {}
+        # Seconds a model's SmartStage plan took (paid once per model).
+        self.plan_seconds = 0.0
 
     def phase(self, phase):
         if phase not in self._phases:
@@ -164,6 +177,12 @@ class CallCosts:
 
     def note_iterator(self, phase, seconds):
         self.phase(phase).iterator_seconds = seconds
+
+    def note_trace(self, phase, seconds):
+        self.phase(phase).trace_seconds = seconds
+
+    def note_plan(self, seconds):
+        self.plan_seconds = seconds
 
     def note_work(self, phase, busy_seconds, produced, has_work):
         """Notes the staged work a call did: its busy seconds per batch.
@@ -178,37 +197,98 @@ class CallCosts:
         elif produced > 0 and busy_seconds > 0:
             costs.batch_seconds = busy_seconds / produced
 
-    def stages(self, phase, batches, iterators):
+    def stages(self, phase, batches, iterators, plans=False, traces=False):
         """Whether a call of `batches` batches in all should be staged.
 
         `batches`: the batches it reads from in-memory arrays, or None
         when it reads something else (always staged). `iterators`: the
-        iterators it makes (one per epoch).
+        iterators it makes (one per epoch). `plans` / `traces`: whether
+        the call would also plan the model's SmartStage / trace its
+        prefix for the phase (a model's first staged calls).
         """
-        return self._decide(phase, batches, iterators)[0]
+        return self._decide(phase, batches, iterators, plans, traces)[0]
 
-    def describe(self, phase, batches, iterators):
+    def describe(self, phase, batches, iterators, plans=False, traces=False):
         """Why `stages` decided as it did, in a sentence."""
-        return self._decide(phase, batches, iterators)[1]
+        return self._decide(phase, batches, iterators, plans, traces)[1]
 
-    def _decide(self, phase, batches, iterators):
+    def _decide(self, phase, batches, iterators, plans, traces):
         if batches is None:
             return True, "its data is not in-memory arrays"
         if batches <= 1:
             return False, "a call of one batch has nothing to overlap"
         costs = self.phase(phase)
         if not costs.measured():
-            return True, "nothing is measured on this model yet"
+            return True, "nothing is measured on a model with this stage yet"
         set_up = costs.cost(iterators)
+        if plans:
+            set_up += self.plan_seconds
+        if traces:
+            set_up += costs.trace_seconds
         if costs.saving(batches) <= set_up:
             return False, (
                 f"staging {batches} batches can save at most "
                 f"{1000 * costs.saving(batches):.1f} ms of staged work, "
                 f"less than the {1000 * set_up:.1f} ms its stage costs to "
-                "set up (measured on this model)"
+                "set up (measured on a model with this stage)"
             )
         return True, (
             f"staging {batches} batches can save up to "
             f"{1000 * costs.saving(batches):.1f} ms of staged work, more "
             f"than the {1000 * set_up:.1f} ms its stage costs to set up"
         )
+
+
+def stage_signature(model, smart_stage):
+    """What a model's stage costs depend on, as a hashable value.
+
+    Two models with the same signature stage the same computation on the
+    same data: the same inputs, the same layer classes in the same order,
+    the same non-trainable state shapes (what a staged prefix may hold:
+    adapted statistics, frozen weights) and the same `StagedInput`
+    options. Trainable weights are left out: a layer that training changes
+    is never staged, so a trunk's widths do not change the stage.
+    """
+    parts = [type(model).__qualname__, repr(smart_stage)]
+    try:
+        inputs = keras.tree.flatten(model.inputs or [])
+    except (AttributeError, ValueError):  # a subclassed model
+        inputs = []
+    parts.extend((tuple(t.shape), str(t.dtype)) for t in inputs)
+    for layer in all_layers(model):
+        entry = (
+            type(layer).__module__,
+            type(layer).__qualname__,
+            tuple(
+                (tuple(w.shape), str(w.dtype))
+                for w in layer.non_trainable_weights
+            ),
+        )
+        if isinstance(layer, StagedInput):
+            config = dict(layer.get_config())
+            config.pop("name", None)
+            entry += (repr(sorted(config.items())),)
+        parts.append(entry)
+    return tuple(parts)
+
+
+# The costs measured per stage signature in this process (see
+# `shared_costs`), the least recently used dropped beyond the bound.
+_SHARED = collections.OrderedDict()
+_SHARED_BOUND = 64
+
+
+def shared_costs(signature):
+    """The `CallCosts` of every model with stage signature `signature`."""
+    costs = _SHARED.pop(signature, None)
+    if costs is None:
+        costs = CallCosts()
+    _SHARED[signature] = costs
+    while len(_SHARED) > _SHARED_BOUND:
+        _SHARED.popitem(last=False)
+    return costs
+
+
+def forget_shared_costs():
+    """Forgets every measured cost (tests start from a clean process)."""
+    _SHARED.clear()

@@ -9,8 +9,6 @@ binds its stages to its steps.
 
 import threading
 
-from keras_stage.models.call_costs import CallCosts
-
 # Keras's compiled steps, by the phase keras_stage stages for them.
 FUNCTIONS = {
     "train": "train_function",
@@ -55,8 +53,10 @@ class StagingState:
         # Set, in the thread tracing a step, to the trunk the model's call
         # runs instead of the whole model.
         self.local = threading.local()
-        # What the model's staged calls cost, to skip those that cannot pay.
-        self.costs = CallCosts()
+        # What staged calls of models with this model's stage cost, to skip
+        # those that cannot pay: shared between such models (see
+        # `adaptive.costs`), looked up again after compile.
+        self.costs = None
 
 
 def state(model):
@@ -66,3 +66,11 @@ def state(model):
         # A plain object, so Keras's tracker neither tracks nor saves it.
         object.__setattr__(model, "_keras_stage_state", state)
     return state
+
+
+def drop_traced_steps(model, phase):
+    """Makes `phase`'s next staged or plain call trace its step afresh."""
+    setattr(model, FUNCTIONS[phase], None)
+    kept = state(model).staged_functions
+    for key in [k for k in kept if k[0] == phase]:
+        del kept[key]

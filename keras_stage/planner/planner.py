@@ -623,6 +623,14 @@ class StageSplit:
         self._stage_fns[bool(training)] = (state, fn)
         return fn
 
+    def traced(self, training):
+        """Whether `stage_fn(training)` has a trace kept from earlier calls.
+
+        A staged layer holding new state objects since makes the next
+        `stage_fn` trace afresh all the same.
+        """
+        return bool(training) in self._stage_fns
+
     def _element_fn(self, training):
         prefix = self.prefix
         numbered = self._ordinal is not None

@@ -1,5 +1,6 @@
 """Tests for keras_stage/models/call_costs.py: when a call skips its stage."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -10,6 +11,8 @@ from keras_stage.models.call_costs import (
     array_batches,
     fit_batches,
     may_skip_stage,
+    shared_costs,
+    stage_signature,
 )
 
 
@@ -114,3 +117,46 @@ def test_only_calls_whose_stage_changes_nothing_but_speed_may_skip_it(
 ):
     layer = keras_stage.layers.StagedInput(**options)
     assert may_skip_stage(layer) is skippable
+
+
+def test_a_model_that_plans_and_traces_first_pays_for_both():
+    costs = _measured(build=0.05, iterator=0.02, batch=0.001)
+    costs.note_plan(0.1)
+    costs.note_trace("train", 0.04)
+    # 70 ms of set-up; + 100 ms of plan; + 40 ms of trace.
+    assert costs.stages("train", 100, 1)
+    assert not costs.stages("train", 100, 1, plans=True)
+    assert costs.stages("train", 200, 1, plans=True)
+    assert not costs.stages("train", 200, 1, plans=True, traces=True)
+    assert costs.stages("train", 220, 1, plans=True, traces=True)
+
+
+def _tabular(width=8, capacity=2, vocabulary=("a", "b", "c")):
+    inputs = {
+        "num": keras.Input(shape=(1,), name="num"),
+        "cat": keras.Input(shape=(1,), dtype="string", name="cat"),
+    }
+    x = keras_stage.layers.StagedInput(capacity=capacity)(inputs)
+    norm = keras.layers.Normalization()
+    norm.adapt(np.arange(10, dtype="float32").reshape(-1, 1))
+    lookup = keras.layers.StringLookup(
+        vocabulary=list(vocabulary), output_mode="one_hot"
+    )
+    features = keras.layers.Concatenate()([norm(x["num"]), lookup(x["cat"])])
+    hidden = keras.layers.Dense(width)(features)
+    return keras_stage.Model(inputs, keras.layers.Dense(1)(hidden))
+
+
+def test_models_with_the_same_stage_share_a_signature():
+    signature = stage_signature(_tabular(), True)
+    # Another model like it (new layer names), or a wider trunk: the same.
+    assert stage_signature(_tabular(), True) == signature
+    assert stage_signature(_tabular(width=16), True) == signature
+    # Other StagedInput options, smart_stage or staged state: another one.
+    assert stage_signature(_tabular(capacity=4), True) != signature
+    assert stage_signature(_tabular(), False) != signature
+    assert stage_signature(_tabular(), "longest") != signature
+    assert shared_costs(signature) is shared_costs(signature)
+    assert shared_costs(signature) is not shared_costs(
+        stage_signature(_tabular(capacity=4), True)
+    )

@@ -18,7 +18,7 @@ import tensorflow as tf
 import keras_stage
 from keras_stage.callbacks import PrefetchCallback
 from keras_stage.layers import StagedInput
-from keras_stage.models import staging_mixin
+from keras_stage.models.model_state import state as model_state
 from tests.helpers import stage_threads
 
 STAGE_KEYS = ("stage_wait_ratio", "stage_buffer_fill", "stage_skipped")
@@ -289,7 +289,7 @@ def test_iterator_kept_alive_by_a_failed_fit_stops_counting():
             callbacks=[_RaiseAt(batch=2)],
         )
     assert info.traceback  # the frames, and Keras's iterator, stay alive
-    stats = staging_mixin._state(model).step_stats["train"]
+    stats = model_state(model).step_stats["train"]
     produced = stats.snapshot()["produced"]
     time.sleep(0.6)  # time for 60 more elements, were it still running
     assert stats.snapshot()["produced"] <= produced + 2

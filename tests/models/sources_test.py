@@ -6,9 +6,8 @@ source and the batch, with the original error chained and its type kept,
 directly and through a staged `fit`/`evaluate`/`predict`; a good source
 trains exactly like plain Keras.
 
-The end-to-end tests go through `stage_data`, which is to call
-`check_source` on `x`; until it does, the autouse `_wiring` fixture puts
-that one call in front of it (and does nothing once `stage_data` has it).
+The end-to-end tests go through `stage_data`, which calls `check_source`
+on `x`.
 """
 
 import pickle
@@ -21,7 +20,6 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage.layers import StagedInput
-from keras_stage.models import inputs, staging_mixin
 from keras_stage.models.sources import (
     SourceBatchError,
     SourceError,
@@ -63,18 +61,6 @@ WHERE = {
     "generator": r"batch {index} \(counting from 0\)",
     "py_dataset": r"batch {index} \(`__getitem__\({index}\)`\)",
 }
-
-
-@pytest.fixture(autouse=True)
-def _wiring(monkeypatch):
-    """Until `stage_data` calls `check_source` on `x`, a local copy of it."""
-    if "check_source" not in inputs.stage_data.__code__.co_names:
-        real = staging_mixin.stage_data
-
-        def stage_data(layer, phase, x, *args, **kwargs):
-            return real(layer, phase, check_source(x), *args, **kwargs)
-
-        monkeypatch.setattr(staging_mixin, "stage_data", stage_data)
 
 
 def _batch(index, fault=None, rows=BATCH):

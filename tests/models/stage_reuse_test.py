@@ -176,3 +176,36 @@ def test_an_unstaged_call_records_nothing_in_the_stage():
     assert stats.snapshot()["consumed"] == consumed
     model.train_on_batch(x[:16], y[:16])
     assert stats.snapshot()["consumed"] == consumed
+
+
+def test_a_fresh_model_decides_from_what_models_like_it_measured(caplog):
+    first = _model()
+    first.fit(WORDS, LABELS, batch_size=16, epochs=2, verbose=0)
+    # A new model per trial, of the same stage: its first call (4 batches
+    # a cheap lookup) cannot repay a plan, a trace and a stage...
+    plain = _model(staged=False)
+    fresh = _model()
+    fresh.set_weights(plain.get_weights())
+    with caplog.at_level(logging.INFO, logger="keras_stage"):
+        history = fresh.fit(WORDS, LABELS, batch_size=16, epochs=2, verbose=0)
+    plain.fit(WORDS, LABELS, batch_size=16, epochs=2, verbose=0)
+    assert "measured on a model with this stage" in caplog.text
+    assert "stage_wait_ratio" not in history.history
+    # ...so it ran unstaged: nothing planned, the same weights as plain.
+    assert fresh._keras_stage_state.plan is None
+    for a, b in zip(plain.get_weights(), fresh.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    # The stage plan is there when asked for.
+    assert fresh.get_stage_plan().staged_layers
+
+
+def test_a_model_with_another_stage_measures_its_own_costs():
+    _model().fit(WORDS, LABELS, batch_size=16, epochs=2, verbose=0)
+    inputs = keras.Input(shape=(), dtype="string")
+    x = keras_stage.layers.StagedInput(capacity=3)(inputs)
+    x = keras.layers.StringLookup(vocabulary=["w0", "w1"])(x)
+    x = keras.layers.Embedding(4, 4)(x)
+    other = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    other.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    history = other.fit(WORDS, LABELS, batch_size=16, epochs=2, verbose=0)
+    assert "stage_wait_ratio" in history.history  # staged: nothing measured

@@ -17,7 +17,7 @@ import keras_stage
 from keras_stage.callbacks import PrefetchCallback
 from keras_stage.data.runner import StageRunner
 from keras_stage.layers import StagedInput
-from keras_stage.models import staging_mixin
+from keras_stage.models.model_state import state as model_state
 
 FIT_SEED = 7
 NUM_SAMPLES = 40
@@ -590,4 +590,4 @@ def test_step_reports_reach_the_stage_and_never_the_logs(
 
 def _step_stats(model, phase):
     """The stats `model`'s compiled `phase` step records in, or None."""
-    return staging_mixin._state(model).step_stats.get(phase)
+    return model_state(model).step_stats.get(phase)

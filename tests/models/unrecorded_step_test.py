@@ -21,7 +21,8 @@ from keras_stage.callbacks import PrefetchCallback
 from keras_stage.data import StageTimeoutError
 from keras_stage.data import runner as runner_module
 from keras_stage.layers import StagedInput
-from keras_stage.models import staging_mixin
+from keras_stage.models import steps
+from keras_stage.models.model_state import state as model_state
 
 BATCHES = 24
 BATCH_SIZE = 4
@@ -37,9 +38,9 @@ def twin_calls(monkeypatch):
 
     Returns `{phase: calls}` of the twins made.
     """
-    monkeypatch.setattr(staging_mixin, "_UNRECORDED_AFTER", 2)
+    monkeypatch.setattr(steps, "UNRECORDED_AFTER", 2)
     calls = {}
-    make = staging_mixin._make_unrecorded
+    make = steps.make_unrecorded
 
     def counting(model, phase):
         function = make(model, phase)
@@ -51,7 +52,7 @@ def twin_calls(monkeypatch):
 
         return counted
 
-    monkeypatch.setattr(staging_mixin, "_make_unrecorded", counting)
+    monkeypatch.setattr(steps, "make_unrecorded", counting)
     return calls
 
 
@@ -99,7 +100,7 @@ def test_unrecorded_steps_train_like_keras_and_count_every_batch(twin_calls):
     assert not any(key.startswith("_keras_stage") for key in staged_history)
     # Every batch counted, recorded or not; the twins' fetches did not wait.
     for phase in ("train", "test"):
-        stats = staging_mixin._state(staged).step_stats[phase]
+        stats = model_state(staged).step_stats[phase]
         assert stats.snapshot()["consumed"] == 2 * BATCHES, phase
     assert all(0.0 <= r <= 1.0 for r in staged_history["stage_wait_ratio"])
 
@@ -138,7 +139,7 @@ def test_the_twin_steps_like_keras_and_ends_with_the_data(run_eagerly):
     staged.set_weights(plain.get_weights())
     for model in (plain, staged):
         model.compile(optimizer="sgd", loss="mse", run_eagerly=run_eagerly)
-    twin = staging_mixin._make_unrecorded(staged, "train")
+    twin = steps.make_unrecorded(staged, "train")
     data = _dataset().take(3)
     plain_iterator, twin_iterator = iter(data), iter(data)
     plain.make_train_function()

@@ -1,0 +1,404 @@
+"""`StagedCall`: one fit/evaluate/predict call of a model with a stage.
+
+A staged call lives from the model API's entry (`StagingMixin.fit` and
+the others) to its return, and owns everything that lasts exactly that
+long: the call's callbacks (a `PrefetchCallback` first), the stages it
+builds from the call's data (`stage`), what binds each stage to its
+phase's compiled step (runner, recording, placement), the compiled steps
+swapped in while Keras runs (staged or unstaged), and their end. An
+evaluate run from a callback of a staged fit is a call of its own: it
+saves the fit's bindings of its phase and gives them back when it ends.
+
+What outlives calls (the plan, the traced prefix, the compiled steps, the
+stats the steps record in, the measured costs) is the model's
+(`model_state.py`); the steps themselves are `steps.py`'s.
+
+Example (what `StagingMixin.evaluate` does, `keras_evaluate` being
+`keras.Model.evaluate` bound to the model):
+
+    call = StagedCall(model, layer, ("test",), callbacks)
+    if not adaptive.stages(model, layer, "test", batches):
+        return call.run_unstaged(lambda: keras_evaluate(x, y, ...))
+    call.split = split  # the SmartStage split, or None
+    with call:
+        data = call.stage("test", "test", x, y, batch_size=32)
+        return call.run(keras_evaluate, x=data.pipeline)
+"""
+
+import contextlib
+import warnings
+
+import keras
+import tensorflow as tf
+
+from keras_stage import _compat
+from keras_stage.callbacks.data_backup import DataBackup
+from keras_stage.callbacks.prefetch_callback import PrefetchCallback
+from keras_stage.models import adaptive, steps
+from keras_stage.models.model_state import FUNCTIONS, drop_traced_steps
+from keras_stage.models.model_state import state as model_state
+from keras_stage.planner.state_access import all_layers
+
+# The key of the compiled steps of calls that skip their stage.
+_UNSTAGED = "unstaged"
+
+
+class StagedCall:
+    """One call of a model with a stage; see the module docstring.
+
+    Args:
+        model: The `keras_stage` model called.
+        layer: Its `StagedInput` (or the default one of a SmartStage
+            model without it).
+        phases: The phases the call runs: `("train", "test")` for fit,
+            `("test",)` for evaluate, `("predict",)` for predict.
+        callbacks: The user's callbacks (a list, or None).
+
+    Attributes:
+        split: The SmartStage split whose prefix the call's stages run, or
+            None; set before the first `stage` (a call that runs unstaged
+            never needs it).
+    """
+
+    def __init__(self, model, layer, phases, callbacks):
+        self.model = model
+        self.layer = layer
+        self.split = None
+        self.phases = tuple(phases)
+        self.user_callbacks = callbacks
+        self.callbacks, self.prefetch = _with_prefetch_callback(callbacks)
+        if "train" in self.phases:
+            self.callbacks = _with_data_backup(model, self.callbacks)
+        self.built = []
+        self._state = model_state(model)
+        # Per bound phase: the outer call's (runner, recording, placement).
+        self._outer = {}
+        self._splits = {}
+
+    # -- stages -----------------------------------------------------------
+
+    def stage(self, phase, role, x, y=None, sample_weight=None, **kwargs):
+        """Stages `x` (and its labels and weights) for `phase`'s step.
+
+        `role` names the stage ("train", "val", "test", "predict");
+        `kwargs` go to `keras_stage.models.inputs.stage_data` (batch size,
+        steps, shuffle, class_weight). Returns the `StagedData`, bound to
+        the step: its pipeline is what Keras must iterate.
+        """
+        model = self.model
+        stepped = phase != "predict"  # predict reads its batches in Python
+        data = adaptive.staged_data(
+            model,
+            phase,
+            self.layer,
+            role,
+            x,
+            y,
+            sample_weight,
+            split=self.split,
+            stats=(
+                steps.step_stats(model, self.layer, phase) if stepped else None
+            ),
+            strategy=model.distribute_strategy if stepped else None,
+            **kwargs,
+        )
+        self.built.append(data)
+        self._bind(phase, data)
+        return data
+
+    def _bind(self, phase, data):
+        """Hands `data`'s stage to the callback and its runner to the step."""
+        state = self._state
+        if phase not in self._outer:
+            self._outer[phase] = (
+                state.runners.get(phase),
+                state.recording.get(phase),
+                state.placements.get(phase),
+            )
+        self._splits[phase] = data.split
+        self.prefetch.attach(phase, data.staged, data.adapter)
+        bind_placement(self.model, phase, data.staged.placement)
+        if phase == "predict":
+            return
+        state.runners[phase] = data.staged.runner
+        if data.in_step:
+            state.recording[phase] = data.staged.stats
+        else:
+            state.recording.pop(phase, None)
+
+    # -- running Keras's call ---------------------------------------------
+
+    def run(self, keras_call, **kwargs):
+        """`keras_call(callbacks=..., **kwargs)` with the staged steps."""
+        model = self.model
+        if self.built and "predict" not in self.phases:
+            _build_for_strategy(model, self.built[0])
+        splits = {phase: self._splits.get(phase) for phase in self.phases}
+        with (
+            _skips_end_epochs_early(self.layer, self.built, self.callbacks),
+            _staged_steps(model, self.phases, splits),
+        ):
+            return keras_call(callbacks=self.callbacks, **kwargs)
+
+    def run_unstaged(self, keras_call):
+        """Runs `keras_call()` (the user's call as given) with no stage.
+
+        The whole model runs in Keras's step (see `adaptive.py`); the
+        call's `PrefetchCallback` reports nothing and is closed.
+        """
+        try:
+            with _unstaged_steps(self.model, self.phases):
+                return keras_call()
+        finally:
+            self.prefetch.close()
+
+    # -- the end ------------------------------------------------------------
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def close(self):
+        """Ends the call's stages and gives an outer call its bindings back."""
+        state = self._state
+        try:
+            for phase, (runner, recording, placement) in self._outer.items():
+                for bindings, outer in (
+                    (state.runners, runner),
+                    (state.recording, recording),
+                ):
+                    if outer is None:
+                        bindings.pop(phase, None)
+                    else:
+                        bindings[phase] = outer
+                if runner is None:
+                    state.iterators.pop(phase, None)
+                    state.pending_restores.pop(phase, None)
+                if placement is None:
+                    release_placement(self.model, phase)
+                else:
+                    bind_placement(self.model, phase, placement)
+            self._outer.clear()
+        finally:
+            try:
+                for data in self.built:
+                    if data.owned:
+                        adaptive.note_work(self.model, data)
+                    data.end_call()
+            finally:
+                self.prefetch.close()
+
+
+def bind_placement(model, phase, placement):
+    """Makes `phase`'s step unpack what `placement` packed.
+
+    The traced step bakes the unpacking in; tf.function retraces when the
+    packed element's spec changes, but two structures can pack to the same
+    spec, so a new layout also drops the phase's traced steps.
+    """
+    state = model_state(model)
+    layout = None if placement.packer is None else placement.unpacked_spec
+    if state.layouts.get(phase) != layout:
+        drop_traced_steps(model, phase)
+    state.layouts[phase] = layout
+    state.placements[phase] = placement
+
+
+def release_placement(model, phase):
+    """Ends `phase`'s placement at the end of a call.
+
+    A plain step that was traced unpacking packed elements (a run without
+    a SmartStage split uses Keras's own step) is traced afresh next time.
+    """
+    state = model_state(model)
+    placement = state.placements.pop(phase, None)
+    if placement is not None and placement.packer is not None:
+        setattr(model, FUNCTIONS[phase], None)
+        state.layouts.pop(phase, None)
+
+
+@contextlib.contextmanager
+def _staged_steps(model, phases, splits):
+    """Runs a call with the compiled steps of its splits.
+
+    `splits` maps each phase to its SmartStage split or None. While the call
+    runs, the model's compiled steps of those phases are the staged ones
+    (traced on the trunk), cached between calls; the plain ones are put
+    back afterwards. Restores the outer call's splits, for an evaluate run
+    from a callback of a staged fit.
+    """
+    state = model_state(model)
+    saved = {p: state.active.get(p) for p in phases}
+    if not any(splits.values()) and not any(saved.values()):
+        yield
+        return
+    plain = {}
+    for phase in phases:
+        attr = FUNCTIONS[phase]
+        plain[phase] = getattr(model, attr, None)
+        key = (phase, id(splits[phase]) if splits[phase] else None)
+        setattr(model, attr, state.staged_functions.get(key))
+        state.active[phase] = splits[phase]
+    jit = state.staged_jit
+    if splits.get("train") is not None or splits.get("test") is not None:
+        state.staged_jit = _trunk_jit(model, splits)
+    try:
+        yield
+    finally:
+        for phase in phases:
+            attr = FUNCTIONS[phase]
+            key = (phase, id(splits[phase]) if splits[phase] else None)
+            state.staged_functions[key] = getattr(model, attr, None)
+            setattr(model, attr, plain[phase])
+            state.active[phase] = saved[phase]
+        state.staged_jit = jit
+
+
+@contextlib.contextmanager
+def _unstaged_steps(model, phases):
+    """Runs a call that skips its stage, with steps traced for that alone.
+
+    They run the whole model and record nothing: a stage-only call (no
+    split) records its fetches in Keras's own compiled step, which an
+    unstaged call must not run. Puts the outer call's steps, runner and
+    recording back afterwards (an evaluate from a callback of a fit).
+    """
+    state = model_state(model)
+    saved = {}
+    for phase in phases:
+        attr = FUNCTIONS[phase]
+        saved[phase] = (
+            getattr(model, attr, None),
+            state.active.get(phase),
+            state.runners.pop(phase, None),
+            state.recording.pop(phase, None),
+        )
+        setattr(model, attr, state.staged_functions.get((phase, _UNSTAGED)))
+        state.active[phase] = None
+    try:
+        yield
+    finally:
+        for phase in phases:
+            attr = FUNCTIONS[phase]
+            state.staged_functions[(phase, _UNSTAGED)] = getattr(
+                model, attr, None
+            )
+            function, active, runner, recording = saved[phase]
+            setattr(model, attr, function)
+            state.active[phase] = active
+            for bindings, value in (
+                (state.runners, runner),
+                (state.recording, recording),
+            ):
+                if value is not None:
+                    bindings[phase] = value
+
+
+def _trunk_jit(model, splits):
+    """Whether staged steps are XLA-compiled, or None for Keras's choice.
+
+    Keras turns `jit_compile=True` off for a model with a layer XLA cannot
+    compile (string ops, lookups); those are usually the staged ones, so
+    the trunk can honour the user's request.
+    """
+    requested = model_state(model).requested_jit
+    if requested is not True:
+        return None
+    for split in splits.values():
+        if split is None:
+            continue
+        layers = all_layers(split.trunk)
+        if not all(getattr(layer, "supports_jit", True) for layer in layers):
+            warnings.warn(
+                f"jit_compile=True: the trunk of model '{model.name}' still "
+                "has a layer XLA cannot compile; its steps run without XLA.",
+                stacklevel=6,
+            )
+            return False
+    return True
+
+
+def _build_for_strategy(model, data):
+    """Builds metrics from the raw data when a strategy would use the cut.
+
+    See `_compat.symbolic_build`. Without a strategy Keras builds them
+    inside the traced step, where the model's call runs the trunk.
+    """
+    if data.split is None or data.element_spec is None:
+        return
+    strategy = model.distribute_strategy
+    if (
+        tf.distribute.has_strategy()
+        or strategy is not tf.distribute.get_strategy()
+    ):
+        with strategy.scope():
+            _compat.symbolic_build(model, data.element_spec)
+
+
+@contextlib.contextmanager
+def _skips_end_epochs_early(layer, built=(), callbacks=()):
+    """Silences Keras's "ran out of data" warning when epochs may end early.
+
+    With `ignored_exception_types`, an epoch can end before the batch count
+    Keras expects (or Keras cannot know the count); that is the policy at
+    work, reported by the PrefetchCallback, not a short dataset. So is an
+    epoch resumed by `DataBackup` after its saved batch, and the epochs of
+    a device buffer, whose copy to the device hides the batch count from
+    Keras, and of a stage on the tf.data service in `parallel_epochs` mode
+    (its count depends on the number of workers).
+    """
+    quiet = (
+        bool(layer.stage_options.ignored_exception_types)
+        or any(data.staged.device is not None for data in built)
+        or any(data.staged.stage_options.service is not None for data in built)
+        or any(isinstance(cb, DataBackup) for cb in callbacks)
+    )
+    with warnings.catch_warnings():
+        if quiet:
+            warnings.filterwarnings(
+                "ignore",
+                message="Your input ran out of data",
+                category=UserWarning,
+            )
+        yield
+
+
+def _with_data_backup(model, callbacks):
+    """`callbacks` with a `DataBackup` right after a `BackupAndRestore`."""
+    state = model_state(model)
+    out = []
+    for callback in callbacks:
+        out.append(callback)
+        if isinstance(callback, keras.callbacks.BackupAndRestore):
+
+            def current(state=state):
+                ref = state.iterators.get("train")
+                return None if ref is None else ref()
+
+            def restore_next(restore, state=state):
+                state.pending_restores["train"] = restore
+
+            out.append(DataBackup(callback, current, restore_next))
+    return out
+
+
+def _with_prefetch_callback(callbacks):
+    """The callback list with a PrefetchCallback first, and that callback."""
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        raise TypeError(
+            "A keras_stage model needs `callbacks` as a list, not a "
+            "CallbackList, so that it can add its PrefetchCallback. "
+            "Pass the list of callbacks."
+        )
+    callbacks = list(callbacks or [])
+    found = [cb for cb in callbacks if isinstance(cb, PrefetchCallback)]
+    if len(found) > 1:
+        raise ValueError(
+            "Pass at most one PrefetchCallback; received "
+            f"{len(found)}. One callback reports the model's stage."
+        )
+    prefetch = found[0] if found else PrefetchCallback()
+    others = [cb for cb in callbacks if cb is not prefetch]
+    return [prefetch] + others, prefetch

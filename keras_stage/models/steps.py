@@ -1,0 +1,303 @@
+"""The compiled steps of a staged call: Keras's steps, guarded and recorded.
+
+This is the TensorFlow backend's side of a staged call, the only module
+that knows how Keras's compiled train/test/predict functions take their
+data (an iterator, read inside a `tf.function`):
+
+- `guard` wraps a compiled step with the stage runner of its phase, which
+  applies the exception policies and the timeout around each step;
+- `step_stats` and `recorded_step` make the traced step record its own
+  fetches (two ops in the step instead of a map on the fetch path), and
+  `UnrecordedStep` runs a twin without them when the batch is known to be
+  buffered;
+- `unpacked` and `calling_trunk` make the traced step unpack what its
+  stage packed and run the SmartStage trunk instead of the whole model.
+
+A second backend (JAX: its steps are pure functions of the data, called
+from Python) supplies these for its own steps; `staged_call.py` and the
+model API stay as they are.
+"""
+
+import contextlib
+import weakref
+
+import keras
+import tensorflow as tf
+
+from keras_stage.data.errors import StageTimeoutError
+from keras_stage.data.runner import EndOfData, SkipElement
+from keras_stage.data.stats import StageStats
+from keras_stage.models.iterators import resolve
+from keras_stage.models.model_state import FUNCTIONS, drop_traced_steps
+from keras_stage.models.model_state import state as _state
+
+
+def guard(model, phase, function):
+    """Wraps a compiled Keras step with the stage runner of `phase`."""
+    unrecorded = UnrecordedStep(model, phase)
+
+    def guarded(iterator):
+        iterator = resolve(iterator)
+        state = _state(model)
+        runner = state.runners.get(phase)
+        if runner is None:
+            return reported(function(iterator))[0]
+        track_iterator(state, phase, iterator)
+        while True:
+            try:
+                outputs, report = reported(
+                    runner.call(
+                        function,
+                        iterator,
+                        check_origin=True,
+                        elements=model.steps_per_execution,
+                        ready_fn=unrecorded.get(),
+                    )
+                )
+                if report is not None:
+                    values = report.numpy().tolist()
+                    unrecorded.reported(values)
+                    runner.take_report(iterator, values)
+                return outputs
+            except SkipElement:
+                continue
+            except EndOfData:
+                # Keras ends the epoch on StopIteration.
+                raise StopIteration from None
+            except (StageTimeoutError, KeyboardInterrupt):
+                # The abandoned call (timed out, or interrupted while the
+                # step ran on the helper thread) may still run this
+                # compiled function, and TensorFlow runs the calls of one
+                # tf.function one at a time: the next fit/evaluate must
+                # trace a fresh one.
+                setattr(model, FUNCTIONS[phase], None)
+                raise
+
+    guarded.keras_stage_guarded = True
+    return guarded
+
+
+def guarded(function):
+    """Whether `function` is a compiled step `guard` already wrapped."""
+    return getattr(function, "keras_stage_guarded", False)
+
+
+def track_iterator(state, phase, iterator):
+    """Notes the iterator `phase`'s step reads; restores it first if asked.
+
+    See `DataBackup`: a resumed epoch's iterator continues from the saved
+    position before its first step.
+    """
+    restore = state.pending_restores.pop(phase, None)
+    if restore is not None:
+        restore(iterator)
+    try:
+        state.iterators[phase] = weakref.ref(iterator)
+    except TypeError:  # not weakly referable: not checkpointable either
+        state.iterators.pop(phase, None)
+
+
+# Calls of a guarded step that report their fetch before it makes the
+# step's unrecorded twin: a second trace (a second or more for a large
+# model) pays for itself only over many steps (some 50 us each here).
+UNRECORDED_AFTER = 100
+
+
+class UnrecordedStep:
+    """`phase`'s compiled step without the fetch recording, made on demand.
+
+    The recording (`recorded_step`) costs a 1.1 ms training step some
+    50-65 us here (Keras runs the step in a `tf.while_loop` and hands its
+    outputs out in an Optional, where every output and every op after the
+    step's outputs lengthens the call); a call whose batch is known
+    to be buffered has no wait to measure, so the runner runs this twin
+    instead (see `StageRunner.call`'s `ready_fn`). Its batch being there,
+    the twin also skips Keras's end-of-data Optional (`make_unrecorded`).
+    Only keras_stage's own steps, one batch per call: those report each
+    fetch to the guard, which counts the twin's fetches in Python.
+    """
+
+    def __init__(self, model, phase):
+        self._model = weakref.ref(model)
+        self._phase = phase
+        self._reports = 0  # full reports (see `StageStats.report`) seen
+        self._function = None
+
+    def reported(self, values):
+        """Notes a report the recorded step returned."""
+        if len(values) == StageStats.REPORT_SIZE:
+            self._reports += 1
+
+    def get(self):
+        """The twin for the next call, or None to record it."""
+        model = self._model()
+        if (
+            model is None
+            or self._reports < UNRECORDED_AFTER
+            or model.steps_per_execution != 1
+            or self._phase not in _state(model).recording
+        ):
+            return None
+        return self._call
+
+    def _call(self, iterator):
+        model = self._model()
+        if self._function is None:
+            # Made at the first call the runner finds ready: a stage that
+            # cannot know (an ordered parallel map) never traces it.
+            self._function = make_unrecorded(model, self._phase)
+        local = _state(model).local
+        local.unrecorded = True  # read by `recorded_step` while tracing
+        try:
+            return self._function(iterator)
+        finally:
+            local.unrecorded = False
+
+
+def make_unrecorded(model, phase):
+    """`phase`'s step on an iterator's next batch, compiled unrecorded.
+
+    What Keras's compiled step does at `steps_per_execution=1` with one
+    replica and no XLA (the only steps that record, see `step_stats`)
+    without its end-of-data check: Keras hands the step's outputs out in a
+    `tf.data` Optional, which costs each call two eager ops after the step
+    (has_value, get_value: 40-50 us here). The twin only runs on a batch
+    the stage knows to be buffered, so its data cannot end there; if it
+    did, `get_next` raises the end of the data, as Keras's steps did
+    before it used the Optional.
+    """
+    step = getattr(model, f"{phase}_step")
+    strategy = model.distribute_strategy
+
+    def one_step(iterator):
+        # Keras's adapters pass absent parts (no labels, no sample weights)
+        # as empty Optionals, and its steps take them as None.
+        data = keras.tree.map_structure(
+            lambda x: None if isinstance(x, tf.experimental.Optional) else x,
+            iterator.get_next(),
+        )
+        outputs = strategy.run(step, args=(data,))
+        # One replica: its own results (plain tensors already, under the
+        # default strategy).
+        return tf.nest.map_structure(
+            lambda value: strategy.experimental_local_results(value)[0],
+            outputs,
+        )
+
+    if model.run_eagerly:
+        return one_step
+    return tf.function(one_step, reduce_retracing=True, autograph=False)
+
+
+def step_stats(model, layer, phase):
+    """The stats `phase`'s compiled step records in, or None.
+
+    The step records the consumer's side of the counters itself (two ops in
+    the step instead of a tf.data map on the fetch path) unless it cannot
+    take timestamps: XLA-compiled steps, and several replicas each running
+    it; their stages count the fetch in the pipeline.
+    """
+    state = _state(model)
+    if (
+        state.requested_jit is True
+        or keras.Model.jit_compile.fget(model) is True
+        or model.distribute_strategy.num_replicas_in_sync > 1
+    ):
+        return None
+    stats = state.step_stats.get(phase)
+    # Stats traced with a clock that op determinism now refuses are
+    # replaced like closed ones (the traced step would fail).
+    if stats is None or stats.closed or stats.clock_refused:
+        if stats is not None:
+            # The traced step still records in the closed stats.
+            drop_traced_steps(model, phase)
+        stats = layer.new_stats(f"{layer.stage_options.name}_{phase}")
+        state.step_stats[phase] = stats
+    return stats
+
+
+# The logs key under which a recorded step returns its stage's report
+# (`StageStats.report`) to its guard, which removes it before Keras sees it.
+REPORT_KEY = "_keras_stage_report"
+
+
+def recorded_step(model, phase, step, data):
+    """Runs `step(data)`, recording its fetch where `phase` records.
+
+    keras_stage's own train/test step returns its stage's report in its
+    logs (`REPORT_KEY`): the guard accumulates the fetch's wait in Python
+    and learns whether the next batch is ready, which spares the step some
+    30 graph ops and the call a variable read. A step a subclass overrides
+    may drop the key from the logs it returns, and only the last batch's
+    outputs leave a call that runs several (`steps_per_execution`): those
+    accumulate their fetches in the graph (the latter still report their
+    count).
+    """
+    state = _state(model)
+    stats = state.recording.get(phase)
+    if stats is None:
+        return step(data)
+    if getattr(state.local, "unrecorded", False):
+        return step(data)  # its batch was buffered: see `UnrecordedStep`
+    fetch = stats.record_fetch(data, accumulate=False)
+    outputs = step(data)
+    end = stats.record_step_end(outputs)
+    # Keras's own steps return dicts.
+    if not own_step(model, phase) or not isinstance(outputs, dict):
+        stats.accumulate(fetch)
+        return outputs
+    if model.steps_per_execution > 1:
+        stats.accumulate(fetch)
+        fetch = None
+    return {**outputs, REPORT_KEY: stats.report(fetch, end)}
+
+
+def own_step(model, phase):
+    """Whether `phase`'s step is keras_stage's, whose logs reach the guard.
+
+    keras_stage's steps carry `keras_stage_step` (see `own`); a subclass
+    that overrides one may return other logs.
+    """
+    step = getattr(type(model), f"{phase}_step")
+    return getattr(step, "keras_stage_step", False)
+
+
+def own(step):
+    """Marks a model class's step method as keras_stage's (`own_step`)."""
+    step.keras_stage_step = True
+    return step
+
+
+def reported(outputs):
+    """`(outputs, report)`: a step's outputs without its report, and it.
+
+    `report` is None when the step returned none (see `recorded_step`).
+    """
+    if isinstance(outputs, dict) and REPORT_KEY in outputs:
+        outputs = dict(outputs)
+        return outputs, outputs.pop(REPORT_KEY)
+    return outputs, None
+
+
+def unpacked(model, phase, data):
+    """The step's `data`, unpacked on the device if its stage packed it."""
+    placement = _state(model).placements.get(phase)
+    return data if placement is None else placement.unpack(data)
+
+
+@contextlib.contextmanager
+def calling_trunk(model, phase):
+    """Within a step's trace, makes the model's call run `phase`'s trunk."""
+    state = _state(model)
+    split = state.active.get(phase)
+    previous = getattr(state.local, "trunk", None)
+    state.local.trunk = None if split is None else split.trunk
+    try:
+        yield
+    finally:
+        state.local.trunk = previous
+
+
+def trunk(model):
+    """The trunk the model's call runs while a staged step traces, or None."""
+    return getattr(_state(model).local, "trunk", None)
