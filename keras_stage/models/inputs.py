@@ -10,13 +10,19 @@ same batches in the same order.
 
 import logging
 
+import keras
 import tensorflow as tf
 
 from keras_stage import _compat
 from keras_stage.data.service import DISTRIBUTED_EPOCH
 from keras_stage.data.staging import StagedDataset
+from keras_stage.models import epoch_sources
 from keras_stage.models.call_costs import in_memory
-from keras_stage.models.iterators import DeferredPipeline
+from keras_stage.models.iterators import (
+    DeferredPipeline,
+    EpochPipeline,
+    LongLivedIterator,
+)
 from keras_stage.models.sources import check_source, is_python_source
 
 logger = logging.getLogger("keras_stage")
@@ -101,6 +107,7 @@ class StagedData:
         owned=True,
         strategy=None,
         defers=False,
+        epochs=None,
     ):
         self.staged = staged
         self.adapter = adapter
@@ -120,6 +127,12 @@ class StagedData:
         # the next one draws (a seeded `shuffle` shares its seed generator
         # between iterators), so those are made when Keras makes them.
         self.defers = defers
+        # How the stage runs the call's epochs on one iterator
+        # (`LongLivedEpochs`), or None: an iterator per epoch.
+        self._long_lived = epochs
+        self._shared = None  # its `LongLivedIterator`, made with `pipeline`
+        # Why `stage_data(epochs=...)` kept an iterator per epoch, or None.
+        self.long_lived_refusal = None
         # Told the seconds each iterator of `pipeline` took to make.
         self.on_iterator = None
         # Set by a consumer that notes the stage's costs (see CallCosts):
@@ -131,6 +144,19 @@ class StagedData:
     def in_step(self):
         """Whether the compiled step records the fetches (see StageStats)."""
         return self.staged.runner.records_in_step
+
+    @property
+    def epochs(self):
+        """The epochs the stage runs on one iterator, or None.
+
+        None: Keras gets an iterator per epoch (`DeferredPipeline`).
+        """
+        return None if self._long_lived is None else self._long_lived.epochs
+
+    @property
+    def long_lived(self):
+        """Whether the stage runs the call's epochs on one iterator."""
+        return self._long_lived is not None
 
     @property
     def eager_dataset(self):
@@ -153,18 +179,171 @@ class StagedData:
         """
         if self.owned:
             self.staged.runner.close_gate()
+        if self._shared is not None:
+            # Its epochs not read yet run no further.
+            self._shared.close()
 
     @property
     def pipeline(self):
-        """What the compiled step iterates."""
+        """What the compiled step iterates.
+
+        Long-lived (see `epochs`): an `EpochPipeline` whose iterators all
+        read one real iterator, made when first read.
+        """
         pipeline = (
             self.staged.lean_pipeline if self.in_step else self.staged.pipeline
         )
+        if self._long_lived is not None:
+            if self._shared is None:
+                plan = self._long_lived
+                self._shared = LongLivedIterator(
+                    pipeline,
+                    plan.batches,
+                    plan.epochs,
+                    self._made,
+                    steps_per_execution=plan.steps_per_execution,
+                    start=plan.start,
+                    pool=self.staged.thread_pool,
+                    name=self.staged.name,
+                )
+            return EpochPipeline(self._shared, pipeline)
         if self.strategy is None:
             return DeferredPipeline(pipeline, self._made, defer=self.defers)
         return distribute_inputs(
             self.strategy, pipeline, self.staged.stage_options
         )
+
+
+class LongLivedEpochs:
+    """How a stage runs a call's epochs on one iterator.
+
+    Attributes:
+        epochs: The epochs its source spans (Keras reads at most these).
+        batches: The batches of one epoch.
+        steps_per_execution: The batches of one call of the compiled step.
+        start: The source's first-epoch variable when its epochs can start
+            on a new iterator (see `LongLivedIterator`), else None.
+        source: The long-lived source.
+    """
+
+    def __init__(self, epochs, batches, steps_per_execution, start, source):
+        self.epochs = epochs
+        self.batches = batches
+        self.steps_per_execution = steps_per_execution
+        self.start = start
+        self.source = source
+
+
+def _default_strategy(strategy):
+    """Whether Keras iterates with the default strategy (no distribution).
+
+    Under any other strategy Keras distributes the dataset itself and makes
+    its iterators from the dataset's graph, not through `__iter__`.
+    """
+    return strategy is None or (
+        not tf.distribute.has_strategy()
+        and strategy is tf.distribute.get_strategy()
+    )
+
+
+def _epochs_refusal(
+    layer, phase, num_batches, steps, epochs, steps_per_execution, served
+):
+    """Why Keras's reads of the call's epochs cannot share one iterator.
+
+    None when Keras reads exactly `num_batches` batches from each iterator
+    it reads, in whole calls of the compiled step, and nothing past them
+    (see `EpochIterator`: with a known batch count it stops by count).
+    """
+    options = layer.stage_options
+    if epochs < 2:
+        return "the call reads one epoch"
+    if phase == "predict":
+        return "predict reads one epoch"
+    if num_batches is None:
+        return "the batch count of an epoch is not known"
+    if served:
+        return "the stage runs on the tf.data service"
+    if options.ignored_exception_types:
+        return "the stage can skip batches (ignored_exception_types)"
+    if tuple(options.closed_exception_types) != (tf.errors.OutOfRangeError,):
+        return "an error can end an epoch early (closed_exception_types)"
+    if keras.config.max_steps_per_epoch():
+        return "keras.config.max_steps_per_epoch caps the epochs"
+    if num_batches % steps_per_execution:
+        # The last call of an epoch would read past it into the next.
+        return (
+            f"steps_per_execution={steps_per_execution} does not divide the "
+            f"{num_batches} batches of an epoch"
+        )
+    if phase != "train" and steps is not None and steps < num_batches:
+        # Each evaluation starts a new iterator, which reads `steps`.
+        return "each evaluation reads only part of the data (steps)"
+    return None
+
+
+def _long_lived_epochs(
+    phase,
+    x,
+    arrays,
+    dataset,
+    num_batches,
+    steps,
+    epochs,
+    steps_per_execution,
+    alongside,
+):
+    """`(LongLivedEpochs, None)`, or `(None, why not)`, for a safe stage.
+
+    `arrays`: the in-memory data (x, y and the sample weights) when `x`
+    is arrays, else None. See `epoch_sources` for the orders kept.
+    """
+    if arrays is None and not isinstance(x, tf.data.Dataset):
+        return None, "the data is not in-memory arrays or a tf.data.Dataset"
+    facts = epoch_sources.inspect_source(dataset)
+    if facts.refusal is not None:
+        return None, f"its source cannot be read ahead: {facts.refusal}"
+    replay = False
+    if facts.kernel_seeded:
+        if arrays is None:
+            return None, (
+                "its source has a seeded stateful random op, which draws "
+                "the same in every new iterator"
+            )
+        size = epoch_sources.nbytes(arrays)
+        if size is None or size > epoch_sources.REPLAY_LIMIT_BYTES:
+            return None, (
+                "a seeded shuffle of arrays replays its first epoch, kept in "
+                f"memory, and these arrays are over "
+                f"{epoch_sources.REPLAY_LIMIT_BYTES // 2**20} MiB"
+            )
+        replay = True
+    if arrays is None:
+        for other in alongside:
+            if isinstance(other, tf.data.Dataset) and (
+                facts.objects & epoch_sources.inspect_source(other).objects
+            ):
+                return None, (
+                    "the call also reads another dataset built on the same "
+                    "datasets (their draws must keep their order)"
+                )
+    start = None
+    if arrays is not None:
+        # Epochs of arrays depend on no earlier iterator: an iterator can
+        # start at any of them (see `LongLivedIterator`).
+        with tf.init_scope(), tf.device("/CPU:0"):
+            start = tf.Variable(0, dtype=tf.int64, trainable=False)
+    # Plain Keras makes one iterator it does not read after each epoch it
+    # reads, except in training with steps_per_epoch (it keeps its
+    # iterator across epochs); arrays draw nothing per iterator.
+    opens = 0 if arrays is not None or (phase == "train" and steps) else 1
+    source = epoch_sources.long_lived_source(
+        dataset, epochs, replay=replay, opens=opens, start=start
+    )
+    plan = LongLivedEpochs(
+        epochs, num_batches, steps_per_execution, start, source
+    )
+    return plan, None
 
 
 def stage_data(
@@ -180,6 +359,9 @@ def stage_data(
     split=None,
     stats=None,
     strategy=None,
+    epochs=None,
+    steps_per_execution=1,
+    alongside=(),
 ):
     """Stages the data of one phase ("train", "val", "test", "predict").
 
@@ -189,6 +371,19 @@ def stage_data(
     is then the stage's lean one). Under a `strategy` with several
     replicas, `StagedData.pipeline` is distributed with each replica's
     buffer on its device.
+
+    With `epochs`, the most times Keras iterates `StagedData.pipeline` in
+    this call (a fit's `epochs - initial_epoch` for its training, its
+    number of validation runs for its validation), the stage runs across
+    those epochs on one iterator when that keeps every epoch's batches and
+    order as plain Keras's (see `models/iterators.py`, "Long-lived
+    epochs", and `models/epoch_sources.py`); `StagedData.long_lived` says
+    whether it does, `long_lived_refusal` why not. `steps_per_execution`:
+    the model's (it must divide an epoch's batch count). `alongside`: the
+    other data the call reads while this stage runs (the fit's validation
+    data for its training, its training data for its validation): a
+    `tf.data.Dataset` sharing a dataset with this one keeps an iterator
+    per epoch (their draws interleave as plain Keras's do).
     """
     if isinstance(x, StagedDataset):
         # Already staged by the user with keras_stage.data.stage.
@@ -213,7 +408,10 @@ def stage_data(
                 "step for this call.",
                 x.name,
             )
-        return StagedData(x, None, owned=False)
+        data = StagedData(x, None, owned=False)
+        if epochs is not None:
+            data.long_lived_refusal = "the data is a user's staged dataset"
+        return data
     overrides, python_source = {}, is_python_source(x)
     if layer.stage_options.service is not None:
         overrides = _service_overrides(layer, phase, python_source)
@@ -248,6 +446,39 @@ def stage_data(
     if served:
         # Before `split.number`, whose ordinals a peek would consume.
         overrides["rebatch"] = _batch_size(adapter, dataset)
+    distributed = strategy is not None and strategy.num_replicas_in_sync > 1
+    long_lived, refusal = None, None
+    if epochs is not None:
+        refusal = _epochs_refusal(
+            layer,
+            phase,
+            num_batches,
+            steps,
+            int(epochs),
+            int(steps_per_execution),
+            served,
+        )
+        if refusal is None and not _default_strategy(strategy):
+            refusal = "Keras distributes the data with a tf.distribute strategy"
+        if refusal is None and split is not None and split.seed_states:
+            # The ordinals `split.number` gives would follow the reads
+            # ahead, interleaved with the validation stage's.
+            refusal = "the staged layers draw random numbers per element"
+        if refusal is None:
+            arrays = (x, y, sample_weight) if in_memory(x) else None
+            long_lived, refusal = _long_lived_epochs(
+                phase,
+                x,
+                arrays,
+                dataset,
+                num_batches,
+                steps,
+                int(epochs),
+                int(steps_per_execution),
+                alongside,
+            )
+        if long_lived is not None:
+            dataset = long_lived.source
     fn = None
     element_spec = dataset.element_spec
     if split is not None:
@@ -264,7 +495,6 @@ def stage_data(
         ):
             # Each batch once, in full batches again: the count is known.
             overrides["cardinality"] = num_batches
-    distributed = strategy is not None and strategy.num_replicas_in_sync > 1
     staged = layer.stage(
         dataset,
         fn=fn,
@@ -277,7 +507,15 @@ def stage_data(
     )
     if split is not None:
         staged.runner.staged_layers = tuple(split.plan.staged_layers)
-    return StagedData(
+    if epochs is not None:
+        logger.debug(
+            "Stage '%s': %s",
+            staged.name,
+            f"{int(epochs)} epochs on one iterator"
+            if long_lived is not None
+            else f"an iterator per epoch: {refusal}",
+        )
+    data = StagedData(
         staged,
         adapter,
         split,
@@ -285,4 +523,7 @@ def stage_data(
         in_step=stats is not None,
         strategy=strategy if distributed else None,
         defers=in_memory(x),
+        epochs=long_lived,
     )
+    data.long_lived_refusal = refusal
+    return data

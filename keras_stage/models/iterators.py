@@ -7,6 +7,43 @@ computation costs (a trace's worth of functions, tens of milliseconds for
 a tabular prefix). `DeferredPipeline` hands Keras iterators that make the
 real one when first read: the step guard (`resolve`) or Keras's own
 Python reads (`next`) make it; an iterator nobody reads costs nothing.
+
+Long-lived epochs
+-----------------
+
+A stage built with `stage_data(..., epochs=E)` (when it is safe, see
+`inputs.stage_data`) runs across the call's epochs: its source spans all E
+of them (`epoch_sources.long_lived_source`: `range(E).flat_map` of the
+epoch's source, each pass drawing the order plain Keras's epoch draws),
+and the stage makes ONE real iterator of it, when first read. Keras
+still makes its iterators: `EpochPipeline` hands it an `EpochView` for
+each, and `resolve` turns every view into that same real iterator
+(`LongLivedIterator`), so the compiled step reads the epoch's batches
+from it. So an epoch pays no iterator (no instantiation of the staged
+functions, no cold buffer), and the buffer fills on while Keras ends an
+epoch, runs callbacks and validation.
+
+It relies on Keras reading exactly the epoch's batch count from each of
+its iterators and nothing past it (`EpochIterator` with a known
+cardinality, which `EpochPipeline` reports: one epoch's batches), which
+`stage_data` checks before it builds the long-lived source. The views
+count what Keras reads (each resolve from the step guard is one call of
+`steps_per_execution` batches): an epoch Keras leaves early (a callback's
+`stop_evaluating`) is read to its end (or restarted, for a source whose
+passes are independent) before the next begins, so every epoch still
+starts where plain Keras's fresh iterator starts. A source whose passes are
+independent (in-memory arrays) also starts a new iterator, at the epoch
+boundary, when the stage's adaptive pool was resized (the real iterator
+runs on the pool it was made on); other sources keep the pool of their
+first epoch for the call. `StagedData.end_call` drops the real iterator:
+nothing of it runs after the call, however many of its epochs were read.
+
+The batches a long-lived stage holds when an epoch begins are that
+epoch's, not left behind by a dropped iterator: a consumer that marks each
+epoch's start in the stage's stats (`StageStats.mark_request`, which counts
+every finished and unconsumed element as orphaned) must not orphan them,
+or the epoch's buffer fill and wait are misread. Batches read past in
+Python to finish an epoch Keras left are not counted as consumed.
 """
 
 import time
@@ -46,13 +83,6 @@ class DeferredIterator:
         return self._pipeline.element_spec
 
 
-def resolve(iterator):
-    """`iterator`, or the real iterator a `DeferredIterator` stands for."""
-    if isinstance(iterator, DeferredIterator):
-        return iterator.resolve()
-    return iterator
-
-
 class DeferredPipeline(tf.data.Dataset):
     """`pipeline` as a dataset whose eager iterators are `DeferredIterator`s.
 
@@ -80,3 +110,181 @@ class DeferredPipeline(tf.data.Dataset):
             return iter(self._pipeline)
         iterator = DeferredIterator(self._pipeline, self._made)
         return iterator if self._defer else iterator.resolve()
+
+
+def resolve(iterator):
+    """`iterator`, or the real iterator a deferred or epoch view stands for.
+
+    Called by the step guard once per call of a compiled step; an
+    `EpochView` counts each call as `steps_per_execution` batches read.
+    """
+    if isinstance(iterator, (DeferredIterator, EpochView)):
+        return iterator.resolve()
+    return iterator
+
+
+class LongLivedIterator:
+    """The one real iterator of a pipeline spanning a call's epochs.
+
+    Args:
+        pipeline: The long-lived pipeline (`epochs` epochs of `batches`).
+        batches: The batches of one epoch.
+        epochs: The epochs it spans: Keras may read fewer, never more.
+        made: `made(seconds)`, told how long each real iterator took.
+        steps_per_execution: The batches each call of the compiled step
+            reads (the model's `steps_per_execution`; it divides
+            `batches`).
+        start: The source's first-epoch variable (see
+            `long_lived_source`) if its epochs are independent of one
+            another, so an iterator can start at any of them; else None.
+        pool: The stage's `StagePool`, or None.
+        name: The stage's name, for messages.
+    """
+
+    def __init__(
+        self,
+        pipeline,
+        batches,
+        epochs,
+        made,
+        steps_per_execution=1,
+        start=None,
+        pool=None,
+        name="stage",
+    ):
+        self._pipeline = pipeline
+        self.batches = int(batches)
+        self.epochs = int(epochs)
+        self.steps_per_execution = int(steps_per_execution)
+        self._made = made
+        self._start = start
+        self._pool = pool
+        self._name = name
+        self._iterator = None
+        self._pool_size = None  # the pool size it was made on
+        self._view = None  # the view Keras reads now
+        self.read_batches = 0  # batches Keras took (or was skipped past)
+        self.closed = False
+
+    @property
+    def epoch(self):
+        """The epoch Keras reads now (0-based; the next, between epochs)."""
+        return self.read_batches // self.batches
+
+    def read(self, view, batches):
+        """The real iterator, for `batches` batches of `view`'s epoch."""
+        if self.closed:
+            raise RuntimeError(
+                f"Stage '{self._name}': its call has ended; an iterator "
+                "Keras kept from it cannot be read."
+            )
+        if view is not self._view:
+            self._begin(view)
+        self.read_batches += batches
+        return self._iterator
+
+    def _begin(self, view):
+        """Keras reads an iterator it has not read before: an epoch begins."""
+        self._view = view
+        left = -self.read_batches % self.batches
+        if left:
+            # Keras left the last epoch early (plain Keras would drop that
+            # iterator): the next starts where a fresh one would.
+            if self._start is not None:
+                self._iterator = None  # the next is made at the next epoch
+            else:
+                for _ in range(left):
+                    next(self._iterator)
+            self.read_batches += left
+        if self.epoch >= self.epochs:
+            raise RuntimeError(
+                f"Stage '{self._name}' was built for {self.epochs} epochs "
+                "on one iterator, and Keras began one more: the caller of "
+                "stage_data(epochs=...) must pass an upper bound of the "
+                "epochs Keras reads."
+            )
+        if (
+            self._iterator is not None
+            and self._start is not None
+            and self._pool is not None
+            and self._pool.size != self._pool_size
+        ):
+            # The adaptive pool was resized for this epoch: a new iterator
+            # runs on it (an iterator's pool is fixed when it is made).
+            self._iterator = None
+        if self._iterator is None:
+            self._make()
+
+    def _make(self):
+        self._iterator = None  # the one it replaces goes first
+        if self._start is not None:
+            self._start.assign(self.epoch)
+        self._pool_size = None if self._pool is None else self._pool.size
+        started = time.perf_counter()
+        self._iterator = iter(self._pipeline)
+        self._made(time.perf_counter() - started)
+
+    def close(self):
+        """Drops the real iterator; nothing of it runs any more."""
+        self.closed = True
+        self._iterator = None
+        self._view = None
+
+
+class EpochView:
+    """The iterator Keras gets for one epoch of a long-lived pipeline.
+
+    It reads the shared `LongLivedIterator`: the step guard's `resolve`
+    hands the compiled step that iterator, and Keras's Python reads
+    (`next`) read it.
+    """
+
+    def __init__(self, shared, element_spec):
+        self._shared = shared
+        self._element_spec = element_spec
+
+    def resolve(self):
+        """The real iterator, for one call of the compiled step."""
+        return self._shared.read(self, self._shared.steps_per_execution)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._shared.read(self, 1))
+
+    def get_next(self):
+        return self._shared.read(self, 1).get_next()
+
+    @property
+    def element_spec(self):
+        return self._element_spec
+
+
+class EpochPipeline(tf.data.Dataset):
+    """One epoch of a long-lived pipeline, as Keras sees it.
+
+    Its cardinality is one epoch's batches (Keras's count of an epoch); its
+    eager iterators are `EpochView`s of the shared `LongLivedIterator`.
+    Used as a dataset otherwise (inside a `tf.function`, transformed) it is
+    the long-lived pipeline's first epoch.
+    """
+
+    def __init__(self, shared, pipeline):
+        self._shared = shared
+        self._epoch = pipeline.take(shared.batches).apply(
+            tf.data.experimental.assert_cardinality(shared.batches)
+        )
+        super().__init__(_compat.dataset_variant(self._epoch))
+
+    def _inputs(self):
+        return [self._epoch]
+
+    @property
+    def element_spec(self):
+        return self._epoch.element_spec
+
+    def __iter__(self):
+        if not tf.executing_eagerly():
+            return iter(self._epoch)
+        return EpochView(self._shared, self._epoch.element_spec)

@@ -1,0 +1,199 @@
+"""One source for all the epochs of a call, in plain Keras's epoch orders.
+
+A stage that runs across epochs (see `models/iterators.py`) reads one
+dataset spanning every epoch of the call: `range(epochs).flat_map` of the
+epoch's source. Plain Keras makes a new iterator of that source every
+epoch, and some sources draw differently from a new iterator than from the
+next pass of a running one. Measured on Keras 3.15 / TF 2.21
+(tests/models/epoch_pipeline_test.py keeps each fact checked):
+
+- State kept by a resource outlives iterators: a seeded
+  `shuffle(reshuffle_each_iteration=True)` (a global seed is enough) draws
+  a new seed from its seed generator at each iterator it makes, nested or
+  not. Plain Keras makes two iterators per epoch and reads the first
+  (`EpochIterator` makes the next one when an epoch ends and again when
+  the next begins); with `steps_per_epoch` it keeps its iterator across
+  epochs and makes one per pass. So plain's epoch k reads the (2k-1)-th
+  draw, or the k-th with `steps_per_epoch`, as do its validation runs
+  (two per run). The long-lived source makes the same iterators: each
+  pass opens and drops an unread iterator of the source after the one it
+  reads (`_opened`), where plain Keras does.
+- State kept by a kernel restarts with each iterator: a stateful random
+  op with a fixed seed (`tf.random.shuffle`, `tf.random.uniform` in a map
+  under a global seed) draws the same values in every fresh iterator, and
+  on in one that runs on. Keras's own shuffling of in-memory arrays is
+  such an op (`tf.random.shuffle` of the indices): under a global seed
+  plain Keras trains every epoch on the same permutation (and, with
+  `shuffle="batch"`, the same order within each batch). Without a seed
+  each iterator draws afresh, and so does each pass. A source of arrays
+  with a seeded shuffle therefore replays its first pass (`cache`) in
+  every later one; other sources with such ops are not run long-lived.
+- Python state (generators, `py_function`) and variables read or written
+  by the source can change between epochs in ways a pass read ahead
+  cannot follow; sources holding them are not run long-lived either.
+"""
+
+import tensorflow as tf
+
+from keras_stage import _compat
+
+# A seeded replay keeps one epoch of the arrays in memory (a copy of them,
+# in batches); above this it is not worth the memory.
+REPLAY_LIMIT_BYTES = 256 * 2**20
+
+# Ops whose effect a pass run ahead of Keras's epoch could change: Python
+# calls, and the state of variables and of `tf.random.Generator`s.
+_PYTHON_OPS = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
+_STATE_OPS = frozenset(
+    {
+        "ReadVariableOp",
+        "ResourceGather",
+        "ResourceGatherNd",
+        "VarHandleOp",
+        "VariableV2",
+        "Variable",
+        "RngSkip",
+        "RngReadAndSkip",
+    }
+)
+_STATE_PREFIXES = (
+    "Assign",
+    "ResourceScatter",
+    "ResourceStridedSliceAssign",
+    "StatefulUniform",
+    "StatefulStandardNormal",
+    "StatefulTruncatedNormal",
+    "StatefulRandomBinomial",
+    "LookupTableInsert",
+    "LookupTableRemove",
+    "LookupTableImport",
+)
+# Datasets that hide what they are built on.
+_OPAQUE_DATASETS = frozenset({"_VariantDataset"})
+
+
+class SourceFacts:
+    """What one epoch's source does that a long-lived pass must respect.
+
+    Attributes:
+        objects: The ids of the `tf.data.Dataset` objects it is built on
+            (itself included): two sources sharing one share its state.
+        kernel_seeded: Whether it holds a stateful random op with a fixed
+            seed (it draws the same in every fresh iterator).
+        refusal: Why it cannot run long-lived at all, or None.
+    """
+
+    def __init__(self):
+        self.objects = set()
+        self.kernel_seeded = False
+        self.refusal = None
+
+    def refuse(self, reason):
+        if self.refusal is None:
+            self.refusal = reason
+
+
+def inspect_source(dataset):
+    """The `SourceFacts` of `dataset`: its datasets and their functions."""
+    facts = SourceFacts()
+    stack = [dataset]
+    while stack:
+        current = stack.pop()
+        if id(current) in facts.objects:
+            continue
+        facts.objects.add(id(current))
+        if type(current).__name__ in _OPAQUE_DATASETS:
+            facts.refuse("it is built on a dataset whose content is hidden")
+            continue
+        inputs = _compat.dataset_inputs(current)
+        functions = _compat.dataset_functions(current)
+        if inputs is None or functions is None:
+            facts.refuse(
+                f"it is built on a {type(current).__name__} that does not "
+                "tell what it reads"
+            )
+            continue
+        stack.extend(inputs)
+        for function in functions:
+            _inspect_function(function, facts)
+    return facts
+
+
+def _inspect_function(function, facts):
+    """Notes what one traced function of the source does in `facts`."""
+    if any(t.dtype == tf.variant for t in function.captured_inputs):
+        facts.refuse("a function of it reads a dataset it captured")
+    graph_def = function.graph.as_graph_def()
+    nodes = list(graph_def.node)
+    for nested in graph_def.library.function:
+        nodes.extend(nested.node_def)
+    for node in nodes:
+        op = node.op
+        if op in _PYTHON_OPS:
+            facts.refuse("it calls Python")
+        elif op in _STATE_OPS or op.startswith(_STATE_PREFIXES):
+            facts.refuse(f"it reads or changes state ({op})")
+        elif any(
+            node.attr[key].i != 0
+            for key in ("seed", "seed2")
+            if key in node.attr
+        ):
+            facts.kernel_seeded = True
+
+
+def nbytes(values):
+    """Bytes held by nested arrays/tensors, or None if one cannot tell."""
+    total = 0
+    for leaf in tf.nest.flatten(values):
+        if leaf is None:
+            continue
+        size = getattr(leaf, "nbytes", None)
+        if size is None:
+            try:
+                count = tf.TensorShape(leaf.shape).num_elements()
+                size = None if count is None else count * leaf.dtype.size
+            except (AttributeError, TypeError, ValueError):
+                size = None
+        if size is None:
+            return None
+        total += int(size)
+    return total
+
+
+def _opened(dataset):
+    """An empty dataset that makes (and drops) an iterator of `dataset`.
+
+    Reads nothing from it: `choose_from_datasets` makes its inputs'
+    iterators when it starts and reads them as its (empty) selector says.
+    """
+    return tf.data.Dataset.choose_from_datasets(
+        [dataset], tf.data.Dataset.range(0)
+    )
+
+
+def long_lived_source(dataset, epochs, replay=False, opens=0, start=None):
+    """`epochs` passes of `dataset` on one iterator, plain Keras's orders.
+
+    Args:
+        dataset: One epoch's source.
+        epochs: The passes.
+        replay: Whether every pass replays the first (a source whose
+            kernels draw the same in every fresh iterator, see the module
+            docstring); the first is kept in memory.
+        opens: Iterators of `dataset` plain Keras makes and does not read
+            after each one it reads (0 or 1).
+        start: A `tf.Variable` holding the first pass an iterator made from
+            now on reads, or None to always start at the first. Read when
+            an iterator reaches each pass, so an iterator made after it is
+            set starts there (see `LongLivedIterator`).
+
+    Returns:
+        The long-lived dataset, with `dataset`'s options.
+    """
+    epoch = dataset.cache() if replay else dataset
+    if opens:
+        epoch = epoch.concatenate(_opened(epoch))
+    passes = tf.data.Dataset.range(epochs)
+    if start is not None:
+        passes = passes.filter(lambda k: k >= start.read_value())
+    return passes.flat_map(lambda _: epoch).with_options(dataset.options())

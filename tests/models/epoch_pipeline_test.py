@@ -1,0 +1,672 @@
+"""A stage that runs across a call's epochs on one iterator (issue 24).
+
+`stage_data(..., epochs=E)` (keras_stage/models/inputs.py) builds the
+stage over one source spanning E epochs (models/epoch_sources.py) and
+hands Keras epoch views of one real iterator (models/iterators.py). Each
+epoch must read exactly the batches, in exactly the order, plain Keras
+reads: checked here against plain Keras's own `fit` (a model recording
+every batch its steps get) and against fresh iterators of Keras's
+adapter dataset, for arrays (shuffle False/True/"batch", sample and class
+weights, seeded or not) and `tf.data` datasets (seeded reshuffling,
+`reshuffle_each_iteration=False`, `steps_per_epoch`, validation).
+"""
+
+import gc
+import time
+import types
+import weakref
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_stage
+from keras_stage import _compat
+from keras_stage.models import epoch_sources
+from keras_stage.models.inputs import stage_data
+from keras_stage.models.iterators import (
+    DeferredPipeline,
+    EpochPipeline,
+    EpochView,
+    resolve,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+N, BATCH, EPOCHS = 24, 8, 3  # 3 batches an epoch
+SEED = 11
+
+
+def _values(data):
+    return [np.asarray(t).tolist() for t in keras.tree.flatten(data)]
+
+
+class _Recorder(keras.Model):
+    """Records every batch its train and test steps get, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+        self.seen = []
+
+    def call(self, x):
+        return self.dense(tf.reshape(tf.cast(x, "float32"), (-1, 1)))
+
+    def _record(self, phase, data):
+        self.seen.append((phase, _values(data)))
+        return {"n": tf.constant(0.0)}
+
+    def train_step(self, data):
+        return self._record("train", data)
+
+    def test_step(self, data):
+        return self._record("val", data)
+
+
+def _fit(x, epochs=EPOCHS, callbacks=None, **kwargs):
+    """The batches a plain Keras fit reads: `(phase, values)` in order."""
+    if isinstance(x, tf.data.Dataset):
+        kwargs.setdefault("shuffle", False)  # Keras warns otherwise
+    model = _Recorder()
+    model.compile(run_eagerly=True)
+    model.fit(x, epochs=epochs, verbose=0, callbacks=callbacks, **kwargs)
+    return model.seen
+
+
+def _layer():
+    return keras_stage.layers.StagedInput(num_threads=2)
+
+
+def _arrays():
+    x = np.arange(N, dtype="float32")
+    return x, 2 * x, (x % 3).astype("float32")
+
+
+def _dataset(seed=3, reshuffle=True, size=N):
+    pairs = tf.data.Dataset.range(size).map(
+        lambda i: (tf.cast(i, tf.float32), tf.cast(2 * i, tf.float32))
+    )
+    return pairs.shuffle(
+        size, seed=seed, reshuffle_each_iteration=reshuffle
+    ).batch(BATCH)
+
+
+def _staged(x, made, phase="train", **kwargs):
+    data = stage_data(_layer(), phase, x, **kwargs)
+    data.on_iterator = made.append
+    return data
+
+
+def _firsts(batches):
+    """The first component (x) of each batch, concatenated."""
+    return [v for batch in batches for v in batch[0]]
+
+
+def _read_epoch(pipeline, batches):
+    """Reads one epoch as Keras does: an iterator, then one it never reads."""
+    view = iter(pipeline)
+    out = [_values(resolve(view).get_next()) for _ in range(batches)]
+    iter(pipeline)  # the next epoch's iterator, made when an epoch ends
+    return out
+
+
+# -- the facts the long-lived source is built on --------------------------
+
+
+def test_fact_seeded_array_shuffle_repeats_in_fresh_iterators_only():
+    x, y, _ = _arrays()
+    keras.utils.set_random_seed(SEED)
+    adapter = _compat.get_data_adapter(
+        x=x, y=y, batch_size=BATCH, shuffle=True, steps_per_epoch=None
+    )
+    dataset = adapter.get_tf_dataset()
+    fresh = [_firsts(_values(b) for b in dataset) for _ in range(3)]
+    assert fresh[0] == fresh[1] == fresh[2]
+    running = iter(dataset.repeat(2))
+    passes = [_firsts(_values(next(running)) for _ in range(3)) for _ in "ab"]
+    assert passes[0] == fresh[0] and passes[1] != fresh[0]
+
+
+def test_fact_keras_fit_reads_every_other_iteration_of_a_reshuffling_dataset():
+    # The global seed is part of a seeded shuffle's seeds: the same for all.
+    keras.utils.set_random_seed(SEED)
+    dataset = _dataset()
+    iterations = [_firsts(_values(b) for b in dataset) for _ in range(6)]
+    keras.utils.set_random_seed(SEED)
+    epochs = _epochs(_fit(_dataset()), "train")
+    assert epochs == [iterations[0], iterations[2], iterations[4]]
+    keras.utils.set_random_seed(SEED)
+    with_steps = _epochs(_fit(_dataset(), steps_per_epoch=3), "train")
+    assert with_steps == iterations[:3]
+
+
+def _epochs(seen, phase, batches=3):
+    """Per epoch (of `batches` batches), the x values a phase read."""
+    values = [v for p, v in seen if p == phase]
+    return [
+        _firsts(values[i : i + batches]) for i in range(0, len(values), batches)
+    ]
+
+
+# -- arrays ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shuffle, weights",
+    [
+        (False, None),
+        (True, None),
+        ("batch", None),
+        (True, "sample_weight"),
+        ("batch", "class_weight"),
+    ],
+)
+def test_arrays_read_plain_keras_epochs_on_one_iterator(shuffle, weights):
+    x, y, sw = _arrays()
+    kwargs = {"batch_size": BATCH, "shuffle": shuffle}
+    if weights == "sample_weight":
+        kwargs["sample_weight"] = sw
+    elif weights == "class_weight":
+        y = (x % 2).astype("float32")
+        kwargs["class_weight"] = {0: 1.0, 1: 3.0}
+    keras.utils.set_random_seed(SEED)
+    plain = _fit(x, y=y, **kwargs)
+    keras.utils.set_random_seed(SEED)
+    adapter = _compat.get_data_adapter(x=x, y=y, steps_per_epoch=None, **kwargs)
+    fresh = [[_values(b) for b in adapter.get_tf_dataset()] for _ in "abc"]
+
+    keras.utils.set_random_seed(SEED)
+    made = []
+    data = _staged(x, made, y=y, epochs=EPOCHS, **kwargs)
+    assert data.long_lived and data.long_lived_refusal is None
+    assert data.epochs == EPOCHS
+    assert isinstance(data.pipeline, EpochPipeline)
+    assert int(data.pipeline.cardinality()) == 3  # what Keras counts
+    staged = _fit(data.pipeline)
+    data.end_call()
+    # Whole batches (x, y, weights), epoch by epoch.
+    assert [v for _, v in staged] == [v for _, v in plain]
+    assert [v for _, v in staged] == [b for epoch in fresh for b in epoch]
+    assert len(made) == 1
+
+
+@pytest.mark.parametrize("shuffle", [True, "batch"])
+def test_unseeded_array_shuffles_draw_a_new_permutation_every_epoch(shuffle):
+    tf.random.set_seed(None)  # no global seed: Keras draws afresh
+    x, y, _ = _arrays()
+    made = []
+    data = _staged(
+        x, made, y=y, batch_size=BATCH, shuffle=shuffle, epochs=EPOCHS
+    )
+    assert data.long_lived
+    epochs = _epochs([("train", v) for v in _read_pipeline(data)], "train")
+    data.end_call()
+    for epoch in epochs:
+        assert sorted(epoch) == list(range(N))
+        if shuffle == "batch":
+            for i in range(0, N, BATCH):
+                assert sorted(epoch[i : i + BATCH]) == list(range(i, i + BATCH))
+    assert epochs[0] != epochs[1] or epochs[1] != epochs[2]
+    assert len(made) == 1
+
+
+def _read_pipeline(data, epochs=EPOCHS, batches=3):
+    out = []
+    for _ in range(epochs):
+        out.extend(_read_epoch(data.pipeline, batches))
+    return out
+
+
+# -- tf.data datasets ------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Your input ran out of data")
+@pytest.mark.parametrize(
+    "source, steps",
+    [
+        ("seeded", None),
+        ("seeded", 3),  # steps_per_epoch: Keras keeps its iterator
+        ("seeded", 2),  # epochs shorter than the data
+        ("global_seed", None),  # shuffle's seed from the global seed
+        ("no_reshuffle", None),
+    ],
+)
+def test_datasets_read_plain_keras_epochs_and_validation(source, steps):
+    def make(seed):
+        if source == "global_seed":
+            return _dataset(seed=None)
+        return _dataset(seed=seed, reshuffle=source != "no_reshuffle")
+
+    keras.utils.set_random_seed(SEED)
+    plain = _fit(make(3), validation_data=make(4), steps_per_epoch=steps)
+    keras.utils.set_random_seed(SEED)
+    train_x, val_x = make(3), make(4)
+    made = []
+    train = _staged(
+        train_x, made, steps=steps, epochs=EPOCHS, alongside=(val_x,)
+    )
+    val = _staged(val_x, made, phase="val", epochs=EPOCHS, alongside=(train_x,))
+    assert train.long_lived and val.long_lived
+    staged = _fit(
+        train.pipeline, validation_data=val.pipeline, steps_per_epoch=steps
+    )
+    train.end_call()
+    val.end_call()
+    assert staged == plain
+    assert len(made) == 2  # one iterator each, for every epoch and run
+
+
+def test_unseeded_datasets_reshuffle_every_epoch():
+    tf.random.set_seed(None)
+    made = []
+    data = _staged(_dataset(seed=None), made, epochs=EPOCHS)
+    assert data.long_lived
+    epochs = _epochs([("t", v) for v in _read_pipeline(data)], "t")
+    data.end_call()
+    assert all(sorted(epoch) == list(range(N)) for epoch in epochs)
+    assert epochs[0] != epochs[1] or epochs[1] != epochs[2]
+    assert len(made) == 1
+
+
+# -- how Keras reads the views ---------------------------------------------
+
+
+def test_a_step_call_reads_steps_per_execution_batches():
+    # The step guard resolves once per call of the compiled step, which
+    # reads `steps_per_execution` batches in the graph.
+    x, y, _ = _arrays()
+    made = []
+    data = _staged(
+        x,
+        made,
+        y=y,
+        batch_size=4,  # 6 batches an epoch, 3 calls of 2
+        epochs=EPOCHS,
+        steps_per_execution=2,
+    )
+    assert data.long_lived
+
+    @tf.function
+    def two_batches(iterator):
+        return tf.concat([iterator.get_next()[0], iterator.get_next()[0]], 0)
+
+    epochs = []
+    for _ in range(EPOCHS):
+        view = iter(data.pipeline)
+        calls = [two_batches(resolve(view)).numpy().tolist() for _ in "abc"]
+        iter(data.pipeline)
+        epochs.append([v for call in calls for v in call])
+    data.end_call()
+    assert epochs == [list(range(N))] * EPOCHS
+    assert len(made) == 1
+
+
+def test_an_epoch_left_early_is_finished_before_the_next():
+    # A callback's `stop_evaluating` ends an evaluation early; plain Keras
+    # starts the next from a fresh iterator.
+    keras.utils.set_random_seed(SEED)
+    reference = _dataset()
+    iterations = [_firsts(_values(b) for b in reference) for _ in range(6)]
+    keras.utils.set_random_seed(SEED)
+    made = []
+    data = _staged(_dataset(), made, phase="val", epochs=EPOCHS)
+    view = iter(data.pipeline)
+    first = _values(next(view))
+    assert first[0] == iterations[0][:BATCH]
+    rest = _read_pipeline(data, epochs=2)
+    data.end_call()
+    assert _epochs([("v", v) for v in rest], "v") == [
+        iterations[2],
+        iterations[4],
+    ]
+    assert len(made) == 1  # the rest of the first epoch was read past
+
+
+def test_an_epoch_of_arrays_left_early_restarts_at_the_next():
+    x, y, _ = _arrays()
+    made = []
+    data = _staged(x, made, y=y, batch_size=BATCH, epochs=EPOCHS)
+    view = iter(data.pipeline)
+    assert _values(next(view))[0] == list(range(BATCH))
+    rest = _read_pipeline(data, epochs=2)
+    data.end_call()
+    assert _epochs([("t", v) for v in rest], "t") == [list(range(N))] * 2
+    assert len(made) == 2  # a new iterator, at the second epoch
+
+
+def _words_model():
+    words = [f"w{i}" for i in range(7)]
+    inputs = keras.Input(shape=(), dtype="string")
+    x = keras_stage.layers.StagedInput()(inputs)
+    x = keras.layers.StringLookup(vocabulary=words, name="lookup")(x)
+    x = keras.layers.Embedding(9, 4, name="emb")(x)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1, name="head")(x))
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    layer = model.layers[1]
+    return model, layer, model._stage_plan()[1]
+
+
+def test_arrays_start_a_new_iterator_when_the_pool_is_resized():
+    _, layer, split = _words_model()
+    words = np.array([f"w{i % 7}" for i in range(48)], dtype=object)
+    labels = np.zeros((48, 1), "float32")
+    made = []
+    data = stage_data(
+        layer, "train", words, labels, batch_size=16, split=split, epochs=3
+    )
+    data.on_iterator = made.append
+    pool = data.staged.thread_pool
+    assert data.long_lived and pool is not None
+    first = _read_epoch(data.pipeline, 3)
+    pool.resize(1)  # what PrefetchCallback's verdict does between epochs
+    second = _read_epoch(data.pipeline, 3)
+    third = _read_epoch(data.pipeline, 3)
+    data.end_call()
+    assert first == second == third
+    assert len(made) == 2
+
+
+# -- ends ------------------------------------------------------------------
+
+
+def test_an_early_stop_leaves_nothing_running_after_end_call():
+    x, y, _ = _arrays()
+    made = []
+    data = _staged(x, made, y=y, batch_size=BATCH, epochs=6)
+
+    class StopAfterTwo(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.stop_training = epoch == 1
+
+    seen = _fit(data.pipeline, epochs=6, callbacks=[StopAfterTwo()])
+    assert len(seen) == 2 * 3
+    stats = data.staged.stats
+    # The stage fills on past the epoch Keras ended.
+    deadline = time.monotonic() + 10
+    while stats.snapshot()["produced"] <= 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stats.snapshot()["produced"] > 6
+    real = weakref.ref(data._shared._iterator)
+    data.end_call()
+    gc.collect()
+    assert real() is None
+    produced = stats.snapshot()["produced"]
+    time.sleep(0.3)
+    assert stats.snapshot()["produced"] == produced
+    with pytest.raises(RuntimeError, match="ended"):
+        resolve(iter(data.pipeline))
+    assert len(made) == 1
+
+
+def test_reading_more_epochs_than_announced_fails_clearly():
+    x, y, _ = _arrays()
+    data = _staged(x, [], y=y, batch_size=BATCH, epochs=2)
+    _read_pipeline(data, epochs=2)
+    with pytest.raises(RuntimeError, match="upper bound"):
+        resolve(iter(data.pipeline))
+    data.end_call()
+
+
+def test_views_read_one_iterator_and_know_their_spec():
+    x, y, _ = _arrays()
+    data = _staged(x, [], y=y, batch_size=BATCH, epochs=2)
+    first, second = iter(data.pipeline), iter(data.pipeline)
+    assert isinstance(first, EpochView)
+    assert first.element_spec == data.staged.pipeline.element_spec
+    real = resolve(first)  # one call of the step: it reads a batch
+    assert isinstance(real, tf.data.Iterator)
+    assert _values(real.get_next())[0] == list(range(BATCH))
+    assert _values(first.get_next())[0] == list(range(BATCH, 2 * BATCH))
+    assert _values(next(first))[0] == list(range(2 * BATCH, 3 * BATCH))
+    assert resolve(second) is real  # the next epoch, same iterator
+    data.end_call()
+
+
+# -- what keeps an iterator per epoch --------------------------------------
+
+
+def _python_map(ds):
+    return ds.map(
+        lambda x, y: (tf.py_function(lambda v: v, [x], tf.float32), y)
+    )
+
+
+_VARIABLE = None
+
+
+def _variable_map(ds):
+    global _VARIABLE
+    _VARIABLE = tf.Variable(1.0)
+    return ds.map(lambda x, y: (x * _VARIABLE, y))
+
+
+def _seeded_random_map(ds):
+    tf.random.set_seed(SEED)
+    return ds.map(lambda x, y: (x + tf.random.uniform(tf.shape(x)), y))
+
+
+def _captured(ds):
+    flat = tf.data.Dataset.range(1).flat_map(lambda _: ds)
+    return flat.apply(tf.data.experimental.assert_cardinality(3))
+
+
+def _generator():
+    def batches():
+        for i in range(3):
+            yield np.full((BATCH,), i, "float32"), np.zeros((BATCH,), "float32")
+
+    return batches()
+
+
+class _Batches(keras.utils.PyDataset):
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, index):
+        return np.full((BATCH,), index, "float32"), np.zeros((BATCH,))
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("one_epoch", "one epoch"),
+        ("steps_per_execution", "does not divide"),
+        ("partial_evaluations", "part of the data"),
+        ("ignored_exceptions", "skip batches"),
+        ("predict", "predict"),
+        ("generator", "not known"),
+        ("py_dataset", "not in-memory arrays or a tf.data.Dataset"),
+        ("python", "calls Python"),
+        ("variable", "state"),
+        ("seeded_random_map", "seeded stateful random op"),
+        ("captured_dataset", "captured"),
+        ("shared_with_validation", "same datasets"),
+        ("big_seeded_arrays", "MiB"),
+        ("strategy", "strategy"),
+        ("random_staged_layers", "random numbers"),
+        ("max_steps_per_epoch", "max_steps_per_epoch"),
+    ],
+)
+def test_unsafe_cases_keep_an_iterator_per_epoch(case, expected, monkeypatch):
+    x, y, _ = _arrays()
+    layer = _layer()
+    kwargs = {"epochs": EPOCHS, "batch_size": BATCH}
+    phase, data_x, data_y = "train", x, y
+    if case == "one_epoch":
+        kwargs["epochs"] = 1
+    elif case == "steps_per_execution":
+        kwargs["steps_per_execution"] = 2  # 3 batches: a call reads past
+    elif case == "partial_evaluations":
+        phase, kwargs["steps"] = "val", 2
+    elif case == "ignored_exceptions":
+        layer = keras_stage.layers.StagedInput(
+            ignored_exception_types=(tf.errors.InvalidArgumentError,)
+        )
+    elif case == "predict":
+        phase, data_y = "predict", None
+    elif case == "generator":
+        data_x, data_y = _generator(), None
+    elif case == "py_dataset":
+        data_x, data_y = _Batches(), None
+    elif case in (
+        "python",
+        "variable",
+        "seeded_random_map",
+        "captured_dataset",
+    ):
+        transform = {
+            "python": _python_map,
+            "variable": _variable_map,
+            "seeded_random_map": _seeded_random_map,
+            "captured_dataset": _captured,
+        }[case]
+        data_x, data_y = transform(_dataset()), None
+        del kwargs["batch_size"]
+    elif case == "shared_with_validation":
+        data_x, data_y = _dataset(), None
+        del kwargs["batch_size"]
+        kwargs["alongside"] = (data_x.take(1),)
+    elif case == "big_seeded_arrays":
+        monkeypatch.setattr(epoch_sources, "REPLAY_LIMIT_BYTES", 64)
+        kwargs["shuffle"] = True
+    elif case == "strategy":
+        kwargs["strategy"] = tf.distribute.OneDeviceStrategy("/cpu:0")
+    elif case == "random_staged_layers":
+        kwargs["split"] = types.SimpleNamespace(
+            seed_states=[object()],
+            number=lambda ds: ds,
+            stage_fn=lambda training: None,
+            plan=types.SimpleNamespace(staged_layers=()),
+        )
+    elif case == "max_steps_per_epoch":
+        monkeypatch.setattr(keras.config, "max_steps_per_epoch", lambda: 2)
+    made = []
+    data = stage_data(layer, phase, data_x, data_y, **kwargs)
+    data.on_iterator = made.append
+    assert not data.long_lived and data.epochs is None
+    assert expected in data.long_lived_refusal
+    if phase == "predict":
+        data.end_call()
+        return
+    # Today's behaviour: an iterator per epoch read.
+    pipeline = data.pipeline
+    assert isinstance(pipeline, (DeferredPipeline, tf.data.Dataset))
+    if case != "strategy":
+        assert isinstance(pipeline, DeferredPipeline)
+        for _ in range(2):
+            view = iter(pipeline)
+            resolve(view).get_next()
+        assert len(made) == 2
+    data.end_call()
+
+
+def test_without_epochs_nothing_changes():
+    x, y, _ = _arrays()
+    made = []
+    data = _staged(x, made, y=y, batch_size=BATCH)
+    assert not data.long_lived and data.long_lived_refusal is None
+    assert isinstance(data.pipeline, DeferredPipeline)
+    for _ in range(EPOCHS):
+        epoch = _read_epoch(data.pipeline, 3)
+        assert _firsts(epoch) == list(range(N))
+    data.end_call()
+    assert len(made) == EPOCHS
+
+
+def test_compat_reads_a_datasets_inputs_and_functions():
+    base = tf.data.Dataset.range(3)
+    mapped = base.map(lambda v: v + 1)
+    assert _compat.dataset_inputs(mapped) == [base]
+    (function,) = _compat.dataset_functions(mapped)
+    assert "AddV2" in {op.type for op in function.graph.get_operations()}
+    assert _compat.dataset_functions(base) == []
+
+
+# -- a staged fit ----------------------------------------------------------
+
+
+def _staged_fit_model(staged, steps_per_execution):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input(shape=(4,))
+    x = inputs
+    if staged:
+        x = keras_stage.layers.StagedInput(adaptive=False)(inputs)
+    x = keras.layers.Normalization(mean=0.5, variance=0.1)(x)  # staged
+    x = keras.layers.Dense(8, activation="relu")(x)
+    outputs = keras.layers.Dense(1)(x)
+    cls = keras_stage.Model if staged else keras.Model
+    model = cls(inputs, outputs)
+    extra = {"smart_stage": True} if staged else {}
+    model.compile(
+        optimizer="sgd",
+        loss="mse",
+        steps_per_execution=steps_per_execution,
+        **extra,
+    )
+    return model
+
+
+@pytest.mark.parametrize(
+    "source, shuffle, steps_per_execution",
+    [
+        ("arrays", True, 1),
+        ("arrays", "batch", 2),
+        ("dataset", None, 1),
+        ("dataset", None, 2),
+    ],
+)
+def test_a_fit_on_long_lived_stages_trains_as_plain_keras(
+    source, shuffle, steps_per_execution, monkeypatch
+):
+    # Until fit passes `epochs` itself: its training and validation stages
+    # get the fit's epochs (4, validating every epoch).
+    from keras_stage.models import adaptive
+
+    built = []
+
+    def stage_data_for_epochs(layer, phase, *args, **kwargs):
+        if phase in ("train", "val"):
+            kwargs.setdefault("epochs", 4)
+            kwargs.setdefault("steps_per_execution", steps_per_execution)
+        data = stage_data(layer, phase, *args, **kwargs)
+        built.append(data)
+        return data
+
+    monkeypatch.setattr(adaptive, "stage_data", stage_data_for_epochs)
+    rng = np.random.default_rng(0)
+    x = rng.random((96, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+
+    def fit(model):
+        keras.utils.set_random_seed(7)
+        if source == "arrays":
+            return model.fit(
+                x,
+                y,
+                batch_size=16,
+                epochs=4,
+                shuffle=shuffle,
+                validation_data=(x[:32], y[:32]),
+                verbose=0,
+            )
+        train = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(96, seed=5)
+        val = tf.data.Dataset.from_tensor_slices((x[:32], y[:32])).shuffle(32)
+        return model.fit(
+            train.batch(16),
+            epochs=4,
+            validation_data=val.batch(16),
+            shuffle=False,
+            verbose=0,
+        )
+
+    plain_model = _staged_fit_model(False, steps_per_execution)
+    plain = fit(plain_model)
+    staged_model = _staged_fit_model(True, steps_per_execution)
+    staged = fit(staged_model)
+    assert [data.long_lived for data in built] == [True, True]
+    for a, b in zip(
+        plain_model.get_weights(), staged_model.get_weights(), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+    assert staged.history["val_loss"] == plain.history["val_loss"]
