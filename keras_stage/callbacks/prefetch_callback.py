@@ -55,10 +55,14 @@ def _snapshot(staged):
 class _Binding:
     """One stage feeding one phase (train, test or predict) of a run."""
 
-    def __init__(self, phase, staged, adapter):
+    def __init__(self, phase, staged, adapter, long_lived=False):
         self.phase = phase
         self.staged = staged
         self.adapter = adapter
+        # Whether the stage runs the call's epochs on one iterator: what
+        # it holds when a later epoch begins is that epoch's.
+        self.long_lived = long_lived
+        self.epochs_begun = 0
         self.in_epoch = False
         # Skips counted before this epoch: the stage's counter is cumulative.
         self.skipped_before = 0
@@ -70,7 +74,10 @@ class _Binding:
             if self.staged.runner.records_in_step:
                 # The compiled step marks each next fetch at its end; the
                 # epoch's first fetch begins now.
-                self.staged.stats.mark_request()
+                self.staged.stats.mark_request(
+                    orphan=not (self.long_lived and self.epochs_begun)
+                )
+            self.epochs_begun += 1
             self.skipped_before = self.staged.stats.snapshot()["skipped"]
         self.in_epoch = True
 
@@ -190,12 +197,13 @@ class PrefetchCallback(keras.callbacks.Callback):
 
     # -- wiring, called by the staged model ---------------------------------
 
-    def attach(self, phase, staged, adapter=None):
+    def attach(self, phase, staged, adapter=None, long_lived=False):
         """Registers the stage feeding `phase` ("train", "test", "predict").
 
-        Called by `keras_stage.Model`; users do not need it.
+        `long_lived`: whether the stage runs the call's epochs on one
+        iterator. Called by `keras_stage.Model`; users do not need it.
         """
-        self._bindings[phase] = _Binding(phase, staged, adapter)
+        self._bindings[phase] = _Binding(phase, staged, adapter, long_lived)
 
     def close(self, timeout=5.0):
         """Ends the sources' epochs and stops every stage thread.

@@ -517,24 +517,27 @@ class StageStats:
             self._reported_buffered += elements * buffered
             self._reported_peak = max(self._reported_peak, buffered)
 
-    def mark_request(self):
+    def mark_request(self, orphan=True):
         """Starts the consumer's fetch clock now (at an epoch's start).
 
         Elements produced and never consumed so far were left in the
         buffer of an iterator dropped before this epoch (Keras makes one
-        per epoch); from now on they no longer count as buffered. Fetches
-        counted in Python (`count_taken`) join the counters here, so the
-        graph's own arithmetic (`accumulate`) sees them from now on.
+        per epoch); from now on they no longer count as buffered. With
+        `orphan=False` they stay buffered: the stage runs its epochs on one
+        iterator, so what it holds is this epoch's. Fetches counted in
+        Python (`count_taken`) join the counters here, so the graph's own
+        arithmetic (`accumulate`) sees them from now on.
         """
         self._fetch_start.assign(-time.time())  # negated: see `record_fetch`
         with self._lock:  # `snapshot` reads both sides at once
             taken, self._taken = self._taken, 0
             counters = self._counters.numpy()
-            consumed = counters[_CONSUMED] + taken
-            left = max(0.0, counters[_PRODUCED] - consumed)
-            self._counters.assign_add(
-                _slots({_CONSUMED: taken, _ORPHANS: left - counters[_ORPHANS]})
-            )
+            update = {_CONSUMED: taken}
+            if orphan:
+                consumed = counters[_CONSUMED] + taken
+                left = max(0.0, counters[_PRODUCED] - consumed)
+                update[_ORPHANS] = left - counters[_ORPHANS]
+            self._counters.assign_add(_slots(update))
 
     def unconsumed(self):
         """Elements counted as finished and not consumed, ever.

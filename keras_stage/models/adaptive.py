@@ -18,7 +18,11 @@ from keras_stage.models.call_costs import (
     shared_costs,
     stage_signature,
 )
-from keras_stage.models.inputs import stage_data
+from keras_stage.models.inputs import (
+    default_strategy,
+    epochs_refusal,
+    stage_data,
+)
 from keras_stage.models.model_state import state as model_state
 from keras_stage.planner.state_access import seed_states
 
@@ -123,10 +127,61 @@ def note_work(model, data):
     )
 
 
-def fit_stages(model, layer, x, validation_data, **kwargs):
-    """Whether a fit is staged: its training or its validation can pay."""
+def _iterators(model, layer, phase, batches, epochs, steps, long_lived):
+    """The iterators a fit's phase makes: one if its epochs share one.
+
+    See `inputs.stage_data(epochs=...)`; `batches` is all the epochs'.
+    """
+    if not long_lived or not batches or not epochs:
+        return epochs
+    refusal = epochs_refusal(
+        layer,
+        phase,
+        batches // epochs,
+        steps,
+        epochs,
+        model.steps_per_execution,
+        served=False,  # `may_skip_stage`: no service
+    )
+    if refusal is None and default_strategy(model.distribute_strategy):
+        return 1
+    return epochs
+
+
+def fit_stages(model, layer, x, validation_data, long_lived=True, **kwargs):
+    """Whether a fit is staged: its training or its validation can pay.
+
+    `long_lived`: whether the fit may run its epochs on one iterator.
+    """
     (train, epochs), (val, runs) = fit_batches(x, validation_data, **kwargs)
-    return stages(model, layer, "train", train, iterators=epochs) or (
-        validation_data is not None
-        and stages(model, layer, "test", val, iterators=runs)
+    if stages(
+        model,
+        layer,
+        "train",
+        train,
+        iterators=_iterators(
+            model,
+            layer,
+            "train",
+            train,
+            epochs,
+            kwargs["steps_per_epoch"],
+            long_lived,
+        ),
+    ):
+        return True
+    return validation_data is not None and stages(
+        model,
+        layer,
+        "test",
+        val,
+        iterators=_iterators(
+            model,
+            layer,
+            "test",
+            val,
+            runs,
+            kwargs["validation_steps"],
+            long_lived,
+        ),
     )

@@ -234,7 +234,7 @@ class LongLivedEpochs:
         self.source = source
 
 
-def _default_strategy(strategy):
+def default_strategy(strategy):
     """Whether Keras iterates with the default strategy (no distribution).
 
     Under any other strategy Keras distributes the dataset itself and makes
@@ -246,7 +246,7 @@ def _default_strategy(strategy):
     )
 
 
-def _epochs_refusal(
+def epochs_refusal(
     layer, phase, num_batches, steps, epochs, steps_per_execution, served
 ):
     """Why Keras's reads of the call's epochs cannot share one iterator.
@@ -449,7 +449,7 @@ def stage_data(
     distributed = strategy is not None and strategy.num_replicas_in_sync > 1
     long_lived, refusal = None, None
     if epochs is not None:
-        refusal = _epochs_refusal(
+        refusal = epochs_refusal(
             layer,
             phase,
             num_batches,
@@ -458,12 +458,25 @@ def stage_data(
             int(steps_per_execution),
             served,
         )
-        if refusal is None and not _default_strategy(strategy):
+        if refusal is None and not default_strategy(strategy):
             refusal = "Keras distributes the data with a tf.distribute strategy"
         if refusal is None and split is not None and split.seed_states:
             # The ordinals `split.number` gives would follow the reads
             # ahead, interleaved with the validation stage's.
             refusal = "the staged layers draw random numbers per element"
+        if (
+            refusal is None
+            and split is not None
+            and layer.stage_options.adaptive_pool
+            and not in_memory(x)
+        ):
+            # A resized pool runs only in a new iterator; epochs of arrays
+            # can start one at any epoch, a dataset's cannot (its seeded
+            # draws follow the iterators made before).
+            refusal = (
+                "the stage's adaptive pool is resized between epochs, and a "
+                "dataset's epochs cannot move to a new pool mid-call"
+            )
         if refusal is None:
             arrays = (x, y, sample_weight) if in_memory(x) else None
             long_lived, refusal = _long_lived_epochs(
@@ -509,7 +522,7 @@ def stage_data(
         staged.runner.staged_layers = tuple(split.plan.staged_layers)
     if epochs is not None:
         logger.debug(
-            "Stage '%s': %s",
+            "%s: %s",
             staged.name,
             f"{int(epochs)} epochs on one iterator"
             if long_lived is not None

@@ -34,8 +34,8 @@ passes are independent) before the next begins, so every epoch still
 starts where plain Keras's fresh iterator starts. A source whose passes are
 independent (in-memory arrays) also starts a new iterator, at the epoch
 boundary, when the stage's adaptive pool was resized (the real iterator
-runs on the pool it was made on); other sources keep the pool of their
-first epoch for the call. `StagedData.end_call` drops the real iterator:
+runs on the pool it was made on); other sources with an adaptive pool keep
+an iterator per epoch (`stage_data` refuses them the long-lived mode). `StagedData.end_call` drops the real iterator:
 nothing of it runs after the call, however many of its epochs were read.
 
 The batches a long-lived stage holds when an epoch begins are that

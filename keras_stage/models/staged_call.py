@@ -116,7 +116,9 @@ class StagedCall:
                 state.placements.get(phase),
             )
         self._splits[phase] = data.split
-        self.prefetch.attach(phase, data.staged, data.adapter)
+        self.prefetch.attach(
+            phase, data.staged, data.adapter, long_lived=data.long_lived
+        )
         bind_placement(self.model, phase, data.staged.placement)
         if phase == "predict":
             return

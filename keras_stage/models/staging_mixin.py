@@ -26,7 +26,7 @@ from keras_stage import _compat
 from keras_stage.layers.staged_input import StagedInput
 from keras_stage.models import adaptive
 from keras_stage.models import steps as _steps
-from keras_stage.models.call_costs import array_batches
+from keras_stage.models.call_costs import array_batches, validation_runs
 from keras_stage.models.model_state import state as _state
 from keras_stage.models.staged_call import StagedCall
 from keras_stage.planner.planner import plan_model
@@ -317,11 +317,19 @@ class StagingMixin:
                 )
             )
             validation_split = 0.0
+        # The epochs may run on one iterator each for training and for
+        # validation, except when BackupAndRestore checkpoints the
+        # iterator of the epoch it resumes.
+        long_lived = not any(
+            isinstance(cb, keras.callbacks.BackupAndRestore)
+            for cb in call.callbacks
+        )
         if not adaptive.fit_stages(
             self,
             layer,
             x,
             validation_data,
+            long_lived=long_lived,
             batch_size=batch_size,
             epochs=epochs,
             initial_epoch=initial_epoch,
@@ -332,6 +340,11 @@ class StagingMixin:
         ):
             return call.run_unstaged(unstaged)
         call.split = self._stage_split()
+        val_x = val_y = val_sw = None
+        if validation_data is not None:
+            val_x, val_y, val_sw = keras.utils.unpack_x_y_sample_weight(
+                validation_data
+            )
         with call:
             train = call.stage(
                 "train",
@@ -343,12 +356,13 @@ class StagingMixin:
                 steps=steps_per_epoch,
                 shuffle=shuffle,
                 class_weight=class_weight,
+                epochs=max(epochs - initial_epoch, 0) if long_lived else None,
+                steps_per_execution=self.steps_per_execution,
+                alongside=() if validation_data is None else (val_x,),
             )
             val = None
             if validation_data is not None:
-                val_x, val_y, val_sw = keras.utils.unpack_x_y_sample_weight(
-                    validation_data
-                )
+                runs = validation_runs(initial_epoch, epochs, validation_freq)
                 val = call.stage(
                     "test",
                     "val",
@@ -357,6 +371,9 @@ class StagingMixin:
                     val_sw,
                     batch_size=validation_batch_size or batch_size,
                     steps=validation_steps,
+                    epochs=runs if long_lived else None,
+                    steps_per_execution=self.steps_per_execution,
+                    alongside=(x,),
                 )
             return call.run(
                 super().fit,

@@ -621,10 +621,10 @@ def test_verdict_of_an_epoch_without_batches():
 class _Attached(PrefetchCallback):
     """Keeps the stages it was attached to, to inspect them after fit."""
 
-    def attach(self, phase, staged, adapter=None):
+    def attach(self, phase, staged, adapter=None, **kwargs):
         self.seen = getattr(self, "seen", {})
         self.seen[phase] = staged
-        super().attach(phase, staged, adapter)
+        super().attach(phase, staged, adapter, **kwargs)
 
 
 @pytest.mark.timeout(120)

@@ -50,9 +50,9 @@ class _RecordingPrefetch(PrefetchCallback):
         super().__init__(**kwargs)
         self.phases = []
 
-    def attach(self, phase, staged, adapter=None):
+    def attach(self, phase, staged, adapter=None, **kwargs):
         self.phases.append(phase)
-        super().attach(phase, staged, adapter)
+        super().attach(phase, staged, adapter, **kwargs)
 
 
 def _dense(model_class, dropout=True):

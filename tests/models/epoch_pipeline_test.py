@@ -24,7 +24,7 @@ import tensorflow as tf
 import keras_stage
 from keras_stage import _compat
 from keras_stage.models import epoch_sources
-from keras_stage.models.inputs import stage_data
+from keras_stage.models.inputs import StagedData, stage_data
 from keras_stage.models.iterators import (
     DeferredPipeline,
     EpochPipeline,
@@ -591,7 +591,11 @@ def _staged_fit_model(staged, steps_per_execution):
     inputs = keras.Input(shape=(4,))
     x = inputs
     if staged:
-        x = keras_stage.layers.StagedInput(adaptive=False)(inputs)
+        # A fixed pool: an adaptive one resized between epochs starts a new
+        # iterator of arrays (see the pool test above).
+        x = keras_stage.layers.StagedInput(adaptive=False, num_threads=2)(
+            inputs
+        )
     x = keras.layers.Normalization(mean=0.5, variance=0.1)(x)  # staged
     x = keras.layers.Dense(8, activation="relu")(x)
     outputs = keras.layers.Dense(1)(x)
@@ -619,21 +623,24 @@ def _staged_fit_model(staged, steps_per_execution):
 def test_a_fit_on_long_lived_stages_trains_as_plain_keras(
     source, shuffle, steps_per_execution, monkeypatch
 ):
-    # Until fit passes `epochs` itself: its training and validation stages
-    # get the fit's epochs (4, validating every epoch).
+    # fit gives its training and validation stages the fit's epochs (4,
+    # validating every epoch); each makes one real iterator for all four.
     from keras_stage.models import adaptive
 
-    built = []
+    built, made = [], []
 
-    def stage_data_for_epochs(layer, phase, *args, **kwargs):
-        if phase in ("train", "val"):
-            kwargs.setdefault("epochs", 4)
-            kwargs.setdefault("steps_per_execution", steps_per_execution)
+    def recording_stage_data(layer, phase, *args, **kwargs):
+        assert kwargs["epochs"] == 4, kwargs
+        assert kwargs["steps_per_execution"] == steps_per_execution
         data = stage_data(layer, phase, *args, **kwargs)
         built.append(data)
         return data
 
-    monkeypatch.setattr(adaptive, "stage_data", stage_data_for_epochs)
+    def counting_made(self, seconds):
+        made.append(self.staged.name)
+
+    monkeypatch.setattr(adaptive, "stage_data", recording_stage_data)
+    monkeypatch.setattr(StagedData, "_made", counting_made)
     rng = np.random.default_rng(0)
     x = rng.random((96, 4)).astype("float32")
     y = x.sum(axis=1, keepdims=True)
@@ -665,6 +672,10 @@ def test_a_fit_on_long_lived_stages_trains_as_plain_keras(
     staged_model = _staged_fit_model(True, steps_per_execution)
     staged = fit(staged_model)
     assert [data.long_lived for data in built] == [True, True]
+    assert sorted(made) == sorted(data.staged.name for data in built)
+    # What the stage holds when an epoch begins is that epoch's: the
+    # buffer is not read as emptied at every epoch.
+    assert max(staged.history["stage_buffer_fill"][1:]) > 0
     for a, b in zip(
         plain_model.get_weights(), staged_model.get_weights(), strict=True
     ):

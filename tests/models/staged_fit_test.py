@@ -395,9 +395,9 @@ class _RecordingPrefetch(PrefetchCallback):
         super().__init__()
         self.phases = []
 
-    def attach(self, phase, staged, adapter=None):
+    def attach(self, phase, staged, adapter=None, **kwargs):
         self.phases.append(phase)
-        super().attach(phase, staged, adapter)
+        super().attach(phase, staged, adapter, **kwargs)
 
 
 # (twins fixture, evaluate arguments, predict arguments)
@@ -488,8 +488,9 @@ def test_steps_whose_batches_are_buffered_skip_the_helper_thread(
 ):
     # The timeout's helper thread costs two thread wake-ups per step; a
     # step whose batches are buffered cannot wait, so it runs in the
-    # caller's thread. Only each epoch's first call (its iterator's
-    # start) must take the helper, and training is unchanged.
+    # caller's thread. Only the first call of an iterator (its start) must
+    # take the helper: the fit's epochs run on one iterator (long-lived),
+    # and training is unchanged.
     handed_off = []
     original = StageRunner._call_with_timeout
 
@@ -516,7 +517,7 @@ def test_steps_whose_batches_are_buffered_skip_the_helper_thread(
             model.make_train_function(force=True)
     _assert_same_training(plain, staged, plain_history, staged_history)
     calls = EPOCHS * NUM_SAMPLES // 2 // steps_per_execution
-    assert EPOCHS <= len(handed_off) <= calls // 3, (len(handed_off), calls)
+    assert 1 <= len(handed_off) <= calls // 3, (len(handed_off), calls)
 
 
 class _LogKeys(keras.callbacks.Callback):
