@@ -35,8 +35,9 @@ starts where plain Keras's fresh iterator starts. A source whose passes are
 independent (in-memory arrays) also starts a new iterator, at the epoch
 boundary, when the stage's adaptive pool was resized (the real iterator
 runs on the pool it was made on); other sources with an adaptive pool keep
-an iterator per epoch (`stage_data` refuses them the long-lived mode). `StagedData.end_call` drops the real iterator:
-nothing of it runs after the call, however many of its epochs were read.
+an iterator per epoch (`stage_data` refuses them the long-lived mode).
+`StagedData.end_call` drops the real iterator: nothing of it runs after
+the call, however many of its epochs were read.
 
 The batches a long-lived stage holds when an epoch begins are that
 epoch's, not left behind by a dropped iterator: a consumer that marks each
