@@ -39,9 +39,7 @@ True
 import contextlib
 import weakref
 
-import tensorflow as tf
-
-from keras_stage import _compat
+from keras_stage.data.eager_iterated import EagerIterated
 
 
 class StagePool:
@@ -198,7 +196,7 @@ class StagePool:
         )
 
 
-class _Resized(tf.data.Dataset):
+class _Resized(EagerIterated):
     """A stage pipeline whose eager iterators run on the pool's current size.
 
     A dataset of its own (not a wrapper op): a one-element `flat_map` that
@@ -207,22 +205,12 @@ class _Resized(tf.data.Dataset):
     """
 
     def __init__(self, base, pipeline, which, pool):
-        self._base = base
         self._pipeline = pipeline
         self._which = which
         self._pool = pool
-        super().__init__(_compat.dataset_variant(base))
+        super().__init__(base)
 
-    def _inputs(self):
-        return [self._base]
-
-    @property
-    def element_spec(self):
-        return self._base.element_spec
-
-    def __iter__(self):
-        if not tf.executing_eagerly():
-            return super().__iter__()
+    def eager_iter(self):
         size = self._pool.size
         iterator = iter(self._pipeline(size, self._which))
         self._pool._made(iterator, size)

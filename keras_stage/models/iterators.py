@@ -51,7 +51,7 @@ import time
 
 import tensorflow as tf
 
-from keras_stage import _compat
+from keras_stage.data.eager_iterated import EagerIterated
 
 
 class DeferredIterator:
@@ -84,7 +84,7 @@ class DeferredIterator:
         return self._pipeline.element_spec
 
 
-class DeferredPipeline(tf.data.Dataset):
+class DeferredPipeline(EagerIterated):
     """`pipeline` as a dataset whose eager iterators are `DeferredIterator`s.
 
     Used as a dataset otherwise (inside a `tf.function`, transformed) it is
@@ -94,22 +94,12 @@ class DeferredPipeline(tf.data.Dataset):
     """
 
     def __init__(self, pipeline, made, defer=True):
-        self._pipeline = pipeline
         self._made = made
         self._defer = defer
-        super().__init__(_compat.dataset_variant(pipeline))
+        super().__init__(pipeline)
 
-    def _inputs(self):
-        return [self._pipeline]
-
-    @property
-    def element_spec(self):
-        return self._pipeline.element_spec
-
-    def __iter__(self):
-        if not tf.executing_eagerly():
-            return iter(self._pipeline)
-        iterator = DeferredIterator(self._pipeline, self._made)
+    def eager_iter(self):
+        iterator = DeferredIterator(self._base, self._made)
         return iterator if self._defer else iterator.resolve()
 
 
@@ -262,7 +252,7 @@ class EpochView:
         return self._element_spec
 
 
-class EpochPipeline(tf.data.Dataset):
+class EpochPipeline(EagerIterated):
     """One epoch of a long-lived pipeline, as Keras sees it.
 
     Its cardinality is one epoch's batches (Keras's count of an epoch); its
@@ -273,19 +263,11 @@ class EpochPipeline(tf.data.Dataset):
 
     def __init__(self, shared, pipeline):
         self._shared = shared
-        self._epoch = pipeline.take(shared.batches).apply(
-            tf.data.experimental.assert_cardinality(shared.batches)
+        super().__init__(
+            pipeline.take(shared.batches).apply(
+                tf.data.experimental.assert_cardinality(shared.batches)
+            )
         )
-        super().__init__(_compat.dataset_variant(self._epoch))
 
-    def _inputs(self):
-        return [self._epoch]
-
-    @property
-    def element_spec(self):
-        return self._epoch.element_spec
-
-    def __iter__(self):
-        if not tf.executing_eagerly():
-            return iter(self._epoch)
-        return EpochView(self._shared, self._epoch.element_spec)
+    def eager_iter(self):
+        return EpochView(self._shared, self._base.element_spec)

@@ -1,0 +1,39 @@
+"""`EagerIterated`: a dataset whose eager iterators are made its own way.
+
+The stage's pool hands out iterators on its current size, and a staged
+model hands Keras iterators made when first read or read across epochs:
+each is a `tf.data.Dataset` that is another dataset in a graph and makes
+its own iterators in Python. This is their shared shape.
+"""
+
+import tensorflow as tf
+
+from keras_stage import _compat
+
+
+class EagerIterated(tf.data.Dataset):
+    """`base` as a dataset whose eager iterators `eager_iter` makes.
+
+    Used as a dataset otherwise (inside a `tf.function`, transformed) it is
+    `base` itself. Subclasses define `eager_iter()`.
+    """
+
+    def __init__(self, base):
+        self._base = base
+        super().__init__(_compat.dataset_variant(base))
+
+    def _inputs(self):
+        return [self._base]
+
+    @property
+    def element_spec(self):
+        return self._base.element_spec
+
+    def __iter__(self):
+        if not tf.executing_eagerly():
+            return iter(self._base)
+        return self.eager_iter()
+
+    def eager_iter(self):
+        """The iterator an eager `iter()` of this dataset returns."""
+        raise NotImplementedError
