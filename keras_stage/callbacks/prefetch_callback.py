@@ -55,10 +55,12 @@ def _snapshot(staged):
 class _Binding:
     """One stage feeding one phase (train, test or predict) of a run."""
 
-    def __init__(self, phase, staged, adapter, long_lived=False):
+    def __init__(self, phase, staged, adapter, long_lived=False, switch=None):
         self.phase = phase
         self.staged = staged
         self.adapter = adapter
+        # The `EpochSwitch` that may run epochs without the stage, or None.
+        self.switch = switch
         # Whether the stage runs the call's epochs on one iterator: what
         # it holds when a later epoch begins is that epoch's.
         self.long_lived = long_lived
@@ -74,8 +76,15 @@ class _Binding:
             if self.staged.runner.records_in_step:
                 # The compiled step marks each next fetch at its end; the
                 # epoch's first fetch begins now.
+                # A long-lived stage holds the epoch's batches, unless the
+                # last epoch ran without it (its iterator was dropped).
+                after_unstaged = (
+                    self.switch is not None
+                    and self.switch.last_mode == "unstaged"
+                )
                 self.staged.stats.mark_request(
                     orphan=not (self.long_lived and self.epochs_begun)
+                    or after_unstaged
                 )
             self.epochs_begun += 1
             self.skipped_before = self.staged.stats.snapshot()["skipped"]
@@ -109,6 +118,10 @@ class PrefetchCallback(keras.callbacks.Callback):
       step asked for a batch (0..1). Near 1: batches were waiting.
     - `stage_skipped`: batches skipped this epoch by
       `ignored_exception_types`.
+    - `stage_unstaged`: in a fit whose epochs may run without the stage
+      where it does not pay (see `keras_stage.models.epoch_switch`), 1
+      for an epoch that ran the whole model in Keras's step (its other
+      `stage_*` figures are then 0: nothing was staged), else 0.
 
     With `verbose=1` it prints a one-line verdict per epoch: input-bound or
     compute-bound, and what to change, by DeepRec's rules of thumb
@@ -150,7 +163,8 @@ class PrefetchCallback(keras.callbacks.Callback):
             `suggested_capacity`, `thread_pool_size` and
             `next_thread_pool_size` (the threads of the pool the epoch ran
             on and of the next epoch's, for a stage whose pool is resized;
-            else None), `message` and `epoch`; `None` until the first
+            else None), `staged` (False for an epoch run without the
+            stage), `message` and `epoch`; `None` until the first
             epoch of a `fit` ends. Figures that need a timing the epoch
             could not take (under op determinism) are None, and so are
             `input_bound` and the suggestions built on them.
@@ -197,13 +211,19 @@ class PrefetchCallback(keras.callbacks.Callback):
 
     # -- wiring, called by the staged model ---------------------------------
 
-    def attach(self, phase, staged, adapter=None, long_lived=False):
+    def attach(
+        self, phase, staged, adapter=None, long_lived=False, switch=None
+    ):
         """Registers the stage feeding `phase` ("train", "test", "predict").
 
         `long_lived`: whether the stage runs the call's epochs on one
-        iterator. Called by `keras_stage.Model`; users do not need it.
+        iterator. `switch`: the fit's `EpochSwitch`, if its epochs may run
+        without the stage. Called by `keras_stage.Model`; users do not
+        need it.
         """
-        self._bindings[phase] = _Binding(phase, staged, adapter, long_lived)
+        self._bindings[phase] = _Binding(
+            phase, staged, adapter, long_lived, switch
+        )
 
     def close(self, timeout=5.0):
         """Ends the sources' epochs and stops every stage thread.
@@ -304,6 +324,21 @@ class PrefetchCallback(keras.callbacks.Callback):
         self._epoch_start = None
         self._after_first_step = None
         self._tracing_epoch = False
+        switch = binding.switch
+        if switch is not None:
+            unstaged = switch.last_mode == "unstaged"
+            if logs is not None:
+                logs["stage_unstaged"] = float(unstaged)
+            if unstaged:
+                if logs is not None:
+                    # Nothing staged: nothing waited for, held or skipped
+                    # (logged all the same, so every epoch has the keys).
+                    if stats["wait_ratio"] is not None:
+                        logs["stage_wait_ratio"] = 0.0
+                    logs["stage_buffer_fill"] = 0.0
+                    logs["stage_skipped"] = 0
+                self._end_unstaged_epoch(epoch, stats, binding, switch)
+                return
         if logs is not None:
             # A wait not measured is left out, not logged as 0 or NaN (which
             # a progress bar shows like a diverged loss).
@@ -320,12 +355,52 @@ class PrefetchCallback(keras.callbacks.Callback):
         self.verdict["next_thread_pool_size"] = None
         if pool is not None and self.verdict["input_bound"] is not None:
             self._adapt_pool(pool, self.verdict)
+        self.verdict["staged"] = True
+        self._add_switch_report(switch)
         self._write_summaries(epoch, stats, self.verdict)
         if self.verbose:
             print(self.verdict["message"])
         else:
             logger.debug(self.verdict["message"])
         self._report_skips(binding, now, stats["skipped"])
+
+    def _end_unstaged_epoch(self, epoch, stats, binding, switch):
+        """The verdict of an epoch that ran the whole model in the step.
+
+        The stage did nothing: no stage figures are logged (absent, not 0),
+        and its pool is not resized.
+        """
+        pool = binding.staged.thread_pool
+        message = (
+            f"Stage '{binding.staged.name}': this epoch ran the whole model "
+            "in Keras's step, without the stage"
+            + (
+                " (a trial: the stage's step did not wait for input)."
+                if switch.decision is None or switch.report_pending
+                else ", as measured to be faster."
+            )
+        )
+        self.verdict = {
+            **{key: None for key in _VERDICT_FIGURES},
+            "thread_pool_size": None if pool is None else pool.size,
+            "cpu_load": stats.get("cpu_load"),
+            "cores_busy": None,
+            "message": message,
+            "epoch": epoch,
+            "next_thread_pool_size": None,
+            "staged": False,
+        }
+        self._add_switch_report(switch)
+        if self.verbose:
+            print(self.verdict["message"])
+        else:
+            logger.debug(self.verdict["message"])
+
+    def _add_switch_report(self, switch):
+        """Adds the switch's decision to the verdict, the epoch it is made."""
+        report = None if switch is None else switch.report()
+        if report is not None:
+            self.verdict["message"] += " " + report
 
     def _adapt_pool(self, pool, verdict):
         """Resizes the stage's pool for the next epoch from `verdict`."""
@@ -390,6 +465,21 @@ class PrefetchCallback(keras.callbacks.Callback):
             binding.phase,
             first,
         )
+
+
+# The figures of a verdict that an epoch run without its stage has none of.
+_VERDICT_FIGURES = (
+    "input_bound",
+    "source_bound",
+    "wait_ratio",
+    "buffer_fill",
+    "source_seconds_per_batch",
+    "delivery_seconds_per_batch",
+    "prepare_seconds_per_batch",
+    "train_seconds_per_batch",
+    "suggested_num_threads",
+    "suggested_capacity",
+)
 
 
 def _measured(seconds):

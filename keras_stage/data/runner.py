@@ -619,6 +619,12 @@ class StageRunner:
         if self._gate is not None:
             self._gate.assign(False)
 
+    def open_gate(self):
+        """Lets the pipeline finish elements again (a stage built once and
+        run by several calls, see `keras_stage.models.inputs`)."""
+        if self._gate is not None:
+            self._gate.assign(True)
+
     def close(self, timeout=5.0):
         """Stops the helper thread; returns True if no thread is left."""
         deadline = time.monotonic() + timeout

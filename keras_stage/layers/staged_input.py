@@ -137,10 +137,15 @@ class StagedInput(keras.layers.Layer):
             set-up (one batch, or less staged work in all than the set-up
             measured on the model's earlier staged calls) runs the whole
             model in Keras's own step instead, with the same results.
-            `False` stages every call. Calls with exception policies
+            Within a SmartStage fit, an epoch whose step did not wait for
+            input is followed by one run with the whole model in the step,
+            and the faster of the two runs the remaining epochs (see
+            `keras_stage.models.epoch_switch`). `False` stages every call
+            and every epoch. Calls with exception policies
             (`ignored_exception_types`, other `closed_exception_types`) or
-            a `service`, and calls on datasets, generators or PyDatasets
-            are always staged. Defaults to `True`.
+            a `service` are always staged, and so are calls on datasets,
+            generators or PyDatasets (their epochs may be switched).
+            Defaults to `True`.
         **kwargs: Base layer arguments (`name`, ...).
 
     Example:

@@ -33,6 +33,9 @@ next pass of a running one. Measured on Keras 3.15 / TF 2.21
   cannot follow; sources holding them are not run long-lived either.
 """
 
+import re
+import weakref
+
 import tensorflow as tf
 
 from keras_stage import _compat
@@ -70,6 +73,10 @@ _STATE_PREFIXES = (
 )
 # Datasets that hide what they are built on.
 _OPAQUE_DATASETS = frozenset({"_VariantDataset"})
+# Datasets that draw seeds from a seed generator for each iterator
+# (`shuffle`, `shuffle_and_repeat`, `Dataset.random`; `sample_from_datasets`
+# is built on the latter).
+_DRAWING_DATASETS = re.compile("Shuffle|Random")
 
 
 class SourceFacts:
@@ -80,13 +87,22 @@ class SourceFacts:
             (itself included): two sources sharing one share its state.
         kernel_seeded: Whether it holds a stateful random op with a fixed
             seed (it draws the same in every fresh iterator).
+        iterator_draws: Whether making an iterator of it may change what
+            the next iterator reads: it holds a dataset that draws from a
+            resource when an iterator starts (a `shuffle` or `random`
+            dataset's seed generator), or it cannot be told (`refusal`).
         refusal: Why it cannot run long-lived at all, or None.
     """
 
     def __init__(self):
         self.objects = set()
         self.kernel_seeded = False
+        self.resource_seeded = False
         self.refusal = None
+
+    @property
+    def iterator_draws(self):
+        return self.resource_seeded or self.refusal is not None
 
     def refuse(self, reason):
         if self.refusal is None:
@@ -94,7 +110,24 @@ class SourceFacts:
 
 
 def inspect_source(dataset):
-    """The `SourceFacts` of `dataset`: its datasets and their functions."""
+    """The `SourceFacts` of `dataset`: its datasets and their functions.
+
+    Kept per dataset object (datasets do not change): a user's dataset
+    passed to every call is read once.
+    """
+    try:
+        facts = _inspected.get(dataset)
+    except TypeError:  # not weakly referable
+        return _inspect(dataset)
+    if facts is None:
+        facts = _inspected[dataset] = _inspect(dataset)
+    return facts
+
+
+_inspected = weakref.WeakKeyDictionary()
+
+
+def _inspect(dataset):
     facts = SourceFacts()
     stack = [dataset]
     while stack:
@@ -102,6 +135,8 @@ def inspect_source(dataset):
         if id(current) in facts.objects:
             continue
         facts.objects.add(id(current))
+        if _DRAWING_DATASETS.search(type(current).__name__):
+            facts.resource_seeded = True
         if type(current).__name__ in _OPAQUE_DATASETS:
             facts.refuse("it is built on a dataset whose content is hidden")
             continue

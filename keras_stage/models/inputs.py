@@ -121,16 +121,25 @@ class StagedData:
         self.element_spec = element_spec
         staged.runner.records_in_step = in_step
         # Whether Keras gets iterators made when first read (see
-        # `DeferredPipeline`): only over Keras's own dataset of in-memory
+        # `DeferredPipeline`): over Keras's own dataset of in-memory
         # arrays, built for this call and drawing its shuffle per
-        # iterator. Making an iterator of a user's dataset can change what
-        # the next one draws (a seeded `shuffle` shares its seed generator
-        # between iterators), so those are made when Keras makes them.
+        # iterator, and over a user's dataset that draws nothing when an
+        # iterator starts (`SourceFacts.iterator_draws`). Making an
+        # iterator of any other dataset can change what the next one draws
+        # (a seeded `shuffle` shares its seed generator between
+        # iterators), so those are made when Keras makes them.
         self.defers = defers
         # How the stage runs the call's epochs on one iterator
         # (`LongLivedEpochs`), or None: an iterator per epoch.
         self._long_lived = epochs
         self._shared = None  # its `LongLivedIterator`, made with `pipeline`
+        # The model's kept stage this runs (see `stage_data(kept=...)`).
+        self.kept = None
+        # The dataset the stage stages, as Keras would iterate it (set by
+        # `stage_data`), and the `EpochSwitch` that may run epochs of it
+        # without the stage (set by the caller before `pipeline`), or None.
+        self.source = None
+        self.switch = None
         # Why `stage_data(epochs=...)` kept an iterator per epoch, or None.
         self.long_lived_refusal = None
         # Told the seconds each iterator of `pipeline` took to make.
@@ -170,6 +179,17 @@ class StagedData:
         if self.on_iterator is not None:
             self.on_iterator(seconds)
 
+    def _raw(self):
+        """One epoch of the source, for epochs run without the stage."""
+        return DeferredPipeline(
+            self.source, lambda seconds: None, defer=self.defers
+        )
+
+    @property
+    def epochs_restartable(self):
+        """Whether any epoch can start on a new iterator (see `start`)."""
+        return self._long_lived is None or self._long_lived.start is not None
+
     def end_call(self):
         """Drops what iterators of a stage built for the ended call still make.
 
@@ -179,6 +199,8 @@ class StagedData:
         """
         if self.owned:
             self.staged.runner.close_gate()
+        if self.kept is not None:
+            self.kept.in_use = False
         if self._shared is not None:
             # Its epochs not read yet run no further.
             self._shared.close()
@@ -206,11 +228,51 @@ class StagedData:
                     pool=self.staged.thread_pool,
                     name=self.staged.name,
                 )
-            return EpochPipeline(self._shared, pipeline)
+            epochs = EpochPipeline(self._shared, pipeline)
+            if self.switch is None:
+                return epochs
+            return self.switch.pipeline(
+                epochs, self._raw(), on_unstaged=self._shared.skip_epoch
+            )
         if self.strategy is None:
-            return DeferredPipeline(pipeline, self._made, defer=self.defers)
+            staged = DeferredPipeline(pipeline, self._made, defer=self.defers)
+            if self.switch is None:
+                return staged
+            return self.switch.pipeline(staged, self._raw())
         return distribute_inputs(
             self.strategy, pipeline, self.staged.stage_options
+        )
+
+
+class _KeptStage:
+    """A stage a model keeps for its later calls on the same dataset.
+
+    See `stage_data(kept=...)`. What the stage depends on is held (not
+    only its id, which a new object could take): the layer, the dataset,
+    the staged function (a new one after a staged layer is re-adapted)
+    and the stats. `in_use` while a call runs it: a call nested in it (an
+    evaluate from a fit's callback, on the fit's validation data) builds
+    its own.
+    """
+
+    def __init__(self, layer, phase, source, batches, fn, stats, long_lived):
+        self.objects = (layer, source, fn, stats)
+        self.values = (
+            phase,
+            batches,
+            repr(sorted(layer.stage_options.get_config().items())),
+            None
+            if long_lived is None
+            else (long_lived.epochs, long_lived.steps_per_execution),
+        )
+        # The `LongLivedEpochs` whose source the stage runs, or None.
+        self.long_lived = long_lived
+        self.staged = None
+        self.in_use = False
+
+    def same(self, other):
+        return self.values == other.values and all(
+            a is b for a, b in zip(self.objects, other.objects, strict=True)
         )
 
 
@@ -362,6 +424,7 @@ def stage_data(
     epochs=None,
     steps_per_execution=1,
     alongside=(),
+    kept=None,
 ):
     """Stages the data of one phase ("train", "val", "test", "predict").
 
@@ -384,6 +447,15 @@ def stage_data(
     data for its training, its training data for its validation): a
     `tf.data.Dataset` sharing a dataset with this one keeps an iterator
     per epoch (their draws interleave as plain Keras's do).
+
+    `kept`: the model's stages kept between calls, by role (a dict this
+    updates), or None. A stage over a user's `tf.data.Dataset` is built
+    once and run again by later calls on the same dataset object with the
+    same options, staged computation, batch count, stats and epochs on one
+    iterator (a new pipeline of the same dataset would only trace the same
+    functions again); each role keeps its latest. Not on the tf.data
+    service, a strategy's replicas, with class weights (Keras maps the
+    dataset anew) or random staged layers (numbered per call).
     """
     if isinstance(x, StagedDataset):
         # Already staged by the user with keras_stage.data.stage.
@@ -447,6 +519,7 @@ def stage_data(
         # Before `split.number`, whose ordinals a peek would consume.
         overrides["rebatch"] = _batch_size(adapter, dataset)
     distributed = strategy is not None and strategy.num_replicas_in_sync > 1
+    source = dataset  # one epoch of what the stage stages
     long_lived, refusal = None, None
     if epochs is not None:
         refusal = epochs_refusal(
@@ -508,16 +581,43 @@ def stage_data(
         ):
             # Each batch once, in full batches again: the count is known.
             overrides["cardinality"] = num_batches
-    staged = layer.stage(
-        dataset,
-        fn=fn,
-        name=f"{layer.stage_options.name}_{phase}",
-        stats=stats,
-        consumer_records=stats is not None,
-        distributed=distributed,
-        unpacks=True,
-        **overrides,
-    )
+    entry = None
+    if (
+        kept is not None
+        and isinstance(x, tf.data.Dataset)
+        and not served
+        and not distributed
+        and class_weight is None
+        and (split is None or not split.seed_states)
+    ):
+        entry = _KeptStage(layer, phase, x, num_batches, fn, stats, long_lived)
+        earlier = kept.get(phase)
+        if earlier is not None and earlier.in_use:
+            entry = None  # a call nested in the one running it: its own
+        elif (
+            earlier is not None
+            and earlier.same(entry)
+            and not earlier.staged.stats.closed  # by a timeout: it ended
+        ):
+            entry = earlier
+    if entry is not None and entry.staged is not None:
+        staged = entry.staged
+        staged.runner.open_gate()
+        long_lived = entry.long_lived  # what `staged` was built on
+    else:
+        staged = layer.stage(
+            dataset,
+            fn=fn,
+            name=f"{layer.stage_options.name}_{phase}",
+            stats=stats,
+            consumer_records=stats is not None,
+            distributed=distributed,
+            unpacks=True,
+            **overrides,
+        )
+        if entry is not None:
+            entry.staged = staged
+            kept[phase] = entry
     if split is not None:
         staged.runner.staged_layers = tuple(split.plan.staged_layers)
     if epochs is not None:
@@ -528,6 +628,8 @@ def stage_data(
             if long_lived is not None
             else f"an iterator per epoch: {refusal}",
         )
+    if entry is not None:
+        entry.in_use = True
     data = StagedData(
         staged,
         adapter,
@@ -535,8 +637,14 @@ def stage_data(
         element_spec,
         in_step=stats is not None,
         strategy=strategy if distributed else None,
-        defers=in_memory(x),
+        defers=in_memory(x)
+        or (
+            isinstance(x, tf.data.Dataset)
+            and not epoch_sources.inspect_source(source).iterator_draws
+        ),
         epochs=long_lived,
     )
     data.long_lived_refusal = refusal
+    data.kept = entry
+    data.source = source
     return data

@@ -111,7 +111,9 @@ def resolve(iterator):
     """
     if isinstance(iterator, (DeferredIterator, EpochView)):
         return iterator.resolve()
-    return iterator
+    # An epoch of an `EpochSwitch` (models/epoch_switch.py).
+    resolver = getattr(iterator, "resolve", None)
+    return iterator if resolver is None else resolver()
 
 
 class LongLivedIterator:
@@ -205,6 +207,28 @@ class LongLivedIterator:
             self._iterator = None
         if self._iterator is None:
             self._make()
+
+    def skip_epoch(self):
+        """Keras reads the next epoch elsewhere (without the stage).
+
+        Only for a source whose epochs can start on a new iterator
+        (`start`): the real iterator is dropped (nothing of it runs on),
+        and the epoch after starts a new one past the skipped epoch.
+        """
+        if self._start is None:
+            raise RuntimeError(
+                f"Stage '{self._name}': an epoch of a long-lived source that "
+                "cannot start at any epoch cannot be skipped."
+            )
+        self.read_batches += -self.read_batches % self.batches  # its end
+        if self.epoch >= self.epochs:
+            raise RuntimeError(
+                f"Stage '{self._name}' was built for {self.epochs} epochs "
+                "on one iterator, and Keras began one more."
+            )
+        self.read_batches += self.batches
+        self._iterator = None
+        self._view = None
 
     def _make(self):
         self._iterator = None  # the one it replaces goes first

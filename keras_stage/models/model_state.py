@@ -15,6 +15,15 @@ FUNCTIONS = {
     "test": "test_function",
     "predict": "predict_function",
 }
+# What makes each of them.
+MAKERS = {
+    "train": "make_train_function",
+    "test": "make_test_function",
+    "predict": "make_predict_function",
+}
+# The key of the whole model's compiled steps in `staged_functions` (calls
+# that skip their stage, epochs run without it).
+UNSTAGED_STEPS = "unstaged"
 
 
 class StagingState:
@@ -50,6 +59,12 @@ class StagingState:
         # `DataBackup`).
         self.iterators = {}
         self.pending_restores = {}
+        # Per phase: the stage its last call built over a user's dataset
+        # and what it was built for (see `inputs.stage_data(kept=...)`).
+        self.stages = {}
+        # Per phase: what a fit's trial of its epochs without the stage
+        # found, when the stage paid (see `epoch_switch`).
+        self.switch_verdicts = {}
         # Set, in the thread tracing a step, to the trunk the model's call
         # runs instead of the whole model.
         self.local = threading.local()

@@ -35,12 +35,14 @@ from keras_stage import _compat
 from keras_stage.callbacks.data_backup import DataBackup
 from keras_stage.callbacks.prefetch_callback import PrefetchCallback
 from keras_stage.models import adaptive, steps
-from keras_stage.models.model_state import FUNCTIONS, drop_traced_steps
+from keras_stage.models.epoch_switch import epoch_switch
+from keras_stage.models.model_state import (
+    FUNCTIONS,
+    UNSTAGED_STEPS,
+    drop_traced_steps,
+)
 from keras_stage.models.model_state import state as model_state
 from keras_stage.planner.state_access import all_layers
-
-# The key of the compiled steps of calls that skip their stage.
-_UNSTAGED = "unstaged"
 
 
 class StagedCall:
@@ -77,13 +79,24 @@ class StagedCall:
 
     # -- stages -----------------------------------------------------------
 
-    def stage(self, phase, role, x, y=None, sample_weight=None, **kwargs):
+    def stage(
+        self,
+        phase,
+        role,
+        x,
+        y=None,
+        sample_weight=None,
+        switch_epochs=None,
+        **kwargs,
+    ):
         """Stages `x` (and its labels and weights) for `phase`'s step.
 
         `role` names the stage ("train", "val", "test", "predict");
         `kwargs` go to `keras_stage.models.inputs.stage_data` (batch size,
-        steps, shuffle, class_weight). Returns the `StagedData`, bound to
-        the step: its pipeline is what Keras must iterate.
+        steps, shuffle, class_weight). With `switch_epochs` (a fit's
+        training: its epochs), the epochs may run without the stage where
+        it does not pay (`epoch_switch`). Returns the `StagedData`, bound
+        to the step: its pipeline is what Keras must iterate.
         """
         model = self.model
         stepped = phase != "predict"  # predict reads its batches in Python
@@ -100,8 +113,13 @@ class StagedCall:
                 steps.step_stats(model, self.layer, phase) if stepped else None
             ),
             strategy=model.distribute_strategy if stepped else None,
+            kept=self._state.stages,
             **kwargs,
         )
+        if switch_epochs is not None:
+            data.switch = epoch_switch(
+                model, self.layer, data, switch_epochs, self.callbacks
+            )
         self.built.append(data)
         self._bind(phase, data)
         return data
@@ -117,7 +135,11 @@ class StagedCall:
             )
         self._splits[phase] = data.split
         self.prefetch.attach(
-            phase, data.staged, data.adapter, long_lived=data.long_lived
+            phase,
+            data.staged,
+            data.adapter,
+            long_lived=data.long_lived,
+            switch=data.switch,
         )
         bind_placement(self.model, phase, data.staged.placement)
         if phase == "predict":
@@ -277,14 +299,16 @@ def _unstaged_steps(model, phases):
             state.runners.pop(phase, None),
             state.recording.pop(phase, None),
         )
-        setattr(model, attr, state.staged_functions.get((phase, _UNSTAGED)))
+        setattr(
+            model, attr, state.staged_functions.get((phase, UNSTAGED_STEPS))
+        )
         state.active[phase] = None
     try:
         yield
     finally:
         for phase in phases:
             attr = FUNCTIONS[phase]
-            state.staged_functions[(phase, _UNSTAGED)] = getattr(
+            state.staged_functions[(phase, UNSTAGED_STEPS)] = getattr(
                 model, attr, None
             )
             function, active, runner, recording = saved[phase]

@@ -110,6 +110,8 @@ class StagingMixin:
         state.smart_stage = smart_stage
         state.plan = state.split = None
         state.staged_functions.clear()
+        state.stages.clear()
+        state.switch_verdicts.clear()
         state.announced = False
         state.costs = None
 
@@ -359,6 +361,7 @@ class StagingMixin:
                 epochs=max(epochs - initial_epoch, 0) if long_lived else None,
                 steps_per_execution=self.steps_per_execution,
                 alongside=() if validation_data is None else (val_x,),
+                switch_epochs=max(epochs - initial_epoch, 0),
             )
             val = None
             if validation_data is not None:

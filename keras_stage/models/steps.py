@@ -19,6 +19,7 @@ model API stay as they are.
 """
 
 import contextlib
+import time
 import weakref
 
 import keras
@@ -28,15 +29,36 @@ from keras_stage.data.errors import StageTimeoutError
 from keras_stage.data.runner import EndOfData, SkipElement
 from keras_stage.data.stats import StageStats
 from keras_stage.models.iterators import resolve
-from keras_stage.models.model_state import FUNCTIONS, drop_traced_steps
+from keras_stage.models.model_state import (
+    FUNCTIONS,
+    MAKERS,
+    UNSTAGED_STEPS,
+    drop_traced_steps,
+)
 from keras_stage.models.model_state import state as _state
 
 
 def guard(model, phase, function):
-    """Wraps a compiled Keras step with the stage runner of `phase`."""
+    """Wraps a compiled Keras step with the stage runner of `phase`.
+
+    An epoch of an `EpochSwitch` (models/epoch_switch.py) is timed step by
+    step, and an unstaged one runs the whole model's step instead.
+    """
     unrecorded = UnrecordedStep(model, phase)
 
     def guarded(iterator):
+        if getattr(iterator, "unstaged", None) is None:
+            return staged(iterator)
+        real = iterator.resolve()
+        started = time.perf_counter()
+        if iterator.unstaged:
+            outputs = run_whole_model(model, phase, real)
+        else:
+            outputs = staged(real)
+        iterator.clock.add(time.perf_counter() - started)
+        return outputs
+
+    def staged(iterator):
         iterator = resolve(iterator)
         state = _state(model)
         runner = state.runners.get(phase)
@@ -74,12 +96,65 @@ def guard(model, phase, function):
                 raise
 
     guarded.keras_stage_guarded = True
+    guarded.step = function  # Keras's own, for `whole_model_step`
     return guarded
 
 
 def guarded(function):
     """Whether `function` is a compiled step `guard` already wrapped."""
     return getattr(function, "keras_stage_guarded", False)
+
+
+def whole_model_step(model, phase):
+    """`phase`'s compiled step of the whole model, without the guard.
+
+    The one calls that skip their stage run (kept on the model under
+    `UNSTAGED_STEPS`), made now if none was: Keras makes it while the
+    model's own attribute is set aside.
+    """
+    state = _state(model)
+    key = (phase, UNSTAGED_STEPS)
+    function = state.staged_functions.get(key)
+    if function is None:
+        attr = FUNCTIONS[phase]
+        current = getattr(model, attr, None)
+        setattr(model, attr, None)
+        try:
+            function = getattr(model, MAKERS[phase])()
+        finally:
+            setattr(model, attr, current)
+        state.staged_functions[key] = function
+    return getattr(function, "step", function)
+
+
+def run_whole_model(model, phase, iterator):
+    """Runs the whole model's step on `iterator` within a staged call.
+
+    For an epoch an `EpochSwitch` runs without its stage: the step is
+    traced (the first time) and run as an unstaged call's, with no trunk,
+    no recording and no unpacking, whatever the call binds for the staged
+    epochs.
+    """
+    state = _state(model)
+    saved = (
+        state.active.get(phase),
+        state.recording.pop(phase, None),
+        state.placements.pop(phase, None),
+        state.staged_jit,
+    )
+    state.active[phase] = None
+    state.staged_jit = None
+    try:
+        return reported(whole_model_step(model, phase)(iterator))[0]
+    finally:
+        active, recording, placement, state.staged_jit = saved
+        state.active[phase] = active
+        for bindings, value in (
+            (state.recording, recording),
+            (state.placements, placement),
+        ):
+            if value is not None:
+                bindings[phase] = value
 
 
 def track_iterator(state, phase, iterator):

@@ -209,3 +209,193 @@ def test_a_model_with_another_stage_measures_its_own_costs():
     other.compile(optimizer="sgd", loss="mse", smart_stage=True)
     history = other.fit(WORDS, LABELS, batch_size=16, epochs=2, verbose=0)
     assert "stage_wait_ratio" in history.history  # staged: nothing measured
+
+
+def _dataset(shuffle_seed=None, count=64):
+    ds = tf.data.Dataset.from_tensor_slices((WORDS[:count], LABELS[:count]))
+    if shuffle_seed is not None:
+        ds = ds.shuffle(count, seed=shuffle_seed)
+    return ds.batch(16)
+
+
+def _built_pipelines(monkeypatch):
+    """Notes each stage pipeline built (each traces the stage's map).
+
+    As `(stage name, pool size)`: a stage whose adaptive pool is resized
+    builds one pipeline per size it runs on, the first time.
+    """
+    from keras_stage.data import staging
+
+    built = []
+    original = staging._build_pipeline
+
+    def noting(dataset, fn, options, stats, *args, **kwargs):
+        pool_size = args[5] if len(args) > 5 else kwargs.get("pool_size")
+        built.append((options.name, pool_size))
+        return original(dataset, fn, options, stats, *args, **kwargs)
+
+    monkeypatch.setattr(staging, "_build_pipeline", noting)
+    return built
+
+
+def test_later_calls_on_a_dataset_run_the_stage_built_by_the_first(
+    monkeypatch,
+):
+    model = _model(adaptive=False)
+    built = _built_pipelines(monkeypatch)
+    ds, val = _dataset(), _dataset(count=32)
+    model.fit(ds, epochs=1, validation_data=val, shuffle=False, verbose=0)
+    model.evaluate(val, verbose=0)
+    kept = dict(model._keras_stage_state.stages)
+    assert set(kept) == {"train", "val", "test"}
+    pools = {p: e.staged.thread_pool for p, e in kept.items()}
+    traced = _traces(model)
+    first = len(built)
+    for _ in range(3):
+        model.fit(ds, epochs=2, validation_data=val, shuffle=False, verbose=0)
+        model.evaluate(val, verbose=0)
+    # No staged layer traced again, the same stage objects and pools, and
+    # no pipeline built twice: only a pool size not run before builds one.
+    assert _traces(model) == traced
+    assert len(set(built)) == len(built), built
+    state = model._keras_stage_state
+    for phase, entry in kept.items():
+        assert state.stages[phase] is entry
+        assert entry.staged.thread_pool is pools[phase]
+        assert not entry.in_use  # released at the end of each call
+    # Another dataset object: a stage of its own, and it becomes the kept.
+    before = len(built)
+    other = _dataset(count=48)
+    model.evaluate(other, verbose=0)
+    assert len(built) > before >= first
+    assert state.stages["test"] is not kept["test"]
+    assert state.stages["test"].objects[1] is other
+
+
+def test_a_stage_on_a_fixed_pool_is_built_once(monkeypatch):
+    inputs = keras.Input(shape=(), dtype="string")
+    x = keras_stage.layers.StagedInput(num_threads=2, adaptive=False)(inputs)
+    x = keras.layers.StringLookup(vocabulary=["w0", "w1", "w2"])(x)
+    x = keras.layers.Embedding(5, 4)(x)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    built = _built_pipelines(monkeypatch)
+    ds = _dataset()
+    for _ in range(3):
+        model.fit(ds, epochs=2, shuffle=False, verbose=0)
+        model.evaluate(ds, verbose=0)
+        model.predict(ds, verbose=0)
+    assert len(built) == 3, built  # train, test, predict: once each
+
+
+def test_a_kept_stage_trains_as_plain_on_a_reshuffled_dataset():
+    plain = _model(staged=False)
+    staged = _model(adaptive=False)
+    staged.set_weights(plain.get_weights())
+    keras.utils.set_random_seed(3)
+    for model in (plain, staged):
+        ds, val = _dataset(shuffle_seed=5), _dataset(count=32)
+        logs = []
+        for _ in range(3):
+            history = model.fit(
+                ds, epochs=2, validation_data=val, shuffle=False, verbose=0
+            )
+            logs.append(history.history["val_loss"])
+            logs.append(model.evaluate(val, verbose=0))
+        model.logs = logs
+    for a, b in zip(plain.get_weights(), staged.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        np.hstack(plain.logs), np.hstack(staged.logs), rtol=1e-6
+    )
+
+
+def test_a_readapted_layer_gets_a_new_kept_stage():
+    model = _model(adaptive=False)
+    ds = _dataset()
+    model.predict(ds, verbose=0)
+    first = model._keras_stage_state.stages["predict"]
+    model.get_layer("lookup").set_vocabulary(
+        ["w6", "w5", "w4", "w3", "w2", "w1", "w0"]
+    )
+    staged = model.predict(ds, verbose=0)
+    assert model._keras_stage_state.stages["predict"] is not first
+    np.testing.assert_allclose(
+        staged, model(tf.constant(WORDS)).numpy(), rtol=1e-6
+    )
+
+
+def test_compile_drops_the_kept_stages():
+    model = _model(adaptive=False)
+    model.fit(_dataset(), epochs=1, shuffle=False, verbose=0)
+    assert model._keras_stage_state.stages
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    assert not model._keras_stage_state.stages
+
+
+def test_an_evaluate_nested_in_a_fit_on_its_validation_data_builds_its_own():
+    model = _model(adaptive=False)
+    ds, val = _dataset(), _dataset(count=32)
+    nested = []
+
+    class EvaluateEachEpoch(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            nested.append(model.evaluate(val, verbose=0))
+
+    history = model.fit(
+        ds,
+        epochs=3,
+        validation_data=val,
+        callbacks=[EvaluateEachEpoch()],
+        shuffle=False,
+        verbose=0,
+    )
+    # The fit's validation stage stayed open for its later epochs, and
+    # each nested evaluate saw what the validation run saw.
+    np.testing.assert_allclose(history.history["val_loss"], nested, rtol=1e-6)
+    assert not model._keras_stage_state.stages["test"].in_use
+
+
+@pytest.mark.parametrize(
+    "make, draws",
+    [
+        (lambda: tf.data.Dataset.range(8).map(lambda i: i * 2).batch(2), False),
+        (lambda: tf.data.Dataset.range(8).shuffle(8, seed=1).batch(2), True),
+        (lambda: tf.data.Dataset.range(8).shuffle(8).batch(2), True),
+        (lambda: tf.data.Dataset.random(seed=1).take(4), True),
+        (
+            lambda: tf.data.Dataset.from_generator(
+                lambda: iter(range(3)),
+                output_signature=tf.TensorSpec((), tf.int64),
+            ),
+            True,
+        ),
+    ],
+)
+def test_which_datasets_draw_when_an_iterator_starts(make, draws):
+    from keras_stage.models.epoch_sources import inspect_source
+
+    assert inspect_source(make()).iterator_draws is draws
+
+
+def test_a_dataset_that_draws_nothing_gets_iterators_made_when_read():
+    model = _model(adaptive=False)
+    made = []
+    # Plans, traces and measures.
+    model.fit(_dataset(), epochs=3, shuffle=False, verbose=0)
+    costs = model._keras_stage_state.costs
+    original = costs.note_iterator
+
+    def note(phase, seconds):
+        made.append(phase)
+        original(phase, seconds)
+
+    costs.note_iterator = note
+    model.fit(_dataset(), epochs=3, shuffle=False, verbose=0)
+    # Keras asks for two an epoch (at its end and at the next one's
+    # start); one is read.
+    assert made == ["train"] * 3
+    made.clear()
+    model.fit(_dataset(shuffle_seed=1), epochs=3, shuffle=False, verbose=0)
+    # A reshuffling dataset's iterators are made when Keras makes them.
+    assert made == ["train"] * 6

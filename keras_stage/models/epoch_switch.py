@@ -1,0 +1,355 @@
+"""Whether a staged fit's next epoch is staged: measured, epoch by epoch.
+
+A stage pays when the step would otherwise wait for the staged work. When
+the step does not wait (the stage keeps up) and the cores are all busy,
+the stage's threads only move that work from the step onto the cores the
+trunk needs: running the prefix inside the step (the whole model, as
+plain Keras does) can then be as fast or faster. Neither the stage's nor
+the step's figures tell which, so a fit that may gain measures it:
+
+1. its first epochs run staged; once one has been measured warm (after
+   the adaptive pool's first resize, if it has one) and its step waited
+   for input at most `TRIAL_WAIT_RATIO` of the time,
+2. the next epoch runs the whole model in Keras's step (the trial),
+3. the faster of the two, by the epochs' measured step times (medians of
+   the warm steps, plus what making the epoch's iterator cost), runs
+   every remaining epoch of the call; the stage keeps the epochs unless
+   the whole model saves at least `MARGIN` of its time.
+
+An epoch is one iterator Keras reads, so switching changes nothing else:
+every epoch reads exactly the batches, in the order, that plain Keras's
+reads (an unstaged epoch iterates the same source the stage would have),
+and the staged and the whole-model steps compute the same thing. Only
+fits where that holds are switched (`epoch_switch` says which): SmartStage
+with a stateless prefix and no random staged layer, the stage's default
+exception policies and no tf.data service (`call_costs.may_skip_stage`),
+an iterator per epoch or epochs on one iterator that can restart at any
+epoch (in-memory arrays: an unstaged epoch drops the stage's iterator and
+the next staged one starts a new one after it), no strategy, no device
+buffer, no `BackupAndRestore`, and epochs long enough to time. A model
+whose trial found the stage faster does not try again.
+`StagedInput(adaptive=False)` keeps every epoch staged.
+
+The trunk's step and the whole model's are both kept on the model, so a
+trial traces the whole model's step at most once per model (the one an
+unstaged call would use).
+"""
+
+import logging
+import statistics
+import time
+
+import keras
+
+from keras_stage.data.eager_iterated import EagerIterated
+from keras_stage.models.call_costs import may_skip_stage
+from keras_stage.models.iterators import resolve
+from keras_stage.models.model_state import state as model_state
+
+logger = logging.getLogger("keras_stage")
+
+# The most the step of a measured staged epoch may have waited for input,
+# as a fraction of the epoch's step time, for the stage to be tried
+# against the whole model: a step that waits is fed faster by the stage.
+TRIAL_WAIT_RATIO = 0.1
+# The share of the staged epochs' time the whole model must save to take
+# the remaining epochs: within noise, the stage keeps them.
+MARGIN = 0.03
+# The fewest compiled-step calls an epoch needs to be timed.
+MIN_STEPS = 8
+STAGED, UNSTAGED = "staged", "unstaged"
+
+
+def epoch_switch(model, layer, data, epochs, callbacks):
+    """The `EpochSwitch` of a fit's training stage, or None.
+
+    Args:
+        model: The keras_stage model.
+        layer: Its `StagedInput`.
+        data: The training `StagedData`.
+        epochs: The epochs the fit runs (`epochs - initial_epoch`).
+        callbacks: The call's callbacks.
+    """
+    reason = _refusal(model, layer, data, epochs, callbacks)
+    if reason is not None:
+        logger.debug("%s: every epoch staged: %s.", data.staged.name, reason)
+        return None
+    return EpochSwitch(
+        model,
+        data.staged.name,
+        epochs,
+        data.staged.stats,
+        staged_before_trial=_staged_before_trial(data),
+    )
+
+
+def _staged_before_trial(data):
+    """The staged epochs measured before the trial.
+
+    An adaptive pool is resized after the first epoch: the stage is
+    measured on the pool it keeps.
+    """
+    return 1 if data.staged.thread_pool is None else 2
+
+
+def _refusal(model, layer, data, epochs, callbacks):
+    """Why a fit's epochs are all staged, or None if one may be tried."""
+    split = data.split
+    if not may_skip_stage(layer):
+        return "adaptive=False, exception policies or the tf.data service"
+    if split is None or not split.plan.staged_layers:
+        return "no SmartStage prefix to run in the step"
+    if split.seed_states:
+        return "the staged layers draw random numbers"
+    if not data.epochs_restartable:
+        return "its epochs run on one iterator, which cannot skip one"
+    if data.strategy is not None or data.staged.device is not None:
+        return "a strategy's replicas or a device buffer"
+    if any(isinstance(c, keras.callbacks.BackupAndRestore) for c in callbacks):
+        return "BackupAndRestore checkpoints the epoch's iterator"
+    if not data.in_step:
+        return "its step does not time its fetches"
+    if epochs < _staged_before_trial(data) + 2:  # the trial, one to gain
+        return "too few epochs to try the step without the stage"
+    if model_state(model).switch_verdicts.get("train") == STAGED:
+        return "an earlier fit of this model measured that the stage pays"
+    return None
+
+
+class _EpochClock:
+    """The steps of one epoch (one iterator read), as the guard timed them."""
+
+    def __init__(self, mode, made_seconds, stats):
+        self.mode = mode
+        self.made_seconds = made_seconds
+        self.steps = []
+        self._stats = stats
+        self._wait_before = stats.snapshot()["wait_seconds"]
+        self.wait_seconds = None
+
+    def add(self, seconds):
+        self.steps.append(seconds)
+
+    def end(self):
+        """Notes the stage's wait over the epoch (NaN: not measured)."""
+        self.wait_seconds = self._stats.snapshot()["wait_seconds"] - (
+            self._wait_before
+        )
+
+    @property
+    def timed(self):
+        return len(self.steps) >= MIN_STEPS
+
+    @property
+    def warm_step(self):
+        """The median step after the first (which makes the iterator and,
+        once per call, traces)."""
+        return statistics.median(self.steps[1:])
+
+    def seconds(self, batches):
+        """The epoch's time at its warm pace: making its iterator and
+        `batches` steps."""
+        return self.made_seconds + batches * self.warm_step
+
+    @property
+    def wait_ratio(self):
+        """The staged step's wait for input over its steps, or None."""
+        if self.wait_seconds is None or self.wait_seconds != self.wait_seconds:
+            return None
+        return self.wait_seconds / max(sum(self.steps[1:]), 1e-9)
+
+
+class EpochSwitch:
+    """Decides, measures and reports the mode of each epoch of one fit.
+
+    See the module docstring. `decision` is None until the trial ends,
+    then `STAGED` or `UNSTAGED`; `message` says why.
+    """
+
+    def __init__(self, model, name, epochs, stats, staged_before_trial):
+        self._state = model_state(model)
+        self.model_name = model.name
+        self.name = name
+        self.epochs = epochs
+        self._stats = stats
+        self._staged_before_trial = staged_before_trial
+        self._clocks = []  # of the epochs read, in order
+        self.decision = None
+        self.message = None
+        self._announced = False
+
+    # -- decisions ----------------------------------------------------------
+
+    def next_mode(self):
+        """The mode of the iterator Keras asks for now."""
+        self._end_last()
+        if self.decision is not None:
+            return self.decision
+        staged = [c for c in self._clocks if c.mode == STAGED]
+        trial = [c for c in self._clocks if c.mode == UNSTAGED]
+        if trial:
+            self._decide(staged[-1], trial[-1])
+            return self.decision
+        if len(staged) < self._staged_before_trial:
+            return STAGED
+        last = staged[-1]
+        left = self.epochs - len(self._clocks)
+        ratio = last.wait_ratio if last.timed else None
+        if ratio is None or ratio > TRIAL_WAIT_RATIO or left < 2:
+            self.decision = STAGED
+            self.message = None  # nothing tried: nothing to report
+            logger.debug(
+                "%s: every epoch staged (wait ratio %s, %d steps, %d "
+                "epochs left).",
+                self.name,
+                "not measured" if ratio is None else f"{ratio:.2f}",
+                len(last.steps),
+                left,
+            )
+            return STAGED
+        return UNSTAGED
+
+    def _decide(self, staged, trial):
+        batches = max(len(staged.steps), len(trial.steps))
+        if not trial.timed:
+            self.decision = STAGED
+            return
+        with_stage = staged.seconds(batches)
+        whole = trial.seconds(batches)
+        ms = 1000.0 / batches
+        figures = (
+            f"{with_stage * ms:.2f} ms a step staged, {whole * ms:.2f} ms "
+            "with the whole model in the step"
+        )
+        if whole < with_stage * (1.0 - MARGIN):
+            self.decision = UNSTAGED
+            self.message = (
+                f"Stage '{self.name}' of model '{self.model_name}' does not "
+                f"pay ({figures}): the step does not wait for input and the "
+                "stage's threads take the trunk's cores. The rest of this "
+                "fit runs the whole model in Keras's step (same results); "
+                "StagedInput(adaptive=False) keeps every epoch staged."
+            )
+        else:
+            self.decision = STAGED
+            self._state.switch_verdicts["train"] = STAGED
+            self.message = (
+                f"Stage '{self.name}' of model '{self.model_name}' pays "
+                f"({figures}): the rest of this fit, and later fits of "
+                "this model, stay staged."
+            )
+        logger.info("%s", self.message)
+
+    # -- the epochs read ----------------------------------------------------
+
+    def begin(self, mode, made_seconds):
+        """Notes that Keras reads an epoch of `mode`; returns its clock."""
+        self._end_last()
+        clock = _EpochClock(mode, made_seconds, self._stats)
+        self._clocks.append(clock)
+        return clock
+
+    def _end_last(self):
+        if self._clocks and self._clocks[-1].wait_seconds is None:
+            self._clocks[-1].end()
+
+    @property
+    def last_mode(self):
+        """The mode of the epoch read last, or None."""
+        return self._clocks[-1].mode if self._clocks else None
+
+    @property
+    def report_pending(self):
+        """Whether a decision was made that `report` has not told yet."""
+        return self.message is not None and not self._announced
+
+    def report(self):
+        """The decision's message once, when it is made; else None."""
+        if not self.report_pending:
+            return None
+        self._announced = True
+        return self.message
+
+    # -- Keras's view -------------------------------------------------------
+
+    def pipeline(self, staged, raw, on_unstaged=None):
+        """What Keras iterates: `staged`'s or `raw`'s epochs, as decided.
+
+        `staged`: the stage's epochs as Keras iterates them; `raw`: one
+        epoch of the source the stage stages (plain Keras's epoch), both
+        datasets that make their own eager iterators. `on_unstaged()`:
+        called when an epoch begins without the stage (a long-lived stage
+        skips that epoch).
+        """
+        return SwitchPipeline(self, staged, raw, on_unstaged)
+
+
+class SwitchPipeline(EagerIterated):
+    """The staged pipeline, whose eager iterators are staged or unstaged.
+
+    Each iterator Keras makes asks the `EpochSwitch` for its mode: a staged
+    one reads the stage; an unstaged one reads the stage's source, for the
+    whole model's step (see `steps.guard`).
+    """
+
+    def __init__(self, switch, staged, raw, on_unstaged=None):
+        self._switch = switch
+        self._staged = staged
+        self._raw = raw
+        self._on_unstaged = on_unstaged
+        super().__init__(staged)
+
+    def eager_iter(self):
+        mode = self._switch.next_mode()
+        started = time.perf_counter()
+        pipeline = self._raw if mode == UNSTAGED else self._staged
+        iterator = pipeline.eager_iter()
+        return SwitchedIterator(
+            self._switch,
+            mode,
+            iterator,
+            time.perf_counter() - started,
+            self._on_unstaged if mode == UNSTAGED else None,
+        )
+
+
+class SwitchedIterator:
+    """An epoch's iterator of a `SwitchPipeline`, timed step by step.
+
+    `unstaged`: whether the whole model's step reads it. The step guard
+    times each step (`clock`), from the first read on.
+    """
+
+    def __init__(self, switch, mode, iterator, made_seconds, on_begin=None):
+        self._switch = switch
+        self.unstaged = mode == UNSTAGED
+        self._mode = mode
+        self._iterator = iterator
+        self._made_seconds = made_seconds
+        self._on_begin = on_begin
+        self.clock = None
+
+    def resolve(self):
+        """The real iterator; the first call begins the epoch's clock."""
+        if self.clock is None:
+            if self._on_begin is not None:
+                self._on_begin()
+            started = time.perf_counter()
+            real = resolve(self._iterator)
+            made = self._made_seconds + time.perf_counter() - started
+            self.clock = self._switch.begin(self._mode, made)
+            return real
+        return resolve(self._iterator)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.resolve())
+
+    def get_next(self):
+        return self.resolve().get_next()
+
+    @property
+    def element_spec(self):
+        return self._iterator.element_spec

@@ -1,0 +1,238 @@
+"""Epochs run without the stage where it does not pay (models/epoch_switch.py).
+
+Which mode is faster is timing; these tests fix the outcome of the
+comparison (`MARGIN`, `TRIAL_WAIT_RATIO`) and check everything else: the
+epochs that run unstaged, the same weights and logs as plain Keras, what
+the stage counts, the verdicts and when no trial happens.
+"""
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_stage
+from keras_stage.models import epoch_switch
+
+pytestmark = pytest.mark.timeout(180)
+
+WORDS = np.array([f"w{i % 7}" for i in range(96)], dtype=object)
+LABELS = np.linspace(0.0, 1.0, 96, dtype="float32").reshape(-1, 1)
+
+
+def _models(**staged_input):
+    """A plain model and a staged one with its weights (8+ steps an epoch)."""
+    built = []
+    for staged in (False, True):
+        inputs = keras.Input(shape=(), dtype="string")
+        x = inputs
+        if staged:
+            x = keras_stage.layers.StagedInput(**staged_input)(inputs)
+        x = keras.layers.StringLookup(
+            vocabulary=[f"w{i}" for i in range(7)], name="lookup"
+        )(x)
+        x = keras.layers.Embedding(9, 4, name="emb")(x)
+        x = keras.layers.Dense(8, activation="relu", name="hidden")(x)
+        x = keras.layers.Dropout(0.2, seed=3, name="drop")(x)  # in the trunk
+        outputs = keras.layers.Dense(1, name="head")(x)
+        cls = keras_stage.Model if staged else keras.Model
+        model = cls(inputs, outputs)
+        kwargs = {"smart_stage": True} if staged else {}
+        model.compile(optimizer="adam", loss="mse", **kwargs)
+        built.append(model)
+    plain, staged = built
+    staged.set_weights(plain.get_weights())
+    return plain, staged
+
+
+def _dataset(seed=None, batch_size=8):
+    ds = tf.data.Dataset.from_tensor_slices((WORDS, LABELS))
+    if seed is not None:
+        ds = ds.shuffle(96, seed=seed)
+    return ds.batch(batch_size)  # 12 steps at 8
+
+
+def _fit(model, epochs=6, callbacks=(), batch_size=8, validation=None):
+    keras.utils.set_random_seed(1)
+    train = _dataset(seed=4, batch_size=batch_size)
+    return model.fit(
+        train,
+        epochs=epochs,
+        validation_data=_dataset() if validation is None else validation(train),
+        callbacks=list(callbacks),
+        shuffle=False,
+        verbose=0,
+    )
+
+
+@pytest.fixture
+def unstaged_wins(monkeypatch):
+    """Every trial happens and finds the whole model faster."""
+    monkeypatch.setattr(epoch_switch, "TRIAL_WAIT_RATIO", float("inf"))
+    monkeypatch.setattr(epoch_switch, "MARGIN", -1e9)
+
+
+@pytest.fixture
+def staged_wins(monkeypatch):
+    """Every trial happens and finds the stage faster."""
+    monkeypatch.setattr(epoch_switch, "TRIAL_WAIT_RATIO", float("inf"))
+    monkeypatch.setattr(epoch_switch, "MARGIN", 1.0)
+
+
+def _assert_same(plain, staged, plain_history, staged_history):
+    for a, b in zip(plain.get_weights(), staged.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    for key in ("loss", "val_loss"):
+        np.testing.assert_allclose(
+            plain_history.history[key], staged_history.history[key], rtol=1e-6
+        )
+
+
+def test_a_stage_that_does_not_pay_leaves_the_rest_of_the_fit(
+    unstaged_wins, caplog
+):
+    plain, staged = _models()
+    expected = _fit(plain)
+    callback = keras_stage.callbacks.PrefetchCallback()
+    stats = []
+
+    class Consumed(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            train = staged._keras_stage_state.step_stats["train"]
+            stats.append(train.snapshot()["consumed"])
+
+    with caplog.at_level(logging.INFO, logger="keras_stage"):
+        history = _fit(staged, callbacks=[callback, Consumed()])
+    # Two staged epochs (the adaptive pool resizes after the first), the
+    # trial, then the whole model for the rest: same weights and logs.
+    assert history.history["stage_unstaged"] == [0, 0, 1, 1, 1, 1]
+    _assert_same(plain, staged, expected, history)
+    # Every key on every epoch; the unstaged epochs staged nothing.
+    lengths = {len(values) for values in history.history.values()}
+    assert lengths == {6}
+    assert history.history["stage_buffer_fill"][2:] == [0.0] * 4
+    assert stats[2:] == [stats[1]] * 4
+    assert "does not pay" in caplog.text
+    assert callback.verdict["staged"] is False
+    assert "without the stage" in callback.verdict["message"]
+
+
+def test_a_stage_that_pays_keeps_the_fit_and_later_fits(staged_wins):
+    plain, staged = _models()
+    expected = _fit(plain)
+    history = _fit(staged)
+    # The trial epoch alone ran without the stage.
+    assert history.history["stage_unstaged"] == [0, 0, 1, 0, 0, 0]
+    _assert_same(plain, staged, expected, history)
+    # A later fit of the model does not try again...
+    again = _fit(staged, epochs=5)
+    assert "stage_unstaged" not in again.history
+    # ...until compile.
+    staged.compile(optimizer="adam", loss="mse", smart_stage=True)
+    assert _fit(staged, epochs=5).history["stage_unstaged"] == [0, 0, 1, 0, 0]
+
+
+def test_adaptive_false_stages_every_epoch(unstaged_wins):
+    _, staged = _models(adaptive=False)
+    history = _fit(staged)
+    assert "stage_unstaged" not in history.history
+
+
+def test_a_fit_too_short_for_a_trial_is_all_staged(unstaged_wins):
+    plain, staged = _models()
+    history = _fit(staged, epochs=3)
+    assert "stage_unstaged" not in history.history
+
+
+def test_a_fixed_pool_is_tried_after_one_staged_epoch(unstaged_wins):
+    _, staged = _models(num_threads=2)
+    # A dataset on a fixed pool runs its epochs on one iterator...
+    history = _fit(staged, epochs=4)
+    assert "stage_unstaged" not in history.history
+    # ...unless its validation reads the same dataset (their draws
+    # interleave): an iterator per epoch, and the trial after one.
+    plain, staged = _models(num_threads=2)
+    expected = _fit(plain, epochs=4, validation=lambda ds: ds.take(3))
+    history = _fit(staged, epochs=4, validation=lambda ds: ds.take(3))
+    assert history.history["stage_unstaged"] == [0, 1, 1, 1]
+    _assert_same(plain, staged, expected, history)
+
+
+def test_a_step_that_waits_for_input_is_not_tried(monkeypatch):
+    monkeypatch.setattr(epoch_switch, "TRIAL_WAIT_RATIO", -1.0)
+    monkeypatch.setattr(epoch_switch, "MARGIN", -1e9)
+    _, staged = _models()
+    history = _fit(staged)
+    assert history.history["stage_unstaged"] == [0] * 6
+
+
+def test_steps_per_execution_and_an_unstaged_evaluate_after(unstaged_wins):
+    plain, staged = _models()
+    for model in (plain, staged):
+        model.compile(
+            optimizer="adam",
+            loss="mse",
+            steps_per_execution=2,
+            **({"smart_stage": True} if model is staged else {}),
+        )
+    staged.set_weights(plain.get_weights())
+    expected = _fit(plain, batch_size=4)
+    history = _fit(staged, batch_size=4)  # 12 calls of the step an epoch
+    assert history.history["stage_unstaged"] == [0, 0, 1, 1, 1, 1]
+    _assert_same(plain, staged, expected, history)
+    np.testing.assert_allclose(
+        plain.evaluate(_dataset(), verbose=0),
+        staged.evaluate(_dataset(), verbose=0),
+        rtol=1e-6,
+    )
+
+
+def test_under_op_determinism_no_trial_and_the_same_weights(unstaged_wins):
+    from tests.op_determinism import op_determinism
+
+    plain, staged = _models()
+    with op_determinism():
+        expected = _fit(plain)
+        history = _fit(
+            staged, callbacks=[keras_stage.callbacks.PrefetchCallback()]
+        )
+    # The stage's wait is not measured: whether the step waits for input
+    # is unknown, and no epoch is tried without the stage.
+    assert history.history["stage_unstaged"] == [0] * 6
+    _assert_same(plain, staged, expected, history)
+
+
+@pytest.mark.parametrize("unstaged_after_trial", [True, False])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_arrays_on_one_iterator_skip_the_epochs_run_without_the_stage(
+    monkeypatch, unstaged_after_trial, shuffle
+):
+    monkeypatch.setattr(epoch_switch, "TRIAL_WAIT_RATIO", float("inf"))
+    monkeypatch.setattr(
+        epoch_switch, "MARGIN", -1e9 if unstaged_after_trial else 1.0
+    )
+    plain, staged = _models()
+    histories = []
+    for model in (plain, staged):
+        keras.utils.set_random_seed(1)
+        histories.append(
+            model.fit(
+                WORDS,
+                LABELS,
+                batch_size=8,
+                epochs=6,
+                shuffle=shuffle,
+                validation_data=(WORDS[:32], LABELS[:32]),
+                verbose=0,
+            )
+        )
+    expected, history = histories
+    # In-memory arrays run their epochs on one iterator; the trial drops
+    # it, and a staged epoch after the trial starts a new one past it.
+    assert staged._keras_stage_state.stages == {}  # not a dataset
+    trial = [0, 0, 1]
+    rest = [1, 1, 1] if unstaged_after_trial else [0, 0, 0]
+    assert history.history["stage_unstaged"] == trial + rest
+    _assert_same(plain, staged, expected, history)
