@@ -390,15 +390,18 @@ def _long_lived_epochs(
                     "datasets (their draws must keep their order)"
                 )
     start = None
-    if arrays is not None:
-        # Epochs of arrays depend on no earlier iterator: an iterator can
-        # start at any of them (see `LongLivedIterator`).
+    independent = arrays is not None or not facts.iterator_draws
+    if independent:
+        # Epochs of arrays, or of a dataset that draws nothing per
+        # iterator, depend on no earlier iterator: an iterator can start
+        # at any of them (see `LongLivedIterator`).
         with tf.init_scope(), tf.device("/CPU:0"):
             start = tf.Variable(0, dtype=tf.int64, trainable=False)
     # Plain Keras makes one iterator it does not read after each epoch it
     # reads, except in training with steps_per_epoch (it keeps its
-    # iterator across epochs); arrays draw nothing per iterator.
-    opens = 0 if arrays is not None or (phase == "train" and steps) else 1
+    # iterator across epochs); only a source that draws per iterator
+    # needs them made.
+    opens = 0 if independent or (phase == "train" and steps) else 1
     source = epoch_sources.long_lived_source(
         dataset, epochs, replay=replay, opens=opens, start=start
     )
@@ -542,13 +545,16 @@ def stage_data(
             and split is not None
             and layer.stage_options.adaptive_pool
             and not in_memory(x)
+            and epoch_sources.inspect_source(dataset).iterator_draws
         ):
-            # A resized pool runs only in a new iterator; epochs of arrays
-            # can start one at any epoch, a dataset's cannot (its seeded
+            # A resized pool runs only in a new iterator; epochs of arrays,
+            # or of a dataset that draws nothing per iterator, can start
+            # one at any epoch; a drawing dataset's cannot (its seeded
             # draws follow the iterators made before).
             refusal = (
-                "the stage's adaptive pool is resized between epochs, and a "
-                "dataset's epochs cannot move to a new pool mid-call"
+                "the stage's adaptive pool is resized between epochs, and "
+                "this dataset's epochs cannot move to a new pool mid-call "
+                "(it draws from a seed generator per iterator)"
             )
         if refusal is None:
             arrays = (x, y, sample_weight) if in_memory(x) else None

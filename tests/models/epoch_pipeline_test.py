@@ -394,6 +394,70 @@ def test_a_dataset_on_one_iterator_cannot_skip_an_epoch():
     data.end_call()
 
 
+def test_a_dataset_on_the_adaptive_pool_runs_long_lived_unless_it_draws():
+    _, layer, split = _words_model()
+    words = np.array([f"w{i % 7}" for i in range(48)], dtype=object)
+    labels = np.zeros((48, 1), "float32")
+    ds = tf.data.Dataset.from_tensor_slices((words, labels)).batch(16)
+    data = stage_data(layer, "train", ds, split=split, epochs=3)
+    assert data.staged.thread_pool is not None
+    assert data.long_lived and data.epochs_restartable
+    made = []
+    data.on_iterator = made.append
+    first = _read_epoch(data.pipeline, 3)
+    data.staged.thread_pool.resize(1)  # the verdict, between epochs
+    second = _read_epoch(data.pipeline, 3)
+    third = _read_epoch(data.pipeline, 3)
+    data.end_call()
+    assert first == second == third
+    assert len(made) == 2  # a new iterator on the resized pool
+    reshuffled = ds.shuffle(3, seed=SEED)
+    data = stage_data(layer, "train", reshuffled, split=split, epochs=3)
+    assert not data.long_lived
+    assert "draws from a seed generator" in data.long_lived_refusal
+    data.end_call()
+
+
+def test_a_fit_on_a_dataset_on_the_adaptive_pool_trains_as_plain_keras():
+    words = np.array([f"w{i % 7}" for i in range(64)], dtype=object)
+    labels = np.linspace(0.0, 1.0, 64, dtype="float32").reshape(-1, 1)
+    ds = tf.data.Dataset.from_tensor_slices((words, labels)).batch(8)
+    val = tf.data.Dataset.from_tensor_slices((words, labels)).batch(8).take(3)
+    staged, _, _ = _words_model()
+    inputs = keras.Input(shape=(), dtype="string")
+    x = keras.layers.StringLookup(
+        vocabulary=[f"w{i}" for i in range(7)], name="lookup"
+    )(inputs)
+    x = keras.layers.Embedding(9, 4, name="emb")(x)
+    plain = keras.Model(inputs, keras.layers.Dense(1, name="head")(x))
+    plain.compile(optimizer="sgd", loss="mse")
+    staged.set_weights(plain.get_weights())
+    histories = [
+        model.fit(
+            ds,
+            epochs=4,
+            validation_data=val,
+            shuffle=False,
+            verbose=0,
+            callbacks=[keras_stage.callbacks.PrefetchCallback()]
+            if model is staged
+            else [],
+        )
+        for model in (plain, staged)
+    ]
+    # Its training and validation each ran on one iterator.
+    kept = staged._keras_stage_state.stages
+    assert kept["train"].long_lived.epochs == 4
+    assert kept["val"].long_lived.epochs == 4
+    for a, b in zip(plain.get_weights(), staged.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        histories[0].history["val_loss"],
+        histories[1].history["val_loss"],
+        rtol=1e-6,
+    )
+
+
 # -- ends ------------------------------------------------------------------
 
 

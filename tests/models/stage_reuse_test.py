@@ -244,7 +244,8 @@ def test_later_calls_on_a_dataset_run_the_stage_built_by_the_first(
     model = _model(adaptive=False)
     built = _built_pipelines(monkeypatch)
     ds, val = _dataset(), _dataset(count=32)
-    model.fit(ds, epochs=1, validation_data=val, shuffle=False, verbose=0)
+    # Epochs on one iterator: its stage runs fits of as many epochs.
+    model.fit(ds, epochs=2, validation_data=val, shuffle=False, verbose=0)
     model.evaluate(val, verbose=0)
     kept = dict(model._keras_stage_state.stages)
     assert set(kept) == {"train", "val", "test"}
@@ -379,6 +380,17 @@ def test_which_datasets_draw_when_an_iterator_starts(make, draws):
 
 
 def test_a_dataset_that_draws_nothing_gets_iterators_made_when_read():
+    from keras_stage.models.inputs import stage_data
+
+    model = _model(adaptive=False)
+    layer, split = model.layers[1], model._stage_plan()[1]
+    for ds, defers in ((_dataset(), True), (_dataset(shuffle_seed=1), False)):
+        data = stage_data(layer, "train", ds, split=split)
+        assert data.defers is defers
+        data.end_call()
+
+
+def test_a_fit_on_a_dataset_that_draws_nothing_makes_one_iterator():
     model = _model(adaptive=False)
     made = []
     # Plans, traces and measures.
@@ -392,10 +404,12 @@ def test_a_dataset_that_draws_nothing_gets_iterators_made_when_read():
 
     costs.note_iterator = note
     model.fit(_dataset(), epochs=3, shuffle=False, verbose=0)
-    # Keras asks for two an epoch (at its end and at the next one's
-    # start); one is read.
-    assert made == ["train"] * 3
+    # Its epochs run on one iterator (its pool's size settled in the
+    # first fit): no epoch makes one.
+    assert made == ["train"]
     made.clear()
     model.fit(_dataset(shuffle_seed=1), epochs=3, shuffle=False, verbose=0)
-    # A reshuffling dataset's iterators are made when Keras makes them.
+    # A reshuffling dataset on the adaptive pool gets an iterator per
+    # epoch, made when Keras makes them (two an epoch: at its end and at
+    # the next one's start).
     assert made == ["train"] * 6
