@@ -10,7 +10,9 @@ the step's figures tell which, so a fit that may gain measures it:
 1. its first epochs run staged; once one has been measured warm (after
    the adaptive pool's first resize, if it has one) and its step waited
    for input at most `TRIAL_WAIT_RATIO` of the time,
-2. the next epoch runs the whole model in Keras's step (the trial),
+2. the next epoch runs the whole model in Keras's step (the trial), if
+   tracing that step (once per model) costs at most `TRACE_SHARE` of the
+   epochs left after it,
 3. the faster of the two, by the epochs' measured step times (medians of
    the warm steps, plus what making the epoch's iterator cost), runs
    every remaining epoch of the call; the stage keeps the epochs unless
@@ -24,8 +26,9 @@ fits where that holds are switched (`epoch_switch` says which): SmartStage
 with a stateless prefix and no random staged layer, the stage's default
 exception policies and no tf.data service (`call_costs.may_skip_stage`),
 an iterator per epoch or epochs on one iterator that can restart at any
-epoch (in-memory arrays: an unstaged epoch drops the stage's iterator and
-the next staged one starts a new one after it), no strategy, no device
+epoch (in-memory arrays, datasets that draw nothing per iterator: an
+unstaged epoch drops the stage's iterator and the next staged one starts
+a new one after it), no strategy, no device
 buffer, no `BackupAndRestore`, and epochs long enough to time. A model
 whose trial found the stage faster does not try again.
 `StagedInput(adaptive=False)` keeps every epoch staged.
@@ -44,6 +47,7 @@ import keras
 from keras_stage.data.eager_iterated import EagerIterated
 from keras_stage.models.call_costs import may_skip_stage
 from keras_stage.models.iterators import resolve
+from keras_stage.models.model_state import UNSTAGED_STEPS
 from keras_stage.models.model_state import state as model_state
 
 logger = logging.getLogger("keras_stage")
@@ -57,7 +61,11 @@ TRIAL_WAIT_RATIO = 0.1
 MARGIN = 0.03
 # The fewest compiled-step calls an epoch needs to be timed.
 MIN_STEPS = 8
+# The most of the epochs after the trial that tracing the whole model's
+# step for it may cost (when no earlier call traced it).
+TRACE_SHARE = 0.1
 STAGED, UNSTAGED = "staged", "unstaged"
+TRAIN = "train"
 
 
 def epoch_switch(model, layer, data, epochs, callbacks):
@@ -111,7 +119,7 @@ def _refusal(model, layer, data, epochs, callbacks):
         return "its step does not time its fetches"
     if epochs < _staged_before_trial(data) + 2:  # the trial, one to gain
         return "too few epochs to try the step without the stage"
-    if model_state(model).switch_verdicts.get("train") == STAGED:
+    if model_state(model).switch_verdicts.get(TRAIN) == STAGED:
         return "an earlier fit of this model measured that the stage pays"
     return None
 
@@ -195,9 +203,13 @@ class EpochSwitch:
         last = staged[-1]
         left = self.epochs - len(self._clocks)
         ratio = last.wait_ratio if last.timed else None
-        if ratio is None or ratio > TRIAL_WAIT_RATIO or left < 2:
-            self.decision = STAGED
-            self.message = None  # nothing tried: nothing to report
+        if (
+            ratio is None
+            or ratio > TRIAL_WAIT_RATIO
+            or left < 2
+            or self._trace_outweighs(staged, last, left - 1)
+        ):
+            self.decision = STAGED  # nothing tried: nothing to report
             logger.debug(
                 "%s: every epoch staged (wait ratio %s, %d steps, %d "
                 "epochs left).",
@@ -208,6 +220,21 @@ class EpochSwitch:
             )
             return STAGED
         return UNSTAGED
+
+    def _trace_outweighs(self, staged, last, after_trial):
+        """Whether tracing the whole model's step would cost more than
+        `TRACE_SHARE` of the epochs left after the trial.
+
+        Not traced yet (no unstaged call or epoch of the model ran it), it
+        costs about what the call's first staged step took over its warm
+        ones (that step traced the trunk's step, if this call did).
+        """
+        if (TRAIN, UNSTAGED_STEPS) in self._state.staged_functions:
+            return False
+        first = staged[0]
+        trace = max(first.steps[0] - first.warm_step, 0.0) if first.timed else 0
+        budget = TRACE_SHARE * after_trial * last.seconds(len(last.steps))
+        return trace > budget
 
     def _decide(self, staged, trial):
         batches = max(len(staged.steps), len(trial.steps))
@@ -232,7 +259,7 @@ class EpochSwitch:
             )
         else:
             self.decision = STAGED
-            self._state.switch_verdicts["train"] = STAGED
+            self._state.switch_verdicts[TRAIN] = STAGED
             self.message = (
                 f"Stage '{self.name}' of model '{self.model_name}' pays "
                 f"({figures}): the rest of this fit, and later fits of "

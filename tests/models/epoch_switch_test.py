@@ -71,6 +71,7 @@ def _fit(model, epochs=6, callbacks=(), batch_size=8, validation=None):
 def unstaged_wins(monkeypatch):
     """Every trial happens and finds the whole model faster."""
     monkeypatch.setattr(epoch_switch, "TRIAL_WAIT_RATIO", float("inf"))
+    monkeypatch.setattr(epoch_switch, "TRACE_SHARE", float("inf"))
     monkeypatch.setattr(epoch_switch, "MARGIN", -1e9)
 
 
@@ -78,6 +79,7 @@ def unstaged_wins(monkeypatch):
 def staged_wins(monkeypatch):
     """Every trial happens and finds the stage faster."""
     monkeypatch.setattr(epoch_switch, "TRIAL_WAIT_RATIO", float("inf"))
+    monkeypatch.setattr(epoch_switch, "TRACE_SHARE", float("inf"))
     monkeypatch.setattr(epoch_switch, "MARGIN", 1.0)
 
 
@@ -210,6 +212,7 @@ def test_arrays_on_one_iterator_skip_the_epochs_run_without_the_stage(
     monkeypatch, unstaged_after_trial, shuffle
 ):
     monkeypatch.setattr(epoch_switch, "TRIAL_WAIT_RATIO", float("inf"))
+    monkeypatch.setattr(epoch_switch, "TRACE_SHARE", float("inf"))
     monkeypatch.setattr(
         epoch_switch, "MARGIN", -1e9 if unstaged_after_trial else 1.0
     )
@@ -236,3 +239,19 @@ def test_arrays_on_one_iterator_skip_the_epochs_run_without_the_stage(
     rest = [1, 1, 1] if unstaged_after_trial else [0, 0, 0]
     assert history.history["stage_unstaged"] == trial + rest
     _assert_same(plain, staged, expected, history)
+
+
+def test_no_trial_whose_trace_would_outweigh_what_it_can_gain(
+    unstaged_wins, monkeypatch
+):
+    # Tracing the whole model's step would cost more than the epochs
+    # after the trial could give back...
+    monkeypatch.setattr(epoch_switch, "TRACE_SHARE", 0.0)
+    plain, staged = _models()
+    history = _fit(staged)
+    assert history.history["stage_unstaged"] == [0] * 6
+    # ...unless it is traced already: a fit of one batch runs unstaged.
+    staged.fit(WORDS[:8], LABELS[:8], batch_size=8, verbose=0)
+    assert ("train", "unstaged") in staged._keras_stage_state.staged_functions
+    history = _fit(staged)
+    assert history.history["stage_unstaged"] == [0, 0, 1, 1, 1, 1]

@@ -248,7 +248,9 @@ def trained(request):
 
 
 def _results(logs):
-    return {k: v for k, v in logs.items() if k not in STAGE_KEYS}
+    # Every key the stage logs (`stage_unstaged` too, where epochs may run
+    # without it).
+    return {k: v for k, v in logs.items() if not k.startswith("stage_")}
 
 
 def _producers(model):
