@@ -79,8 +79,7 @@ class _Binding:
                 # A long-lived stage holds the epoch's batches, unless the
                 # last epoch ran without it (its iterator was dropped).
                 after_unstaged = (
-                    self.switch is not None
-                    and self.switch.last_mode == "unstaged"
+                    self.switch is not None and self.switch.last_unstaged
                 )
                 self.staged.stats.mark_request(
                     orphan=not (self.long_lived and self.epochs_begun)
@@ -326,7 +325,7 @@ class PrefetchCallback(keras.callbacks.Callback):
         self._tracing_epoch = False
         switch = binding.switch
         if switch is not None:
-            unstaged = switch.last_mode == "unstaged"
+            unstaged = switch.last_unstaged
             if logs is not None:
                 logs["stage_unstaged"] = float(unstaged)
             if unstaged:
@@ -367,8 +366,8 @@ class PrefetchCallback(keras.callbacks.Callback):
     def _end_unstaged_epoch(self, epoch, stats, binding, switch):
         """The verdict of an epoch that ran the whole model in the step.
 
-        The stage did nothing: no stage figures are logged (absent, not 0),
-        and its pool is not resized.
+        The stage did nothing: its figures are logged as 0 (see
+        `on_epoch_end`), the verdict has none, and its pool is not resized.
         """
         pool = binding.staged.thread_pool
         message = (

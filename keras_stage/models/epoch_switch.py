@@ -281,9 +281,9 @@ class EpochSwitch:
             self._clocks[-1].end()
 
     @property
-    def last_mode(self):
-        """The mode of the epoch read last, or None."""
-        return self._clocks[-1].mode if self._clocks else None
+    def last_unstaged(self):
+        """Whether the epoch read last ran without the stage."""
+        return bool(self._clocks) and self._clocks[-1].mode == UNSTAGED
 
     @property
     def report_pending(self):
