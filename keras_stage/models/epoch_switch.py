@@ -46,7 +46,7 @@ import keras
 
 from keras_stage.data.eager_iterated import EagerIterated
 from keras_stage.models.call_costs import may_skip_stage
-from keras_stage.models.iterators import resolve
+from keras_stage.models.iterators import ResolvingIterator, resolve
 from keras_stage.models.model_state import UNSTAGED_STEPS
 from keras_stage.models.model_state import state as model_state
 
@@ -340,7 +340,7 @@ class SwitchPipeline(EagerIterated):
         )
 
 
-class SwitchedIterator:
+class SwitchedIterator(ResolvingIterator):
     """An epoch's iterator of a `SwitchPipeline`, timed step by step.
 
     `unstaged`: whether the whole model's step reads it. The step guard
@@ -367,15 +367,6 @@ class SwitchedIterator:
             self.clock = self._switch.begin(self._mode, made)
             return real
         return resolve(self._iterator)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return next(self.resolve())
-
-    def get_next(self):
-        return self.resolve().get_next()
 
     @property
     def element_spec(self):

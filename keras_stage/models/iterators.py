@@ -54,7 +54,29 @@ import tensorflow as tf
 from keras_stage.data.eager_iterated import EagerIterated
 
 
-class DeferredIterator:
+class ResolvingIterator:
+    """An iterator Keras holds that stands for a real one (`resolve`).
+
+    The step guard hands the compiled step `resolve()`; Keras's Python
+    reads (`next`, `get_next`) read it too. Subclasses define `resolve`
+    and `element_spec`.
+    """
+
+    def resolve(self):
+        """The real iterator."""
+        raise NotImplementedError
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.resolve())
+
+    def get_next(self):
+        return self.resolve().get_next()
+
+
+class DeferredIterator(ResolvingIterator):
     """An eager iterator of `pipeline`, made when first read."""
 
     def __init__(self, pipeline, made):
@@ -69,15 +91,6 @@ class DeferredIterator:
             self._iterator = iter(self._pipeline)
             self._made(time.perf_counter() - started)
         return self._iterator
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return next(self.resolve())
-
-    def get_next(self):
-        return self.resolve().get_next()
 
     @property
     def element_spec(self):
@@ -109,11 +122,9 @@ def resolve(iterator):
     Called by the step guard once per call of a compiled step; an
     `EpochView` counts each call as `steps_per_execution` batches read.
     """
-    if isinstance(iterator, (DeferredIterator, EpochView)):
+    if isinstance(iterator, (ResolvingIterator, EpochView)):
         return iterator.resolve()
-    # An epoch of an `EpochSwitch` (models/epoch_switch.py).
-    resolver = getattr(iterator, "resolve", None)
-    return iterator if resolver is None else resolver()
+    return iterator
 
 
 class LongLivedIterator:

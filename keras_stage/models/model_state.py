@@ -7,6 +7,7 @@ measured costs of its calls (`CallCosts`) and, while a call runs, what
 binds its stages to its steps.
 """
 
+import contextlib
 import threading
 
 # Keras's compiled steps, by the phase keras_stage stages for them.
@@ -89,3 +90,19 @@ def drop_traced_steps(model, phase):
     kept = state(model).staged_functions
     for key in [k for k in kept if k[0] == phase]:
         del kept[key]
+
+
+@contextlib.contextmanager
+def set_aside(phase, *bindings):
+    """Within, `phase` has no entry in any of the dicts `bindings`.
+
+    Each entry it had is put back afterwards: what an outer call (or the
+    staged epochs of this one) bound for the phase.
+    """
+    saved = [binding.pop(phase, None) for binding in bindings]
+    try:
+        yield
+    finally:
+        for binding, value in zip(bindings, saved, strict=True):
+            if value is not None:
+                binding[phase] = value

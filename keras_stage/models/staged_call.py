@@ -40,6 +40,7 @@ from keras_stage.models.model_state import (
     FUNCTIONS,
     UNSTAGED_STEPS,
     drop_traced_steps,
+    set_aside,
 )
 from keras_stage.models.model_state import state as model_state
 from keras_stage.planner.state_access import all_layers
@@ -291,35 +292,27 @@ def _unstaged_steps(model, phases):
     """
     state = model_state(model)
     saved = {}
-    for phase in phases:
-        attr = FUNCTIONS[phase]
-        saved[phase] = (
-            getattr(model, attr, None),
-            state.active.get(phase),
-            state.runners.pop(phase, None),
-            state.recording.pop(phase, None),
-        )
-        setattr(
-            model, attr, state.staged_functions.get((phase, UNSTAGED_STEPS))
-        )
-        state.active[phase] = None
-    try:
-        yield
-    finally:
+    with contextlib.ExitStack() as stack:
         for phase in phases:
             attr = FUNCTIONS[phase]
-            state.staged_functions[(phase, UNSTAGED_STEPS)] = getattr(
-                model, attr, None
+            saved[phase] = (getattr(model, attr, None), state.active.get(phase))
+            stack.enter_context(
+                set_aside(phase, state.runners, state.recording)
             )
-            function, active, runner, recording = saved[phase]
-            setattr(model, attr, function)
-            state.active[phase] = active
-            for bindings, value in (
-                (state.runners, runner),
-                (state.recording, recording),
-            ):
-                if value is not None:
-                    bindings[phase] = value
+            unstaged = state.staged_functions.get((phase, UNSTAGED_STEPS))
+            setattr(model, attr, unstaged)
+            state.active[phase] = None
+        try:
+            yield
+        finally:
+            for phase in phases:
+                attr = FUNCTIONS[phase]
+                state.staged_functions[(phase, UNSTAGED_STEPS)] = getattr(
+                    model, attr, None
+                )
+                function, active = saved[phase]
+                setattr(model, attr, function)
+                state.active[phase] = active
 
 
 def _trunk_jit(model, splits):

@@ -34,6 +34,7 @@ from keras_stage.models.model_state import (
     MAKERS,
     UNSTAGED_STEPS,
     drop_traced_steps,
+    set_aside,
 )
 from keras_stage.models.model_state import state as _state
 
@@ -136,25 +137,15 @@ def run_whole_model(model, phase, iterator):
     epochs.
     """
     state = _state(model)
-    saved = (
-        state.active.get(phase),
-        state.recording.pop(phase, None),
-        state.placements.pop(phase, None),
-        state.staged_jit,
-    )
+    active, jit = state.active.get(phase), state.staged_jit
     state.active[phase] = None
     state.staged_jit = None
     try:
-        return reported(whole_model_step(model, phase)(iterator))[0]
+        with set_aside(phase, state.recording, state.placements):
+            return reported(whole_model_step(model, phase)(iterator))[0]
     finally:
-        active, recording, placement, state.staged_jit = saved
         state.active[phase] = active
-        for bindings, value in (
-            (state.recording, recording),
-            (state.placements, placement),
-        ):
-            if value is not None:
-                bindings[phase] = value
+        state.staged_jit = jit
 
 
 def track_iterator(state, phase, iterator):
