@@ -1,9 +1,9 @@
 """Short regimes: whole Keras calls, set-up included, staged against plain.
 
 `python -m benchmarks.regimes [--rounds N] [--quick] [--name NAME]
-[--models tabular,dense] [--regimes ...]` times sequences of `fit`,
+[--models tabular,dense] [--regimes ...] [--control]` times sequences of `fit`,
 `evaluate` and `predict` calls as a user makes them on numpy data, in
-three modes side by side in one process:
+three modes (four with `--control`) side by side in one process:
 
 - `plain`: the model as a `keras.Model`;
 - `staged`: keras_stage's three lines (`StagedInput()` on the inputs,
@@ -13,7 +13,10 @@ three modes side by side in one process:
   `dataset.map(num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE)` and a
   `keras.Model` of the numeric trunk (for the model with no preprocessing,
   the prefetch alone). The datasets are built inside the measurement, once
-  for its sequence of calls, as a user's script builds them.
+  for its sequence of calls, as a user's script builds them;
+- `plain_again` (with `--control`): a second plain model. Two equal modes
+  differ by this machine's noise alone, so its paired ratio to plain says
+  how far from 1 a ratio may be before it means anything.
 
 The suite of `benchmarks.run` times epochs from their first batch on, so a
 stage's start-up (pipelines built, functions traced, iterators made) per
@@ -62,6 +65,9 @@ RESULTS_DIR = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "results", "regimes"
 )
 MODES = ("plain", "staged", "expert")
+# `--control`: a second plain model, built and fed as plain is. Its paired
+# ratio to plain is what this run's noise alone makes of two equal modes.
+CONTROL = "plain_again"
 
 TIMED = (
     "One measurement is the whole sequence of calls of a regime (model "
@@ -342,7 +348,16 @@ class ExpertMode(PlainMode):
         return {"x": dataset.prefetch(tf.data.AUTOTUNE)}
 
 
-MODE_CLASSES = {mode.name: mode for mode in (PlainMode, StagedMode, ExpertMode)}
+class ControlMode(PlainMode):
+    """Plain again (`--control`): the noise floor of the paired ratios."""
+
+    name = CONTROL
+
+
+MODE_CLASSES = {
+    mode.name: mode
+    for mode in (PlainMode, StagedMode, ExpertMode, ControlMode)
+}
 
 
 # -- the regimes -----------------------------------------------------------
@@ -550,6 +565,7 @@ def summarize_regime(model_name, regime_name, records, sizes):
     }
     bound = target(model_name, regime_name)
     value = ratios["staged/plain"]["seconds"] if "staged" in records else None
+    control = ratios.get(f"{CONTROL}/plain", {}).get("seconds")
     return {
         "description": REGIMES[regime_name].describe(sizes),
         "modes": modes,
@@ -559,6 +575,8 @@ def summarize_regime(model_name, regime_name, records, sizes):
             "bound": bound,
             "value": value,
             "met": None if value is None else value <= bound,
+            # Above 1 by as much as staged, or more: the miss is noise.
+            "control": control,
         },
     }
 
@@ -602,9 +620,21 @@ def run_model(spec, regime_names, mode_names, rounds, sizes, log=print):
     return out
 
 
-def run(model_names, regime_names, rounds, sizes, log=print, argv=None):
-    """Runs the regimes of every model; returns the results as a dict."""
+def run(
+    model_names,
+    regime_names,
+    rounds,
+    sizes,
+    log=print,
+    argv=None,
+    control=False,
+):
+    """Runs the regimes of every model; returns the results as a dict.
+
+    `control`: adds the `CONTROL` mode (see `ControlMode`).
+    """
     started = time.perf_counter()
+    mode_names = MODES + ((CONTROL,) if control else ())
     before = environment.snapshot()
     results = {
         "schema_version": SCHEMA_VERSION,
@@ -613,7 +643,7 @@ def run(model_names, regime_names, rounds, sizes, log=print, argv=None):
         "config": {
             "models": model_names,
             "regimes": regime_names,
-            "modes": list(MODES),
+            "modes": list(mode_names),
             "rounds": rounds,
             "batch_size": BATCH_SIZE,
             "seed": SEED,
@@ -625,7 +655,7 @@ def run(model_names, regime_names, rounds, sizes, log=print, argv=None):
     }
     for name in model_names:
         results["models"][name] = run_model(
-            MODELS[name], regime_names, MODES, rounds, sizes, log
+            MODELS[name], regime_names, mode_names, rounds, sizes, log
         )
     results["load"] = environment.load_between(before, environment.snapshot())
     results["wall_seconds"] = time.perf_counter() - started
@@ -650,6 +680,9 @@ def format_table(results):
         f" {'staged/plain':>12} {'steps':>6} {'expert/plain':>12}"
         f" {'steps':>6}  target"
     )
+    control = CONTROL in results["config"]["modes"]
+    if control:
+        header += f"  ({CONTROL}/plain, steps)"
     for model, section in results["models"].items():
         lines += ["", f"{model}: {section['description']}", header]
         for regime, result in section["regimes"].items():
@@ -679,6 +712,12 @@ def format_table(results):
                 f" {_cell(ratio('expert', 'seconds'), '12.3f')}"
                 f" {_cell(ratio('expert', 'steps_seconds'), '6.3f')}"
                 f"  <= {check['bound']:.2f} {status}"
+                + (
+                    f"  ({_cell(ratio(CONTROL, 'seconds'), '.3f')},"
+                    f" {_cell(ratio(CONTROL, 'steps_seconds'), '.3f')})"
+                    if control
+                    else ""
+                )
             )
         for regime, result in section["regimes"].items():
             lines.append(f"  {regime}: {result['description']}")
@@ -722,6 +761,12 @@ def parse_args(argv=None):
         help=f"comma-separated, from {','.join(REGIMES)} (default: all)",
     )
     parser.add_argument(
+        "--control",
+        action="store_true",
+        help=f"add a second plain model ({CONTROL}): its paired ratio to "
+        "plain is the run's noise floor",
+    )
+    parser.add_argument(
         "--name", default="regimes", help="results file name (default regimes)"
     )
     parser.add_argument(
@@ -756,6 +801,7 @@ def main(argv=None):
         TINY if args.tiny else Sizes(),
         log=lambda line: print(line, flush=True),
         argv=["benchmarks.regimes", *argv],
+        control=args.control,
     )
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{args.name}.json")

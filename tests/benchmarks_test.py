@@ -835,6 +835,26 @@ def test_regimes_time_every_regime_and_mode(tmp_path, capsys):
     assert len(results["targets"]) == len(regimes.MODELS) * len(regimes.REGIMES)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_regimes_control_mode_is_a_second_plain_model(tmp_path, capsys):
+    from benchmarks import regimes
+
+    argv = ["--tiny", "--rounds", "1", "--models", "dense"]
+    argv += ["--regimes", "evaluate_x3", "--control", "--name", "control"]
+    assert regimes.main([*argv, "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "control.json") as f:
+        results = json.load(f)
+    assert results["config"]["modes"] == [*regimes.MODES, regimes.CONTROL]
+    regime = results["models"]["dense"]["regimes"]["evaluate_x3"]
+    assert type(regimes.MODE_CLASSES[regimes.CONTROL]("x", {})).__mro__[1] is (
+        regimes.PlainMode
+    )
+    control = regime["paired_ratios"][f"{regimes.CONTROL}/plain"]
+    assert regime["target"]["control"] == control["seconds"] > 0
+    assert f"({regimes.CONTROL}/plain, steps)" in capsys.readouterr().out
+
+
 def test_regimes_cli_and_targets(capsys):
     from benchmarks import regimes
 
