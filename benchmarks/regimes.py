@@ -355,8 +355,7 @@ class ControlMode(PlainMode):
 
 
 MODE_CLASSES = {
-    mode.name: mode
-    for mode in (PlainMode, StagedMode, ExpertMode, ControlMode)
+    mode.name: mode for mode in (PlainMode, StagedMode, ExpertMode, ControlMode)
 }
 
 
