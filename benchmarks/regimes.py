@@ -1,9 +1,10 @@
 """Short regimes: whole Keras calls, set-up included, staged against plain.
 
 `python -m benchmarks.regimes [--rounds N] [--quick] [--name NAME]
-[--models tabular,dense] [--regimes ...] [--control]` times sequences of `fit`,
-`evaluate` and `predict` calls as a user makes them on numpy data, in
-three modes (four with `--control`) side by side in one process:
+[--models tabular,dense] [--regimes ...] [--modes ...] [--control]` times
+sequences of `fit`, `evaluate` and `predict` calls as a user makes them on
+numpy data, in three modes (four with `--control`; `--modes` picks fewer)
+side by side in one process:
 
 - `plain`: the model as a `keras.Model`;
 - `staged`: keras_stage's three lines (`StagedInput()` on the inputs,
@@ -627,13 +628,19 @@ def run(
     log=print,
     argv=None,
     control=False,
+    modes=MODES,
 ):
     """Runs the regimes of every model; returns the results as a dict.
 
+    `modes`: the modes to time, plain first (paired ratios are to plain);
     `control`: adds the `CONTROL` mode (see `ControlMode`).
     """
     started = time.perf_counter()
-    mode_names = MODES + ((CONTROL,) if control else ())
+    mode_names = tuple(modes) + ((CONTROL,) if control else ())
+    if mode_names[0] != "plain" or len(set(mode_names)) != len(mode_names):
+        raise ValueError(
+            f"modes={mode_names!r}: plain must come first, each mode once"
+        )
     before = environment.snapshot()
     results = {
         "schema_version": SCHEMA_VERSION,
@@ -760,6 +767,13 @@ def parse_args(argv=None):
         help=f"comma-separated, from {','.join(REGIMES)} (default: all)",
     )
     parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="comma-separated, plain first, from "
+        f"{','.join(m for m in MODE_CLASSES if m != CONTROL)} (default: all); "
+        "fewer modes fit more rounds in the same time",
+    )
+    parser.add_argument(
         "--control",
         action="store_true",
         help=f"add a second plain model ({CONTROL}): its paired ratio to "
@@ -774,7 +788,12 @@ def parse_args(argv=None):
         help="output folder (default: benchmarks/results/regimes)",
     )
     args = parser.parse_args(argv)
-    for option, known in (("models", MODELS), ("regimes", REGIMES)):
+    modes = {name: MODE_CLASSES[name] for name in MODES}
+    for option, known in (
+        ("models", MODELS),
+        ("regimes", REGIMES),
+        ("modes", modes),
+    ):
         names = [n.strip() for n in getattr(args, option).split(",") if n]
         unknown = [n for n in names if n not in known]
         if unknown or not names:
@@ -782,6 +801,10 @@ def parse_args(argv=None):
                 f"--{option}: unknown {unknown}; choose from {list(known)}"
             )
         setattr(args, option, names)
+    if args.modes[0] != "plain":
+        parser.error(
+            f"--modes: plain comes first (ratios are to it): {args.modes}"
+        )
     if args.rounds is None:
         args.rounds = QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS
     if args.rounds < 1:
@@ -801,6 +824,7 @@ def main(argv=None):
         log=lambda line: print(line, flush=True),
         argv=["benchmarks.regimes", *argv],
         control=args.control,
+        modes=args.modes,
     )
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{args.name}.json")
