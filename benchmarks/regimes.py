@@ -590,8 +590,8 @@ def run_model(spec, regime_names, mode_names, rounds, sizes, log=print):
     out = {"description": spec.description, "regimes": {}}
     for regime_name in regime_names:
         regime = REGIMES[regime_name]
-        # After every model is built: on TF 2.21 a traced model's first
-        # step costs ~100 ms again once another model has been traced.
+        # After every model is built: a traced model's first step is slow
+        # again once another model has been traced (TF 2.21).
         if regime.warm_up:
             for mode in modes.values():
                 measure(regime, mode, sizes)

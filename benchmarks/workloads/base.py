@@ -71,8 +71,8 @@ class Workload:
     name = ""
     description = ""
     default_batch_size = 256
-    # Batches per epoch of `make bench` and of `make bench-quick`: sized so
-    # an epoch of the slowest mode takes a few seconds here (resp. ~1 s).
+    # Batches per epoch of `make bench` and of `make bench-quick`: enough
+    # steps that an epoch's time is mostly steps, not its start and end.
     default_steps = 40
     quick_steps = 12
     # Default repetitions of `make bench` (and `make bench-quick`) times

@@ -159,14 +159,12 @@ class CriteoWorkload(Workload):
     default_batch_size = 512
     default_steps = 100
     quick_steps = 25
-    # Its 5% target ("no slower than expert") is smaller than the 10-20%
-    # single repetitions of a mode spread here: 7 cannot settle it.
+    # Its 5% target ("no slower than expert") is smaller than the spread
+    # of single repetitions of a mode: more repetitions settle it.
     reps_factor = 3
-    # At these sizes (`--trunk light`) a training step of the trunk takes
-    # 3-5x as long as parsing the batch (trunk alone 4.2-5.3 ms/step and
-    # 6.3-7.4 ms of CPU, parsing 1.4-1.5 ms of CPU per batch on the 2-core
-    # reference machine in the 321d727 runs): the same order, as issue 4
-    # asks.
+    # At these sizes (`--trunk light`) a training step of the trunk and
+    # parsing its batch are of the same order, as issue 4 asks (the
+    # run's `compute-bound` and `input-bound` modes time each alone).
     # `--trunk heavy` makes the MLPs 4x wider.
     bottom_widths = (32,)
     top_widths = (128, 64)

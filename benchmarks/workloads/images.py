@@ -111,8 +111,8 @@ class ImagesWorkload(Workload):
     default_batch_size = 64
     default_steps = 60
     quick_steps = 20
-    # Its 5% target ("no slower than expert") is smaller than the 10-20%
-    # single repetitions of a mode spread here: 7 cannot settle it.
+    # Its 5% target ("no slower than expert") is smaller than the spread
+    # of single repetitions of a mode: more repetitions settle it.
     reps_factor = 3
     filters = (16, 32, 64)
 

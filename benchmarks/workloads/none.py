@@ -25,8 +25,8 @@ class NoneWorkload(Workload):
     default_batch_size = 256
     default_steps = 400
     quick_steps = 150
-    # Its target is 3% of a ~1 ms step, and single repetitions of one mode
-    # spread by 10-15% here: 7 repetitions cannot settle it.
+    # Its target (3% of a short step) is smaller than the spread of single
+    # repetitions of one mode: more repetitions settle it.
     reps_factor = 3
     widths = (256, 256)
 
