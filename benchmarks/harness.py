@@ -9,8 +9,8 @@ This module owns the protocol. For each workload, in one process:
    PrefetchCallback verdict of the second suggests;
 3. warm up: one untimed repetition of every mode, in the timed order.
    Warming up after every model is built matters: on TensorFlow 2.21 the
-   first step of a traced model costs ~100 ms again after *another*
-   model has been traced (not a retrace; the tracing count stays 1), so
+   first step of a traced model is slow again after *another* model has
+   been traced (not a retrace; the tracing count stays 1), so
    a mode warmed up before the others were built would pay it in its
    first timed repetition;
 4. run the timed repetitions interleaved, `plain expert staged
@@ -98,10 +98,10 @@ def _collect_garbage():
     Called after every repetition, outside the timed windows. A finished
     `fit` leaves its iterators and pipelines in reference cycles; freed by
     an automatic collection, they would be freed at a random later time,
-    inside another mode's timed window: a generation-0 collection of 39
-    objects has been seen to block for 2.3 s in native destructors during a
-    staged fit. Collected here, that cost is recorded against the mode that
-    left it (`cleanup_seconds`) and is timed in no mode.
+    inside another mode's timed window, where even a small generation-0
+    collection can block in their native destructors for many steps.
+    Collected here, that cost is recorded against the mode that left it
+    (`cleanup_seconds`) and is timed in no mode.
     """
     started = time.perf_counter()
     gc.collect()
@@ -351,8 +351,8 @@ def add_ratios(result):
     the median over the rounds of the mode's time per step over plain's
     in the same round (the limit's: the slower of compute-bound and
     input-bound in that round), and `paired_speedup_vs_plain` the median
-    of the inverse ratios. A single repetition here spreads by 10-20% with
-    the machine's load, which moves every mode of a round alike: the
+    of the inverse ratios. A single repetition's time moves with the
+    machine's load, which moves every mode of a round alike: the
     paired ratio cancels that, where the ratio of medians takes each
     side's median from different rounds.
 

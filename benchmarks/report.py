@@ -1,5 +1,7 @@
 """The outputs of a run: the JSON file, the printed table, the PNG chart.
 
+The charts of the docs, drawn from a results file, are `benchmarks.plots`.
+
 This module owns how results are presented; it computes nothing that is
 not derived from the results dict of `benchmarks.harness.run_benchmark`,
 except the informational target checks (`target_checks`), which compare
@@ -12,6 +14,7 @@ import os
 import textwrap
 
 from benchmarks.modes import MODE_ORDER
+from benchmarks.plots import COLORS
 
 # The project's goals for `staged` on the 2-core reference machine
 # (issue 4): (workload, ratio key, comparison, bound, wording).
@@ -25,15 +28,6 @@ TARGETS = (
     ("images", "ratio_to_expert", "<=", 1.05, "no slower than expert"),
     ("none", "ratio_to_plain", "<=", 1.03, "within 3% of plain"),
 )
-
-_COLORS = {
-    "plain": "#7f7f7f",
-    "expert": "#1f77b4",
-    "staged": "#d62728",
-    "staged-tuned": "#ff9896",
-    "compute-bound": "#2ca02c",
-    "input-bound": "#9467bd",
-}
 
 
 def target_checks(results):
@@ -362,7 +356,7 @@ def plot_chart(results, path):
                 yerr=[low, high],
                 capsize=2,
                 label=mode,
-                color=_COLORS.get(mode),
+                color=COLORS.get(mode),
             )
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(workloads)))

@@ -12,10 +12,10 @@ try:
 except ImportError as e:
     raise ImportError(
         "keras_stage needs TensorFlow 2.16-2.21 (Keras 3 with the TensorFlow "
-        "backend), and it is not installed. Install it with "
-        "`pip install keras-stage[tensorflow]` (or "
-        "`pip install keras-stage[tensorflow-cpu]` on machines without a "
-        "GPU)."
+        "backend), and it is not installed. Install the tested version with "
+        "`pip install tensorflow-cpu==2.21.0` (`pip install "
+        "tensorflow[and-cuda]==2.21.0` for a GPU), or run "
+        '`pip install -e ".[tensorflow-cpu]"` in the keras_stage checkout.'
     ) from e
 
 from keras_stage import callbacks as callbacks
@@ -24,13 +24,11 @@ from keras_stage import layers as layers
 from keras_stage.data.devices import configure_streams as configure_streams
 from keras_stage.models import Model as Model
 from keras_stage.models import Sequential as Sequential
-from keras_stage.planner import BoundaryTensor as BoundaryTensor
 from keras_stage.planner import StagePlan as StagePlan
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BoundaryTensor",
     "Model",
     "Sequential",
     "StagePlan",

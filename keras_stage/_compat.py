@@ -51,15 +51,14 @@ def inline_map(dataset, fn, name):
 
     The stage's own per-element functions are a handful of tiny ops
     (counters, timestamps). A sequential map hands each op to tf.data's
-    inter-op thread pool, and those hand-offs cost more than the ops:
-    measured here, 46 us of wall and 153 us of CPU time per element for
-    the counting map against 30 and 45 inline, several percent of a short
-    training step on 2 cores. The switch (`use_inter_op_parallelism=False`,
-    TF's single-threaded executor) is only on TensorFlow's private
-    `_MapDataset`; should it move, this is the public map (slower, same
-    result) and `tests/data/engine_boundary_test.py` fails. `fn` must hold
-    no control flow (that executor rejects it), so never pass a user's
-    function here.
+    inter-op thread pool, and those hand-offs (thread wake-ups) cost more
+    wall and CPU time than the ops, which a short training step on few
+    cores feels (the `none` benchmark measures it). The switch
+    (`use_inter_op_parallelism=False`, TF's single-threaded executor) is
+    only on TensorFlow's private `_MapDataset`; should it move, this is
+    the public map (slower, same result) and
+    `tests/data/engine_boundary_test.py` fails. `fn` must hold no control
+    flow (that executor rejects it), so never pass a user's function here.
     """
     map_dataset = private_map_dataset()
     if map_dataset is None:

@@ -868,3 +868,203 @@ def test_regimes_cli_and_targets(capsys):
     assert regimes.target("tabular", "short_epochs") == 1.0
     assert regimes.target("tabular", "fresh_model") == 1.10
     assert regimes.target("dense", "predict8_x10") == 1.5
+
+
+# -- the history table and the charts (no benchmark runs) -------------------
+
+
+def _times(median):
+    return {"median": median, "min": 0.9 * median, "max": 1.2 * median}
+
+
+def _tiny_bench_results():
+    """A `benchmarks.run` results file of one workload, cut to the bone."""
+    modes = {}
+    for mode, call, steps in (
+        ("plain", 0.004, 0.003),
+        ("expert", 0.0036, 0.0028),
+        ("staged", 0.002, 0.0019),
+        ("compute-bound", 0.0018, 0.0017),
+    ):
+        modes[mode] = {
+            "call_seconds_per_step": _times(call),
+            "seconds_per_step": _times(steps),
+            "reps": [{}, {}],
+            "paired_ratio_to_plain": call / 0.004,
+            "paired_ratio_to_expert": call / 0.0036,
+            "paired_ratio_to_limit": call / 0.0018,
+            "steps_paired_ratio_to_plain": steps / 0.003,
+            "steps_paired_ratio_to_expert": steps / 0.0028,
+            "steps_paired_ratio_to_limit": steps / 0.0017,
+        }
+    return {
+        "name": "tiny",
+        "created": "2026-11-25T13:16:20+0000",
+        "config": {"reps": 2, "trunk": "light", "remote_read": "tf"},
+        "environment": {
+            "git_commit": "0123456789abcdef",
+            "git_dirty": False,
+            "tensorflow": "2.21.0",
+            "keras": "3.15.1",
+            "usable_cpus": 2,
+            "gpus": 0,
+        },
+        "workloads": {
+            "remote": {
+                "info": {"steps": 4, "batch_size": 8},
+                "limit": {
+                    "seconds_per_step": 0.0017,
+                    "call_seconds_per_step": 0.0018,
+                },
+                "modes": modes,
+            }
+        },
+    }
+
+
+def _tiny_regimes_results():
+    """A `benchmarks.regimes --control` results file of one regime."""
+    ratios = {
+        "staged/plain": 1.02,
+        "expert/plain": 0.6,
+        "plain_again/plain": 1.01,
+    }
+    return {
+        "created": "2026-11-25T16:07:00+0000",
+        "config": {"rounds": 3},
+        "environment": {
+            "git_commit": "fedcba9876543210",
+            "git_dirty": True,
+            "tensorflow": "2.21.0",
+            "keras": "3.15.1",
+            "usable_cpus": 2,
+            "gpus": 0,
+        },
+        "models": {
+            "dense": {
+                "regimes": {
+                    "evaluate_x3": {
+                        "description": "evaluate on 20 batches, 3 calls",
+                        "modes": {
+                            mode: {
+                                "seconds_median": 0.2 * ratio,
+                                "steps_seconds_median": 0.05,
+                            }
+                            for mode, ratio in (
+                                ("plain", 1.0),
+                                ("staged", 1.02),
+                                ("expert", 0.6),
+                                ("plain_again", 1.01),
+                            )
+                        },
+                        "paired_ratios": {
+                            name: {"seconds": value, "steps_seconds": 1.0}
+                            for name, value in ratios.items()
+                        },
+                        "target": {"bound": 1.05, "value": 1.02, "met": True},
+                    }
+                }
+            }
+        },
+    }
+
+
+def test_history_rows_copy_each_familys_figures(tmp_path):
+    from benchmarks import history
+
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps(_tiny_bench_results()))
+    regimes = tmp_path / "regimes.json"
+    regimes.write_text(json.dumps(_tiny_regimes_results()))
+    switch = tmp_path / "switch.json"
+    switch.write_text(
+        json.dumps(
+            {
+                "workload": "criteo",
+                "epochs": 6,
+                "steps_per_epoch": 50,
+                "rounds": 5,
+                "median_seconds": {"plain": 3.5, "staged": 3.4},
+                "ratio_to_plain": {"plain": 1.0, "staged": 0.983},
+                "environment": {"git_commit": "9093412aa", "git_dirty": True},
+            }
+        )
+    )
+    overlap = tmp_path / "overlap.txt"
+    overlap.write_text(
+        "# python -m benchmarks.criteo_overlap 12, 2026-11-24, at 8be8295 "
+        "(run 4)\n"
+        f"{'mode':<34} ms/step  CPU ms/step  time / plain (paired)  speedup\n"
+        f"{'plain':<34}   6.46         9.65       1.000     1.000\n"
+        f"{'staged':<34}   6.01         8.65       1.008     0.993\n"
+        f"{'trunk alone':<34}   4.55         7.00       0.791     1.264\n"
+    )
+    table = tmp_path / "history.csv"
+    files = [str(p) for p in (bench, regimes, switch, overlap)]
+    assert history.update(files, str(table)) == 6
+    # A second pass adds nothing: a row is known by its run and medians.
+    assert history.update(files, str(table)) == 0
+    rows = {(r["family"], r["timing"]): r for r in history.read(str(table))}
+    call = rows["bench", "call"]
+    assert (call["commit"], call["date"]) == ("0123456", "2026-11-25 13:16")
+    assert (call["plain"], call["staged"], call["limit"]) == (
+        "4.00",
+        "2.00",
+        "1.80",
+    )
+    assert call["staged/plain"] == "0.500"
+    assert call["ratios"] == "paired"
+    assert call["other"] == "compute-bound 1.80 (0.450)"
+    assert rows["bench", "steps"]["staged/limit"] == f"{0.0019 / 0.0017:.3f}"
+    regime = rows["regimes", "call"]
+    assert regime["commit"] == "fedcba9+"
+    assert regime["workload"] == "dense evaluate_x3"
+    assert (regime["staged/plain"], regime["control/plain"]) == (
+        "1.020",
+        "1.010",
+    )
+    assert rows["regimes", "steps"]["plain"] == "0.050"
+    assert rows["epoch_switch", "call"]["staged/plain"] == "0.983"
+    overlap_row = rows["criteo_overlap", "steps"]
+    assert (overlap_row["commit"], overlap_row["rounds"]) == ("8be8295", "12")
+    assert overlap_row["staged/plain"] == "1.008"
+    assert overlap_row["other"] == "trunk alone 4.55 (0.791)"
+
+
+@pytest.mark.parametrize(
+    "results", [_tiny_bench_results, _tiny_regimes_results]
+)
+def test_plots_write_a_png(tmp_path, results):
+    from benchmarks import plots
+
+    path = tmp_path / "chart.png"
+    assert plots.main([_write(tmp_path, results()), str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _write(folder, results):
+    path = folder / "results.json"
+    path.write_text(json.dumps(results))
+    return str(path)
+
+
+def test_plots_reject_other_files():
+    from benchmarks import plots
+
+    with pytest.raises(ValueError, match="Received keys: \\['workload'\\]"):
+        plots.plot({"workload": "criteo"}, "unused.png")
+
+
+def test_history_and_plots_import_no_tensorflow():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, benchmarks.history, benchmarks.plots; "
+        "sys.exit('tensorflow' in sys.modules or 'keras' in sys.modules)"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, timeout=60, check=False
+    )
+    assert done.returncode == 0

@@ -176,6 +176,17 @@ def test_every_public_name_has_an_api_entry():
     )
 
 
+def test_every_api_entry_is_a_public_name():
+    # Internals stay importable but leave the reference: an entry for a name
+    # in no `__all__` documents what users should not call.
+    public = {name for name, _ in public_names()}
+    internal = sorted(api_directives() - public)
+    assert not internal, (
+        f"API entries for names in no `__all__`: {internal}. Remove them "
+        "from docs/api/, or make the name public (tests/api_test.py)."
+    )
+
+
 def test_every_public_module_has_a_page():
     titles = api_titles()
     modules = [name for name, is_module in public_names() if is_module]
@@ -224,3 +235,82 @@ def test_the_migration_guide_maps_every_deeprec_option():
     assert not missing, (
         f"DeepRec options without a row in docs/migration.md: {missing}"
     )
+
+
+def readme_sections():
+    """The README's `## ` headings, in order, mapped to their text."""
+    readme = (ROOT / "README.md").read_text()
+    parts = re.split(r"^## (.+)$", readme, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def test_the_readme_is_short():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) < 200, (
+        f"README.md has {len(lines)} lines; keep it under 200 (what it is, "
+        "the speed table, install, one example, links) and put the rest "
+        "in docs/."
+    )
+
+
+def test_the_readme_reads_in_a_newcomers_order():
+    headings = list(readme_sections())
+    expected = ["Speed", "Install", "Example", "Documentation"]
+    assert [h for h in headings if h in expected] == expected, headings
+
+
+def test_the_readme_keeps_its_two_setup_commands():
+    install = readme_sections()["Install"]
+    assert "make demo" in install
+    # `make test` says how long it takes, on the line that names it.
+    assert re.search(r"make test\b.*\b\d+ minutes", install), (
+        "The README's install section must say how long `make test` takes."
+    )
+
+
+def test_the_readme_links_the_moved_pages():
+    readme = (ROOT / "README.md").read_text()
+    targets = set(re.findall(r"\]\(([^)#\s]+)", readme))
+    for page in ("docs/demo.md", "docs/limitations.md", "CONTRIBUTING.md"):
+        assert page in targets, f"README.md does not link {page}"
+        assert (ROOT / page).is_file(), f"{page} does not exist"
+
+
+def test_the_readme_links_every_guide():
+    # Every topic of the docs is findable from the README by its name.
+    readme = (ROOT / "README.md").read_text()
+    guides = [p for p in doc_pages() if not p.startswith("api/")]
+    missing = [p for p in guides if f"(docs/{p}" not in readme]
+    assert not missing, f"README.md does not link these pages: {missing}"
+    assert "(docs/api/keras_stage.md)" in readme
+
+
+def test_the_docs_index_links_every_guide():
+    index = (DOCS / "index.md").read_text()
+    guides = [
+        p for p in doc_pages() if not p.startswith("api/") and p != "index.md"
+    ]
+    missing = [p for p in guides if f"]({p}" not in index]
+    assert not missing, f"docs/index.md does not link these pages: {missing}"
+
+
+def test_the_readme_troubleshooting_names_the_fixes():
+    sections = readme_sections()
+    assert "Troubleshooting" in sections, "README.md has no Troubleshooting"
+    text = sections["Troubleshooting"]
+    for name in ("keras_stage.Model", "smart_stage", "PrefetchCallback"):
+        assert name in text, f"Troubleshooting does not name {name}"
+    assert "ImportError" in text and "tensorboard" in text
+
+
+def test_contributing_names_the_development_targets():
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    for target in (
+        "make test",
+        "make test-io",
+        "make lint",
+        "make docs",
+        "make bench",
+        ".venv-io",
+    ):
+        assert target in text, f"CONTRIBUTING.md does not mention {target}"

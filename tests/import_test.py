@@ -1,9 +1,14 @@
 """Importing keras_stage without TensorFlow names the fix."""
 
+import configparser
+import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(120)
@@ -24,5 +29,17 @@ def test_missing_tensorflow_names_the_fix():
         check=True,
     ).stdout
     assert "keras_stage needs TensorFlow" in out
-    assert "pip install keras-stage[tensorflow]" in out
-    assert "keras-stage[tensorflow-cpu]" in out
+    # The commands work: the pinned TensorFlow of the primary environment,
+    # and the checkout's own extra (keras-stage is on no package index).
+    pinned = re.search(
+        r"^tensorflow-cpu==(\S+)$",
+        (ROOT / "requirements" / "primary.txt").read_text(),
+        re.MULTILINE,
+    ).group(1)
+    assert f"`pip install tensorflow-cpu=={pinned}`" in out
+    assert f"`pip install tensorflow[and-cuda]=={pinned}`" in out
+    assert '`pip install -e ".[tensorflow-cpu]"` in the keras_stage' in out
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    assert "tensorflow-cpu" in setup["options.extras_require"]
+    assert "keras-stage[" not in out

@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 
 from keras_stage.data.options import usable_cpus
+from keras_stage.layers.staged_input import StagedInput, warn_not_staged
 
 logger = logging.getLogger("keras_stage")
 
@@ -23,8 +24,7 @@ logger = logging.getLogger("keras_stage")
 # input-bound.
 _INPUT_BOUND_WAIT_RATIO = 0.1
 # Suggested threads keep this margin over the bare rule of thumb: with
-# exactly prepare / train workers any jitter makes the step wait (on the
-# remote benchmark, 9 suggested threads waited 18% of the epoch).
+# exactly prepare / train workers, any jitter in either makes the step wait.
 _THREADS_HEADROOM = 1.25
 # The smallest suggested buffer: one batch being taken while the next waits.
 _MIN_SUGGESTED_CAPACITY = 2
@@ -50,6 +50,24 @@ def _snapshot(staged):
         **staged.stats.snapshot(),
         "process_cpu_seconds": _process_cpu_seconds(),
     }
+
+
+def _require_tensorboard(log_dir):
+    """Raises a clear error now if TensorBoard cannot write `log_dir`'s files.
+
+    TensorFlow no longer installs TensorBoard, and `tf.summary.scalar`
+    imports it only when it writes: at the end of the first epoch.
+    """
+    try:
+        import tensorboard.summary.v2  # noqa: F401  (what tf.summary uses)
+    except ImportError as e:
+        raise ImportError(
+            "PrefetchCallback(log_dir=...) writes TensorBoard event files, "
+            "which needs the `tensorboard` package, and it is not installed. "
+            "Install it with `pip install tensorboard` (or "
+            '`pip install -e ".[tensorboard]"` in the keras_stage checkout), '
+            f"or pass log_dir=None. Received: log_dir={log_dir!r}"
+        ) from e
 
 
 class _Binding:
@@ -126,7 +144,9 @@ class PrefetchCallback(keras.callbacks.Callback):
     compute-bound, and what to change, by DeepRec's rules of thumb
     (`num_threads >= preprocessing time / training time`,
     `capacity ~ compute time / wait time`). The latest verdict is also in
-    `callback.verdict` as a dict.
+    `callback.verdict` as a dict. On a model with no stage (a plain Keras
+    model, or a keras_stage model with neither a `StagedInput` nor
+    `smart_stage`) it logs a warning instead, once, naming the fix.
 
     A stage that leaves its threads to keras_stage (`num_threads="auto"`,
     no `thread_pool_size`) is also retuned by the verdict: its private
@@ -151,7 +171,8 @@ class PrefetchCallback(keras.callbacks.Callback):
         verbose: 1 prints the verdict each epoch, 0 only logs it at debug
             level. Defaults to `0`.
         log_dir: Folder for TensorBoard event files of the stage's
-            figures, or `None` for none. Defaults to `None`.
+            figures (needs the `tensorboard` package), or `None` for none.
+            Defaults to `None`.
 
     Attributes:
         verdict: The latest training epoch's verdict, a dict with
@@ -194,9 +215,13 @@ class PrefetchCallback(keras.callbacks.Callback):
                 "Invalid value for argument `log_dir`. Expected a folder "
                 f"path or None. Received: log_dir={log_dir!r}"
             )
+        if log_dir is not None:
+            _require_tensorboard(log_dir)
         self.verbose = int(verbose)
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self._writer = None
+        # Once per callback, not per fit: see `_warn_without_stage`.
+        self._warned_without_stage = False
         self.verdict = None
         self._bindings = {}
         self._epoch_start = None
@@ -244,13 +269,14 @@ class PrefetchCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self.verdict = None
         self._tracing_epoch = True
+        self._warn_without_stage()
 
     def on_train_batch_end(self, batch, logs=None):
         if not self._tracing_epoch or self._snapshot is None:
             return
-        # The fit's first step traces the step function (a second or more,
-        # against milliseconds per step after): the first epoch's figures
-        # start after it, or its verdict would blame the input for tracing.
+        # The fit's first step also traces the step function, which takes
+        # far longer than a step: the first epoch's figures start after it,
+        # or its verdict would blame the input for tracing.
         self._tracing_epoch = False
         binding = self._bindings.get("train")
         if binding is not None:
@@ -271,16 +297,66 @@ class PrefetchCallback(keras.callbacks.Callback):
             # Validation inside fit: the training part of the epoch ends.
             self._train_time = time.time() - self._epoch_start
             self._train_cpu = _process_cpu_seconds()
+        self._warn_without_stage()
         self._begin_phase("test")
 
     def on_test_end(self, logs=None):
         self._end_phase("test")
 
     def on_predict_begin(self, logs=None):
+        self._warn_without_stage()
         self._begin_phase("predict")
 
     def on_predict_end(self, logs=None):
         self._end_phase("predict")
+
+    def _warn_without_stage(self):
+        """Warns once if the callback's model has no stage to report.
+
+        A keras_stage model with a stage is not warned, even for a call it
+        runs unstaged: it logs why (`keras_stage.models.adaptive`).
+        """
+        model = self.model
+        if self._warned_without_stage or model is None:
+            return
+        staged_inputs = [
+            layer
+            for layer in getattr(model, "layers", ())
+            if isinstance(layer, StagedInput)
+        ]
+        # keras_stage models have `smart_stage` (they import this module,
+        # which therefore cannot import their class).
+        smart_stage = getattr(model, "smart_stage", None)
+        if smart_stage is None and staged_inputs:
+            for layer in staged_inputs:
+                warn_not_staged(
+                    layer,
+                    f"its model '{model.name}' is a plain Keras "
+                    f"`{type(model).__name__}` (so PrefetchCallback has no "
+                    "stage to report)",
+                )
+        elif smart_stage is None:
+            logger.warning(
+                "PrefetchCallback has no stage to report: model '%s' is a "
+                "plain Keras `%s`, which runs none. Build it with "
+                "`keras_stage.Model` or `keras_stage.Sequential`, with a "
+                "`keras_stage.layers.StagedInput` right after its inputs (or "
+                "compiled with `smart_stage=True`).",
+                model.name,
+                type(model).__name__,
+            )
+        elif not staged_inputs and not smart_stage:
+            logger.warning(
+                "PrefetchCallback has no stage to report: model '%s' has no "
+                "`keras_stage.layers.StagedInput` among its layers and is "
+                "compiled without `smart_stage`, so it trains like a plain "
+                "Keras model. Put a `StagedInput` right after its inputs, or "
+                "compile it with `smart_stage=True`.",
+                model.name,
+            )
+        else:
+            return
+        self._warned_without_stage = True
 
     def _begin_phase(self, phase):
         binding = self._bindings.get(phase)
@@ -426,6 +502,10 @@ class PrefetchCallback(keras.callbacks.Callback):
         """Writes the epoch's figures as TensorBoard scalars (`log_dir`)."""
         if self.log_dir is None:
             return
+        # A writer of its own, not a `keras.callbacks.TensorBoard`: that
+        # one writes only epoch logs (`stage_*` among them, when the user
+        # adds it), and the verdict's figures are no logs (as logs they
+        # would fill History and the progress bar).
         if self._writer is None:
             self._writer = tf.summary.create_file_writer(
                 os.path.join(self.log_dir, "stage")
@@ -530,10 +610,11 @@ def verdict(stats, options, pool_size=None):
     The stage delivers a batch every max(source, prepare / num_threads)
     seconds: the pipeline before the stage hands it one batch at a time
     (`source`), and `num_threads` workers run the staged computation
-    (`prepare`). The source's time is not measured per batch (that costs
-    the step a few percent); an input-bound stage that delivered batches
-    much slower (`_SOURCE_BOUND_FACTOR`) than its threads compute them was
-    starved by its source, whose time per batch is then the stage's pace.
+    (`prepare`). The source's time is not measured per batch (a clock on
+    every batch would slow every step); an input-bound stage that
+    delivered batches much slower (`_SOURCE_BOUND_FACTOR`) than its
+    threads compute them was starved by its source, whose time per batch
+    is then the stage's pace.
     Input-bound runs are told which of the two to fix. `pool_size`: the
     threads of the pool the epoch ran on, if the stage's pool is resized
     between epochs. An epoch whose wait or staged computation was not

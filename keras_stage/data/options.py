@@ -1,11 +1,18 @@
-"""Stage options: the DeepRec `tf.staged` knobs, validated once.
+"""Stage options: the DeepRec `tf.staged` knobs, defined and validated once.
 
-`StageOptions` owns argument checking for every public entry point
-(`keras_stage.data.stage`, `StagedInput`), so a bad value gets the same
-message wherever it is passed. It knows nothing of Keras.
+`OPTIONS` is the one table of the options: name, default, check and
+documentation of each. `StageOptions` validates from it, so a bad value gets
+the same message wherever it is passed; `keras_stage.data.stage`,
+`StagedInput` and `StageOptions` draw their `Args:` entries from it
+(`document_options`), and `StagedInput.get_config` its keys. It knows
+nothing of Keras.
 """
 
+import builtins
+import importlib
+import inspect
 import os
+import textwrap
 
 import tensorflow as tf
 
@@ -17,6 +24,7 @@ from keras_stage.data.service import (
 )
 
 AUTO = "auto"
+"""The value of an option left to keras_stage (or tf.data's autotuning)."""
 
 # Upper bound for the private pool when `num_threads="auto"`: staged work is
 # often waiting on IO, so concurrency may usefully exceed the core count.
@@ -25,6 +33,9 @@ _AUTO_POOL_PER_CPU = 4
 # How far past its starting size an adaptive pool grows for a stage that
 # waits on IO (`StagePool.most`).
 _AUTO_POOL_GROWTH = 4
+# The buffer of a host stage with nothing to compute and capacity "auto"
+# (tf.data's autotuner would keep it at about one element).
+IDLE_CAPACITY = 8
 
 
 def usable_cpus():
@@ -35,11 +46,61 @@ def usable_cpus():
         return os.cpu_count() or 1
 
 
+def exception_name(cls):
+    """The name a saved config stores exception class `cls` under."""
+    if getattr(tf.errors, cls.__name__, None) is cls:
+        return f"tf.errors.{cls.__name__}"
+    if getattr(builtins, cls.__name__, None) is cls:
+        return cls.__name__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def exception_class(name, argument):
+    """The exception class `name` names (as `exception_name` wrote it)."""
+    if not isinstance(name, str):
+        return name
+    found = _find_exception(name)
+    if found is None:
+        raise ValueError(
+            f"Invalid value for argument `{argument}`: cannot find the "
+            f"exception class {name!r}. Use a class, or a name such as "
+            '"tf.errors.DataLossError", "ValueError" or '
+            '"my_package.errors.CorruptRecordError" (import the module that '
+            f"defines it before loading). Received: {argument} containing "
+            f"{name!r}"
+        )
+    return found
+
+
+def _find_exception(name):
+    if name.startswith("tf.errors."):
+        return getattr(tf.errors, name[len("tf.errors.") :], None)
+    if "." not in name:
+        return getattr(builtins, name, None)
+    # "package.module.Outer.Inner": the module is the longest importable
+    # prefix, the rest is the class's __qualname__.
+    parts = name.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for attribute in parts[split:]:
+            found = getattr(found, attribute, None)
+            if found is None:
+                return None
+        return found
+    return None
+
+
+# -- checks: each returns the value normalised or raises naming the argument
+
+
 def _is_positive_int(value):
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _check_auto_or_positive_int(name, value):
+def _auto_or_positive_int(name, value):
     if value == AUTO or _is_positive_int(value):
         return value
     raise ValueError(
@@ -48,7 +109,7 @@ def _check_auto_or_positive_int(name, value):
     )
 
 
-def _check_exception_types(name, value):
+def _exception_types(name, value):
     if isinstance(value, type):
         value = (value,)
     if not isinstance(value, (tuple, list)):
@@ -67,49 +128,347 @@ def _check_exception_types(name, value):
     return tuple(value)
 
 
+def _seconds_or_none(name, value):
+    if value is None:
+        return None
+    # `not value > 0` also rejects NaN.
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not value > 0
+    ):
+        raise ValueError(
+            f"Invalid value for argument `{name}`. Expected a positive "
+            f"number of seconds or None. Received: {name}={value!r}"
+        )
+    return float(value)
+
+
+def _positive_int_or_none(name, value):
+    if value is None or _is_positive_int(value):
+        return value
+    raise ValueError(
+        f"Invalid value for argument `{name}`. Expected a positive int or "
+        f"None. Received: {name}={value!r}"
+    )
+
+
+def _bool(name, value):
+    if isinstance(value, bool):
+        return value
+    raise ValueError(
+        f"Invalid value for argument `{name}`. Expected True or False. "
+        f"Received: {name}={value!r}"
+    )
+
+
+def _stage_name(name, value):
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(
+            f"Invalid value for argument `{name}`. Expected a non-empty "
+            f"string or None. Received: {name}={value!r}"
+        )
+    if value is not None and not value.isidentifier():
+        raise ValueError(
+            f"Invalid value for argument `{name}`. Expected letters, digits "
+            "and underscores, not starting with a digit (tf.data names the "
+            f"stage's transformations after it). Received: {name}={value!r}"
+        )
+    return value
+
+
+def _device(name, value):
+    # Only the form: which devices exist is known once TensorFlow has
+    # initialised them (see `devices.resolve_device`).
+    return validate_device_argument(value)
+
+
+def _stream(name, value):
+    if value is None or (
+        isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    ):
+        return value
+    raise ValueError(
+        f"Invalid value for argument `{name}`. Expected None or a "
+        "non-negative int (a stream made by keras_stage.configure_streams). "
+        f"Received: {name}={value!r}"
+    )
+
+
+def _auto_or_bool(name, value):
+    # `1 == True` and `0 == False`: only the bools themselves are accepted.
+    if value == AUTO or isinstance(value, bool):
+        return value
+    raise ValueError(
+        f'Invalid value for argument `{name}`. Expected "auto", True or '
+        f"False. Received: {name}={value!r}"
+    )
+
+
+def _service(name, value):
+    # Only the form: whether a dispatcher answers is checked when a stage
+    # is built (a saved model may name a service not running).
+    return validate_service_argument(value)
+
+
+def _processing_mode(name, value):
+    return validate_processing_mode(value)
+
+
+class Option:
+    """One stage option: its name, default, check and documentation.
+
+    Args:
+        name: The argument's name, the same in every entry point.
+        default: Its default value.
+        check: `check(name, value)` returns the value normalised, or raises
+            `ValueError`/`TypeError` naming the argument.
+        doc: What the option does, in one paragraph; "Defaults to ..." is
+            added from `default`.
+        exception_classes: Whether the value is a tuple of exception
+            classes, which a saved config stores by name.
+    """
+
+    def __init__(self, name, default, check, doc, exception_classes=False):
+        self.name = name
+        self.default = default
+        self._check = check
+        self.doc = " ".join(doc.split())
+        self.exception_classes = exception_classes
+
+    def check(self, value):
+        """`value` validated and normalised."""
+        return self._check(self.name, value)
+
+    def to_config(self, value):
+        """`value` as a saved config holds it (exception classes by name)."""
+        if self.exception_classes:
+            return [exception_name(t) for t in value]
+        return value
+
+    def from_config(self, value):
+        """`value` from a saved config, with exception class names resolved."""
+        if self.exception_classes and isinstance(value, (list, tuple)):
+            return tuple(exception_class(t, self.name) for t in value)
+        return value
+
+    @property
+    def default_code(self):
+        """The default as a user would write it in Python."""
+        return _as_code(self.default)
+
+    def docstring_entry(self, indent):
+        """The option's `Args:` entry, wrapped at 80 columns."""
+        return textwrap.fill(
+            f"{self.name}: {self.doc} Defaults to `{self.default_code}`.",
+            width=80,
+            initial_indent=indent,
+            subsequent_indent=indent + "    ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+
+    def __repr__(self):
+        return f"Option({self.name!r}, default={self.default!r})"
+
+
+def _as_code(value):
+    """`value` as a user would write it in Python."""
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, tuple):
+        items = [
+            exception_name(v) if isinstance(v, type) else repr(v) for v in value
+        ]
+        return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+    return repr(value)
+
+
+# The stage options, in the order of every entry point's signature. The
+# names are DeepRec's where it has the knob (`capacity`, `num_threads`,
+# `closed_exception_types`, `ignored_exception_types`), so a DeepRec user
+# recognises them.
+OPTIONS = (
+    Option(
+        "capacity",
+        AUTO,
+        _auto_or_positive_int,
+        f"""Maximum number of finished elements (batches, in a Keras model)
+        waiting for the consumer: a positive int, or `"auto"` to let
+        tf.data size the buffer ({IDLE_CAPACITY} elements for a host stage
+        with nothing to compute). With ints, at no time are more than
+        `capacity` finished elements buffered plus `num_threads` in
+        production.""",
+    ),
+    Option(
+        "num_threads",
+        AUTO,
+        _auto_or_positive_int,
+        """Elements produced at once: a positive int, or `"auto"` (tf.data
+        autotuning, allowed to grow past the core count for stages that
+        wait on IO).""",
+    ),
+    Option(
+        "closed_exception_types",
+        (tf.errors.OutOfRangeError,),
+        _exception_types,
+        """Errors that end the data gracefully, as the end of the dataset
+        does.""",
+        exception_classes=True,
+    ),
+    Option(
+        "ignored_exception_types",
+        (),
+        _exception_types,
+        """Errors whose element is skipped, counted and reported (per
+        epoch, in a Keras model); the run goes on. A type cannot be both
+        closed and ignored.""",
+        exception_classes=True,
+    ),
+    Option(
+        "timeout",
+        300.0,
+        _seconds_or_none,
+        """Seconds the consumer may wait for one element before a
+        `keras_stage.data.StageTimeoutError` names the stage (DeepRec's
+        `timeout_millis`, in seconds); `None` waits forever.""",
+    ),
+    Option(
+        "thread_pool_size",
+        None,
+        _positive_int_or_none,
+        f"""Size of the stage's private thread pool, at least
+        `num_threads`; `None` sizes it from `num_threads`. With
+        `num_threads="auto"` the pool is resized between epochs
+        (`StagedDataset.thread_pool`; in a Keras model `PrefetchCallback`
+        does it after each training epoch): {_AUTO_POOL_PER_CPU} threads
+        per core (at least {_AUTO_POOL_MIN}) while the consumer waits for
+        data, one per core once an epoch kept up with no more threads than
+        that.""",
+    ),
+    Option(
+        "deterministic",
+        True,
+        _bool,
+        """Keep the element order, so a staged run trains exactly like an
+        unstaged one.""",
+    ),
+    Option(
+        "name",
+        None,
+        _stage_name,
+        """Name of the stage in errors and logs: letters, digits and
+        underscores (tf.data names the stage's transformations after it);
+        `None` generates one.""",
+    ),
+    Option(
+        "device",
+        AUTO,
+        _device,
+        """Where finished elements wait: `"auto"` (the first GPU if
+        TensorFlow sees one, else the host), `"cpu"` (the host), or a
+        device such as `"/GPU:1"`. The staged computation always runs on
+        host threads; with a device, the buffer lives there and the copy
+        overlaps the consumer's step. Under a `tf.distribute` strategy each
+        replica's device holds its own buffer.""",
+    ),
+    Option(
+        "stream",
+        None,
+        _stream,
+        """Stream `k` made by `keras_stage.configure_streams`: the copies
+        into the device buffer run on that logical device's streams, beside
+        the consumer's step. `None` uses the step's device. Without a GPU
+        it warns once and does nothing.""",
+    ),
+    Option(
+        "pack_transfer",
+        AUTO,
+        _auto_or_bool,
+        """Pack an element's many small tensors per dtype into one tensor
+        each, so the copy to `device` is a few large copies: `"auto"` (for
+        a consumer that unpacks in its own step, as a Keras model does,
+        when it copies fewer tensors), `True` or `False`. A packed stage
+        yields packed elements; `StagedDataset.unpack` restores them on the
+        device.""",
+    ),
+    Option(
+        "service",
+        None,
+        _service,
+        """The address of a tf.data service dispatcher, `"grpc://host:port"`
+        (see `keras_stage.data.service`): the dataset and the staged
+        computation run on the service's workers, with `num_threads`
+        parallel calls per worker, and finished elements come back into
+        this process's buffer. A Keras model needs a tf.data source for it
+        (a `tf.data.Dataset`, arrays or tensors), not a generator. `None`
+        stages in this process.""",
+    ),
+    Option(
+        "processing_mode",
+        DISTRIBUTED_EPOCH,
+        _processing_mode,
+        """How the service's workers share an epoch: `"distributed_epoch"`
+        (each element once per epoch, split across the workers; the dataset
+        must start from a splittable source such as `from_tensor_slices`,
+        `range` or `list_files`) or `"parallel_epochs"` (every worker runs
+        the whole dataset).""",
+    ),
+)
+
+# The line of an `Args:` section that `document_options` replaces.
+OPTIONS_MARKER = "{stage_options}"
+
+
+def options_docstring(docstring, parameters):
+    """`docstring` with its `OPTIONS_MARKER` line replaced by `Args:` entries.
+
+    One entry per option in `parameters` (the names in the documented
+    signature), in the table's order, at the marker's indentation. The
+    docs build (`docs/hooks/`) applies it to the source docstrings too.
+    """
+    lines = []
+    for line in docstring.split("\n"):
+        if line.strip() != OPTIONS_MARKER:
+            lines.append(line)
+            continue
+        indent = line[: len(line) - len(line.lstrip())]
+        lines.extend(
+            option.docstring_entry(indent)
+            for option in OPTIONS
+            if option.name in parameters
+        )
+    return "\n".join(lines)
+
+
+def document_options(obj):
+    """Decorator: fills in the stage options of `obj`'s `Args:` section.
+
+    For a function or class that takes stage options and documents them
+    with a `{stage_options}` line.
+    """
+    if obj.__doc__ is not None:  # docstrings are gone under `python -OO`
+        parameters = inspect.signature(obj).parameters
+        obj.__doc__ = options_docstring(obj.__doc__, parameters)
+    return obj
+
+
+@document_options
 class StageOptions:
     """Validated options of one stage.
 
+    `keras_stage.data.stage` and `keras_stage.layers.StagedInput` take the
+    same options and check them here, so a bad value gets the same message
+    from either. Make one directly to check options ahead of time.
+
     Args:
-        capacity: Maximum number of finished elements waiting for the
-            consumer: a positive int, or `"auto"` to let tf.data size the
-            buffer. Defaults to `"auto"`.
-        num_threads: Number of elements produced at once: a positive int,
-            or `"auto"` (tf.data autotuning, allowed to grow past the core
-            count for stages that wait on IO). Defaults to `"auto"`.
-        closed_exception_types: Errors that end the data gracefully.
-            Defaults to `(tf.errors.OutOfRangeError,)`.
-        ignored_exception_types: Errors whose element is skipped, counted
-            and reported; the run goes on. Defaults to `()`.
-        timeout: Seconds the consumer may wait for one element before a
-            `StageTimeoutError` names the stage; `None` waits forever.
-            Defaults to `300.0` (DeepRec's 300000 ms).
-        thread_pool_size: Size of the stage's private thread pool; `None`
-            sizes it from `num_threads`. Defaults to `None`.
-        deterministic: Keep element order. Defaults to `True`.
-        name: Name of the stage in errors and logs. Defaults to `None`
-            (generated).
-        device: Where finished elements wait: `"auto"` (the first GPU if
-            TensorFlow sees one, else the host), `"cpu"` (the host), or a
-            device such as `"/GPU:1"`. The staged computation always runs
-            on host threads; with a device, the buffer lives there and the
-            copy overlaps the training step. Defaults to `"auto"`.
-        stream: The stream (a logical device made by
-            `keras_stage.configure_streams`) for staged work the user wants
-            on the device, or `None` for the training step's own. Defaults
-            to `None`.
-        pack_transfer: Pack the element's leaves per dtype into one tensor
-            each for the copy to the device buffer: `"auto"` (when it copies
-            fewer tensors), `True` or `False`. Defaults to `"auto"`.
-        service: The address of a tf.data service dispatcher,
-            `"grpc://host:port"`: the dataset and the staged computation
-            run on the service's workers and finished elements come back
-            into this process's buffer. `None` stages in this process.
-            Defaults to `None`.
-        processing_mode: How the service's workers share an epoch:
-            `"distributed_epoch"` (each element once per epoch) or
-            `"parallel_epochs"` (every worker runs the whole dataset).
-            Defaults to `"distributed_epoch"`.
+        {stage_options}
+
+    Example:
+
+    >>> from keras_stage.data import StageOptions
+    >>> StageOptions(capacity=4, num_threads=2).capacity
+    4
     """
 
     def __init__(
@@ -128,16 +487,14 @@ class StageOptions:
         service=None,
         processing_mode=DISTRIBUTED_EPOCH,
     ):
-        self.capacity = _check_auto_or_positive_int("capacity", capacity)
-        self.num_threads = _check_auto_or_positive_int(
-            "num_threads", num_threads
-        )
-        self.closed_exception_types = _check_exception_types(
-            "closed_exception_types", closed_exception_types
-        )
-        self.ignored_exception_types = _check_exception_types(
-            "ignored_exception_types", ignored_exception_types
-        )
+        # The arguments by name, for the table (`locals()` holds only them
+        # and `self` at this point).
+        given = locals()
+        for option in OPTIONS:
+            setattr(self, option.name, option.check(given[option.name]))
+        self._check_combination()
+
+    def _check_combination(self):
         both = set(self.closed_exception_types) & set(
             self.ignored_exception_types
         )
@@ -148,90 +505,14 @@ class StageOptions:
                 f"Remove {names} from `closed_exception_types` or from "
                 "`ignored_exception_types`."
             )
-        if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(
-                timeout, (int, float)
-            ):
-                raise ValueError(
-                    "Invalid value for argument `timeout`. Expected a "
-                    "positive number of seconds or None. "
-                    f"Received: timeout={timeout!r}"
-                )
-            if not timeout > 0:
-                raise ValueError(
-                    "Invalid value for argument `timeout`. Expected a "
-                    "positive number of seconds or None. "
-                    f"Received: timeout={timeout!r}"
-                )
-            timeout = float(timeout)
-        self.timeout = timeout
-        if thread_pool_size is not None and not _is_positive_int(
-            thread_pool_size
-        ):
-            raise ValueError(
-                "Invalid value for argument `thread_pool_size`. Expected a "
-                "positive int or None. "
-                f"Received: thread_pool_size={thread_pool_size!r}"
-            )
-        if (
-            thread_pool_size is not None
-            and _is_positive_int(self.num_threads)
-            and thread_pool_size < self.num_threads
-        ):
+        pool, threads = self.thread_pool_size, self.num_threads
+        if pool is not None and _is_positive_int(threads) and pool < threads:
             raise ValueError(
                 "Invalid value for argument `thread_pool_size`: a pool of "
-                f"{thread_pool_size} threads cannot run num_threads="
-                f"{self.num_threads} producers at once. Use thread_pool_size"
-                f" >= {self.num_threads} or leave it None. "
-                f"Received: thread_pool_size={thread_pool_size!r}"
+                f"{pool} threads cannot run num_threads={threads} producers "
+                f"at once. Use thread_pool_size >= {threads} or leave it "
+                f"None. Received: thread_pool_size={pool!r}"
             )
-        self.thread_pool_size = thread_pool_size
-        if not isinstance(deterministic, bool):
-            raise ValueError(
-                "Invalid value for argument `deterministic`. Expected True "
-                f"or False. Received: deterministic={deterministic!r}"
-            )
-        self.deterministic = deterministic
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ValueError(
-                "Invalid value for argument `name`. Expected a non-empty "
-                f"string or None. Received: name={name!r}"
-            )
-        if name is not None and not name.isidentifier():
-            raise ValueError(
-                "Invalid value for argument `name`. Expected letters, digits "
-                "and underscores, not starting with a digit (tf.data names "
-                "the stage's transformations after it). "
-                f"Received: name={name!r}"
-            )
-        self.name = name
-        # Only the form here: which devices exist is known once TensorFlow
-        # has initialised them (see `devices.resolve_device`).
-        self.device = validate_device_argument(device)
-        if stream is not None and not (
-            isinstance(stream, int)
-            and not isinstance(stream, bool)
-            and stream >= 0
-        ):
-            raise ValueError(
-                "Invalid value for argument `stream`. Expected None or a "
-                "non-negative int (a stream made by "
-                f"keras_stage.configure_streams). Received: stream={stream!r}"
-            )
-        self.stream = stream
-        if pack_transfer not in (AUTO, True, False) or (
-            pack_transfer in (0, 1) and not isinstance(pack_transfer, bool)
-        ):
-            raise ValueError(
-                "Invalid value for argument `pack_transfer`. Expected "
-                f'"auto", True or False. Received: pack_transfer='
-                f"{pack_transfer!r}"
-            )
-        self.pack_transfer = pack_transfer
-        # Only the form: whether a dispatcher answers is checked when a
-        # stage is built (a saved model may name a service not running).
-        self.service = validate_service_argument(service)
-        self.processing_mode = validate_processing_mode(processing_mode)
 
     @property
     def adaptive_pool(self):
@@ -261,25 +542,12 @@ class StageOptions:
         cpus = usable_cpus()
         if self.num_threads == AUTO:
             return max(_AUTO_POOL_MIN, _AUTO_POOL_PER_CPU * cpus)
-        # A stage that waits on IO needs N real threads even on 2 cores.
+        # A stage that waits on IO needs N real threads, however few cores.
         return max(self.num_threads, cpus)
 
     def get_config(self):
-        return {
-            "capacity": self.capacity,
-            "num_threads": self.num_threads,
-            "closed_exception_types": self.closed_exception_types,
-            "ignored_exception_types": self.ignored_exception_types,
-            "timeout": self.timeout,
-            "thread_pool_size": self.thread_pool_size,
-            "deterministic": self.deterministic,
-            "name": self.name,
-            "device": self.device,
-            "stream": self.stream,
-            "pack_transfer": self.pack_transfer,
-            "service": self.service,
-            "processing_mode": self.processing_mode,
-        }
+        """Every option by name, as passed to `StageOptions(**config)`."""
+        return {option.name: getattr(self, option.name) for option in OPTIONS}
 
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())

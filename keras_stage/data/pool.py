@@ -2,12 +2,11 @@
 
 How many threads a stage needs depends on what its computation does, which
 is only known once it has run. A stage that waits (reads from remote
-storage) needs many more threads than cores: the `remote` benchmark's
-reads overlap 16 at a time and run 12-16x faster than plain Keras. A stage
-that computes (JPEG decoding) on a machine whose cores the training step
-already keeps busy only loses to extra threads: with a fixed pool of 16
-the `images` benchmark took 1.123 of a hand-tuned pipeline's time per
-step, against 1.010 with this pool (`python -m benchmarks.thread_pool`).
+storage) needs many more threads than cores, so that many reads wait at
+once (the `remote` benchmark). A stage that computes (JPEG decoding) on a
+machine whose cores the training step already keeps busy only loses to
+extra threads, which take those cores from the step (the `images`
+benchmark; `python -m benchmarks.thread_pool` compares pool sizes).
 
 A tf.data pool is fixed when its pipeline is built, so a stage with a
 `StagePool` has a pipeline per size (`pipelines`), built when an iterator
@@ -19,8 +18,8 @@ current then. `adapt` sets the next epoch's size from the epoch that
 ended: `PrefetchCallback` calls it with each training epoch's verdict. A
 stage that kept the step waiting while the cores had time to spare (it
 waits on IO) grows past `largest`, up to `most`, to the threads its
-verdict asks for: with 80 ms reads the `remote` benchmark's verdict asks
-for 22.
+verdict asks for (as the `remote` benchmark's does with slower reads,
+`--remote-latency-ms 80`).
 
 Example:
 
@@ -199,9 +198,10 @@ class StagePool:
 class _Resized(EagerIterated):
     """A stage pipeline whose eager iterators run on the pool's current size.
 
-    A dataset of its own (not a wrapper op): a one-element `flat_map` that
-    picked the pipeline per iterator, the earlier design, cost the
-    `images` benchmark 12% of its step here, as much as a 16-thread pool.
+    A dataset of its own (not a wrapper op): the earlier design, a
+    one-element `flat_map` that picked the pipeline per iterator, put one
+    more op on every element's path and cost the `images` benchmark as
+    much as an oversized pool (see docs/engine.md, the adaptive pool).
     """
 
     def __init__(self, base, pipeline, which, pool):

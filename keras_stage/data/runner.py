@@ -13,8 +13,8 @@ time the consumer spends waiting for input counts against the timeout (the
 pipeline marks it in a variable), never a slow training step. A caller that
 stops waiting (the timeout, or Ctrl-C in the waiting thread) abandons the
 call: its thread ends once the call returns, and the next call gets a fresh
-one. That hand-off costs two thread wake-ups, 50-66 us per call here (6%
-of a 1.1 ms training step), so in a stage that finishes its elements in
+one. That hand-off costs two thread wake-ups per call, a share of a short
+training step worth saving, so in a stage that finishes its elements in
 order, a call whose elements are already buffered, and so cannot wait on
 the source, runs in the caller's thread (see `ReadyElements`).
 """
@@ -122,7 +122,13 @@ class EndOfData(Exception):
 
 
 class _CallThread:
-    """One daemon thread that runs blocking calls handed to it."""
+    """One daemon thread that runs blocking calls handed to it.
+
+    Not a `concurrent.futures.ThreadPoolExecutor`: its workers are not
+    daemons and its exit hook joins them, so a call abandoned on a source
+    that never answers would hang the interpreter at exit; nor can it say
+    whether its thread is still alive (`alive`, for `StageRunner.close`).
+    """
 
     def __init__(self, name):
         self._cond = threading.Condition()
@@ -158,10 +164,6 @@ class _CallThread:
                 self._result = None if self._closed else result
                 self._cond.notify_all()
             del result
-
-    @property
-    def busy(self):
-        return self._job is not None
 
     def submit(self, fn, args):
         with self._cond:
@@ -209,11 +211,11 @@ class ReadyElements:
     earlier iterator still alive could count elements the current one
     will never deliver. A tf.data iterator produces nothing before its
     first fetch, so what is unconsumed when its first call starts was left
-    by the others. A count is read (one variable read, 22 us in a `fit`
-    here) only when the elements known to be ready run out; a consumer's
-    step can return it instead (`note`). A consumer that records its
-    fetches in its own step must show that it does (a call that reported)
-    before a read is trusted (see `counts_fetches`).
+    by the others. A count is read (a variable read, one more trip into
+    TensorFlow between steps) only when the elements known to be ready
+    run out; a consumer's step can return it instead (`note`). A consumer
+    that records its fetches in its own step must show that it does (a
+    call that reported) before a read is trusted (see `counts_fetches`).
 
     Args:
         stats: The stage's `StageStats`.

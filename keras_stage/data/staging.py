@@ -16,7 +16,13 @@ import tensorflow as tf
 
 from keras_stage import _compat
 from keras_stage.data.devices import resolve_device, stream_device
-from keras_stage.data.options import AUTO, StageOptions
+from keras_stage.data.options import (
+    AUTO,
+    IDLE_CAPACITY,
+    OPTIONS,
+    StageOptions,
+    document_options,
+)
 from keras_stage.data.packing import Packer
 from keras_stage.data.pool import StagePool
 from keras_stage.data.runner import EndOfData, SkipElement, StageRunner
@@ -112,10 +118,6 @@ def on_host(fn):
     return pinned
 
 
-# The buffer of a host stage with nothing to compute and capacity "auto".
-IDLE_CAPACITY = 8
-
-
 def _build_pipeline(
     dataset,
     fn,
@@ -190,14 +192,15 @@ def _build_pipeline(
         staged_fn = fn = None
 
     # No timestamp is taken before each pull from the source: that needs a
-    # zip with a dataset of markers, which cost 2-7% of a 2.5 ms training
-    # step here. The verdict infers a slow source from the epoch instead.
+    # zip with a dataset of markers, work on the path of every element that
+    # only the verdict would use. It infers a slow source from the epoch
+    # instead.
     def staged(parallel):
         """The stage's work, `parallel` elements at once."""
         if fn is None:
             # With nothing to compute, workers have nothing to overlap: the
-            # counter runs in the buffer's own thread, op by op (each thread
-            # hand-off cost 1-3% of a 2.5 ms step on the none benchmark).
+            # counter runs in the buffer's own thread, op by op, and no
+            # element waits for a hand-off to a worker thread.
             return _compat.inline_map(dataset, produce, f"{name}_map")
         return dataset.map(
             produce,
@@ -467,6 +470,7 @@ class StageIterator:
         return self.__next__()
 
 
+@document_options
 def stage(
     dataset,
     fn=None,
@@ -497,47 +501,7 @@ def stage(
         fn: A function of one element (the element's structure, as one
             argument) returning the staged element; `None` stages the
             elements as they are. Defaults to `None`.
-        capacity: Maximum number of finished elements buffered: a positive
-            int or `"auto"` (tf.data autotuning; 8 elements for a host
-            stage with `fn=None`). Defaults to `"auto"`.
-        num_threads: Elements produced at once: a positive int or `"auto"`.
-            With ints, at no time are more than `capacity` finished elements
-            buffered plus `num_threads` in production. Defaults to `"auto"`.
-        closed_exception_types: Errors that end the data gracefully.
-            Defaults to `(tf.errors.OutOfRangeError,)`.
-        ignored_exception_types: Errors whose element is skipped and
-            counted. Defaults to `()`.
-        timeout: Seconds the consumer may wait for one element, or `None`.
-            Defaults to `300.0`.
-        thread_pool_size: Size of the private thread pool; `None` sizes it
-            from `num_threads`, and with `num_threads="auto"` resizes it
-            between epochs (`StagedDataset.thread_pool`). Defaults to
-            `None`.
-        deterministic: Keep the element order. Defaults to `True`.
-        name: Name of the stage in errors and logs. Defaults to `None`.
-        device: Where finished elements wait: `"auto"` (the first GPU if
-            there is one, else the host), `"cpu"`, or a device such as
-            `"/GPU:1"`. `fn` always runs on host threads. Defaults to
-            `"auto"`.
-        stream: Stream (see `keras_stage.configure_streams`) for
-            device-side staged work, or `None`. Defaults to `None`.
-        pack_transfer: Pack leaves per dtype for the copy to `device`:
-            `"auto"`, `True` or `False`. A packed stage yields packed
-            elements; `StagedDataset.unpack` restores them on the device.
-            `"auto"` packs only for consumers that unpack in their own step
-            (the Keras integration). Defaults to `"auto"`.
-        service: The address of a tf.data service dispatcher,
-            `"grpc://host:port"` (see `keras_stage.data.service`): `dataset`
-            and `fn` run on the service's workers, with `num_threads`
-            parallel calls per worker, and finished elements come back
-            into this process's buffer. `None` stages in this process.
-            Defaults to `None`.
-        processing_mode: How the service's workers share an epoch:
-            `"distributed_epoch"` (each element once per epoch; the
-            dataset must start from a splittable source such as
-            `from_tensor_slices`, `range` or `list_files`) or
-            `"parallel_epochs"` (every worker runs the whole dataset).
-            Defaults to `"distributed_epoch"`.
+        {stage_options}
 
     Returns:
         A `StagedDataset` (a `tf.data.Dataset`).
@@ -568,21 +532,11 @@ def stage(
             "Invalid value for argument `fn`. Expected a callable of one "
             f"element or None. Received: fn={fn!r}"
         )
-    options = StageOptions(
-        capacity=capacity,
-        num_threads=num_threads,
-        closed_exception_types=closed_exception_types,
-        ignored_exception_types=ignored_exception_types,
-        timeout=timeout,
-        thread_pool_size=thread_pool_size,
-        deterministic=deterministic,
-        name=_default_name() if name is None else name,
-        device=device,
-        stream=stream,
-        pack_transfer=pack_transfer,
-        service=service,
-        processing_mode=processing_mode,
-    )
+    if name is None:
+        name = _default_name()
+    # The stage options by name (`locals()` also holds `dataset` and `fn`).
+    given = locals()
+    options = StageOptions(**{o.name: given[o.name] for o in OPTIONS})
     return build_stage(dataset, fn, options)
 
 

@@ -10,15 +10,17 @@ only skipped elements (an error path) are counted in Python.
 The consumer's side is recorded either by the pipeline itself (a marker and
 a map around the fetch: works for any consumer) or by a consumer that owns
 its step graph (the Keras integration records it inside the training step,
-where a few more ops cost next to nothing, while a tf.data map on the fetch
-path costs about 0.2 ms per batch here). A step cannot see when its call
-asks the pipeline for the batch, only when its previous step ended; the
-time from there to a batch that was ready (returning to Python, callbacks,
-dispatching the next call) is learnt as a baseline and only what exceeds
-it counts as waiting (see `record_fetch`). A step that returns a report
-to Python (`report`, `take_report`) leaves that arithmetic to Python,
-where it costs a few float operations instead of some 30 graph ops in
-every step.
+where a few more ops join a graph that runs anyway, while a tf.data map on
+the fetch path is one more function call per batch). A step cannot see
+when its call asks the pipeline for the batch, only when its previous step
+ended; the time from there to a batch that was ready (returning to Python,
+callbacks, dispatching the next call) is learnt as a baseline and only
+what exceeds it counts as waiting (see `record_fetch`). A step that
+returns a report to Python (`report`, `take_report`) leaves that
+arithmetic to Python, where it costs a few float operations instead of
+some 30 graph ops in every step; a step that cannot (its outputs do not
+reach Python) runs it in its graph (`accumulate`). Both run the one
+definition, `_fetch_figures`.
 
 Under op determinism (`tf.config.experimental.enable_op_determinism`)
 TensorFlow refuses to run `tf.timestamp`: graphs built then count elements
@@ -54,6 +56,37 @@ _BASELINE, _ORPHANS = 6, 7
 _SLOTS = 8
 # Weight of one ready fetch in the moving baseline.
 _BASELINE_WEIGHT = 0.1
+
+
+def _fetch_figures(marked, took, buffered, baseline, to_float, maximum):
+    """A recorded fetch's wait, and how far it moves the baseline.
+
+    See `StageStats.record_fetch`. The same lines run on tensors in a
+    step's graph (`accumulate`: `to_float` a cast, `maximum` tf.maximum)
+    and on Python floats (`take_report`: `float`, `max`), so the two
+    sides cannot drift apart. Arithmetic on 0/1 masks rather than
+    branches: fewer ops in every step.
+
+    Args:
+        marked: The fetch's start mark (negative: an epoch's first fetch,
+            whose time may include tracing the step and is not waiting).
+        took: Seconds from the mark to the batch's arrival.
+        buffered: Other finished elements buffered at the arrival.
+        baseline: The baseline before this fetch (0: none yet).
+
+    Returns:
+        `(waited, moved)`: the seconds the fetch waited, and the change of
+        the baseline.
+    """
+    later = to_float(marked > 0.0)
+    ready = to_float(buffered > 0.0)
+    beyond = took - baseline
+    waited = later * (1.0 - ready) * maximum(beyond, 0.0)
+    # A ready fetch moves the baseline by a fraction of its distance from
+    # it; the first one sets it.
+    rate = 1.0 - (1.0 - _BASELINE_WEIGHT) * to_float(baseline > 0.0)
+    moved = later * ready * rate * beyond
+    return waited, moved
 
 
 def _slots(values):
@@ -100,7 +133,7 @@ def clock_allowed():
     setter (`tf.config.experimental.enable_op_determinism`) but no getter
     (only the private `tensorflow.python.framework.config
     .is_op_determinism_enabled`), so this asks the kernel itself: what is
-    checked is exactly what would fail, for 10-20 us of eager op here.
+    checked is exactly what would fail, for the cost of one eager op.
     Called while a graph is traced, never at import: a user may enable
     determinism after importing keras_stage, and a graph keeps the clock
     (or its absence) it was traced with.
@@ -367,21 +400,17 @@ class StageStats:
         if arrived is None:  # no clock: the fill only
             return self._record_fetch(counters, None, None, count=count)
         started = tf.abs(marked)
-        took = arrived - started
-        # Arithmetic on 0/1 masks rather than tf.where and boolean ops:
-        # fewer ops in every step.
-        f64 = tf.float64
         buffered = self._buffered(counters)
-        later = tf.cast(marked > 0.0, f64)  # not an epoch's first fetch
-        ready = tf.cast(buffered > 0.0, f64)
-        baseline = counters[_BASELINE]
-        beyond = took - baseline
-        waited = later * (1.0 - ready) * tf.maximum(beyond, 0.0)
-        # The baseline moves by a fraction of each ready fetch's distance
-        # from it; the first one sets it. Only the consumer writes it: a
-        # delta keeps the update one op.
-        rate = 1.0 - (1.0 - _BASELINE_WEIGHT) * tf.cast(baseline > 0.0, f64)
-        moved = later * ready * rate * beyond
+        waited, moved = _fetch_figures(
+            marked,
+            arrived - started,
+            buffered,
+            counters[_BASELINE],
+            lambda mask: tf.cast(mask, tf.float64),
+            tf.maximum,
+        )
+        # Only the consumer writes the baseline: a delta keeps the update
+        # one op.
         return self._record_fetch(
             counters,
             started,
@@ -432,7 +461,8 @@ class StageStats:
     def take_report(self, values):
         """Accumulates a step's `report`; returns its unconsumed count.
 
-        The same arithmetic as `accumulate`, on Python floats.
+        The same arithmetic as `accumulate` (`_fetch_figures`), on Python
+        floats.
 
         Args:
             values: The report's values, a sequence of floats.
@@ -453,14 +483,13 @@ class StageStats:
         with self._lock:
             unconsumed = self._unconsumed(counters) - counters[_ORPHANS]
             buffered = max(unconsumed - 1.0, 0.0)
-            beyond = took - self._baseline
             # A step traced without a clock reports its arrival as NaN.
-            if marked > 0.0 and not math.isnan(took):
-                if buffered > 0.0:
-                    rate = _BASELINE_WEIGHT if self._baseline > 0.0 else 1.0
-                    self._baseline += rate * beyond
-                else:
-                    self._reported_wait += max(beyond, 0.0)
+            if not math.isnan(took):
+                waited, moved = _fetch_figures(
+                    marked, took, buffered, self._baseline, float, max
+                )
+                self._reported_wait += waited
+                self._baseline += moved
             self._reported_buffered += buffered
             self._reported_peak = max(self._reported_peak, buffered)
 
@@ -544,7 +573,7 @@ class StageStats:
 
         Includes those left in the buffers of dropped iterators. One raw
         read, called between training steps: `Variable.numpy()` adds name
-        scopes and an identity op, 64 us against 22 in a `fit` here.
+        scopes and an identity op to each read.
         """
         counters = tf.raw_ops.ReadVariableOp(
             resource=self._counters.handle, dtype=tf.float64

@@ -4,63 +4,27 @@ The layer owns the stage's options and nothing else. In a staged run (`fit`,
 `evaluate`, `predict` of a `keras_stage.Model`) the data reaching it comes
 out of a stage built with those options; everywhere else (a plain call,
 `export`, serving) it is an identity, so the saved model is a normal model.
+Trained where nothing stages it (in a plain Keras model), it warns once.
 """
 
-import builtins
-import importlib
+import logging
 import re
 
 import keras
 import tensorflow as tf
 
-from keras_stage.data.options import AUTO, StageOptions
+from keras_stage.data.options import (
+    AUTO,
+    OPTIONS,
+    StageOptions,
+    document_options,
+)
 from keras_stage.data.staging import build_stage, new_stats
 
+logger = logging.getLogger("keras_stage")
 
-def _exception_to_name(cls):
-    if getattr(tf.errors, cls.__name__, None) is cls:
-        return f"tf.errors.{cls.__name__}"
-    if getattr(builtins, cls.__name__, None) is cls:
-        return cls.__name__
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _exception_from_name(name, argument):
-    """The exception class named `name` (as `get_config` stores it)."""
-    if not isinstance(name, str):
-        return name
-    found = _find_exception(name)
-    if found is None:
-        raise ValueError(
-            f"Invalid value for argument `{argument}`: cannot find the "
-            f"exception class {name!r}. Use a class, or a name such as "
-            '"tf.errors.DataLossError", "ValueError" or '
-            '"my_package.errors.CorruptRecordError" (import the module that '
-            f"defines it before loading). Received: {argument} containing "
-            f"{name!r}"
-        )
-    return found
-
-
-def _find_exception(name):
-    if name.startswith("tf.errors."):
-        return getattr(tf.errors, name[len("tf.errors.") :], None)
-    if "." not in name:
-        return getattr(builtins, name, None)
-    # "package.module.Outer.Inner": the module is the longest importable
-    # prefix, the rest is the class's __qualname__.
-    parts = name.split(".")
-    for split in range(len(parts) - 1, 0, -1):
-        try:
-            found = importlib.import_module(".".join(parts[:split]))
-        except ImportError:
-            continue
-        for attribute in parts[split:]:
-            found = getattr(found, attribute, None)
-            if found is None:
-                return None
-        return found
-    return None
+# The options the layer takes: all but `name`, which is the layer's own.
+_LAYER_OPTIONS = tuple(o for o in OPTIONS if o.name != "name")
 
 
 def _stage_name(layer_name):
@@ -69,7 +33,30 @@ def _stage_name(layer_name):
     return name if name.isidentifier() else f"stage_{name}"
 
 
+def warn_not_staged(layer, where):
+    """Warns once per layer that nothing stages `layer`; `where` says why.
+
+    Logged on the package's logger, like the stage's other reports: the
+    layer's call runs inside Keras's traced step, where a Python warning
+    would point into Keras's code.
+    """
+    if getattr(layer, "_not_staged_warned", False):
+        return
+    layer._not_staged_warned = True
+    logger.warning(
+        "StagedInput '%s' stages nothing: %s, and there it passes its data "
+        "through unchanged. Build the model with "
+        "`keras_stage.Model(inputs, outputs)` or "
+        "`keras_stage.Sequential([...])` instead of Keras's and train it "
+        "with `fit` (those models also take `compile(..., "
+        "smart_stage=True)`, which Keras's reject).",
+        layer.name,
+        where,
+    )
+
+
 @keras.saving.register_keras_serializable(package="keras_stage")
+@document_options
 class StagedInput(keras.layers.Layer):
     """Marks where the stage ends: everything before it runs ahead of training.
 
@@ -85,53 +72,7 @@ class StagedInput(keras.layers.Layer):
     errors and logs.
 
     Args:
-        capacity: Maximum number of finished batches waiting for the
-            training step: a positive int or `"auto"` (tf.data autotuning;
-            8 batches for a stage with nothing to compute). Defaults to
-            `"auto"`.
-        num_threads: Batches produced at once: a positive int or `"auto"`
-            (tf.data autotuning, allowed to grow past the core count for
-            stages that wait on IO). Defaults to `"auto"`.
-        closed_exception_types: Errors that end the data gracefully.
-            Defaults to `(tf.errors.OutOfRangeError,)`.
-        ignored_exception_types: Errors whose batch is skipped, counted and
-            reported per epoch; training goes on. Defaults to `()`.
-        timeout: Seconds the training step may wait for one batch before a
-            `keras_stage.data.StageTimeoutError`; `None` waits forever.
-            Defaults to `300.0`.
-        thread_pool_size: Size of the stage's private thread pool; `None`
-            sizes it from `num_threads`, and with `num_threads="auto"`
-            `PrefetchCallback` resizes it after each training epoch: 4 per
-            core (at least 16) while the step waits for data, one per core
-            once an epoch kept up with no more threads than that (see
-            `keras_stage.data.pool`). Defaults to `None`.
-        deterministic: Keep the batch order, so a staged run trains exactly
-            like an unstaged one. Defaults to `True`.
-        device: Where finished batches wait: `"auto"` (on the first GPU
-            when there is one, copied ahead of the step so the copy
-            overlaps compute; else on the host), `"cpu"` (the host), or a
-            device such as `"/GPU:1"`. Staged layers always run on host
-            threads. Under a `tf.distribute` strategy each replica's device
-            holds its own buffer. Defaults to `"auto"`.
-        stream: Stream `k` made by `keras_stage.configure_streams`: the
-            copies into the device buffer run on that logical device's
-            streams, beside the training step's. `None` uses the step's
-            device. Without a GPU it warns once and does nothing. Defaults
-            to `None`.
-        pack_transfer: Pack a batch's many small tensors per dtype into one
-            tensor each, so the copy to the device is a few large copies
-            (unpacked on the device in the step): `"auto"` (when it copies
-            fewer tensors), `True` or `False`. Defaults to `"auto"`.
-        service: The address of a tf.data service dispatcher,
-            `"grpc://host:port"`: the data and the staged layers run on the
-            service's workers (other machines' CPUs), and finished batches
-            come back into this process's buffer. Needs a tf.data source
-            (a `tf.data.Dataset`, arrays or tensors), not a generator.
-            `None` stages in this process. Defaults to `None`.
-        processing_mode: How the service's workers share an epoch:
-            `"distributed_epoch"` (each example once per epoch, split
-            across the workers) or `"parallel_epochs"` (every worker runs
-            the whole dataset). Defaults to `"distributed_epoch"`.
+        {stage_options}
         adaptive: Stage a fit/evaluate/predict call on in-memory arrays
             only when it can pay: a call too short to repay its stage's
             set-up (one batch, or less staged work in all than the set-up
@@ -181,6 +122,8 @@ class StagedInput(keras.layers.Layer):
         adaptive=True,
         **kwargs,
     ):
+        # The arguments by name, for the table of stage options.
+        given = locals()
         super().__init__(**kwargs)
         if not isinstance(adaptive, bool):
             raise TypeError(
@@ -188,38 +131,36 @@ class StagedInput(keras.layers.Layer):
                 f"False. Received: adaptive={adaptive!r}"
             )
         self.adaptive = adaptive
-        if isinstance(closed_exception_types, (list, tuple)):
-            closed_exception_types = tuple(
-                _exception_from_name(t, "closed_exception_types")
-                for t in closed_exception_types
-            )
-        if isinstance(ignored_exception_types, (list, tuple)):
-            ignored_exception_types = tuple(
-                _exception_from_name(t, "ignored_exception_types")
-                for t in ignored_exception_types
-            )
+        # A config from `get_config` names exception classes; resolve them.
+        options = {
+            option.name: option.from_config(given[option.name])
+            for option in _LAYER_OPTIONS
+        }
         self.stage_options = StageOptions(
-            capacity=capacity,
-            num_threads=num_threads,
-            closed_exception_types=closed_exception_types,
-            ignored_exception_types=ignored_exception_types,
-            timeout=timeout,
-            thread_pool_size=thread_pool_size,
-            deterministic=deterministic,
-            name=_stage_name(self.name),
-            device=device,
-            stream=stream,
-            pack_transfer=pack_transfer,
-            service=service,
-            processing_mode=processing_mode,
+            name=_stage_name(self.name), **options
         )
         self.supports_masking = True
         self.built = True
 
-    def call(self, inputs):
+    # Set by the keras_stage model that stages the layer, as each of its
+    # calls begins (`find_staged_input`): its steps that run unstaged also
+    # train the layer, and are no mistake to warn about.
+    staged_by_model = False
+
+    def call(self, inputs, training=None):
+        # Only a training step passes training=True, so inference and
+        # export are not warned: a model that is not keras_stage's trains
+        # through this identity and stages nothing.
+        if training is True and not self.staged_by_model:
+            warn_not_staged(
+                self,
+                "it is trained by a model that keras_stage does not run (a "
+                "plain `keras.Model` or `keras.Sequential`, or a custom "
+                "training loop)",
+            )
         return inputs
 
-    def compute_output_spec(self, inputs):
+    def compute_output_spec(self, inputs, training=None):
         # New tensors of the same kind: Keras's traced default drops the
         # ragged flag, and returning the inputs themselves would rewrite
         # their Keras history.
@@ -249,9 +190,9 @@ class StagedInput(keras.layers.Layer):
             dataset: A `tf.data.Dataset`.
             fn: The staged computation, or `None`. Defaults to `None`.
             name: Stage name; defaults to the layer's name.
-            stats: The `keras_stage.data.StageStats` to count in, kept by
-                a consumer across stages; `None` for new ones. Defaults to
-                `None`.
+            stats: The stage's counters (`StageStats`) to count in, kept
+                by a consumer across stages; `None` for new ones. Defaults
+                to `None`.
             distributed: Whether a `tf.distribute` strategy with several
                 replicas consumes it (each replica's device then holds its
                 own buffer). Defaults to `False`.
@@ -292,14 +233,8 @@ class StagedInput(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        options = self.stage_options.get_config()
-        options.pop("name")  # the layer's own name
-        options["closed_exception_types"] = [
-            _exception_to_name(t) for t in options["closed_exception_types"]
-        ]
-        options["ignored_exception_types"] = [
-            _exception_to_name(t) for t in options["ignored_exception_types"]
-        ]
-        config.update(options)
+        for option in _LAYER_OPTIONS:
+            value = getattr(self.stage_options, option.name)
+            config[option.name] = option.to_config(value)
         config["adaptive"] = self.adaptive
         return config

@@ -3,10 +3,10 @@
 Keras's `EpochIterator` makes the next epoch's iterator as soon as an epoch
 ends, so every call makes one more iterator than it reads, and an
 iterator of a staged pipeline costs what instantiating the staged
-computation costs (a trace's worth of functions, tens of milliseconds for
-a tabular prefix). `DeferredPipeline` hands Keras iterators that make the
-real one when first read: the step guard (`resolve`) or Keras's own
-Python reads (`next`) make it; an iterator nobody reads costs nothing.
+computation costs (a trace's worth of functions). `DeferredPipeline`
+hands Keras iterators that make the real one when first read: the step
+guard (`resolve`) or Keras's own Python reads (`next`) make it; an
+iterator nobody reads costs nothing.
 
 Long-lived epochs
 -----------------

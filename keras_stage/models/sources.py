@@ -91,7 +91,8 @@ def _error_class(base):
     return cls
 
 
-# Dtype names by dtype: numpy builds `dtype.name` anew at each call (~3 us).
+# Dtype names by dtype: numpy builds `dtype.name` anew at each call, and
+# every leaf of every batch asks for it.
 _dtype_names = {}
 
 
@@ -369,9 +370,10 @@ def check_source(x):
 
     Use it on the `x` of `fit`, `evaluate` or `predict` before Keras's data
     adapter reads it (a staged model does this itself). The source's
-    batches pass through unchanged, in the same order; the wrapper adds a
-    few microseconds per batch. Any other `x` is returned as is, and so is
-    a source already wrapped.
+    batches pass through unchanged, in the same order; the wrapper only
+    compares each batch's structure, dtypes and shapes with the first
+    ones', copying nothing. Any other `x` is returned as is, and so is a
+    source already wrapped.
 
     The wrapper raises a `SourceError` naming the source and the batch
     (counting from 0; for a PyDataset the index given to `__getitem__`):

@@ -67,6 +67,7 @@ def find_staged_input(model):
                 "the model). Apply it to the inputs, e.g. "
                 "`x = StagedInput()(inputs)`, and build the rest on `x`."
             )
+    layer.staged_by_model = True  # keras_stage runs its steps: see `call`
     return layer
 
 

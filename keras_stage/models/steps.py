@@ -164,23 +164,25 @@ def track_iterator(state, phase, iterator):
 
 
 # Calls of a guarded step that report their fetch before it makes the
-# step's unrecorded twin: a second trace (a second or more for a large
-# model) pays for itself only over many steps (some 50 us each here).
+# step's unrecorded twin: a second trace costs as much as the first and
+# saves each step only the recording's small share, so it pays for itself
+# only over many steps.
 UNRECORDED_AFTER = 100
 
 
 class UnrecordedStep:
     """`phase`'s compiled step without the fetch recording, made on demand.
 
-    The recording (`recorded_step`) costs a 1.1 ms training step some
-    50-65 us here (Keras runs the step in a `tf.while_loop` and hands its
-    outputs out in an Optional, where every output and every op after the
-    step's outputs lengthens the call); a call whose batch is known
-    to be buffered has no wait to measure, so the runner runs this twin
-    instead (see `StageRunner.call`'s `ready_fn`). Its batch being there,
-    the twin also skips Keras's end-of-data Optional (`make_unrecorded`).
-    Only keras_stage's own steps, one batch per call: those report each
-    fetch to the guard, which counts the twin's fetches in Python.
+    The recording (`recorded_step`) lengthens every call of the step
+    (Keras runs the step in a `tf.while_loop` and hands its outputs out in
+    an Optional, where every output and every op after the step's outputs
+    adds to the call; the `none` benchmark shows it); a call whose batch
+    is known to be buffered has no wait to measure, so the runner runs
+    this twin instead (see `StageRunner.call`'s `ready_fn`). Its batch
+    being there, the twin also skips Keras's end-of-data Optional
+    (`make_unrecorded`). Only keras_stage's own steps, one batch per call:
+    those report each fetch to the guard, which counts the twin's fetches
+    in Python.
     """
 
     def __init__(self, model, phase):
@@ -227,10 +229,10 @@ def make_unrecorded(model, phase):
     replica and no XLA (the only steps that record, see `step_stats`)
     without its end-of-data check: Keras hands the step's outputs out in a
     `tf.data` Optional, which costs each call two eager ops after the step
-    (has_value, get_value: 40-50 us here). The twin only runs on a batch
-    the stage knows to be buffered, so its data cannot end there; if it
-    did, `get_next` raises the end of the data, as Keras's steps did
-    before it used the Optional.
+    (has_value, get_value), each dispatched from Python. The twin only
+    runs on a batch the stage knows to be buffered, so its data cannot end
+    there; if it did, `get_next` raises the end of the data, as Keras's
+    steps did before it used the Optional.
     """
     step = getattr(model, f"{phase}_step")
     strategy = model.distribute_strategy

@@ -48,9 +48,8 @@ from keras_stage.planner.state_access import (
 # such as a wide one-hot is orders of magnitude above it.
 CUT_INFLATION_LIMIT = 4
 # Nor below this many bytes per example at the longest cut: 1 KiB/example
-# is 512 KiB for a batch of 512, a copy of about 40 us over PCIe 4 (a step
-# takes milliseconds), while every layer moved to the trunk costs compute
-# in the step.
+# is 512 KiB for a batch of 512, a copy far shorter than a training step,
+# while every layer moved to the trunk costs compute in the step.
 CUT_INFLATION_MIN_BYTES = 1024
 
 

@@ -3,11 +3,15 @@
 End to end, the logs are present and in range every epoch, and a source
 slower than the training step shows as a high wait ratio and an
 "input-bound" verdict, a trunk slower than the source as "compute-bound".
-The pure functions behind them are checked on hand-made snapshots.
+The pure functions behind them are checked on hand-made snapshots. A model
+with no stage gets one warning naming the fix, and a call its model runs
+unstaged none.
 """
 
 import copy
 import logging
+import subprocess
+import sys
 import threading
 import time
 
@@ -21,6 +25,7 @@ from keras_stage.callbacks import PrefetchCallback
 from keras_stage.callbacks.prefetch_callback import epoch_statistics, verdict
 from keras_stage.data import StageOptions
 from keras_stage.layers import StagedInput
+from keras_stage.models import epoch_switch
 from tests.helpers import tensorboard_scalars
 
 SLEEP_SECONDS = 0.03
@@ -240,15 +245,111 @@ def test_callback_survives_deepcopy_before_and_after_a_fit():
     assert clone.verdict == cb.verdict
 
 
-def test_callback_on_a_model_without_a_stage_does_nothing():
+def _warnings(caplog):
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "keras_stage" and r.levelno >= logging.WARNING
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_callback_on_a_plain_model_reports_nothing_and_warns_once(caplog):
     inputs = keras.Input(shape=(2,))
-    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs), name="plain")
     model.compile(optimizer="sgd", loss="mse")
     cb = PrefetchCallback(verbose=1)
-    history = model.fit(
-        _dataset(), epochs=1, verbose=0, shuffle=False, callbacks=[cb]
-    ).history
+    with caplog.at_level(logging.WARNING, logger="keras_stage"):
+        history = model.fit(
+            _dataset(), epochs=1, verbose=0, shuffle=False, callbacks=[cb]
+        ).history
+        model.fit(
+            _dataset(),
+            epochs=1,
+            verbose=0,
+            shuffle=False,
+            validation_data=_dataset(),
+            callbacks=[cb],
+        )
     assert "stage_wait_ratio" not in history
+    assert cb.verdict is None
+    assert _warnings(caplog) == [
+        "PrefetchCallback has no stage to report: model 'plain' is a plain "
+        "Keras `Functional`, which runs none. Build it with "
+        "`keras_stage.Model` or `keras_stage.Sequential`, with a "
+        "`keras_stage.layers.StagedInput` right after its inputs (or "
+        "compiled with `smart_stage=True`)."
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_callback_on_a_keras_stage_model_without_a_stage_warns_once(caplog):
+    inputs = keras.Input(shape=(2,))
+    model = keras_stage.Model(
+        inputs, keras.layers.Dense(1)(inputs), name="stageless"
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    cb = PrefetchCallback(verbose=1)
+    with caplog.at_level(logging.WARNING, logger="keras_stage"):
+        model.fit(
+            _dataset(), epochs=2, verbose=0, shuffle=False, callbacks=[cb]
+        )
+        model.evaluate(_dataset(), verbose=0, callbacks=[cb])
+        assert len(_warnings(caplog)) == 1
+        # Once per callback: another one says it again, from predict too.
+        model.predict(_dataset(), verbose=0, callbacks=[PrefetchCallback()])
+    expected = (
+        "PrefetchCallback has no stage to report: model 'stageless' has no "
+        "`keras_stage.layers.StagedInput` among its layers and is compiled "
+        "without `smart_stage`, so it trains like a plain Keras model. Put "
+        "a `StagedInput` right after its inputs, or compile it with "
+        "`smart_stage=True`."
+    )
+    assert _warnings(caplog) == [expected, expected]
+    assert cb.verdict is None
+
+
+@pytest.mark.timeout(120)
+def test_callback_on_a_plain_model_with_a_staged_input_warns_once(caplog):
+    # The callback and the layer's training call both see the mistake; the
+    # user reads it once.
+    inputs = keras.Input(shape=(2,))
+    x = StagedInput(name="reader")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(x), name="plain")
+    model.compile(optimizer="sgd", loss="mse")
+    with caplog.at_level(logging.WARNING, logger="keras_stage"):
+        for _ in range(2):
+            model.fit(
+                _dataset(),
+                epochs=2,
+                verbose=0,
+                shuffle=False,
+                callbacks=[PrefetchCallback(verbose=1)],
+            )
+    [message] = _warnings(caplog)
+    assert message.startswith(
+        "StagedInput 'reader' stages nothing: its model 'plain' is a plain "
+        "Keras `Functional` (so PrefetchCallback has no stage to report)"
+    )
+    assert "`keras_stage.Model(inputs, outputs)`" in message
+
+
+@pytest.mark.timeout(120)
+def test_callback_of_calls_run_unstaged_by_their_model_is_not_warned(caplog):
+    # Calls too short to repay their stage run unstaged, and the model logs
+    # why at info level: the callback adds no warning to that.
+    inputs = keras.Input(shape=(2,))
+    x = StagedInput(name="short")(inputs)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((4, 2), "float32"), np.ones((4, 1), "float32")
+    cb = PrefetchCallback(verbose=1)
+    with caplog.at_level(logging.INFO, logger="keras_stage"):
+        model.fit(x, y, batch_size=4, verbose=0, callbacks=[cb])
+        model.evaluate(x, y, batch_size=4, verbose=0, callbacks=[cb])
+        model.predict(x, batch_size=4, verbose=0, callbacks=[cb])
+    assert caplog.text.count("runs the whole model in Keras's step") == 3
+    assert _warnings(caplog) == []
     assert cb.verdict is None
 
 
@@ -725,6 +826,66 @@ def test_keras_tensorboard_callback_records_the_stage_logs(tmp_path):
     scalars = tensorboard_scalars(tmp_path / "train")
     for key in ("stage_wait_ratio", "stage_buffer_fill", "stage_skipped"):
         assert [step for step, _ in scalars[f"epoch_{key}"]] == [0, 1]
+
+
+@pytest.mark.timeout(180)
+def test_callback_of_epochs_the_switch_runs_unstaged_is_not_warned(
+    monkeypatch, caplog
+):
+    # Every trial happens and finds the whole model faster (as in
+    # tests/models/epoch_switch_test.py): the later epochs run unstaged,
+    # and the switch logs its own verdict.
+    monkeypatch.setattr(epoch_switch, "TRIAL_WAIT_RATIO", float("inf"))
+    monkeypatch.setattr(epoch_switch, "TRACE_SHARE", float("inf"))
+    monkeypatch.setattr(epoch_switch, "MARGIN", -1e9)
+    words = np.array([f"w{i % 7}" for i in range(96)], dtype=object)
+    labels = np.linspace(0.0, 1.0, 96, dtype="float32").reshape(-1, 1)
+    inputs = keras.Input(shape=(), dtype="string")
+    x = StagedInput(name="words")(inputs)
+    x = keras.layers.StringLookup(vocabulary=[f"w{i}" for i in range(7)])(x)
+    x = keras.layers.Embedding(9, 4)(x)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="adam", loss="mse", smart_stage=True)
+    cb = PrefetchCallback(verbose=1)
+    with caplog.at_level(logging.INFO, logger="keras_stage"):
+        history = model.fit(
+            tf.data.Dataset.from_tensor_slices((words, labels)).batch(8),
+            epochs=4,
+            shuffle=False,
+            verbose=0,
+            callbacks=[cb],
+        ).history
+    assert history["stage_unstaged"][-1] == 1
+    assert "does not pay" in caplog.text
+    assert _warnings(caplog) == []
+
+
+@pytest.mark.timeout(120)
+def test_log_dir_without_tensorboard_names_the_fix():
+    # TensorFlow has tf.summary's scalars from TensorBoard: blocked before
+    # TensorFlow loads, they are missing, as in an environment without it.
+    code = (
+        "import sys; sys.modules['tensorboard'] = None\n"
+        "from keras_stage.callbacks import PrefetchCallback\n"
+        "PrefetchCallback(log_dir=None)\n"
+        "try:\n"
+        "    PrefetchCallback(log_dir='logs')\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=True,
+    ).stdout
+    assert out.startswith(
+        "PrefetchCallback(log_dir=...) writes TensorBoard event files, "
+        "which needs the `tensorboard` package, and it is not installed. "
+        "Install it with `pip install tensorboard`"
+    )
+    assert "Received: log_dir='logs'" in out
 
 
 @pytest.mark.parametrize("log_dir", [3, b"logs", ["logs"]])

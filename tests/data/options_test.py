@@ -1,5 +1,11 @@
-"""Tests of stage options: every validation message, and what is accepted."""
+"""Tests of stage options: every validation message, and what is accepted.
 
+Also the table itself (`OPTIONS`): `StageOptions` is drawn from it, and so
+are the option tables of the docs. That the entry points' signatures and
+docstrings agree with it is pinned in tests/api_test.py.
+"""
+
+import pathlib
 import re
 
 import pytest
@@ -8,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from keras_stage.data import AUTO, StageOptions, stage
-from keras_stage.data.options import usable_cpus
+from keras_stage.data.options import OPTIONS, usable_cpus
 
 DATASET = tf.data.Dataset.range(5)
 
@@ -335,6 +341,55 @@ def test_auto_pool_lets_autotune_exceed_the_cores():
     assert pool > usable_cpus()
     fixed = stage(DATASET, num_threads=3, thread_pool_size=7).options()
     assert fixed.threading.private_threadpool_size == 7
+
+
+# -- the table ---------------------------------------------------------------
+
+
+def test_stage_options_hold_the_table():
+    assert list(StageOptions().get_config()) == [o.name for o in OPTIONS]
+    assert StageOptions().get_config() == {o.name: o.default for o in OPTIONS}
+
+
+@pytest.mark.parametrize("option", OPTIONS, ids=lambda o: o.name)
+def test_every_default_passes_its_own_check_unchanged(option):
+    assert option.check(option.default) == option.default
+
+
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
+
+
+def _stated_defaults(text):
+    """`(option, default)` per row of tables whose 2nd column is Default."""
+    header = None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if header is None:
+            header = cells
+        elif header[1:2] == ["Default"]:
+            name, default = (re.fullmatch("`(.*)`", c) for c in cells[:2])
+            if name and default:
+                yield name.group(1), default.group(1)
+
+
+def test_option_tables_in_the_docs_give_the_tables_defaults():
+    # A docs table that states the options' defaults must state the ones the
+    # code has.
+    defaults = {o.name: o.default_code for o in OPTIONS}
+    stated = [
+        (page.name, name, default)
+        for page in DOCS.rglob("*.md")
+        for name, default in _stated_defaults(page.read_text())
+        if name in defaults
+    ]
+    wrong = [row for row in stated if row[2] != defaults[row[1]]]
+    assert not wrong, (
+        f"Docs tables with stale defaults (page, option, default): {wrong}; "
+        f"the defaults are {defaults}"
+    )
 
 
 # -- property test over combinations ----------------------------------------

@@ -1,14 +1,17 @@
 """Tests of the stage's Python boundary: `StageRunner` and error annotation."""
 
+import subprocess
+import sys
 import threading
 
 import pytest
 import tensorflow as tf
 
-from keras_stage.data import StageOptions, StageStats, StageTimeoutError
+from keras_stage.data import StageOptions, StageTimeoutError
 from keras_stage.data import runner as runner_module
 from keras_stage.data.errors import annotate
 from keras_stage.data.runner import EndOfData, SkipElement, StageRunner
+from keras_stage.data.stats import StageStats
 
 
 def _runner(**options):
@@ -159,6 +162,43 @@ def test_slow_call_outside_an_input_wait_never_times_out():
         assert runner.call(lambda: done.wait(1.2) or "finished") == "finished"
     finally:
         assert runner.close() is True
+
+
+# A call the timeout abandoned on a source that never answers; the process
+# then ends as a user's script would (see `_CallThread`).
+_ABANDONED_AT_EXIT = """
+import threading
+from keras_stage.data.errors import StageTimeoutError
+from keras_stage.data.options import StageOptions
+from keras_stage.data.runner import StageRunner
+from keras_stage.data.stats import StageStats
+
+options = StageOptions(name="at_exit", timeout=0.5)
+stats = StageStats(options.name)
+runner = StageRunner(options, stats)
+
+def fetch():
+    stats.begin_wait()  # the fetch starts; its source never answers
+    threading.Event().wait()
+
+try:
+    runner.call(fetch)
+except StageTimeoutError:
+    print("timed out; thread left:", not runner.close(timeout=1.0))
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter imports TensorFlow
+@pytest.mark.timeout(120)
+def test_a_call_abandoned_on_a_hung_source_does_not_block_exit():
+    done = subprocess.run(
+        [sys.executable, "-c", _ABANDONED_AT_EXIT],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "timed out; thread left: True" in done.stdout
 
 
 # -- calls whose elements are buffered ---------------------------------------

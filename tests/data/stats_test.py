@@ -1,8 +1,10 @@
-"""Tests of `StageStats` without a clock: under op determinism.
+"""Tests of `StageStats`: its two sides of a fetch, and life without a clock.
 
-TensorFlow refuses `tf.timestamp` once op determinism is on; the stats
-decide when a graph is traced whether it may take one, count without it,
-and report the times they could not take as NaN.
+A step's fetch is accumulated in its graph or, reported, in Python: both
+give the same figures. TensorFlow refuses `tf.timestamp` once op
+determinism is on; the stats decide when a graph is traced whether it may
+take one, count without it, and report the times they could not take as
+NaN.
 """
 
 import logging
@@ -48,6 +50,48 @@ def _produce(stats, elements):
 
     for _ in range(elements):
         produce()
+
+
+# Fetches as (start mark, seconds to the arrival, unconsumed at the
+# arrival): a negative mark is an epoch's first fetch (its time includes
+# tracing); one unconsumed element is the batch itself (it waited), more
+# and it was ready.
+FETCHES = [
+    (-100.0, 5.0, 1),
+    (200.0, 0.002, 3),
+    (300.0, 0.050, 1),
+    (400.0, 0.004, 2),
+    (500.0, 0.030, 1),
+]
+
+
+def test_a_fetch_accumulated_in_the_graph_or_in_python_counts_the_same():
+    in_graph = StageStats("in_graph", track_peak=True)
+    reported = StageStats("reported", track_peak=True)
+
+    @tf.function
+    def accumulate(marked, took, counters):
+        fetch = (marked, tf.abs(marked) + took, counters)
+        in_graph.accumulate(fetch, count=True)
+
+    for marked, took, unconsumed in FETCHES:
+        counters = in_graph._counters.numpy()
+        counters[0] = counters[2] + unconsumed  # produced
+        in_graph._counters.assign(counters)
+        accumulate(
+            tf.constant(marked, tf.float64),
+            tf.constant(took, tf.float64),
+            tf.constant(counters),
+        )
+        values = [marked, abs(marked) + took, *counters, *counters]
+        assert reported.take_report(values) == unconsumed
+    graph, python = in_graph.snapshot(), reported.snapshot()
+    # Not the first fetch (tracing); the others that found the buffer
+    # empty waited beyond the baseline the ready ones set: 0.048 + 0.0278.
+    assert python["wait_seconds"] == pytest.approx(0.0758)
+    assert graph["wait_seconds"] == pytest.approx(python["wait_seconds"])
+    assert python["buffered_sum"] == graph["buffered_sum"] == 2 + 1
+    assert python["buffered_peak"] == graph["buffered_peak"] == 2
 
 
 def test_clock_allowed_follows_tensorflows_determinism_setting():

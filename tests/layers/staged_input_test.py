@@ -4,9 +4,13 @@ Outside a staged run the layer returns its inputs unchanged, for every
 structure and tensor kind; symbolically it returns new KerasTensors of the
 same kind. Its config holds every constructor argument and survives
 `from_config` and a `.keras` save/load inside each keras_stage model style.
+Trained by a model keras_stage does not run, it warns once that it stages
+nothing; keras_stage's models, inference and export are not warned.
 """
 
 import inspect
+import logging
+import re
 
 import keras
 import numpy as np
@@ -14,6 +18,7 @@ import pytest
 import tensorflow as tf
 
 import keras_stage
+from keras_stage.data.options import OPTIONS
 from keras_stage.layers import StagedInput
 
 
@@ -192,6 +197,37 @@ def test_get_config_of_defaults_matches_the_signature_defaults():
             assert config[name] == default, name
 
 
+def test_get_config_covers_every_stage_option():
+    # Drawn from the one table: a new option is saved without a change here.
+    config = StagedInput(name="reader").get_config()
+    options = StagedInput(name="reader").stage_options.get_config()
+    for option in OPTIONS:
+        assert option.name in config, option.name
+        if option.name == "name":
+            # The layer's name names the stage (as an identifier).
+            assert options["name"] == "reader"
+        elif not option.exception_classes:
+            assert config[option.name] == options[option.name], option.name
+
+
+def test_unknown_exception_class_name_in_a_config_rejected():
+    # What loading a config saved where the class existed does (Keras's
+    # `from_config` re-raises it as a TypeError quoting this message).
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "Invalid value for argument `ignored_exception_types`: cannot "
+            "find the exception class 'no_such_package.CorruptError'. "
+        )
+        + ".*"
+        + re.escape(
+            "Received: ignored_exception_types containing "
+            "'no_such_package.CorruptError'"
+        ),
+    ):
+        StagedInput(ignored_exception_types=["no_such_package.CorruptError"])
+
+
 def test_exception_types_are_stored_by_name():
     config = StagedInput(**NON_DEFAULT_OPTIONS).get_config()
     assert config["closed_exception_types"] == [
@@ -314,3 +350,112 @@ def test_keras_file_round_trip_without_smart_stage(tmp_path):
     loaded = keras.saving.load_model(path)
     assert loaded.smart_stage is False
     assert loaded.get_compile_config()["smart_stage"] is False
+
+
+# -- trained where nothing stages it -------------------------------------------
+
+NOT_STAGED = "stages nothing"
+
+
+def _not_staged_warnings(caplog):
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "keras_stage"
+        and r.levelno == logging.WARNING
+        and NOT_STAGED in r.getMessage()
+    ]
+
+
+def _xy(batches):
+    x = np.linspace(-1.0, 1.0, batches * 8, dtype="float32").reshape(-1, 2)
+    return x, np.ones((batches * 4, 1), "float32")
+
+
+def _functional(model_class, layer):
+    inputs = keras.Input(shape=(2,))
+    x = keras.layers.Rescaling(0.5)(layer(inputs))
+    return model_class(inputs, keras.layers.Dense(1)(x))
+
+
+def _sequential(model_class, layer):
+    return model_class(
+        [
+            keras.Input(shape=(2,)),
+            layer,
+            keras.layers.Rescaling(0.5),
+            keras.layers.Dense(1),
+        ]
+    )
+
+
+BUILDERS = {"functional": _functional, "sequential": _sequential}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "style, model_class",
+    [("functional", keras.Model), ("sequential", keras.Sequential)],
+)
+def test_training_in_a_plain_keras_model_warns_once_naming_the_fix(
+    style, model_class, caplog
+):
+    model = BUILDERS[style](model_class, StagedInput(name="reader"))
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = _xy(batches=4)
+    with caplog.at_level(logging.WARNING, logger="keras_stage"):
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+        model.evaluate(x, y, batch_size=4, verbose=0)
+    [message] = _not_staged_warnings(caplog)
+    assert message.startswith("StagedInput 'reader' stages nothing: it is")
+    assert "plain `keras.Model` or `keras.Sequential`" in message
+    assert "`keras_stage.Model(inputs, outputs)`" in message
+    assert "`keras_stage.Sequential([...])`" in message
+    assert "`compile(..., smart_stage=True)`" in message
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("smart_stage", [False, True])
+@pytest.mark.parametrize(
+    "style, model_class",
+    [("functional", keras_stage.Model), ("sequential", keras_stage.Sequential)],
+)
+def test_keras_stage_models_are_not_warned_staged_or_unstaged(
+    style, model_class, smart_stage, caplog
+):
+    # A call of one batch cannot repay a stage: it runs the whole model,
+    # StagedInput included, in Keras's own training step, unstaged.
+    short = BUILDERS[style](model_class, StagedInput(name="short"))
+    staged = BUILDERS[style](model_class, StagedInput(adaptive=False))
+    x, y = _xy(batches=4)
+    with caplog.at_level(logging.INFO, logger="keras_stage"):
+        for model in (short, staged):
+            model.compile(optimizer="sgd", loss="mse", smart_stage=smart_stage)
+        short.fit(x[:4], y[:4], batch_size=4, verbose=0)
+        short.evaluate(x[:4], y[:4], batch_size=4, verbose=0)
+        short.predict(x[:4], batch_size=4, verbose=0)
+        assert "unstaged" in caplog.text
+        history = staged.fit(
+            x, y, batch_size=4, epochs=2, validation_data=(x, y), verbose=0
+        ).history
+        staged.evaluate(x, y, batch_size=4, verbose=0)
+        staged.predict(x, batch_size=4, verbose=0)
+    assert len(history["stage_buffer_fill"]) == 2  # the fit was staged
+    assert _not_staged_warnings(caplog) == []
+
+
+@pytest.mark.timeout(120)
+def test_inference_and_export_are_not_warned(caplog, tmp_path):
+    x, _ = _xy(batches=2)
+    plain = _functional(keras.Model, StagedInput(name="served"))
+    with caplog.at_level(logging.WARNING, logger="keras_stage"):
+        StagedInput(name="alone")(x)
+        StagedInput(name="alone_inference")(x, training=False)
+        plain(x)
+        plain.predict(x, verbose=0)
+        plain.export(tmp_path / "plain", verbose=False)
+        staged = _functional(keras_stage.Model, StagedInput(name="exported"))
+        staged(x)
+        staged.export(tmp_path / "staged", verbose=False)
+    assert _not_staged_warnings(caplog) == []

@@ -1,0 +1,179 @@
+"""Tests for keras_stage/callbacks/data_backup.py, the callback on its own.
+
+`DataBackup` saves the training data's position (a checkpoint of the
+iterator the step read last, and a journal naming it) on the schedule of
+its `BackupAndRestore`, and on the next run restores that position before
+the resumed epoch's first step. Here its hooks are called by hand on
+plain tf.data iterators; a real run killed mid-epoch and resumed is
+tests/models/resume_test.py's.
+"""
+
+import copy
+import json
+import os
+import warnings
+
+import keras
+import pytest
+import tensorflow as tf
+
+from keras_stage.callbacks.data_backup import SUBDIR, DataBackup
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Run:
+    """One training run's DataBackup, over one iterator of `range(20)`."""
+
+    def __init__(self, folder, save_freq=2, iterator=True):
+        self.backup = keras.callbacks.BackupAndRestore(
+            str(folder), save_freq=save_freq
+        )
+        self.iterator = iter(tf.data.Dataset.range(20)) if iterator else None
+        self.restores = []
+        self.callback = DataBackup(
+            self.backup, lambda: self.iterator, self.restores.append
+        )
+
+    def train(self, epoch, batches):
+        """The hooks of `batches` steps of `epoch`, each reading one element."""
+        self.callback.on_epoch_begin(epoch)
+        for batch in range(batches):
+            next(self.iterator)
+            self.callback.on_train_batch_end(batch)
+
+
+def _journal(folder):
+    with open(os.path.join(folder, SUBDIR, "position.json")) as f:
+        return json.load(f)
+
+
+def _checkpoints(folder):
+    names = os.listdir(os.path.join(folder, SUBDIR))
+    return sorted({n.split(".")[0] for n in names if n.startswith("iterator-")})
+
+
+def test_it_follows_its_backup_and_restore(tmp_path):
+    run = _Run(tmp_path, save_freq=7, iterator=False)
+    assert run.callback.save_freq == 7
+    assert run.callback.directory == os.path.join(str(tmp_path), SUBDIR)
+    assert run.callback.backup is run.backup
+
+
+def test_it_saves_every_save_freq_batches_counted_across_epochs(tmp_path):
+    run = _Run(tmp_path, save_freq=2)
+    run.train(0, 3)  # saved after batch 1
+    assert _journal(tmp_path)["batch"] == 1
+    run.callback.on_epoch_end(0)
+    run.train(1, 1)  # batch 2 of 0 and batch 0 of 1: saved again
+    position = _journal(tmp_path)
+    assert (position["epoch"], position["batch"]) == (1, 0)
+    assert position["iterator"].startswith(
+        os.path.join(str(tmp_path), SUBDIR, "iterator-2")
+    )
+
+
+def test_it_keeps_the_last_two_iterator_checkpoints(tmp_path):
+    run = _Run(tmp_path, save_freq=1)
+    run.train(0, 5)
+    assert _checkpoints(tmp_path) == ["iterator-4", "iterator-5"]
+
+
+def test_a_run_resumes_after_the_last_saved_batch(tmp_path):
+    first = _Run(tmp_path, save_freq=2)
+    first.train(0, 4)  # saved after its 4th element: 0..3 were read
+    next(first.iterator)  # read after the save: lost with the kill
+
+    second = _Run(tmp_path, save_freq=2)
+    second.callback.on_train_begin()
+    assert second.restores == []  # not before the resumed epoch begins
+    second.callback.on_epoch_begin(0)
+    assert len(second.restores) == 1
+    second.restores[0](second.iterator)
+    assert int(next(second.iterator)) == 4
+
+
+def _saved_in_epoch_1(folder):
+    first = _Run(folder, save_freq=2)
+    first.train(0, 1)
+    first.callback.on_epoch_end(0)
+    first.train(1, 1)  # saved in epoch 1
+    second = _Run(folder, save_freq=2)
+    second.callback.on_train_begin()
+    return second
+
+
+def test_the_restore_runs_once_when_the_saved_epoch_begins(tmp_path):
+    run = _saved_in_epoch_1(tmp_path)
+    run.callback.on_epoch_begin(1)
+    assert len(run.restores) == 1
+    run.callback.on_epoch_begin(2)
+    assert len(run.restores) == 1
+
+
+def test_a_run_that_resumes_another_epoch_restores_nothing(tmp_path):
+    # BackupAndRestore resumes the epoch of its own last save: a journal
+    # from another epoch is not that save's position.
+    run = _saved_in_epoch_1(tmp_path)
+    run.callback.on_epoch_begin(0)
+    run.callback.on_epoch_begin(1)
+    assert run.restores == []
+
+
+def test_with_epoch_saves_the_next_epoch_starts_from_its_first_batch(
+    tmp_path,
+):
+    run = _Run(tmp_path, save_freq="epoch")
+    run.train(0, 5)
+    assert not os.path.exists(os.path.join(tmp_path, SUBDIR))  # no batch save
+    run.callback.on_epoch_end(0)
+    assert _journal(tmp_path) == {"epoch": 1, "batch": -1, "iterator": None}
+    resumed = _Run(tmp_path, save_freq="epoch")
+    resumed.callback.on_train_begin()
+    resumed.callback.on_epoch_begin(1)
+    assert resumed.restores == []
+
+
+def test_a_fresh_run_restores_nothing(tmp_path):
+    run = _Run(tmp_path)
+    run.callback.on_train_begin()
+    run.callback.on_epoch_begin(0)
+    assert run.restores == []
+
+
+def test_without_an_iterator_the_journal_names_none(tmp_path):
+    run = _Run(tmp_path, save_freq=1, iterator=False)
+    run.callback.on_epoch_begin(0)
+    run.callback.on_train_batch_end(0)
+    assert _journal(tmp_path) == {"epoch": 0, "batch": 0, "iterator": None}
+    assert _checkpoints(tmp_path) == []
+
+
+def test_an_iterator_tf_data_cannot_save_warns_once(tmp_path, caplog):
+    def numbers():
+        yield from range(20)
+
+    run = _Run(tmp_path, save_freq=1)
+    run.iterator = iter(
+        tf.data.Dataset.from_generator(
+            numbers, output_signature=tf.TensorSpec((), tf.int64)
+        )
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.train(0, 3)
+    ours = [w for w in caught if "position cannot be" in str(w.message)]
+    assert len(ours) == 1 and ours[0].category is UserWarning
+    message = str(ours[0].message)
+    assert "use a tf.data source" in message
+    assert "TensorFlow said: " in message
+    assert _journal(tmp_path)["iterator"] is None
+    assert "position cannot be saved" in caplog.text  # logged too
+
+
+def test_it_can_be_deep_copied_before_training(tmp_path):
+    # keras-tuner deep-copies callbacks: nothing uncopyable is made early.
+    run = _Run(tmp_path, iterator=False)
+    clone = copy.deepcopy(run.callback)
+    assert clone.directory == run.callback.directory
+    assert clone.save_freq == 2

@@ -1,0 +1,249 @@
+"""Tests for keras_stage/models/inputs.py: what `stage_data` makes of the data.
+
+For arrays Keras's own adapter batches (so labels stay aligned) and the
+stage is built for the call; a user's `tf.data.Dataset` is staged as it
+is, and kept for later calls on it; a dataset the user staged already is
+used as it is. The epochs a stage runs on one iterator (`epochs=`) and
+every case that refuses them are tests/models/epoch_pipeline_test.py's.
+"""
+
+import logging
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_stage
+from keras_stage.data.service import DISTRIBUTED_EPOCH
+from keras_stage.models.inputs import (
+    StagedData,
+    _batch_size,
+    _service_overrides,
+    default_strategy,
+    stage_data,
+)
+from keras_stage.models.iterators import DeferredIterator, DeferredPipeline
+
+pytestmark = pytest.mark.timeout(60)
+
+X = np.arange(20, dtype="float32").reshape(10, 2)
+Y = np.arange(10, dtype="float32")
+
+
+def _layer(**options):
+    return keras_stage.layers.StagedInput(name="feed", num_threads=1, **options)
+
+
+def _dataset(shuffle=False):
+    dataset = tf.data.Dataset.from_tensor_slices((X, Y))
+    if shuffle:
+        dataset = dataset.shuffle(10, seed=1)
+    return dataset.batch(4)
+
+
+def _labels(pipeline):
+    return [batch[1].numpy().tolist() for batch in pipeline]
+
+
+# -- arrays -----------------------------------------------------------------
+
+
+def test_arrays_are_batched_by_keras_and_staged_for_the_call():
+    data = stage_data(_layer(), "train", X, Y, batch_size=4)
+    assert isinstance(data, StagedData)
+    assert data.staged.name == "feed_train"
+    assert data.owned and data.defers
+    assert data.adapter.num_batches == 3
+    assert data.split is None and not data.in_step
+    assert not data.long_lived and data.epochs is None
+    assert data.kept is None
+    assert data.element_spec == (
+        tf.TensorSpec((None, 2), tf.float32),
+        tf.TensorSpec((None,), tf.float32),
+    )
+    pipeline = data.pipeline
+    assert isinstance(pipeline, DeferredPipeline)
+    # Keras knows the batch count of arrays: the dataset says it too.
+    assert int(pipeline.cardinality()) == 3
+    batches = list(pipeline)
+    assert [b[0].shape[0] for b in batches] == [4, 4, 2]
+    for features, labels in batches:  # each label with its inputs
+        np.testing.assert_array_equal(features.numpy()[:, 0], 2 * labels)
+    data.end_call()
+
+
+def test_shuffled_arrays_keep_labels_with_their_inputs():
+    data = stage_data(_layer(), "train", X, Y, batch_size=4, shuffle=True)
+    seen = []
+    for features, labels in data.pipeline:
+        np.testing.assert_array_equal(features.numpy()[:, 0], 2 * labels)
+        seen += labels.numpy().tolist()
+    assert sorted(seen) == Y.tolist()
+    data.end_call()
+
+
+def test_predict_reads_the_stage_in_python_through_its_own_iterator():
+    data = stage_data(_layer(), "predict", X, batch_size=4)
+    assert data.staged.name == "feed_predict"
+    eager = data.eager_dataset
+    assert isinstance(eager, DeferredPipeline)
+    iterator = iter(eager)
+    assert isinstance(iterator, DeferredIterator)
+    assert [b.shape for b in iterator] == [(4, 2), (4, 2), (2, 2)]
+    data.end_call()
+
+
+def test_made_iterators_are_reported_once_each():
+    made = []
+    data = stage_data(_layer(), "train", X, Y, batch_size=4)
+    data.on_iterator = made.append
+    unread = iter(data.pipeline)  # Keras's next-epoch iterator
+    assert isinstance(unread, DeferredIterator) and made == []
+    assert len(_labels(data.pipeline)) == 3
+    assert len(made) == 1
+    data.end_call()
+
+
+# -- datasets -----------------------------------------------------------------
+
+
+def test_a_dataset_is_staged_as_it_is():
+    data = stage_data(_layer(), "test", _dataset())
+    assert data.owned
+    assert _labels(data.pipeline) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    # It draws nothing when an iterator starts: iterators made when read.
+    assert data.defers
+    data.end_call()
+
+
+def test_a_dataset_that_draws_per_iterator_gets_iterators_made_at_once():
+    data = stage_data(_layer(), "test", _dataset(shuffle=True))
+    assert not data.defers
+    assert isinstance(iter(data.pipeline), tf.data.Iterator)
+    data.end_call()
+
+
+def test_a_dataset_of_unknown_length_is_staged_without_a_count():
+    dataset = _dataset().filter(lambda x, y: tf.reduce_all(y >= 0))
+    data = stage_data(_layer(), "test", dataset)
+    assert data.adapter.num_batches is None
+    assert int(data.pipeline.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+    assert len(_labels(data.pipeline)) == 3
+    data.end_call()
+
+
+def test_a_later_call_on_the_same_dataset_runs_the_kept_stage():
+    layer, dataset, kept = _layer(), _dataset(), {}
+    first = stage_data(layer, "test", dataset, kept=kept)
+    assert kept == {"test": first.kept} and first.kept.in_use
+    first.end_call()
+    assert not first.kept.in_use
+    second = stage_data(layer, "test", dataset, kept=kept)
+    assert second.staged is first.staged
+    assert _labels(second.pipeline) == _labels(dataset)  # gate reopened
+    second.end_call()
+    other = stage_data(layer, "test", _dataset(), kept=kept)
+    assert other.staged is not first.staged  # another dataset object
+    other.end_call()
+
+
+def test_a_call_nested_in_one_running_the_kept_stage_builds_its_own():
+    layer, dataset, kept = _layer(), _dataset(), {}
+    outer = stage_data(layer, "test", dataset, kept=kept)
+    inner = stage_data(layer, "test", dataset, kept=kept)
+    assert inner.staged is not outer.staged
+    assert inner.kept is None and kept["test"] is outer.kept
+    inner.end_call()
+    outer.end_call()
+
+
+def test_arrays_are_never_kept():
+    kept = {}
+    data = stage_data(_layer(), "train", X, Y, batch_size=4, kept=kept)
+    assert kept == {} and data.kept is None
+    data.end_call()
+
+
+# -- a dataset staged by the user -------------------------------------------
+
+
+def test_a_user_staged_dataset_is_used_as_it_is(caplog):
+    staged = keras_stage.data.stage(_dataset(), name="mine", num_threads=1)
+    with caplog.at_level(logging.INFO, logger="keras_stage"):
+        data = stage_data(_layer(capacity=3), "train", staged, epochs=2)
+    assert data.staged is staged and not data.owned
+    assert data.adapter is None
+    assert data.long_lived_refusal == "the data is a user's staged dataset"
+    assert "its own options are used, not those of StagedInput 'feed'" in (
+        caplog.text
+    )
+    data.end_call()
+    assert _labels(staged)[0] == [0, 1, 2, 3]  # still usable after the call
+    staged.close()
+
+
+@pytest.mark.parametrize(
+    "y, sample_weight, received",
+    [(Y, None, "y=ndarray, sample_weight=NoneType"), (None, Y, "y=NoneType")],
+)
+def test_labels_beside_a_user_staged_dataset_are_rejected(
+    y, sample_weight, received
+):
+    staged = keras_stage.data.stage(_dataset(), num_threads=1)
+    with pytest.raises(ValueError, match="pass labels and sample weights") as e:
+        stage_data(_layer(), "train", staged, y, sample_weight)
+    assert received in str(e.value)
+    staged.close()
+
+
+# -- the tf.data service ---------------------------------------------------
+
+
+def test_predict_on_a_service_stages_in_this_process(caplog):
+    layer = _layer(service="grpc://localhost:5050")
+    with caplog.at_level(logging.INFO, logger="keras_stage"):
+        assert _service_overrides(layer, "predict", False) == {"service": None}
+    assert "keep the order of the inputs" in caplog.text
+
+
+def test_evaluation_on_a_service_reads_each_example_once():
+    layer = _layer(service="grpc://localhost:5050")
+    assert _service_overrides(layer, "test", False) == {
+        "processing_mode": DISTRIBUTED_EPOCH
+    }
+    assert _service_overrides(layer, "train", False) == {}
+
+
+def test_python_data_cannot_go_to_a_service():
+    layer = _layer(service="grpc://localhost:5050")
+    with pytest.raises(
+        ValueError,
+        match=(
+            r"StagedInput 'feed' stages on the tf.data service at "
+            r"grpc://localhost:5050, whose workers cannot run this process's "
+            r"Python.*remove `service` from the StagedInput"
+        ),
+    ):
+        _service_overrides(layer, "train", True)
+
+
+def test_the_batch_size_after_the_service_comes_from_keras_or_the_data():
+    data = stage_data(_layer(), "train", X, Y, batch_size=4)
+    assert _batch_size(data.adapter, data.source) == 4
+    data.end_call()
+    data = stage_data(_layer(), "test", _dataset())
+    assert data.adapter.batch_size is None
+    assert _batch_size(data.adapter, data.source) == 4  # its first batch
+    data.end_call()
+
+
+# -- strategies -------------------------------------------------------------
+
+
+def test_only_the_default_strategy_iterates_through_python():
+    assert default_strategy(None)
+    assert default_strategy(tf.distribute.get_strategy())
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    assert not default_strategy(strategy)
+    with strategy.scope():
+        assert not default_strategy(tf.distribute.get_strategy())

@@ -1,0 +1,253 @@
+"""Tests for keras_stage/models/iterators.py, on plain tf.data pipelines.
+
+The iterators a staged call hands Keras: deferred ones (made when first
+read) and the epoch views of one long-lived iterator. Here they run on
+small `range` pipelines, with no stage, so each rule (counting, epoch
+boundaries, restarts, refusals) is checked on its own; the same iterators
+behind `stage_data` and a real `fit` are tests/models/epoch_pipeline_test.py's.
+"""
+
+import pytest
+import tensorflow as tf
+
+from keras_stage.data.eager_iterated import EagerIterated
+from keras_stage.models.iterators import (
+    DeferredIterator,
+    DeferredPipeline,
+    EpochPipeline,
+    EpochView,
+    LongLivedIterator,
+    ResolvingIterator,
+    resolve,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+BATCHES, EPOCHS = 3, 3
+
+
+class _Pool:
+    """What `LongLivedIterator` reads of a `StagePool`: its size."""
+
+    def __init__(self, size):
+        self.size = size
+
+
+def _epochs_source(start=None, epochs=EPOCHS):
+    """`epochs` epochs of `BATCHES` elements: epoch k holds k*B..(k+1)*B-1.
+
+    With `start`, an iterator begins at the epoch the variable holds then,
+    as `epoch_sources.long_lived_source` does.
+    """
+    passes = tf.data.Dataset.range(epochs)
+    if start is not None:
+        passes = passes.filter(lambda k: k >= start.read_value())
+    return passes.flat_map(
+        lambda k: tf.data.Dataset.range(k * BATCHES, (k + 1) * BATCHES)
+    )
+
+
+def _shared(start=None, pool=None, steps_per_execution=1, epochs=EPOCHS):
+    made = []
+    shared = LongLivedIterator(
+        _epochs_source(start, epochs),
+        BATCHES,
+        epochs,
+        made.append,
+        steps_per_execution=steps_per_execution,
+        start=start,
+        pool=pool,
+        name="unit",
+    )
+    return shared, made
+
+
+def _read(view, count):
+    return [int(next(view)) for _ in range(count)]
+
+
+# -- ResolvingIterator and the deferred iterators ---------------------------
+
+
+class _Fixed(ResolvingIterator):
+    def __init__(self, values):
+        self.real = iter(tf.data.Dataset.from_tensor_slices(values))
+        self.resolved = 0
+
+    def resolve(self):
+        self.resolved += 1
+        return self.real
+
+
+def test_a_resolving_iterator_reads_what_it_resolves_to():
+    iterator = _Fixed([5, 6, 7])
+    assert iter(iterator) is iterator
+    assert int(next(iterator)) == 5
+    assert int(iterator.get_next()) == 6
+    assert resolve(iterator) is iterator.real
+    assert iterator.resolved == 3
+    with pytest.raises(NotImplementedError):
+        ResolvingIterator().resolve()
+
+
+def test_resolve_passes_other_iterators_through():
+    real = iter(tf.data.Dataset.range(2))
+    assert resolve(real) is real
+    assert resolve(None) is None
+
+
+def test_a_deferred_iterator_is_made_once_when_first_read():
+    made = []
+    iterator = DeferredIterator(tf.data.Dataset.range(3), made.append)
+    assert iterator.element_spec == tf.TensorSpec((), tf.int64)
+    assert made == []  # the spec needs no iterator
+    real = iterator.resolve()
+    assert iterator.resolve() is real
+    assert [int(v) for v in iterator] == [0, 1, 2]
+    assert len(made) == 1 and made[0] >= 0.0
+
+
+def test_a_deferred_pipeline_is_an_eager_iterated_dataset():
+    made = []
+    pipeline = DeferredPipeline(tf.data.Dataset.range(4), made.append)
+    assert isinstance(pipeline, EagerIterated)
+    assert isinstance(iter(pipeline), DeferredIterator)
+    assert made == []
+    # Transformed, it is the pipeline itself and makes no deferred iterator.
+    assert [int(v) for v in pipeline.map(lambda v: v + 1)] == [1, 2, 3, 4]
+    assert made == []
+
+
+def test_without_defer_the_real_iterator_is_made_and_timed_at_once():
+    made = []
+    pipeline = DeferredPipeline(
+        tf.data.Dataset.range(2), made.append, defer=False
+    )
+    iterator = iter(pipeline)
+    assert isinstance(iterator, tf.data.Iterator)
+    assert len(made) == 1
+    assert [int(v) for v in iterator] == [0, 1]
+
+
+# -- LongLivedIterator ------------------------------------------------------
+
+
+def test_views_of_successive_epochs_read_one_real_iterator():
+    shared, made = _shared()
+    first, second = EpochView(shared, None), EpochView(shared, None)
+    assert _read(first, BATCHES) == [0, 1, 2]
+    assert shared.epoch == 1  # between epochs: the next
+    assert _read(second, BATCHES) == [3, 4, 5]
+    assert len(made) == 1
+    assert shared.read_batches == 2 * BATCHES
+
+
+def test_each_resolve_counts_steps_per_execution_batches():
+    shared, made = _shared(steps_per_execution=3)
+    view = EpochView(shared, None)
+    real = resolve(view)
+    assert shared.read_batches == 3
+    assert [int(real.get_next()) for _ in range(3)] == [0, 1, 2]
+    assert resolve(EpochView(shared, None)) is real  # the next epoch
+    assert shared.read_batches == 6 and shared.epoch == 2  # its end
+
+
+def test_an_epoch_left_early_is_read_to_its_end_without_a_start():
+    shared, made = _shared()
+    assert _read(EpochView(shared, None), 1) == [0]
+    # The next epoch starts where a fresh iterator of it would.
+    assert _read(EpochView(shared, None), BATCHES) == [3, 4, 5]
+    assert len(made) == 1  # the rest of the first was read past
+
+
+def test_an_epoch_left_early_restarts_on_a_new_iterator_with_a_start():
+    start = tf.Variable(0, dtype=tf.int64)
+    shared, made = _shared(start=start)
+    assert _read(EpochView(shared, None), 1) == [0]
+    assert _read(EpochView(shared, None), BATCHES) == [3, 4, 5]
+    assert int(start.numpy()) == 1
+    assert len(made) == 2
+
+
+def test_more_epochs_than_announced_are_refused():
+    shared, _ = _shared(epochs=1)
+    _read(EpochView(shared, None), BATCHES)
+    with pytest.raises(RuntimeError, match="built for 1 epochs.*upper bound"):
+        resolve(EpochView(shared, None))
+
+
+def test_a_closed_iterator_cannot_be_read():
+    shared, _ = _shared()
+    view = EpochView(shared, None)
+    _read(view, 1)
+    shared.close()
+    assert shared.closed
+    with pytest.raises(RuntimeError, match="Stage 'unit': its call has ended"):
+        next(view)
+
+
+def test_a_resized_pool_starts_a_new_iterator_at_the_epoch_boundary():
+    start, pool = tf.Variable(0, dtype=tf.int64), _Pool(4)
+    shared, made = _shared(start=start, pool=pool)
+    _read(EpochView(shared, None), BATCHES)
+    _read(EpochView(shared, None), BATCHES)
+    assert len(made) == 1  # same pool: same iterator
+    pool.size = 2
+    assert _read(EpochView(shared, None), BATCHES) == [6, 7, 8]
+    assert len(made) == 2
+
+
+def test_without_a_start_a_resized_pool_keeps_the_iterator():
+    pool = _Pool(4)
+    shared, made = _shared(pool=pool)
+    _read(EpochView(shared, None), BATCHES)
+    pool.size = 1
+    assert _read(EpochView(shared, None), BATCHES) == [3, 4, 5]
+    assert len(made) == 1
+
+
+def test_a_skipped_epoch_is_passed_and_the_next_starts_after_it():
+    start = tf.Variable(0, dtype=tf.int64)
+    shared, made = _shared(start=start)
+    _read(EpochView(shared, None), 1)  # left early, then skipped
+    shared.skip_epoch()
+    assert shared.read_batches == 2 * BATCHES and shared.epoch == 2
+    assert _read(EpochView(shared, None), BATCHES) == [6, 7, 8]
+    assert len(made) == 2
+
+
+def test_skipping_needs_a_start_and_an_epoch_left():
+    shared, _ = _shared()
+    with pytest.raises(RuntimeError, match="cannot be skipped"):
+        shared.skip_epoch()
+    start = tf.Variable(0, dtype=tf.int64)
+    shared, _ = _shared(start=start, epochs=1)
+    _read(EpochView(shared, None), BATCHES)
+    with pytest.raises(RuntimeError, match="built for 1 epochs"):
+        shared.skip_epoch()
+
+
+# -- EpochView and EpochPipeline --------------------------------------------
+
+
+def test_an_epoch_view_reads_one_batch_per_python_read():
+    shared, _ = _shared(steps_per_execution=3)
+    view = EpochView(shared, "spec")
+    assert iter(view) is view and view.element_spec == "spec"
+    assert int(view.get_next()) == 0
+    assert int(next(view)) == 1
+    assert shared.read_batches == 2
+
+
+def test_an_epoch_pipeline_is_one_epoch_to_keras():
+    shared, made = _shared()
+    pipeline = EpochPipeline(shared, _epochs_source())
+    assert int(pipeline.cardinality()) == BATCHES
+    assert pipeline.element_spec == tf.TensorSpec((), tf.int64)
+    first, second = iter(pipeline), iter(pipeline)
+    assert isinstance(first, EpochView)
+    assert made == []  # views make nothing until read
+    assert _read(first, BATCHES) == [0, 1, 2]
+    assert _read(second, BATCHES) == [3, 4, 5]
+    # Transformed, it is the first epoch of the long-lived pipeline.
+    assert [int(v) for v in pipeline.map(lambda v: v)] == [0, 1, 2]
