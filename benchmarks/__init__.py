@@ -17,6 +17,6 @@ Modules:
 - `benchmarks.report`: the JSON file, the printed table, the PNG chart.
 - `benchmarks.run`: the command line (`python -m benchmarks.run`).
 
-Nothing here runs under `make test`; `tests/benchmarks_test.py` checks the
-harness on a tiny size.
+Nothing here runs under `make test`;
+`tests/benchmarks/benchmarks_test.py` checks the harness on a tiny size.
 """

@@ -3,7 +3,7 @@
 Each function wraps one private attribute with a comment saying why it is
 unavoidable. `_keras_private` turns a moved symbol into an error naming the
 installed Keras and the versions keras_stage was tested with, and
-`tests/compat_test.py` fails loudly when a new release moves one. Keras is
+`tests/_compat_test.py` fails loudly when a new release moves one. Keras is
 imported inside the functions that need it, so the Keras-free engine
 (`keras_stage.data`) can use this module too.
 """

@@ -5,7 +5,7 @@ dataset spanning every epoch of the call: `range(epochs).flat_map` of the
 epoch's source. Plain Keras makes a new iterator of that source every
 epoch, and some sources draw differently from a new iterator than from the
 next pass of a running one. Measured on Keras 3.15 / TF 2.21
-(tests/models/epoch_pipeline_test.py keeps each fact checked):
+(tests/models/epoch_sources_test.py keeps each fact checked):
 
 - State kept by a resource outlives iterators: a seeded
   `shuffle(reshuffle_each_iteration=True)` (a global seed is enough) draws

@@ -14,7 +14,7 @@ from keras_stage.models.staging_mixin import StagingMixin
 
 
 def _functional_init_arguments(args, kwargs):
-    # The same test as Keras's Model.__new__ (tests/compat_test.py checks
+    # The same test as Keras's Model.__new__ (tests/_compat_test.py checks
     # that they agree).
     return (
         (len(args) == 2)

@@ -5,7 +5,7 @@ iterator the step read last, and a journal naming it) on the schedule of
 its `BackupAndRestore`, and on the next run restores that position before
 the resumed epoch's first step. Here its hooks are called by hand on
 plain tf.data iterators; a real run killed mid-epoch and resumed is
-tests/models/resume_test.py's.
+tests/reliability/resume_test.py's.
 """
 
 import copy

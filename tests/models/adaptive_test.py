@@ -4,7 +4,7 @@
 models with the same stage), here set by hand, so each decision is checked
 without timing anything; `staged_data` and `note_work` note those costs.
 The rules themselves are tests/models/call_costs_test.py's; fits that skip
-their stage are tests/models/stage_reuse_test.py's.
+their stage are tests/models/model_state_test.py's.
 """
 
 import logging

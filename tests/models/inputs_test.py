@@ -4,7 +4,7 @@ For arrays Keras's own adapter batches (so labels stay aligned) and the
 stage is built for the call; a user's `tf.data.Dataset` is staged as it
 is, and kept for later calls on it; a dataset the user staged already is
 used as it is. The epochs a stage runs on one iterator (`epochs=`) and
-every case that refuses them are tests/models/epoch_pipeline_test.py's.
+every case that refuses them are tests/models/epoch_sources_test.py's.
 """
 
 import logging

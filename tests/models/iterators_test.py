@@ -4,7 +4,7 @@ The iterators a staged call hands Keras: deferred ones (made when first
 read) and the epoch views of one long-lived iterator. Here they run on
 small `range` pipelines, with no stage, so each rule (counting, epoch
 boundaries, restarts, refusals) is checked on its own; the same iterators
-behind `stage_data` and a real `fit` are tests/models/epoch_pipeline_test.py's.
+behind `stage_data` and a real `fit` are tests/models/epoch_sources_test.py's.
 """
 
 import pytest

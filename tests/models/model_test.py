@@ -3,8 +3,8 @@
 The functional style returns a `keras_stage` functional class of its own
 (still a `keras_stage.Model`), the subclassing style stays a subclass of
 `keras_stage.Model`, and `compile` takes `smart_stage`. Whether a staged
-fit equals a plain one is tests/models/staged_fit_test.py's; whether
-`_functional_init_arguments` agrees with Keras is tests/compat_test.py's.
+fit equals a plain one is tests/models/staging_mixin_test.py's; whether
+`_functional_init_arguments` agrees with Keras is tests/_compat_test.py's.
 """
 
 import keras

@@ -39,7 +39,7 @@ def _plain():
 
 def _staged(build="list"):
     # adaptive=False: every call is staged (calls that skip their stage are
-    # tests/models/stage_reuse_test.py's).
+    # tests/models/model_state_test.py's).
     staged_input = StagedInput(capacity=2, num_threads=2, adaptive=False)
     if build == "list":
         model = keras_stage.Sequential(

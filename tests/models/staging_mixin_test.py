@@ -36,7 +36,7 @@ X_DICT = {"a": X[:, :2], "b": X[:, 2:]}
 
 def _staged_input():
     # Every call staged: these tests check the stage itself (calls that
-    # skip it: stage_reuse_test.py).
+    # skip it: tests/models/model_state_test.py).
     return StagedInput(capacity=2, num_threads=2, adaptive=False)
 
 

@@ -258,7 +258,7 @@ def _no_hang(seconds=EXAMPLE_SECONDS):
     """Fails the example if the block still runs after `seconds`.
 
     The watchdog interrupts the main thread like Ctrl-C, which every wait of
-    a staged run answers (see tests/models/reliability_test.py).
+    a staged run answers (see tests/reliability/reliability_test.py).
     """
     lock = threading.Lock()
     state = {"armed": True, "fired": False}

@@ -1063,7 +1063,8 @@ def test_history_and_plots_import_no_tensorflow():
         "import sys, benchmarks.history, benchmarks.plots; "
         "sys.exit('tensorflow' in sys.modules or 'keras' in sys.modules)"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=root, timeout=60, check=False
     )

@@ -528,7 +528,7 @@ def _raising_in(hook):
 
 
 # on_train_batch_end, and evaluate's/predict's batch ends, are covered in
-# lifecycle_test.py.
+# tests/models/staged_call_test.py.
 HOOKS = [
     "on_train_begin",
     "on_epoch_begin",

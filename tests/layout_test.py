@@ -1,0 +1,45 @@
+"""The tests mirror the package: each module has its own test file.
+
+`keras_stage/data/staging.py` is tested in `tests/data/staging_test.py`,
+and so on; suites that cross modules (reliability, fuzz, benchmarks) have
+folders of their own. Reads file names only.
+"""
+
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "keras_stage"
+CROSS_CUTTING = ("reliability", "fuzz", "benchmarks")
+
+
+def _modules():
+    return sorted(
+        path.relative_to(PACKAGE)
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "__init__.py"
+    )
+
+
+def test_the_package_has_modules():
+    assert pathlib.Path("data/staging.py") in _modules()
+
+
+def test_every_module_has_its_own_test_file():
+    missing = [
+        str(module)
+        for module in _modules()
+        if not (
+            ROOT / "tests" / module.parent / f"{module.stem}_test.py"
+        ).is_file()
+    ]
+    assert not missing, (
+        f"modules without a test file of their own: {missing}; add "
+        "tests/<package path>/<module>_test.py for each"
+    )
+
+
+def test_cross_cutting_suites_have_their_own_folders():
+    for name in CROSS_CUTTING:
+        folder = ROOT / "tests" / name
+        assert (folder / "__init__.py").is_file(), folder
+        assert list(folder.glob("*_test.py")), folder
