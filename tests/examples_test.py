@@ -117,10 +117,19 @@ def test_tuning_applies_the_verdict_and_waits_less():
         in (run2)
     )
     assert "verdict: Stage 'reader_train':" in run2
+    # Run 2's own verdict says its stage ran with the suggested settings
+    # ("now N" for the threads, "its N threads" when the source is the
+    # bottleneck): the verdict was applied, not only printed.
+    verdict2 = " ".join(run2.split("verdict: ", 1)[1].split())
+    assert (
+        f"(now {threads})" in verdict2 or f"its {threads} threads" in verdict2
+    ), verdict2
     before, after = re.search(
         r"stage_wait_ratio (\d\.\d+) -> (\d\.\d+)", run2
     ).groups()
-    assert float(after) < float(before)
+    # Run 2's reads overlap: its step waits less (seen to fail once, with
+    # other test runs loading the machine).
+    assert float(after) < float(before), (before, after)
 
 
 @pytest.mark.timeout(180)

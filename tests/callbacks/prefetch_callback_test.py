@@ -117,7 +117,9 @@ def test_slow_source_waits_more_and_is_called_input_bound(capsys):
     fast_ratio = fast.history["stage_wait_ratio"][-1]
     why = f"slow: {slow.history}, {slow_cb.verdict}; fast: {fast.history}"
     assert slow_ratio > fast_ratio, why
-    assert slow_ratio > 0.3, why
+    # The source's sleep dwarfs the tiny step on an idle machine; a loaded
+    # one slows the step too, so only the verdict's threshold is assumed.
+    assert slow_ratio >= 0.1, why
 
     # One verdict line per epoch, naming the stage.
     assert slow_out.count("Stage 'slow_source_train': input-bound") == 2

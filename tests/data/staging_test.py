@@ -18,6 +18,7 @@ from keras_stage.data import (
 from keras_stage.data.options import StageOptions
 from keras_stage.data.staging import build_stage
 from keras_stage.data.stats import StageStats
+from tests.helpers import wait_until
 
 BAD_CSV = tf.errors.InvalidArgumentError
 
@@ -70,15 +71,6 @@ class _Concurrency:
                 self.active -= 1
 
 
-def _wait_until(predicate, seconds):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
 # -- values and order --------------------------------------------------------
 
 
@@ -122,9 +114,14 @@ def test_non_deterministic_yields_every_element_once():
 
 @pytest.mark.timeout(60)
 def test_non_deterministic_lets_ready_elements_pass_a_slow_one():
+    # Element 0 is held until another element has reached the consumer,
+    # not for a fixed time a loaded machine may not finish the others in:
+    # were it not passed, it would come first, after the 20 s.
+    passed = threading.Event()
+
     def slow_zero(x):
         if int(x) == 0:
-            time.sleep(0.5)
+            passed.wait(20)
         return x
 
     staged = stage(
@@ -134,7 +131,10 @@ def test_non_deterministic_lets_ready_elements_pass_a_slow_one():
         num_threads=4,
         deterministic=False,
     )
-    got = _ints(staged)
+    got = []
+    for x in staged:
+        got.append(int(x))
+        passed.set()
     assert sorted(got) == list(range(8))
     assert got[0] != 0
 
@@ -308,7 +308,9 @@ def test_capacity_bound_is_exact(capacity, num_threads):
     bound = capacity + num_threads
     # The consumer stalls: the stage fills its buffer and its workers, and
     # then must start nothing more.
-    reached = _wait_until(lambda: counter.started - consumed >= bound, 5.0)
+    reached = wait_until(lambda: counter.started - consumed >= bound, 20)
+    # Then a while longer, for an element started past the bound to show
+    # (a slow machine only makes this check less sharp, never fail).
     time.sleep(0.5)
     ahead = counter.started - consumed
     assert ahead <= bound, (
@@ -575,20 +577,22 @@ def test_abandoned_helper_thread_exits_once_its_call_returns():
         release.set()
     # The source is unblocked: the helper thread that was left waiting on
     # it has nothing left to do and must not linger.
-    assert _wait_until(
+    assert wait_until(
         lambda: staged.close(timeout=1.0) and not _stage_threads("abandoned"),
-        5.0,
+        20,
     ), f"left behind: {[t.name for t in _stage_threads('abandoned')]}"
 
 
 @pytest.mark.timeout(30)
 def test_slow_but_within_timeout_does_not_raise():
+    # Ten times the element's time: a loaded machine's first fetch (the
+    # pipeline starting) must not pass for a stall.
     staged = stage(
         tf.data.Dataset.range(4),
         _py_map(_Concurrency(sleep=0.3)),
         capacity=1,
         num_threads=1,
-        timeout=1.5,
+        timeout=3.0,
     )
     assert _ints(staged) == [0, 1, 2, 3]
 
@@ -623,7 +627,7 @@ def _fetch_after_buffering(staged, iterator, buffered=8):
     """
     # An iterator's first call starts its pipeline: it waits, on the helper.
     got = [staged.runner.call(_fetch, iterator, elements=1)]
-    assert _wait_until(lambda: staged.stats.unconsumed() >= buffered, 10)
+    assert wait_until(lambda: staged.stats.unconsumed() >= buffered, 20)
     for _ in range(buffered):
         got.append(staged.runner.call(_fetch, iterator, elements=1))
     return got
@@ -712,7 +716,7 @@ def test_a_source_that_stalls_after_the_buffer_still_times_out():
         )
         iterator = iter(staged)
         assert int(next(iterator)) == 0
-        assert _wait_until(lambda: staged.stats.unconsumed() >= 5, 10)
+        assert wait_until(lambda: staged.stats.unconsumed() >= 5, 20)
         assert [int(next(iterator)) for _ in range(5)] == [1, 2, 3, 4, 5]
         started = time.monotonic()
         with pytest.raises(StageTimeoutError, match="Stage 'stalls'"):
@@ -732,7 +736,7 @@ def test_an_earlier_iterator_alive_keeps_every_call_on_the_helper():
     assert staged.runner.call(_fetch, first, elements=1)[1] == 0
     second = iter(staged.pipeline)
     got = [staged.runner.call(_fetch, second, elements=1)]
-    assert _wait_until(lambda: staged.stats.unconsumed() >= 6, 10)
+    assert wait_until(lambda: staged.stats.unconsumed() >= 6, 20)
     got += [staged.runner.call(_fetch, second, elements=1) for _ in range(3)]
     assert [value for _, value in got] == [0, 1, 2, 3]
     assert here not in [thread for thread, _ in got]
@@ -813,7 +817,7 @@ def test_stage_dropped_without_close_leaves_no_thread():
     assert not [s for s in live_stages() if s.name == "dropped"], (
         "stages read without close() are never garbage-collected"
     )
-    assert _wait_until(lambda: not _stage_threads("dropped"), 5.0), (
+    assert wait_until(lambda: not _stage_threads("dropped"), 20), (
         f"{len(_stage_threads('dropped'))} helper threads outlived their stages"
     )
 

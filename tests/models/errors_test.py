@@ -9,6 +9,7 @@ API is rejected with a message naming the argument.
 
 import logging
 import time
+import warnings
 
 import keras
 import numpy as np
@@ -64,6 +65,20 @@ def _model(trunk=None, name="parse", **stage_kwargs):
     model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
     model.compile(optimizer="sgd", loss="mse")
     return model
+
+
+class _StepCounter(keras.callbacks.Callback):
+    """Counts the training and evaluation steps Keras runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.count += 1
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.count += 1
 
 
 class _BatchCounter(keras.callbacks.Callback):
@@ -176,12 +191,29 @@ def test_evaluate_inside_fit_keeps_the_validation_stage_policies():
 @pytest.mark.parametrize("method", ["fit", "evaluate"])
 def test_ignored_types_on_clean_arrays_add_no_keras_warning(method):
     # With nothing to skip, a staged run is as quiet as a plain Keras run
-    # on the same arrays (warnings are errors in this suite).
+    # on the same arrays, and reads every batch. Recorded rather than left
+    # to warnings-as-errors, so the test states what it checks.
+    plain_inputs = keras.Input(shape=(2,))
+    plain = keras.Model(plain_inputs, keras.layers.Dense(1)(plain_inputs))
+    plain.compile(optimizer="sgd", loss="mse")
     model = _model(ignored_exception_types=IGNORE_INVALID)
     x = np.ones((8, 2), "float32")
     y = np.ones((8, 1), "float32")
-    getattr(model, method)(x, y, batch_size=2, verbose=0)
-    getattr(model, method)(x, y, batch_size=2, verbose=0)
+    steps = _StepCounter()
+    messages = {}
+    for name, run in (("plain", plain), ("staged", model)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                result = getattr(run, method)(
+                    x, y, batch_size=2, verbose=0, callbacks=[steps]
+                )
+        messages[name] = {str(w.message) for w in caught}
+        losses = result.history["loss"] if method == "fit" else [result]
+        assert len(losses) == 1 and np.isfinite(losses[0]), (name, result)
+    assert messages["staged"] <= messages["plain"], messages
+    # 4 batches per call, 2 calls of each model.
+    assert steps.count == 4 * 2 * 2
 
 
 # -- errors that reach the user ---------------------------------------------
@@ -642,4 +674,6 @@ def test_timeout_error_arrives_within_the_timeout_plus_a_few_seconds(
     with pytest.raises(StageTimeoutError, match="Stage 'stall_train'"):
         model.fit(source, verbose=0, shuffle=False)
     late = time.monotonic() - stalled["at"]
-    assert late < 2.0 + 3.0, f"the error came {late:.1f} s after the stall"
+    # Four seconds of slack for a loaded machine, still short of the 5 s
+    # (`close`'s default timeout) a wait for the stalled thread would add.
+    assert late < 2.0 + 4.0, f"the error came {late:.1f} s after the stall"

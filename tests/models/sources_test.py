@@ -324,12 +324,16 @@ def test_errors_and_wrapped_py_datasets_survive_pickling():
 @pytest.mark.timeout(60)
 def test_check_adds_a_few_microseconds_per_batch():
     batches = [_batch(i) for i in range(2)] * 1000
-    started = time.perf_counter()
-    for _ in check_source(b for b in batches):
-        pass
-    per_batch = (time.perf_counter() - started) / len(batches)
-    # About 5 us here; a Keras step takes at least ~1.7 ms.
-    assert per_batch < 100e-6, per_batch
+    # The best of a few rounds, as timeit does: a round a loaded machine
+    # preempted says nothing of the check's own cost.
+    rounds = []
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in check_source(b for b in batches):
+            pass
+        rounds.append((time.perf_counter() - started) / len(batches))
+    # Small beside a Keras step, which takes milliseconds.
+    assert min(rounds) < 100e-6, rounds
 
 
 # -- through a staged fit/evaluate/predict ----------------------------------
