@@ -51,6 +51,19 @@ X = np.linspace(0.0, 1.0, 32, dtype="float32").reshape(16, 2)
 Y = X.sum(axis=1, keepdims=True)
 
 
+@pytest.fixture(autouse=True)
+def _sigint_raises_keyboard_interrupt():
+    """Ctrl-C as in a terminal: Python's own SIGINT handler installed.
+
+    A process started in the background by a non-interactive shell (`make
+    test &`) inherits SIGINT ignored, and then Python installs no handler
+    and `_thread.interrupt_main` does nothing.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _model(name="rel", timeout=DEFAULT_TIMEOUT):
     inputs = keras.Input(shape=(2,))
     # Every call staged: these tests end and restart the stage.
