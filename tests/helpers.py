@@ -149,3 +149,10 @@ def tensorboard_scalars(folder):
     from examples.tensorboard import scalars
 
     return scalars(folder)
+
+
+def counters_with(stats, unconsumed):
+    """The counters of `stats` with `unconsumed` elements not consumed."""
+    counters = stats._counters.numpy()
+    counters[0] = counters[2] + counters[7] + unconsumed  # produced
+    return counters

@@ -18,7 +18,7 @@ from keras_stage.data import (
 from keras_stage.data.options import StageOptions
 from keras_stage.data.staging import build_stage
 from keras_stage.data.stats import StageStats
-from tests.helpers import wait_until
+from tests.helpers import counters_with, wait_until
 
 BAD_CSV = tf.errors.InvalidArgumentError
 
@@ -928,69 +928,6 @@ def test_stats_buffered_peak_with_auto_capacity():
     assert snap["buffered_sum"] <= snap["buffered_peak"] * 12
 
 
-# A consumer's fetches: (start mark, seconds from it to the batch, finished
-# elements not consumed when it arrived). A negative mark is an epoch's
-# first fetch; one unconsumed element is the batch itself (the buffer was
-# empty: the fetch waited); more, and it was ready.
-_FETCHES = [
-    (-100.0, 5.0, 1),
-    (200.0, 0.002, 3),
-    (300.0, 0.004, 2),
-    (400.0, 0.050, 1),
-    (500.0, 0.001, 1),
-    (600.0, 0.003, 4),
-    (700.0, 0.030, 1),
-]
-
-
-def _counters_with(stats, unconsumed):
-    """The counters of `stats` with `unconsumed` elements not consumed."""
-    counters = stats._counters.numpy()
-    counters[0] = counters[2] + counters[7] + unconsumed  # produced
-    return counters
-
-
-def test_reported_fetches_add_up_like_fetches_recorded_in_the_graph():
-    # keras_stage's step hands each fetch's facts to Python (`report`,
-    # `take_report`), other steps accumulate them in the graph: both must
-    # give the same wait, buffer fill and baseline.
-    in_graph = StageStats("in_graph", track_peak=True)
-    reported = StageStats("reported", track_peak=True)
-
-    @tf.function
-    def record(stats, marked, took, counters):
-        fetch = (marked, tf.abs(marked) + took, counters)
-        stats.accumulate(fetch, count=True)
-
-    for marked, took, unconsumed in _FETCHES:
-        counters = _counters_with(in_graph, unconsumed)
-        in_graph._counters.assign(counters)
-        record(
-            in_graph,
-            tf.constant(marked, tf.float64),
-            tf.constant(took, tf.float64),
-            tf.constant(counters),
-        )
-        values = [marked, abs(marked) + took, *counters, *counters]
-        assert reported.take_report(values) == unconsumed
-    graph, python = in_graph.snapshot(), reported.snapshot()
-    # The first fetch's 5 s (tracing) is not waiting; those that found the
-    # buffer empty waited what they took beyond the baseline that the
-    # ready ones set (0.0478 + 0 + 0.0277 s).
-    assert python["wait_seconds"] == pytest.approx(graph["wait_seconds"])
-    assert 0.05 < python["wait_seconds"] < 0.08
-    assert python["buffered_sum"] == graph["buffered_sum"] == 2 + 1 + 3
-    assert python["buffered_peak"] == graph["buffered_peak"] == 3
-    assert reported._baseline == pytest.approx(in_graph._counters.numpy()[6])
-
-
-def test_a_report_of_counters_only_gives_the_count():
-    stats = StageStats("count_only")
-    counters = _counters_with(stats, 5)
-    assert stats.take_report(list(counters)) == 5
-    assert stats.snapshot()["wait_seconds"] == 0.0
-
-
 # -- inside tf.function ------------------------------------------------------
 
 
@@ -1087,7 +1024,7 @@ def test_fetches_counted_in_python_join_every_count():
     # them until the next epoch's `mark_request` moves them into the
     # counters.
     stats = StageStats("taken", track_peak=True)
-    stats._counters.assign(_counters_with(stats, 5))
+    stats._counters.assign(counters_with(stats, 5))
     stats.count_taken(2, buffered=3)
     assert stats.unconsumed() == 3
     snapshot = stats.snapshot()

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from keras_stage.data import stats as stats_module
 from keras_stage.data.stats import NO_CLOCK_NOTE, StageStats, clock_allowed
+from tests.helpers import counters_with
 from tests.op_determinism import enabled, op_determinism
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,33 +53,38 @@ def _produce(stats, elements):
         produce()
 
 
-# Fetches as (start mark, seconds to the arrival, unconsumed at the
-# arrival): a negative mark is an epoch's first fetch (its time includes
-# tracing); one unconsumed element is the batch itself (it waited), more
-# and it was ready.
-FETCHES = [
+# A consumer's fetches: (start mark, seconds from it to the batch, finished
+# elements not consumed when it arrived). A negative mark is an epoch's
+# first fetch; one unconsumed element is the batch itself (the buffer was
+# empty: the fetch waited); more, and it was ready.
+_FETCHES = [
     (-100.0, 5.0, 1),
     (200.0, 0.002, 3),
-    (300.0, 0.050, 1),
-    (400.0, 0.004, 2),
-    (500.0, 0.030, 1),
+    (300.0, 0.004, 2),
+    (400.0, 0.050, 1),
+    (500.0, 0.001, 1),
+    (600.0, 0.003, 4),
+    (700.0, 0.030, 1),
 ]
 
 
-def test_a_fetch_accumulated_in_the_graph_or_in_python_counts_the_same():
+def test_reported_fetches_add_up_like_fetches_recorded_in_the_graph():
+    # keras_stage's step hands each fetch's facts to Python (`report`,
+    # `take_report`), other steps accumulate them in the graph: both must
+    # give the same wait, buffer fill and baseline.
     in_graph = StageStats("in_graph", track_peak=True)
     reported = StageStats("reported", track_peak=True)
 
     @tf.function
-    def accumulate(marked, took, counters):
+    def record(stats, marked, took, counters):
         fetch = (marked, tf.abs(marked) + took, counters)
-        in_graph.accumulate(fetch, count=True)
+        stats.accumulate(fetch, count=True)
 
-    for marked, took, unconsumed in FETCHES:
-        counters = in_graph._counters.numpy()
-        counters[0] = counters[2] + unconsumed  # produced
+    for marked, took, unconsumed in _FETCHES:
+        counters = counters_with(in_graph, unconsumed)
         in_graph._counters.assign(counters)
-        accumulate(
+        record(
+            in_graph,
             tf.constant(marked, tf.float64),
             tf.constant(took, tf.float64),
             tf.constant(counters),
@@ -86,12 +92,22 @@ def test_a_fetch_accumulated_in_the_graph_or_in_python_counts_the_same():
         values = [marked, abs(marked) + took, *counters, *counters]
         assert reported.take_report(values) == unconsumed
     graph, python = in_graph.snapshot(), reported.snapshot()
-    # Not the first fetch (tracing); the others that found the buffer
-    # empty waited beyond the baseline the ready ones set: 0.048 + 0.0278.
-    assert python["wait_seconds"] == pytest.approx(0.0758)
-    assert graph["wait_seconds"] == pytest.approx(python["wait_seconds"])
-    assert python["buffered_sum"] == graph["buffered_sum"] == 2 + 1
-    assert python["buffered_peak"] == graph["buffered_peak"] == 2
+    # The first fetch's 5 s (tracing) is not waiting; those that found the
+    # buffer empty waited what they took beyond the baseline that the
+    # ready ones set (0.0478 + 0 + 0.0277 s).
+    assert python["wait_seconds"] == pytest.approx(graph["wait_seconds"])
+    assert 0.05 < python["wait_seconds"] < 0.08
+    assert python["wait_seconds"] == pytest.approx(0.0478 + 0.02772)
+    assert python["buffered_sum"] == graph["buffered_sum"] == 2 + 1 + 3
+    assert python["buffered_peak"] == graph["buffered_peak"] == 3
+    assert reported._baseline == pytest.approx(in_graph._counters.numpy()[6])
+
+
+def test_a_report_of_counters_only_gives_the_count():
+    stats = StageStats("count_only")
+    counters = counters_with(stats, 5)
+    assert stats.take_report(list(counters)) == 5
+    assert stats.snapshot()["wait_seconds"] == 0.0
 
 
 def test_clock_allowed_follows_tensorflows_determinism_setting():
