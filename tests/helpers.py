@@ -2,6 +2,7 @@
 
 import gc
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -156,3 +157,18 @@ def counters_with(stats, unconsumed):
     counters = stats._counters.numpy()
     counters[0] = counters[2] + counters[7] + unconsumed  # produced
     return counters
+
+
+def printed_in_fresh_python(code, timeout=100):
+    """What `code` prints in a new interpreter (which must exit cleanly).
+
+    For what only a fresh process shows: an import blocked with
+    `sys.modules[name] = None` before anything imported it.
+    """
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
+    ).stdout

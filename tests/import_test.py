@@ -3,10 +3,10 @@
 import configparser
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+
+from tests.helpers import printed_in_fresh_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -21,13 +21,7 @@ def test_missing_tensorflow_names_the_fix():
         "except ImportError as e:\n"
         "    print(e)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=True,
-    ).stdout
+    out = printed_in_fresh_python(code)
     assert "keras_stage needs TensorFlow" in out
     # The commands work: the pinned TensorFlow of the primary environment,
     # and the checkout's own extra (keras-stage is on no package index).

@@ -10,8 +10,6 @@ unstaged none.
 
 import copy
 import logging
-import subprocess
-import sys
 import threading
 import time
 
@@ -26,7 +24,7 @@ from keras_stage.callbacks.prefetch_callback import epoch_statistics, verdict
 from keras_stage.data import StageOptions
 from keras_stage.layers import StagedInput
 from keras_stage.models import epoch_switch
-from tests.helpers import tensorboard_scalars
+from tests.helpers import printed_in_fresh_python, tensorboard_scalars
 
 SLEEP_SECONDS = 0.03
 # Enough batches that one scheduling stall of a loaded machine cannot
@@ -875,13 +873,7 @@ def test_log_dir_without_tensorboard_names_the_fix():
         "except ImportError as e:\n"
         "    print(e)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=True,
-    ).stdout
+    out = printed_in_fresh_python(code)
     assert out.startswith(
         "PrefetchCallback(log_dir=...) writes TensorBoard event files, "
         "which needs the `tensorboard` package, and it is not installed. "

@@ -26,6 +26,7 @@ from keras_stage.data.tfio_support import (
     explain_tfio_error,
     require_tensorflow_io,
 )
+from tests.helpers import printed_in_fresh_python
 
 # tensorflow-io 0.37.1 is built for TensorFlow 2.16.
 where_ops_do_not_load = pytest.mark.skipif(
@@ -185,13 +186,7 @@ def test_missing_tensorflow_io_names_the_pairing():
         "except ImportError as e:\n"
         "    print(e)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=True,
-    ).stdout
+    out = printed_in_fresh_python(code)
     assert f"tensorflow-io is not installed (TensorFlow {tf.__version__})" in (
         out
     )
