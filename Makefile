@@ -4,6 +4,7 @@ SHELL := /bin/bash
 PY ?= python3
 VENV ?= .venv
 VENV_IO ?= .venv-io
+VENV_JAX ?= .venv-jax
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
@@ -11,6 +12,7 @@ LINT_PATHS := keras_stage tests examples benchmarks
 
 PRIMARY_REQS := requirements/primary.txt requirements/primary-constraints.txt
 IO_REQS := requirements/io.txt requirements/io-constraints.txt
+JAX_REQS := requirements/jax.txt requirements/jax-constraints.txt
 
 # The venv markers depend only on the requirement files and setup.cfg (not
 # pyproject.toml, whose pytest/ruff config edits must not trigger reinstalls).
@@ -20,14 +22,16 @@ IO_REQS := requirements/io.txt requirements/io-constraints.txt
 # Quieten TensorFlow's C++ logging for test/demo runs.
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: help venv venv-io test test-io demo lint docs clean
+.PHONY: help venv venv-io venv-jax test test-io test-jax demo lint docs clean
 
 help:
 	@echo "Targets:"
 	@echo "  venv      build $(VENV) (primary: tensorflow-cpu 2.21, keras 3)"
 	@echo "  venv-io   build $(VENV_IO) (tensorflow-cpu 2.16 + tensorflow-io)"
+	@echo "  venv-jax  build $(VENV_JAX) (tensorflow-cpu 2.21 + jax[cpu])"
 	@echo "  test      run pytest in $(VENV)        (PYTEST_ARGS=...)"
 	@echo "  test-io   run pytest in $(VENV_IO) with KERAS_STAGE_ENV=io"
+	@echo "  test-jax  run pytest tests/jax in $(VENV_JAX), KERAS_BACKEND=jax"
 	@echo "  demo      run examples.demo in $(VENV) (DEMO_ARGS=...)"
 	@echo "  lint      ruff check + ruff format --check"
 	@echo "  docs      build the documentation site into site/ (warnings fail)"
@@ -47,15 +51,28 @@ $(VENV_IO)/.done: $(IO_REQS) setup.cfg
 	$(VENV_IO)/bin/python -m pip install -e . --no-deps
 	touch $@
 
+$(VENV_JAX)/.done: $(JAX_REQS) setup.cfg
+	test -x $(VENV_JAX)/bin/python || $(PY) -m venv $(VENV_JAX)
+	$(VENV_JAX)/bin/python -m pip install -r requirements/jax.txt \
+		-c requirements/jax-constraints.txt
+	$(VENV_JAX)/bin/python -m pip install -e . --no-deps
+	touch $@
+
 venv: $(VENV)/.done
 
 venv-io: $(VENV_IO)/.done
+
+venv-jax: $(VENV_JAX)/.done
 
 test: venv
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 test-io: venv-io
 	KERAS_STAGE_ENV=io $(VENV_IO)/bin/python -m pytest $(PYTEST_ARGS)
+
+# Only tests/jax: the rest of the suite is TensorFlow-backend.
+test-jax: venv-jax
+	KERAS_BACKEND=jax $(VENV_JAX)/bin/python -m pytest tests/jax $(PYTEST_ARGS)
 
 demo: venv
 	$(VENV)/bin/python -m examples.demo $(DEMO_ARGS)
@@ -70,7 +87,7 @@ docs: venv
 	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf $(VENV) $(VENV_IO) build dist site .eggs *.egg-info \
+	rm -rf $(VENV) $(VENV_IO) $(VENV_JAX) build dist site .eggs *.egg-info \
 		.pytest_cache .ruff_cache .hypothesis
 	find . -path ./.git -prune -o -type d -name __pycache__ -print0 \
 		| xargs -0 rm -rf

@@ -17,6 +17,9 @@ It reads the outputs of every benchmark family:
 - `epoch_switch`: `benchmarks.epoch_switch`, whole multi-epoch fits;
 - `criteo_overlap`: the table `benchmarks.criteo_overlap` prints, saved
   as a `.txt` file whose first line is `# <command>, <date>, at <commit>`.
+- `jax_backend`: `benchmarks.jax_backend`, whole `fit` calls on Keras's
+  JAX backend, staged and expert (plain Keras cannot fit there), `call`
+  and `steps`.
 
 Every figure is copied from the file, none computed: medians, and the
 ratios the run recorded, paired (the median over rounds of the ratio
@@ -290,6 +293,53 @@ def epoch_switch_rows(results, run, date):
     ]
 
 
+def jax_backend_rows(results, run):
+    """Rows of a `benchmarks.jax_backend` results dict."""
+    base = {
+        "date": _date(results["created"]),
+        "commit": _commit(results["environment"]),
+        "family": "jax_backend",
+        "run": run,
+        "rounds": results["config"]["rounds"],
+        "unit": "s",
+        "plain": "",
+        "limit": "",
+        "staged/plain": "",
+        "staged/limit": "",
+        "expert/plain": "",
+        "control/plain": "",
+        "ratios": "paired",
+    }
+    rows = []
+    for name, section in results["workloads"].items():
+        modes = section["modes"]
+        plain = section["plain"]
+        other = [
+            "plain ran"
+            if plain["possible"]
+            else f"plain impossible on JAX: {plain['error_type']}",
+            "max |staged - expert| weight "
+            f"{section['weight_check']['max_abs_difference']:.1e}",
+        ]
+        for timing, key in (("call", "seconds"), ("steps", "steps_seconds")):
+            rows.append(
+                {
+                    **base,
+                    "workload": name,
+                    "timing": timing,
+                    "size": f"{section['epochs']} epochs of "
+                    f"{section['rows']} rows, batch {section['batch_size']}",
+                    "expert": _fmt(modes["expert"][f"{key}_median"]),
+                    "staged": _fmt(modes["staged"][f"{key}_median"]),
+                    "staged/expert": _fmt(
+                        section["paired_ratios"]["staged/expert"][key]
+                    ),
+                    "other": "; ".join(other),
+                }
+            )
+    return rows
+
+
 _HEADER = re.compile(
     r"#.*?criteo_overlap\s+(?P<reps>\d+)?.*?,\s*(?P<date>\d{4}-\d{2}-\d{2})"
     r".*?\bat\s+(?P<commit>[0-9a-f]{7,40})(?P<dirty>\s*\+)?"
@@ -359,6 +409,8 @@ def rows_of(path):
             return []
         return criteo_overlap_rows(text, run, _file_date(path))
     results = json.loads(text)
+    if results.get("family") == "jax_backend":
+        return jax_backend_rows(results, run)
     if "workloads" in results:
         return bench_rows(results, run)
     if "models" in results:

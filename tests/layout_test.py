@@ -9,7 +9,7 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "keras_stage"
-CROSS_CUTTING = ("reliability", "fuzz", "benchmarks")
+CROSS_CUTTING = ("reliability", "fuzz", "benchmarks", "jax")
 
 
 def _modules():

@@ -16,7 +16,7 @@ import tensorflow as tf
 from keras_stage import _compat
 from keras_stage.data.service import DISTRIBUTED_EPOCH
 from keras_stage.data.staging import StagedDataset
-from keras_stage.models import epoch_sources
+from keras_stage.models import backends, epoch_sources
 from keras_stage.models.call_costs import in_memory
 from keras_stage.models.iterators import (
     DeferredPipeline,
@@ -617,7 +617,8 @@ def stage_data(
             name=f"{layer.stage_options.name}_{phase}",
             stats=stats,
             consumer_records=stats is not None,
-            distributed=distributed,
+            # On JAX, Keras's trainer copies each batch to the device.
+            distributed=distributed or not backends.uses_device_buffer(),
             unpacks=True,
             **overrides,
         )

@@ -10,6 +10,7 @@ the same class afterwards. So functional construction returns a
 import keras
 
 from keras_stage import _compat
+from keras_stage.models import steps as _steps
 from keras_stage.models.staging_mixin import StagingMixin
 
 
@@ -60,3 +61,13 @@ class Functional(_compat.keras_functional_class(), Model):
 
     def __new__(cls, *args, **kwargs):
         return keras.Model.__new__(cls)
+
+    def call(self, inputs, training=None, mask=None, **kwargs):
+        # Keras's Functional.call precedes StagingMixin's in this class's
+        # MRO: the JAX step's redirect to the trunk is made here too.
+        trunk = _steps.trunk(self)
+        if trunk is not None:
+            return _steps.call_trunk(
+                trunk, inputs, training=training, mask=mask, **kwargs
+            )
+        return super().call(inputs, training=training, mask=mask, **kwargs)

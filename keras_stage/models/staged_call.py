@@ -34,7 +34,7 @@ import tensorflow as tf
 from keras_stage import _compat
 from keras_stage.callbacks.data_backup import DataBackup
 from keras_stage.callbacks.prefetch_callback import PrefetchCallback
-from keras_stage.models import adaptive, steps
+from keras_stage.models import adaptive, backends, steps
 from keras_stage.models.epoch_switch import epoch_switch
 from keras_stage.models.model_state import (
     FUNCTIONS,
@@ -100,14 +100,15 @@ class StagedCall:
         to the step: its pipeline is what Keras must iterate.
         """
         model = self.model
-        stepped = phase != "predict"  # predict reads its batches in Python
+        # Predict reads its batches in Python, and so does every JAX step.
+        stepped = phase != "predict" and backends.graph_steps()
         data = adaptive.staged_data(
             model,
             phase,
             self.layer,
             role,
-            x,
-            y,
+            backends.host_arrays(x),
+            backends.host_arrays(y),
             sample_weight,
             split=self.split,
             stats=(
@@ -153,16 +154,35 @@ class StagedCall:
 
     # -- running Keras's call ---------------------------------------------
 
+    def feed(self, data):
+        """What Keras iterates for `data` (a `StagedData` of this call).
+
+        Keras's compiled TensorFlow steps read the pipeline in the graph;
+        Keras reads predict batches, and every batch on JAX, in Python,
+        where the stage's own iterators apply its policies.
+        """
+        if data.in_step or (backends.graph_steps() and data.strategy):
+            return data.pipeline
+        if backends.graph_steps() and "predict" not in self.phases:
+            return data.pipeline
+        return data.eager_dataset
+
     def run(self, keras_call, **kwargs):
         """`keras_call(callbacks=..., **kwargs)` with the staged steps."""
         model = self.model
-        if self.built and "predict" not in self.phases:
-            _build_for_strategy(model, self.built[0])
         splits = {phase: self._splits.get(phase) for phase in self.phases}
         with (
             _skips_end_epochs_early(self.layer, self.built, self.callbacks),
             _staged_steps(model, self.phases, splits),
         ):
+            if not backends.graph_steps():
+                # Keras's JAX trainer builds the model's metrics by calling
+                # it on a first batch (an iterator of its own, as for any
+                # data): the cut, which only the trunk takes.
+                with steps.calling_trunk(model, self.phases[0]):
+                    return keras_call(callbacks=self.callbacks, **kwargs)
+            if self.built and "predict" not in self.phases:
+                _build_for_strategy(model, self.built[0])
             return keras_call(callbacks=self.callbacks, **kwargs)
 
     def run_unstaged(self, keras_call):
@@ -323,6 +343,8 @@ def _trunk_jit(model, splits):
     the trunk can honour the user's request.
     """
     requested = model_state(model).requested_jit
+    if requested == "auto" and not backends.graph_steps():
+        requested = True  # Keras's "auto" on JAX: jit what it can
     if requested is not True:
         return None
     for split in splits.values():

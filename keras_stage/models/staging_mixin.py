@@ -24,7 +24,7 @@ import keras
 
 from keras_stage import _compat
 from keras_stage.layers.staged_input import StagedInput
-from keras_stage.models import adaptive
+from keras_stage.models import adaptive, backends
 from keras_stage.models import steps as _steps
 from keras_stage.models.call_costs import array_batches, validation_runs
 from keras_stage.models.model_state import state as _state
@@ -201,21 +201,40 @@ class StagingMixin:
             return trunk(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
+    def call(self, inputs, training=None, mask=None, **kwargs):
+        # Keras's JAX step calls `call` itself (`stateless_call`).
+        trunk = _steps.trunk(self)
+        if trunk is not None:
+            return _steps.call_trunk(
+                trunk, inputs, training=training, mask=mask, **kwargs
+            )
+        return super().call(inputs, training=training, mask=mask, **kwargs)
+
+    # The steps take `(data)` on TensorFlow, `(state, data)` on JAX.
+
     @_steps.own
-    def train_step(self, data):
-        data = _steps.unpacked(self, "train", data)
+    def train_step(self, *args):
+        if not backends.graph_steps():
+            return backends.jax_step(self, "train", super().train_step, *args)
+        data = _steps.unpacked(self, "train", *args)
         with _steps.calling_trunk(self, "train"):
             return _steps.recorded_step(self, "train", super().train_step, data)
 
     @_steps.own
-    def test_step(self, data):
-        data = _steps.unpacked(self, "test", data)
+    def test_step(self, *args):
+        if not backends.graph_steps():
+            return backends.jax_step(self, "test", super().test_step, *args)
+        data = _steps.unpacked(self, "test", *args)
         with _steps.calling_trunk(self, "test"):
             return _steps.recorded_step(self, "test", super().test_step, data)
 
     @_steps.own
-    def predict_step(self, data):
-        data = _steps.unpacked(self, "predict", data)
+    def predict_step(self, *args):
+        if not backends.graph_steps():
+            return backends.jax_step(
+                self, "predict", super().predict_step, *args
+            )
+        data = _steps.unpacked(self, "predict", *args)
         with _steps.calling_trunk(self, "predict"):
             return super().predict_step(data)
 
@@ -252,11 +271,22 @@ class StagingMixin:
         if hasattr(self, "optimizer") and self.built:
             self.optimizer.build(self.trainable_variables)
 
+    def export(self, filepath, format="tf_saved_model", **kwargs):
+        """Exports the model for inference; see `keras.Model.export`.
+
+        On a backend other than TensorFlow, a model with string inputs
+        cannot be exported (its preprocessing is TensorFlow): this says
+        how to export it from the TensorFlow backend instead.
+        """
+        backends.check_exportable(self)
+        return super().export(filepath, format=format, **kwargs)
+
     # -- compiled steps ---------------------------------------------------
 
     def make_train_function(self, force=False):
         super().make_train_function(force=force)
-        if not _steps.guarded(self.train_function):
+        # On JAX the stage's eager iterator applies its runner instead.
+        if backends.graph_steps() and not _steps.guarded(self.train_function):
             self.train_function = _steps.guard(
                 self, "train", self.train_function
             )
@@ -264,7 +294,7 @@ class StagingMixin:
 
     def make_test_function(self, force=False):
         super().make_test_function(force=force)
-        if not _steps.guarded(self.test_function):
+        if backends.graph_steps() and not _steps.guarded(self.test_function):
             self.test_function = _steps.guard(self, "test", self.test_function)
         return self.test_function
 
@@ -312,22 +342,27 @@ class StagingMixin:
         layer = self._stage_setup()
         if layer is None:
             return unstaged()
+        backends.check_supported(self, layer)
+        graph = backends.graph_steps()
         call = StagedCall(self, layer, ("train", "test"), callbacks)
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = (
                 _compat.train_validation_split(
-                    (x, y, sample_weight), validation_split
+                    backends.host_arrays((x, y, sample_weight)),
+                    validation_split,
                 )
             )
             validation_split = 0.0
         # The epochs may run on one iterator each for training and for
         # validation, except when BackupAndRestore checkpoints the
         # iterator of the epoch it resumes.
-        long_lived = not any(
+        # On JAX, Keras reads an iterator per epoch (see `backends`).
+        long_lived = graph and not any(
             isinstance(cb, keras.callbacks.BackupAndRestore)
             for cb in call.callbacks
         )
-        if not adaptive.fit_stages(
+        # On JAX a string prefix cannot run unstaged: always staged.
+        if graph and not adaptive.fit_stages(
             self,
             layer,
             x,
@@ -362,7 +397,7 @@ class StagingMixin:
                 epochs=max(epochs - initial_epoch, 0) if long_lived else None,
                 steps_per_execution=self.steps_per_execution,
                 alongside=() if validation_data is None else (val_x,),
-                switch_epochs=max(epochs - initial_epoch, 0),
+                switch_epochs=max(epochs - initial_epoch, 0) if graph else None,
             )
             val = None
             if validation_data is not None:
@@ -381,10 +416,10 @@ class StagingMixin:
                 )
             return call.run(
                 super().fit,
-                x=train.pipeline,
+                x=call.feed(train),
                 epochs=epochs,
                 verbose=verbose,
-                validation_data=None if val is None else val.pipeline,
+                validation_data=None if val is None else call.feed(val),
                 shuffle=False,
                 initial_epoch=initial_epoch,
                 steps_per_epoch=steps_per_epoch,
@@ -421,9 +456,10 @@ class StagingMixin:
         if layer is None or _compat.is_fit_validation(kwargs):
             # Unstaged, or the validation of a fit (staged with the fit).
             return unstaged()
+        backends.check_supported(self, layer)
         # Made first: its callbacks are checked whichever way the call runs.
         call = StagedCall(self, layer, ("test",), callbacks)
-        if not adaptive.stages(
+        if backends.graph_steps() and not adaptive.stages(
             self, layer, "test", array_batches(x, batch_size, steps)
         ):
             return call.run_unstaged(unstaged)
@@ -440,7 +476,7 @@ class StagingMixin:
             )
             return call.run(
                 super().evaluate,
-                x=test.pipeline,
+                x=call.feed(test),
                 verbose=verbose,
                 steps=steps,
                 return_dict=return_dict,
@@ -463,9 +499,10 @@ class StagingMixin:
 
         if layer is None:
             return unstaged()
+        backends.check_supported(self, layer)
         # Made first: its callbacks are checked whichever way the call runs.
         call = StagedCall(self, layer, ("predict",), callbacks)
-        if not adaptive.stages(
+        if backends.graph_steps() and not adaptive.stages(
             self, layer, "predict", array_batches(x, batch_size, steps)
         ):
             return call.run_unstaged(unstaged)
@@ -478,7 +515,7 @@ class StagingMixin:
             # own iterator applies the stage's policies there.
             return call.run(
                 super().predict,
-                x=data.eager_dataset,
+                x=call.feed(data),
                 verbose=verbose,
                 steps=steps,
             )

@@ -369,3 +369,14 @@ def calling_trunk(model, phase):
 def trunk(model):
     """The trunk the model's call runs while a staged step traces, or None."""
     return getattr(_state(model).local, "trunk", None)
+
+
+def call_trunk(trunk, inputs, **kwargs):
+    """`trunk(inputs, **kwargs)`, a lone cut tensor given as the list.
+
+    The stage hands a cut of one tensor bare (`StageSplit.stage_fn`);
+    the trunk's inputs are a list.
+    """
+    if len(trunk.inputs) == 1 and not isinstance(inputs, (list, tuple)):
+        inputs = [inputs]
+    return trunk(inputs, **kwargs)

@@ -36,7 +36,9 @@ from keras_stage.data.tfio_support import explain_tfio_error
 from keras_stage.planner.stage_plan import BoundaryTensor, StagePlan
 from keras_stage.planner.state_access import (
     TraceError,
+    accepts_training,
     all_layers,
+    run_node,
     seed_states,
     trace_access,
 )
@@ -87,6 +89,19 @@ def _own_reason(layer, access, changing, seeds):
     # Keras ops (x[:, 0], x + 1) in a functional graph are not layers.
     if getattr(layer, "trainable_weights", None):
         return "has trainable weights"
+    if access.failure is not None:
+        return (
+            f"cannot run in tf.data on the {keras.backend.backend()} "
+            "backend (only Keras preprocessing layers and layers of "
+            "TensorFlow ops can): its trace failed with "
+            f"{type(access.failure.error).__name__}"
+        )
+    if keras.backend.backend() != "tensorflow" and not _shares_safely(layer):
+        return (
+            f"holds variables, which the {keras.backend.backend()} backend "
+            "cannot share with tf.data (only Keras preprocessing layers' "
+            "fixed state is staged there)"
+        )
     writes = [v for v in access.writes if id(v) not in seeds]
     if writes:
         return f"updates {_variable_list(writes)} during training"
@@ -105,6 +120,20 @@ def _own_reason(layer, access, changing, seeds):
     if access.adds_loss:
         return "adds a loss during training"
     return None
+
+
+def _shares_safely(layer):
+    """Whether a layer's state may be read into a tf.data trace as constants.
+
+    On a backend other than TensorFlow, the stage's TensorFlow graph reads
+    Keras variables as constants when it is traced. That is right for the
+    fixed state of Keras's preprocessing layers (an adapted mean, a
+    vocabulary), which is rebuilt as new objects when adapted again (see
+    `_state_objects`); another layer's variables may change.
+    """
+    if not getattr(layer, "variables", None):
+        return True
+    return type(layer).__module__.startswith("keras.src.layers.preprocessing")
 
 
 class _Tensors:
@@ -206,7 +235,11 @@ def plan_model(model, boundary_layer=None, smart_stage=True):
 
     nodes = _compat.functional_nodes(graph)
     try:
-        accesses, specs = trace_access(graph, nodes)
+        # On another backend, calls that cannot run in TensorFlow go to
+        # the trunk instead of failing the plan.
+        accesses, specs = trace_access(
+            graph, nodes, keep_going=keras.backend.backend() != "tensorflow"
+        )
     except TraceError as e:
         # A tensorflow-io op that cannot load fails every later trace too:
         # say which TensorFlow it needs now, not after a confusing error.
@@ -312,7 +345,13 @@ def _assign(graph, nodes, accesses, boundary_layer, changing, seeds, held):
         inputs, outputs = _compat.node_inputs(node)
         access = accesses.get(node)
         if access is None:
+            # Not traced: it needs a call that failed (`keep_going`), or
+            # nothing connects it to the inputs.
             reason = "is not connected to the model inputs"
+            for t in inputs:
+                if id(t) not in available and id(t) in producer:
+                    reason = f"depends on trunk layer '{producer[id(t)].name}'"
+                    break
         elif layer is boundary_layer:
             reason = None
         elif node in held:
@@ -485,6 +524,39 @@ def _choose_cut(candidates, smart_stage):
     return smaller, reason, moved
 
 
+def _narrows_int64():
+    """Whether the trunk takes int64 cut tensors as int32.
+
+    JAX without `jax_enable_x64` has no int64: Keras would truncate them
+    in every step, with a warning. The stage casts them instead.
+    """
+    if keras.backend.backend() != "jax":
+        return False
+    import jax  # the backend's own library: present on this backend
+
+    return not jax.config.jax_enable_x64
+
+
+def _as_input(value, tensor):
+    """`value` with the dtype and rank of the model input `tensor`.
+
+    What Keras's functional call does to its inputs: a numeric value is
+    cast to the input's dtype, and a trailing dimension of 1 is added or
+    dropped to match its rank.
+    """
+    value = tf.convert_to_tensor(value) if not tf.is_tensor(value) else value
+    rank = len(tensor.shape)
+    if isinstance(value, tf.Tensor) and value.shape.rank is not None:
+        if value.shape.rank == rank - 1 and tensor.shape[-1] == 1:
+            value = tf.expand_dims(value, -1)
+        elif value.shape.rank == rank + 1 and value.shape[-1] == 1:
+            value = tf.squeeze(value, -1)
+    dtype = tf.as_dtype(tensor.dtype)
+    if value.dtype != dtype and value.dtype != tf.string and dtype != tf.string:
+        value = tf.cast(value, dtype)
+    return value
+
+
 def _input_name(name, taken):
     base = re.sub(r"\W", "_", name) + "_cut"
     candidate, i = base, 1
@@ -504,9 +576,14 @@ def _state_objects(model):
     found = []
     for layer in all_layers(model):
         for value in vars(layer).values():
+            # keras.ops.is_tensor: another backend's arrays (JAX's), which
+            # a tf.data trace reads as constants.
             if isinstance(
                 value,
                 (tf.Tensor, tf.saved_model.experimental.TrackableResource),
+            ) or (
+                not isinstance(value, keras.Variable)
+                and keras.ops.is_tensor(value)
             ):
                 found.append(value)
     return found
@@ -537,14 +614,19 @@ class StageSplit:
         self.prefix = keras.Model(
             graph.input, list(cut), name=f"{graph.name}_stage"
         )
+        self._prefix_nodes = _compat.functional_nodes(self.prefix)
         taken = set()
         values = {}
         trunk_inputs = []
+        self._narrow = _narrows_int64()
         for t, b in zip(cut, plan.boundary, strict=True):
             spec = specs[id(t)]
+            dtype = spec.dtype.name
+            if self._narrow and dtype == "int64":
+                dtype = "int32"
             new = keras.Input(
                 shape=tuple(spec.shape.as_list())[1:],
-                dtype=spec.dtype.name,
+                dtype=dtype,
                 sparse=b.kind == "sparse",
                 ragged=b.kind == "ragged",
                 name=_input_name(b.name, taken),
@@ -631,7 +713,6 @@ class StageSplit:
         return bool(training) in self._stage_fns
 
     def _element_fn(self, training):
-        prefix = self.prefix
         numbered = self._ordinal is not None
 
         def fn(element):
@@ -648,15 +729,49 @@ class StageSplit:
                 with keras.StatelessScope(
                     state_mapping=self._seeds_for(ordinal)
                 ):
-                    cut = prefix(x, training=training)
+                    cut = self._run_prefix(x, training)
             else:
-                cut = prefix(x, training=training)
+                cut = self._run_prefix(x, training)
             # Keras returns a one-output model's output bare.
             cut = keras.tree.flatten(cut)
+            if self._narrow:
+                cut = [
+                    tf.cast(t, tf.int32) if t.dtype == tf.int64 else t
+                    for t in cut
+                ]
             cut = cut[0] if len(cut) == 1 else tuple(cut)
             return (cut,) if rest is None else (cut,) + rest
 
         return fn
+
+    def _run_prefix(self, x, training):
+        """The cut tensors of `x`: the prefix model's call, in TensorFlow.
+
+        On the TensorFlow backend that is the prefix model itself. Another
+        backend's Keras would convert the graph tensors to its own arrays
+        at each call, so the prefix's calls are made one by one, as
+        tf.data runs Keras's preprocessing layers on any backend.
+        """
+        prefix = self.prefix
+        if keras.backend.backend() == "tensorflow":
+            return prefix(x, training=training)
+        if isinstance(prefix.input, dict):
+            pairs = [(t, x[name]) for name, t in prefix.input.items()]
+        else:
+            pairs = zip(
+                keras.tree.flatten(prefix.input),
+                keras.tree.flatten(x),
+                strict=True,
+            )
+        values = {id(t): _as_input(v, t) for t, v in pairs}
+        for node in self._prefix_nodes:
+            extra = {}
+            if accepts_training(node.operation):
+                extra["training"] = bool(training)
+            outputs = run_node(node, values, **extra)
+            for t, v in zip(node.outputs, outputs, strict=True):
+                values[id(t)] = v
+        return [values[id(t)] for t in prefix.outputs]
 
     def _seeds_for(self, ordinal):
         """Each staged seed state, folded with the element's ordinal."""

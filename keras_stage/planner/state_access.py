@@ -20,6 +20,7 @@ import keras
 import tensorflow as tf
 
 from keras_stage import _compat
+from keras_stage.layers.staged_input import StagedInput
 
 # Ops that only read the resource they are given.
 _READ_OPS = frozenset(
@@ -90,6 +91,8 @@ class NodeAccess:
         adds_loss: Whether the call added a loss.
         outputs: The traced output tensors (`tf.TypeSpec`s), aligned with
             the node's outputs.
+        failure: The `TraceError` of a call that could not run in the
+            trace (traced with `keep_going`), or None.
     """
 
     def __init__(self):
@@ -99,6 +102,7 @@ class NodeAccess:
         self.foreign = []
         self.adds_loss = False
         self.outputs = []
+        self.failure = None
 
 
 def _spec(value):
@@ -115,7 +119,8 @@ def _input_spec(tensor):
     return tf.TensorSpec(shape, tensor.dtype)
 
 
-def _accepts_training(layer):
+def accepts_training(layer):
+    """Whether `layer`'s call takes a `training` argument."""
     try:
         parameters = inspect.signature(layer.call).parameters
     except (TypeError, ValueError):
@@ -228,12 +233,18 @@ def _resource_uses(op_consumers, library, tensor, depth=0):
     return uses
 
 
-def trace_access(model, nodes):
+def trace_access(model, nodes, keep_going=False):
     """Traces `nodes` of `model` in training mode; returns their access.
 
     Args:
         model: A built functional model.
         nodes: Its call nodes, producers first (`_compat.functional_nodes`).
+        keep_going: On a call that fails, record the failure in its
+            `NodeAccess` and trace on (the calls that need its outputs
+            get no access) instead of raising `TraceError`. On the JAX
+            backend only Keras's preprocessing layers (and layers of
+            TensorFlow ops) run in a TensorFlow graph, and the planner
+            stages those.
 
     Returns:
         A dict `node -> NodeAccess`, and a dict `id(KerasTensor) ->
@@ -257,11 +268,17 @@ def trace_access(model, nodes):
             first = len(graph.get_operations())
             layer = node.operation
             extra = {}
-            if _accepts_training(layer):
+            if accepts_training(layer):
                 extra["training"] = True
             try:
-                out = _compat.call_node(node, values, **extra)
+                out = run_node(node, values, **extra)
             except Exception as e:
+                if keep_going:
+                    access = NodeAccess()
+                    access.failure = TraceError(layer.name, e)
+                    accesses[node] = access
+                    node_ops[node] = []
+                    continue
                 # Raised after the trace: AutoGraph would rewrap it.
                 failures.append(TraceError(layer.name, e))
                 break
@@ -329,6 +346,19 @@ def trace_access(model, nodes):
                 continue
             access.foreign.append(("variable", sorted(op_types)[0]))
     return accesses, tensor_specs
+
+
+def run_node(node, values, **kwargs):
+    """Calls a node's layer on traced values; a `StagedInput` passes them.
+
+    The stage boundary is an identity, and calling it would make Keras
+    convert TensorFlow graph tensors to the backend's arrays, which fails
+    on a backend other than TensorFlow.
+    """
+    if isinstance(node.operation, StagedInput):
+        inputs, _ = _compat.node_inputs(node)
+        return [values[id(t)] for t in inputs]
+    return _compat.call_node(node, values, **kwargs)
 
 
 def _has(variables, variable):

@@ -1,0 +1,160 @@
+"""What a staged call does differently on each Keras backend.
+
+The one place that asks which backend runs the model's steps:
+
+- TensorFlow: Keras's compiled steps read the stage's pipeline inside a
+  `tf.function`; `steps.py` guards them with the stage's runner and makes
+  them record the fetches (`graph_steps()` is True).
+- JAX: Keras's steps are pure functions of the data, jitted, and its
+  trainer fetches each batch in Python, from the iterator of the dataset
+  it is given. The stage's eager iterator (`StagedData.eager_dataset`)
+  applies the exception policies and the timeout there and counts the
+  waits; Keras's JAX trainer puts each batch on the device one batch ahead
+  (`jax.device_put`), so the stage's buffer stays on the host. The staged
+  prefix is TensorFlow, run by tf.data as Keras's preprocessing layers are
+  on any backend; the trunk is traced into the JAX step (`jax_step`).
+- Other backends (torch, numpy, openvino): a staged call raises
+  `check_supported`'s error.
+
+Example (the JAX step of `StagingMixin.train_step`):
+
+    if not backends.graph_steps():
+        return backends.jax_step(model, "train", keras_train_step, *args)
+"""
+
+import logging
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_stage.data.options import AUTO
+from keras_stage.models import steps as _steps
+
+SUPPORTED = ("tensorflow", "jax")
+
+logger = logging.getLogger("keras_stage")
+
+
+def graph_steps():
+    """Whether the model's steps are TensorFlow graphs (the TF backend)."""
+    return keras.backend.backend() == "tensorflow"
+
+
+def check_supported(model, layer, backend=None):
+    """Raises a clear error for a staged call this backend cannot run.
+
+    Args:
+        model: The keras_stage model called.
+        layer: Its `StagedInput` (or the default one of a SmartStage model).
+        backend: The Keras backend's name; defaults to the one running.
+    """
+    backend = keras.backend.backend() if backend is None else backend
+    if backend not in SUPPORTED:
+        raise NotImplementedError(
+            f"keras_stage stages fit/evaluate/predict on the TensorFlow and "
+            f"JAX backends; model '{model.name}' runs on the '{backend}' "
+            "backend. Set KERAS_BACKEND=jax or KERAS_BACKEND=tensorflow "
+            "before importing Keras, or use a plain keras.Model (or remove "
+            "the StagedInput and smart_stage) on this backend."
+        )
+    if backend == "tensorflow":
+        return
+    options = layer.stage_options
+    if options.service is not None:
+        raise NotImplementedError(
+            f"StagedInput '{layer.name}' names a tf.data service "
+            f"({options.service!r}), which keras_stage supports on the "
+            "TensorFlow backend only. On JAX, stage in this process (remove "
+            "`service`), or train on the TensorFlow backend."
+        )
+    if keras.distribution.distribution() is not None:
+        raise NotImplementedError(
+            f"Model '{model.name}' is staged on the JAX backend under a "
+            "keras.distribution (DataParallel, ModelParallel), which "
+            "keras_stage does not support yet: its stage feeds one device. "
+            "Unset the distribution (keras.distribution.set_distribution("
+            "None)), or train on the TensorFlow backend, whose "
+            "tf.distribute strategies keras_stage supports."
+        )
+    if options.device not in (AUTO, None, "cpu") or options.stream is not None:
+        _warn_device_once(layer)
+
+
+def _warn_device_once(layer):
+    if getattr(layer, "_keras_stage_device_warned", False):
+        return
+    layer._keras_stage_device_warned = True
+    logger.warning(
+        "StagedInput '%s': on the JAX backend Keras's trainer puts each "
+        "batch on the device itself, one batch ahead (jax.device_put), so "
+        "the stage's buffer stays on the host and its `device` and "
+        "`stream` options are not used.",
+        layer.name,
+    )
+
+
+def check_exportable(model):
+    """Raises a clear error for an export this backend cannot make.
+
+    Keras exports a JAX model through jax2tf, which takes numeric arrays
+    only: a model with string inputs fails deep inside it.
+    """
+    if graph_steps():
+        return
+    strings = [
+        t.name
+        for t in keras.tree.flatten(getattr(model, "inputs", None) or [])
+        if t.dtype == "string"
+    ]
+    if strings:
+        raise ValueError(
+            f"Model '{model.name}' has string inputs ({strings}), which "
+            f"Keras cannot export on the {keras.backend.backend()} backend "
+            "(jax2tf takes numeric arrays only). Save it with "
+            "`model.save('model.keras')`, load it with "
+            "KERAS_BACKEND=tensorflow (`keras.saving.load_model`) and call "
+            "`export` there: the exported model then serves raw strings."
+        )
+
+
+def host_arrays(data):
+    """`data` with NumPy string arrays as `tf.string` tensors, on JAX.
+
+    Keras's array adapter on JAX rejects object arrays (`Invalid dtype:
+    object`): strings are what its JAX steps cannot take. The stage runs
+    in TensorFlow, whose tensors the adapter slices on any backend.
+    Identity on TensorFlow.
+    """
+    if graph_steps() or data is None:
+        return data
+
+    def convert(leaf):
+        if not isinstance(leaf, np.ndarray) or leaf.dtype.kind not in "OSU":
+            return leaf
+        first = leaf.flat[0] if leaf.size else ""
+        if leaf.dtype.kind == "O" and not isinstance(first, (str, bytes)):
+            return leaf  # not strings: Keras says what it cannot take
+        return tf.constant(leaf)
+
+    return keras.tree.map_structure(convert, data)
+
+
+def uses_device_buffer():
+    """Whether the stage may keep its buffer on an accelerator.
+
+    On JAX, Keras's trainer copies each batch to the device itself, one
+    batch ahead (`jax.device_put` is asynchronous): a TensorFlow device
+    buffer would only add a copy back to the host.
+    """
+    return graph_steps()
+
+
+def jax_step(model, phase, keras_step, state, data):
+    """Keras's JAX `phase` step, running the SmartStage trunk.
+
+    The step is traced by `jax.jit` with the model's `call` redirected to
+    the trunk (see `StagingMixin.call`): the data holds the cut tensors.
+    """
+    with _steps.calling_trunk(model, phase):
+        return keras_step(state, data)

@@ -1,0 +1,19 @@
+"""benchmarks/jax_backend.py runs, at its smallest, on the JAX backend."""
+
+import pytest
+
+from benchmarks import jax_backend
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_the_quick_run_compares_staged_with_the_hand_split_pipeline():
+    lines = []
+    results = jax_backend.run(rounds=1, quick=True, log=lines.append)
+    assert set(results["workloads"]) == {"tabular", "criteo"}
+    for workload in results["workloads"].values():
+        # Plain Keras cannot fit string inputs on JAX: recorded, not timed.
+        assert not workload["plain"]["possible"]
+        assert workload["weight_check"]["max_abs_difference"] <= 1e-6
+        assert "staged_input" in workload["staged_plan"]["staged_layers"][0]
+    assert "staged/expert" in jax_backend.format_table(results)

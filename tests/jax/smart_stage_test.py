@@ -1,0 +1,350 @@
+"""SmartStage on the JAX backend: string-input models train, as hand-split.
+
+Plain Keras on JAX cannot fit a model with string inputs; keras_stage runs
+its preprocessing prefix in tf.data and trains the trunk as Keras's JAX
+step. These tests hold it to the hand-split expert pipeline (the same
+preprocessing layers in `dataset.map`, a numeric trunk model): the same
+weights after several epochs, with and without shuffling.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_stage
+
+pytestmark = pytest.mark.timeout(300)
+
+THAL = ("normal", "fixed", "reversible")
+NUMERIC = ("age", "chol")
+
+
+def make_data(count, seed=0):
+    rng = np.random.default_rng(seed)
+    x = {
+        name: rng.normal(50 + 30 * i, 10, (count, 1)).astype("float32")
+        for i, name in enumerate(NUMERIC)
+    }
+    thal = rng.integers(len(THAL), size=count)
+    x["thal"] = np.array([THAL[i] for i in thal], dtype=object)
+    x["cp"] = rng.integers(5, size=(count, 1)).astype("int64")
+    score = (x["age"][:, 0] - 50) / 10 + thal - 1
+    return x, (score > 0).astype("float32")[:, None]
+
+
+def preprocessing(adapt):
+    """The preprocessing layers, adapted: name -> layer."""
+    layers = {}
+    for name in NUMERIC:
+        layers[name] = keras.layers.Normalization(name=f"{name}_norm")
+        layers[name].adapt(adapt[name])
+    layers["thal"] = keras.layers.StringLookup(
+        vocabulary=list(THAL), output_mode="one_hot", name="thal_ids"
+    )
+    layers["cp"] = keras.layers.IntegerLookup(
+        vocabulary=list(range(5)), output_mode="one_hot", name="cp_ids"
+    )
+    return layers
+
+
+def trunk_layers():
+    return (
+        keras.layers.Concatenate(name="features"),
+        keras.layers.Dense(8, activation="relu", name="hidden"),
+        keras.layers.Dense(1, activation="sigmoid", name="out"),
+    )
+
+
+def raw_inputs():
+    inputs = {name: keras.Input(shape=(1,), name=name) for name in NUMERIC}
+    inputs["thal"] = keras.Input(shape=(), dtype="string", name="thal")
+    inputs["cp"] = keras.Input(shape=(1,), dtype="int64", name="cp")
+    return inputs
+
+
+def staged_model(adapt, staged_input=True):
+    keras.utils.set_random_seed(7)
+    inputs = raw_inputs()
+    x = keras_stage.layers.StagedInput()(inputs) if staged_input else inputs
+    pre = preprocessing(adapt)
+    columns = [pre[name](x[name]) for name in sorted(pre)]
+    concat, hidden, out = trunk_layers()
+    model = keras_stage.Model(inputs, out(hidden(concat(columns))))
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss="binary_crossentropy",
+        metrics=["accuracy"],
+        smart_stage=True,
+    )
+    return model
+
+
+def expert(adapt):
+    """The hand split: `(preprocess, trunk)`, with the same initial weights."""
+    keras.utils.set_random_seed(7)
+    pre = preprocessing(adapt)
+
+    def preprocess(x):
+        # JAX (without x64) takes no int64: the lookups' one-hots as int32.
+        return tuple(
+            tf.cast(t, tf.int32) if t.dtype == tf.int64 else t
+            for t in (pre[name](x[name]) for name in sorted(pre))
+        )
+
+    widths = {"age": 1, "chol": 1, "cp": 6, "thal": 4}
+    dtypes = {"cp": "int32", "thal": "int32"}
+    inputs = [
+        keras.Input(shape=(widths[name],), dtype=dtypes.get(name, "float32"))
+        for name in sorted(pre)
+    ]
+    concat, hidden, out = trunk_layers()
+    trunk = keras.Model(inputs, out(hidden(concat(inputs))))
+    trunk.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss="binary_crossentropy",
+        metrics=["accuracy"],
+    )
+    return preprocess, trunk
+
+
+def as_tensors(x):
+    return {k: tf.constant(v) for k, v in x.items()}
+
+
+def raw_dataset(x, y, shuffle):
+    dataset = tf.data.Dataset.from_tensor_slices((as_tensors(x), y))
+    if shuffle:
+        dataset = dataset.shuffle(64, seed=3, reshuffle_each_iteration=True)
+    return dataset.batch(16)
+
+
+def trunk_weights(model):
+    names = ("hidden", "out")
+    return [w for n in names for w in model.get_layer(n).get_weights()]
+
+
+def test_plain_keras_cannot_fit_string_inputs_on_jax():
+    # What keras_stage is for: Keras alone fails in fit.
+    x, y = make_data(32)
+    keras.utils.set_random_seed(7)
+    inputs = raw_inputs()
+    pre = preprocessing(x)
+    columns = [pre[name](inputs[name]) for name in sorted(pre)]
+    concat, hidden, out = trunk_layers()
+    plain = keras.Model(inputs, out(hidden(concat(columns))))
+    plain.compile(optimizer="adam", loss="binary_crossentropy")
+    with pytest.raises(Exception, match="dtype"):
+        plain.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+def test_the_plan_stages_the_preprocessing_and_says_why_not_the_rest():
+    x, _ = make_data(32)
+    plan = staged_model(x).get_stage_plan()
+    assert set(plan.staged_layers) >= {
+        "age_norm",
+        "chol_norm",
+        "thal_ids",
+        "cp_ids",
+    }
+    assert "features" in plan.trunk_layers
+    assert (
+        "cannot run in tf.data on the jax backend" in (plan.reasons["features"])
+    )
+    assert "depends on trunk layer 'features'" in plan.reasons["hidden"]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_training_equals_the_hand_split_pipeline(shuffle):
+    x, y = make_data(96)
+    model = staged_model(x)
+    preprocess, trunk = expert(x)
+    for a, b in zip(trunk_weights(model), trunk_weights(trunk), strict=True):
+        np.testing.assert_array_equal(a, b)
+    before = trunk_weights(model)
+
+    # shuffle=False: Keras warns that a dataset ignores shuffle=True.
+    history = model.fit(
+        raw_dataset(x, y, shuffle), epochs=3, shuffle=False, verbose=0
+    )
+    trunk.fit(
+        raw_dataset(x, y, shuffle).map(lambda a, b: (preprocess(a), b)),
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+    )
+
+    # The user's model object is the one trained.
+    assert any(
+        not np.allclose(a, b)
+        for a, b in zip(before, trunk_weights(model), strict=True)
+    )
+    for a, b in zip(trunk_weights(model), trunk_weights(trunk), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert len(history.history["loss"]) == 3
+    assert "stage_wait_ratio" in history.history
+
+    # evaluate and predict take the raw inputs.
+    test = raw_dataset(x, y, shuffle=False)
+    staged_eval = model.evaluate(test, verbose=0, return_dict=True)
+    expert_eval = trunk.evaluate(
+        test.map(lambda a, b: (preprocess(a), b)), verbose=0, return_dict=True
+    )
+    assert staged_eval["loss"] == pytest.approx(expert_eval["loss"], rel=1e-5)
+    np.testing.assert_allclose(
+        model.predict(x, batch_size=16, verbose=0),
+        trunk.predict(
+            tf.data.Dataset.from_tensor_slices(as_tensors(x))
+            .batch(16)
+            .map(lambda a: (preprocess(a),)),
+            verbose=0,
+        ),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def test_arrays_with_validation_train_on_jax():
+    x, y = make_data(96)
+    model = staged_model(x)
+    history = model.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=2,
+        validation_split=0.25,
+        verbose=0,
+        callbacks=[keras_stage.callbacks.PrefetchCallback()],
+    )
+    assert len(history.history["val_loss"]) == 2
+    assert history.history["stage_skipped"] == [0, 0]
+    assert model.predict(x, batch_size=32, verbose=0).shape == (96, 1)
+
+
+def test_saved_on_jax_serves_raw_strings_on_tensorflow(tmp_path):
+    x, y = make_data(64)
+    model = staged_model(x)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    expected = model.predict(x, batch_size=16, verbose=0)
+    sample = {k: v.tolist() for k, v in x.items()}
+    script = (
+        "import json, sys, numpy as np, keras, keras_stage\n"
+        "assert keras.backend.backend() == 'tensorflow'\n"
+        "x = json.loads(sys.stdin.read())\n"
+        "x = {k: np.array(v, dtype=object if k == 'thal' else None)"
+        " for k, v in x.items()}\n"
+        "x['age'] = x['age'].astype('float32')\n"
+        "x['chol'] = x['chol'].astype('float32')\n"
+        f"model = keras.saving.load_model({str(path)!r})\n"
+        "print(json.dumps(model.predict(x, batch_size=16, verbose=0)"
+        ".tolist()))\n"
+    )
+    env = {**os.environ, "KERAS_BACKEND": "tensorflow"}
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        input=json.dumps(sample),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    served = np.array(json.loads(done.stdout.strip().splitlines()[-1]))
+    np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_readme_example_runs_unchanged_on_jax():
+    words = np.array([f"word{i % 50}" for i in range(256)], dtype=object)
+    labels = np.random.rand(256, 1).astype("float32")
+    inputs = keras.Input(shape=(), dtype="string")
+    x = keras_stage.layers.StagedInput(name="stage")(inputs)
+    x = keras.layers.Hashing(num_bins=64, name="hash")(x)
+    x = keras.layers.Embedding(64, 8, name="emb")(x)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="adam", loss="mse", smart_stage=True)
+    before = model.get_layer("emb").get_weights()[0].copy()
+    history = model.fit(
+        words,
+        labels,
+        batch_size=32,
+        epochs=2,
+        callbacks=[keras_stage.callbacks.PrefetchCallback()],
+        verbose=0,
+    )
+    assert model.get_stage_plan().staged_layers == ["stage", "hash"]
+    assert len(history.history["stage_wait_ratio"]) == 2
+    assert not np.allclose(before, model.get_layer("emb").get_weights()[0])
+
+
+def test_staged_input_alone_stages_numeric_data_on_jax():
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input(shape=(4,))
+    x = keras_stage.layers.StagedInput(capacity=2, num_threads=2)(inputs)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse")
+    data = np.random.rand(64, 4).astype("float32")
+    history = model.fit(data, data[:, :1], batch_size=16, epochs=2, verbose=0)
+    assert len(history.history["stage_wait_ratio"]) == 2
+    assert model.predict(data, batch_size=16, verbose=0).shape == (64, 1)
+
+
+def test_the_engine_stages_on_any_backend():
+    lines = tf.data.Dataset.from_tensor_slices(["1,a", "2,b"]).batch(2)
+    staged = keras_stage.data.stage(
+        lines, lambda x: tf.io.decode_csv(x, [[0], [""]]), num_threads=2
+    )
+    assert [n.numpy().tolist() for n, _ in staged] == [[1, 2]]
+
+
+def test_ignored_exceptions_skip_bad_records_on_jax():
+    # A record whose number does not parse fails in the staged prefix; the
+    # stage skips it and counts it, as on TensorFlow.
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input(shape=(), dtype="string")
+    x = keras_stage.layers.StagedInput(
+        ignored_exception_types=(tf.errors.InvalidArgumentError,)
+    )(inputs)
+    x = keras.layers.Hashing(num_bins=8, name="hash")(x)
+    model = keras_stage.Model(
+        inputs, keras.layers.Dense(1)(keras.layers.Embedding(8, 2)(x))
+    )
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+
+    def check(batch, label):
+        tf.debugging.assert_non_negative(label)
+        return batch, label
+
+    words = tf.constant([f"w{i}" for i in range(64)])
+    labels = np.ones((64, 1), "float32")
+    labels[20] = -1.0  # the bad record, in the third batch of 8
+    dataset = (
+        tf.data.Dataset.from_tensor_slices((words, labels)).batch(8).map(check)
+    )
+    history = model.fit(dataset, epochs=1, shuffle=False, verbose=0)
+    assert history.history["stage_skipped"] == [1]
+
+
+def test_service_on_jax_is_a_clear_error():
+    inputs = keras.Input(shape=(2,))
+    x = keras_stage.layers.StagedInput(service="grpc://localhost:5050")(inputs)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse")
+    data = np.ones((8, 2), "float32")
+    with pytest.raises(NotImplementedError, match="TensorFlow backend only"):
+        model.fit(data, data[:, :1], batch_size=4, verbose=0)
+
+
+def test_export_on_jax_names_the_tensorflow_backend(tmp_path):
+    x, y = make_data(32)
+    model = staged_model(x)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="KERAS_BACKEND=tensorflow"):
+        model.export(str(tmp_path / "exported"))
+    assert not (tmp_path / "exported").exists()
