@@ -150,6 +150,22 @@ def clear_layer_losses(layer):
     layer._clear_losses()
 
 
+def builds_from_data(model):
+    """Whether Keras's next fit/evaluate builds the model from a batch.
+
+    The condition of `Trainer._symbolic_build`, which on JAX reads a first
+    batch from an iterator of its own before the epochs begin: the model
+    or its compiled metrics or loss are not built yet.
+    """
+    metrics = model._compile_metrics
+    loss = model._compile_loss
+    return (
+        not all(layer.built for layer in model._flatten_layers())
+        or (metrics is not None and not metrics.built)
+        or (loss is not None and not loss.built)
+    )
+
+
 def symbolic_build(model, data_spec):
     """Builds the model's compile metrics and loss from raw-data specs.
 

@@ -289,6 +289,24 @@ def test_clear_layer_losses_drops_recorded_losses():
     )
 
 
+def test_builds_from_data_until_the_metrics_are_built():
+    inputs = keras.Input(shape=(3,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    for name in ("_compile_metrics", "_compile_loss", "_flatten_layers"):
+        assert hasattr(model, name), (
+            f"Trainer.{name} is gone in Keras {keras.__version__}; "
+            + UPDATE.format("builds_from_data")
+        )
+    assert _compat.builds_from_data(model)
+    spec = (
+        tf.TensorSpec((None, 3), tf.float32),
+        tf.TensorSpec((None, 1), tf.float32),
+    )
+    _compat.symbolic_build(model, spec)
+    assert not _compat.builds_from_data(model)
+
+
 def test_symbolic_build_builds_metrics_from_specs():
     inputs = keras.Input(shape=(3,))
     model = keras.Model(inputs, keras.layers.Dense(1)(inputs))

@@ -73,10 +73,20 @@ def _require_tensorboard(log_dir):
 class _Binding:
     """One stage feeding one phase (train, test or predict) of a run."""
 
-    def __init__(self, phase, staged, adapter, long_lived=False, switch=None):
+    def __init__(
+        self,
+        phase,
+        staged,
+        adapter,
+        long_lived=False,
+        switch=None,
+        adapts_pool=True,
+    ):
         self.phase = phase
         self.staged = staged
         self.adapter = adapter
+        # Whether the verdict resizes the stage's pool between epochs.
+        self.adapts_pool = adapts_pool
         # The `EpochSwitch` that may run epochs without the stage, or None.
         self.switch = switch
         # Whether the stage runs the call's epochs on one iterator: what
@@ -236,17 +246,24 @@ class PrefetchCallback(keras.callbacks.Callback):
     # -- wiring, called by the staged model ---------------------------------
 
     def attach(
-        self, phase, staged, adapter=None, long_lived=False, switch=None
+        self,
+        phase,
+        staged,
+        adapter=None,
+        long_lived=False,
+        switch=None,
+        adapts_pool=True,
     ):
         """Registers the stage feeding `phase` ("train", "test", "predict").
 
         `long_lived`: whether the stage runs the call's epochs on one
         iterator. `switch`: the fit's `EpochSwitch`, if its epochs may run
-        without the stage. Called by `keras_stage.Model`; users do not
-        need it.
+        without the stage. `adapts_pool`: whether an adaptive pool is
+        resized after each epoch (see `keras_stage.data.pool`). Called by
+        `keras_stage.Model`; users do not need it.
         """
         self._bindings[phase] = _Binding(
-            phase, staged, adapter, long_lived, switch
+            phase, staged, adapter, long_lived, switch, adapts_pool
         )
 
     def close(self, timeout=5.0):
@@ -428,7 +445,11 @@ class PrefetchCallback(keras.callbacks.Callback):
         )
         self.verdict["epoch"] = epoch
         self.verdict["next_thread_pool_size"] = None
-        if pool is not None and self.verdict["input_bound"] is not None:
+        if (
+            pool is not None
+            and binding.adapts_pool
+            and self.verdict["input_bound"] is not None
+        ):
             self._adapt_pool(pool, self.verdict)
         self.verdict["staged"] = True
         self._add_switch_report(switch)

@@ -12,7 +12,8 @@ The one place that asks which backend runs the model's steps:
   waits; Keras's JAX trainer puts each batch on the device one batch ahead
   (`jax.device_put`), so the stage's buffer stays on the host. The staged
   prefix is TensorFlow, run by tf.data as Keras's preprocessing layers are
-  on any backend; the trunk is traced into the JAX step (`jax_step`).
+  on any backend; the trunk is traced into the JAX step (`jax_step`),
+  and the model is built from the stage's specs (`build_as_keras_would`).
 - Other backends (torch, numpy, openvino): a staged call raises
   `check_supported`'s error.
 
@@ -28,6 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_stage import _compat
 from keras_stage.data.options import AUTO
 from keras_stage.models import steps as _steps
 
@@ -150,6 +152,19 @@ def uses_device_buffer():
     return graph_steps()
 
 
+def adapts_pool():
+    """Whether a stage's adaptive pool is resized between epochs.
+
+    A resized pool runs only in a new iterator. On JAX, whose steps are
+    dispatched ahead and whose fetches go through Python, the verdict's
+    waits swing between epochs (a pool shrunk to one thread, then grown
+    back), and each resize restarts the stage: about 100 ms an epoch on
+    the tabular benchmark, more than the threads saved. The pool stays at
+    its largest there, as an autotuned `map(...).prefetch(...)` would.
+    """
+    return graph_steps()
+
+
 def jax_step(model, phase, keras_step, state, data):
     """Keras's JAX `phase` step, running the SmartStage trunk.
 
@@ -158,3 +173,22 @@ def jax_step(model, phase, keras_step, state, data):
     """
     with _steps.calling_trunk(model, phase):
         return keras_step(state, data)
+
+
+def build_as_keras_would(model, data, phase):
+    """Builds the model's metrics from `data`'s specs, as Keras's JAX fit would.
+
+    Keras's JAX trainer builds an unbuilt model (its compile metrics and
+    loss) by reading a first batch from an iterator of its own. Here it
+    is built from the stage's element spec instead (with the trunk called,
+    for a SmartStage split): no staged iterator is started for one batch,
+    and the epochs can share one (`StagedData.epochs`). What that read
+    draws from the source is drawn all the same (one batch of the source,
+    unstaged), so the epochs see the orders the hand-split pipeline sees.
+    """
+    if not _compat.builds_from_data(model):
+        return
+    if not data.defers and data.source is not None:
+        next(iter(data.source), None)  # the draw of Keras's own read
+    with _steps.calling_trunk(model, phase):
+        _compat.symbolic_build(model, data.staged.element_spec)

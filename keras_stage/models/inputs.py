@@ -169,11 +169,31 @@ class StagedData:
 
     @property
     def eager_dataset(self):
-        """What Keras reads in Python (predict): the stage's own dataset.
+        """What Keras reads in Python (predict; every phase on JAX).
 
-        Its eager iterators apply the stage's policies (`StageIterator`).
+        The stage's own dataset, whose eager iterators apply the stage's
+        policies (`StageIterator`); long-lived (see `epochs`), an
+        `EpochPipeline` whose views all read one such iterator.
         """
+        if self._long_lived is not None:
+            return self._epochs(self.staged)
         return DeferredPipeline(self.staged, self._made, defer=self.defers)
+
+    def _epochs(self, pipeline):
+        """The `EpochPipeline` of the call's one iterator of `pipeline`."""
+        if self._shared is None:
+            plan = self._long_lived
+            self._shared = LongLivedIterator(
+                pipeline,
+                plan.batches,
+                plan.epochs,
+                self._made,
+                steps_per_execution=plan.steps_per_execution,
+                start=plan.start,
+                pool=self.staged.thread_pool,
+                name=self.staged.name,
+            )
+        return EpochPipeline(self._shared, pipeline)
 
     def _made(self, seconds):
         if self.on_iterator is not None:
@@ -216,19 +236,7 @@ class StagedData:
             self.staged.lean_pipeline if self.in_step else self.staged.pipeline
         )
         if self._long_lived is not None:
-            if self._shared is None:
-                plan = self._long_lived
-                self._shared = LongLivedIterator(
-                    pipeline,
-                    plan.batches,
-                    plan.epochs,
-                    self._made,
-                    steps_per_execution=plan.steps_per_execution,
-                    start=plan.start,
-                    pool=self.staged.thread_pool,
-                    name=self.staged.name,
-                )
-            epochs = EpochPipeline(self._shared, pipeline)
+            epochs = self._epochs(pipeline)
             if self.switch is None:
                 return epochs
             return self.switch.pipeline(
@@ -401,7 +409,15 @@ def _long_lived_epochs(
     # reads, except in training with steps_per_epoch (it keeps its
     # iterator across epochs); only a source that draws per iterator
     # needs them made.
-    opens = 0 if independent or (phase == "train" and steps) else 1
+    # Keras's JAX trainer makes its iterators as generators, which open
+    # the dataset only when first read.
+    opens = (
+        0
+        if independent
+        or (phase == "train" and steps)
+        or not backends.graph_steps()
+        else 1
+    )
     source = epoch_sources.long_lived_source(
         dataset, epochs, replay=replay, opens=opens, start=start
     )

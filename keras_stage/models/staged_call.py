@@ -142,6 +142,7 @@ class StagedCall:
             data.adapter,
             long_lived=data.long_lived,
             switch=data.switch,
+            adapts_pool=backends.adapts_pool(),
         )
         bind_placement(self.model, phase, data.staged.placement)
         if phase == "predict":
@@ -175,14 +176,13 @@ class StagedCall:
             _skips_end_epochs_early(self.layer, self.built, self.callbacks),
             _staged_steps(model, self.phases, splits),
         ):
-            if not backends.graph_steps():
-                # Keras's JAX trainer builds the model's metrics by calling
-                # it on a first batch (an iterator of its own, as for any
-                # data): the cut, which only the trunk takes.
-                with steps.calling_trunk(model, self.phases[0]):
-                    return keras_call(callbacks=self.callbacks, **kwargs)
             if self.built and "predict" not in self.phases:
-                _build_for_strategy(model, self.built[0])
+                if backends.graph_steps():
+                    _build_for_strategy(model, self.built[0])
+                else:
+                    backends.build_as_keras_would(
+                        model, self.built[0], self.phases[0]
+                    )
             return keras_call(callbacks=self.callbacks, **kwargs)
 
     def run_unstaged(self, keras_call):

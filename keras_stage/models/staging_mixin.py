@@ -356,8 +356,7 @@ class StagingMixin:
         # The epochs may run on one iterator each for training and for
         # validation, except when BackupAndRestore checkpoints the
         # iterator of the epoch it resumes.
-        # On JAX, Keras reads an iterator per epoch (see `backends`).
-        long_lived = graph and not any(
+        long_lived = not any(
             isinstance(cb, keras.callbacks.BackupAndRestore)
             for cb in call.callbacks
         )

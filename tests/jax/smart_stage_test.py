@@ -187,6 +187,17 @@ def test_training_equals_the_hand_split_pipeline(shuffle):
     for a, b in zip(trunk_weights(model), trunk_weights(trunk), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert len(history.history["loss"]) == 3
+
+    # A second fit (the model built now: Keras reads no batch to build).
+    model.fit(raw_dataset(x, y, shuffle), epochs=2, shuffle=False, verbose=0)
+    trunk.fit(
+        raw_dataset(x, y, shuffle).map(lambda a, b: (preprocess(a), b)),
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+    )
+    for a, b in zip(trunk_weights(model), trunk_weights(trunk), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert "stage_wait_ratio" in history.history
 
     # evaluate and predict take the raw inputs.
@@ -348,3 +359,38 @@ def test_export_on_jax_names_the_tensorflow_backend(tmp_path):
     with pytest.raises(ValueError, match="KERAS_BACKEND=tensorflow"):
         model.export(str(tmp_path / "exported"))
     assert not (tmp_path / "exported").exists()
+
+
+def test_a_fit_runs_its_epochs_on_one_stage_iterator(monkeypatch):
+    # Keras's JAX trainer reads an iterator per epoch; each would start the
+    # stage afresh (its threads, its functions, a cold buffer).
+    from keras_stage.data import staging
+
+    made = []
+
+    class Counted(staging.StageIterator):
+        def __init__(self, staged):
+            made.append(staged.name)
+            super().__init__(staged)
+
+    monkeypatch.setattr(staging, "StageIterator", Counted)
+    x, y = make_data(96)
+    model = staged_model(x)
+    callback = keras_stage.callbacks.PrefetchCallback()
+    model.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=3,
+        validation_data=(x, y),
+        callbacks=[callback],
+        verbose=0,
+    )
+    # One for the training epochs, one for the validation runs.
+    assert sorted(name.rsplit("_", 1)[1] for name in made) == [
+        "train",
+        "val",
+    ], made
+    # The "auto" pool keeps its size on JAX: a resize would restart the
+    # stage (see keras_stage.models.backends.adapts_pool).
+    assert callback.verdict["next_thread_pool_size"] is None
