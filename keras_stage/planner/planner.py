@@ -110,6 +110,17 @@ def _own_reason(layer, access, changing, seeds):
     changed = [v for v in access.reads if id(v) in changing]
     if changed:
         return f"reads variable '{changed[0].name}' that training changes"
+    if access.foreign and keras.backend.backend() != "tensorflow":
+        if any(
+            isinstance(v, keras.random.SeedGenerator)
+            for v in vars(layer).values()
+        ):
+            return (
+                "draws random numbers, which in tf.data on the "
+                f"{keras.backend.backend()} backend come from a TensorFlow "
+                "seed generator keras_stage cannot seed per batch: Keras "
+                "runs it in the step"
+            )
     if access.foreign:
         _, op_type = access.foreign[0]
         return (

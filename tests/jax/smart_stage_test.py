@@ -394,3 +394,65 @@ def test_a_fit_runs_its_epochs_on_one_stage_iterator(monkeypatch):
     # The "auto" pool keeps its size on JAX: a resize would restart the
     # stage (see keras_stage.models.backends.adapts_pool).
     assert callback.verdict["next_thread_pool_size"] is None
+
+
+@pytest.mark.timeout(60)
+def test_a_blocked_source_times_out_on_jax_and_the_model_fits_again(release):
+    def generate():
+        for i in range(6):
+            if i == 2:
+                release.wait(60)  # a source that stops answering
+            yield np.ones((2, 2), "float32"), np.ones((2, 1), "float32")
+
+    spec = (
+        tf.TensorSpec((None, 2), tf.float32),
+        tf.TensorSpec((None, 1), tf.float32),
+    )
+    inputs = keras.Input(shape=(2,))
+    x = keras_stage.layers.StagedInput(
+        name="hang", timeout=1.0, capacity=1, num_threads=1
+    )(inputs)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse")
+    hanging = tf.data.Dataset.from_generator(generate, output_signature=spec)
+    with pytest.raises(
+        keras_stage.data.StageTimeoutError, match="Stage 'hang_train'"
+    ):
+        model.fit(hanging, verbose=0, shuffle=False)
+
+    clean = tf.data.Dataset.from_tensor_slices(
+        (np.ones((8, 2), "float32"), np.ones((8, 1), "float32"))
+    ).batch(2)
+    history = model.fit(clean, epochs=2, verbose=0, shuffle=False)
+    assert len(history.history["loss"]) == 2
+
+
+def test_device_options_are_named_as_unused_on_jax(caplog):
+    inputs = keras.Input(shape=(2,))
+    x = keras_stage.layers.StagedInput(name="gpu_stage", device="gpu:0")(inputs)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse")
+    data = np.ones((8, 2), "float32")
+    with caplog.at_level("WARNING", logger="keras_stage"):
+        model.fit(data, data[:, :1], batch_size=4, epochs=2, verbose=0)
+    warned = [r for r in caplog.records if "jax.device_put" in r.message]
+    assert len(warned) == 1  # once per layer
+    assert "gpu_stage" in warned[0].message
+
+
+def test_random_augmentation_trains_in_the_jax_step_and_says_why():
+    inputs = keras.Input(shape=(4, 4, 3))
+    x = keras_stage.layers.StagedInput()(inputs)
+    x = keras.layers.Rescaling(1 / 255.0, name="scale")(x)
+    x = keras.layers.RandomFlip("horizontal", seed=1, name="flip")(x)
+    x = keras.layers.Flatten(name="flat")(x)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="adam", loss="mse", smart_stage=True)
+    plan = model.get_stage_plan()
+    assert "scale" in plan.staged_layers
+    assert "draws random numbers" in plan.reasons["flip"]
+    images = np.random.randint(0, 255, (16, 4, 4, 3)).astype("float32")
+    history = model.fit(
+        images, np.random.rand(16, 1), batch_size=8, epochs=2, verbose=0
+    )
+    assert np.all(np.isfinite(history.history["loss"]))
