@@ -308,9 +308,11 @@ def test_contributing_names_the_development_targets():
     for target in (
         "make test",
         "make test-io",
+        "make test-jax",
         "make lint",
         "make docs",
         "make bench",
         ".venv-io",
+        ".venv-jax",
     ):
         assert target in text, f"CONTRIBUTING.md does not mention {target}"
