@@ -218,3 +218,13 @@ def dataset_functions(dataset):
         return [wrapper.function for wrapper in dataset._functions()]
     except (AttributeError, NotImplementedError, TypeError):
         return None
+
+
+def service_server_port(server):
+    """The port a tf.data service `DispatchServer` or `WorkerServer` took.
+
+    A worker started on port 0 picks a free one and says which only in
+    `WorkerServer._address` ("host:port"); `LocalService` names the ports
+    it opens (they listen on every interface, see `data/service.py`).
+    """
+    return int(server._address.rsplit(":", 1)[1])

@@ -341,3 +341,21 @@ def test_keras_fit_still_validates_through_the_private_evaluate_keyword():
     )
     assert _compat.is_fit_validation({_compat.FIT_VALIDATION_KWARG: True})
     assert not _compat.is_fit_validation({})
+
+
+def test_service_server_port_reads_a_worker_s_port():
+    service = tf.data.experimental.service
+    dispatcher = service.DispatchServer()
+    worker = service.WorkerServer(
+        service.WorkerConfig(dispatcher_address=dispatcher.target[7:])
+    )
+    try:
+        assert hasattr(worker, "_address"), (
+            "tf.data.experimental.service.WorkerServer._address is gone in "
+            f"TensorFlow {tf.__version__}; "
+            + UPDATE.format("service_server_port")
+        )
+        assert _compat.service_server_port(worker) > 0
+    finally:
+        worker.stop()
+        dispatcher.stop()

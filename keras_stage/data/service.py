@@ -9,13 +9,23 @@ workers, splitting, transport) is TensorFlow's.
 
 The tf.data service protocol has no authentication and no encryption: any
 client that reaches a dispatcher can register datasets and read their
-elements. Run dispatchers and workers on a private network.
+elements, and a worker runs whatever dataset graph a client registers
+(file reads and writes included). TensorFlow's servers listen on every
+network interface: its pip build registers only the `grpc` protocol and
+takes no bind address. Run dispatchers and workers on a private network or
+behind a firewall; `LocalService` says which ports it opened.
 """
 
+import ipaddress
+import logging
 import socket
 import urllib.parse
 
 import tensorflow as tf
+
+from keras_stage import _compat
+
+logger = logging.getLogger("keras_stage")
 
 __all__ = [
     "DISTRIBUTED_EPOCH",
@@ -127,6 +137,16 @@ def distribute(dataset, service, processing_mode):
     )
 
 
+def _is_loopback(host):
+    """Whether `host` names this machine's loopback interface."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 class LocalService:
     """A tf.data service dispatcher and workers in this process.
 
@@ -135,18 +155,26 @@ class LocalService:
     run `tf.data.experimental.service.DispatchServer` and `WorkerServer`
     (one per machine) and pass the dispatcher's address as `service`.
 
-    Binds to loopback unless `host` says otherwise. The tf.data service
-    has no authentication: whoever reaches the ports reads the data.
+    Its servers listen on every network interface, whatever `host` says:
+    TensorFlow's tf.data service takes no bind address. It has no
+    authentication either, so while a `LocalService` runs, any machine that
+    can reach these ports can read the data and run dataset graphs (file
+    reads included) in this process. It logs a warning naming the ports
+    when it starts; confine them with a firewall or a private network.
 
     Args:
         num_workers: Workers to start. Defaults to `2`.
-        host: Interface the servers accept connections on and announce to
-            clients. Defaults to `"localhost"`.
+        host: The address the servers announce to clients (workers to the
+            dispatcher, the dispatcher in `target`). Not where they listen:
+            that is every interface. Defaults to `"localhost"`.
         port: The dispatcher's port; `0` picks a free one. Defaults to
             `0`.
         heartbeat_ms: How often workers report to the dispatcher; a
             stopped worker is noticed after a few missed heartbeats.
             Defaults to `500` (TensorFlow's default is 30 s).
+        allow_remote: Whether `host` may be an address other machines use
+            (not loopback): a deliberate opt-in to serving them. Defaults
+            to `False`.
 
     Example:
 
@@ -161,7 +189,12 @@ class LocalService:
     """
 
     def __init__(
-        self, num_workers=2, host="localhost", port=0, heartbeat_ms=500
+        self,
+        num_workers=2,
+        host="localhost",
+        port=0,
+        heartbeat_ms=500,
+        allow_remote=False,
     ):
         if not (
             isinstance(num_workers, int)
@@ -171,6 +204,16 @@ class LocalService:
             raise ValueError(
                 "Invalid value for argument `num_workers`. Expected a "
                 f"non-negative int. Received: num_workers={num_workers!r}"
+            )
+        if not allow_remote and not _is_loopback(host):
+            raise ValueError(
+                f"Invalid value for argument `host`: {host!r} is not a "
+                "loopback address, so other machines would be told to "
+                "connect to this LocalService, which has no authentication "
+                "(it listens on every interface in any case). Pass "
+                "allow_remote=True to serve other machines deliberately, "
+                "behind a firewall or on a private network, or use "
+                f"host='localhost'. Received: host={host!r}"
             )
         service = tf.data.experimental.service
         self._host = host
@@ -185,8 +228,30 @@ class LocalService:
         port = int(self._dispatcher.target.rsplit(":", 1)[1])
         self._address = f"{host}:{port}"
         self.workers = []
+        self._ports = [port]
+        self._started = False
         for _ in range(num_workers):
             self.add_worker()
+        self._warn_open_ports(self._ports)
+        self._started = True
+
+    @property
+    def ports(self):
+        """The ports its dispatcher and workers listen on, in that order."""
+        return list(self._ports)
+
+    def _warn_open_ports(self, ports):
+        logger.warning(
+            "LocalService at %s: ports %s (dispatcher %s) listen on every "
+            "network interface, and the tf.data service has no "
+            "authentication: any host that can reach them can read the "
+            "data and run dataset graphs in this process. Confine them with "
+            "a firewall or a private network (keras_stage docs: "
+            "Distributed, Security).",
+            self.target,
+            ", ".join(str(p) for p in ports),
+            self._ports[0],
+        )
 
     @property
     def target(self):
@@ -210,6 +275,10 @@ class LocalService:
             )
         )
         self.workers.append(worker)
+        port = _compat.service_server_port(worker)
+        self._ports.append(port)
+        if self._started:
+            self._warn_open_ports([port])  # a worker added later
         return len(self.workers) - 1
 
     def stop_worker(self, index):

@@ -120,6 +120,44 @@ def check_exportable(model):
         )
 
 
+def check_strategy(model):
+    """Raises a clear error for a fit under a strategy Keras cannot train.
+
+    Keras 3's fit does not run under `MultiWorkerMirroredStrategy` with
+    more than one worker (keras-team/keras#20585: even a plain
+    `keras.Model` of Dense layers fails with `Attempt to convert a value
+    (PerReplica...)`, measured with 2 worker processes here). Said at the
+    start of the call, with what works instead.
+    """
+    if not graph_steps():
+        return
+    workers = worker_count(model.distribute_strategy)
+    if workers > 1:
+        raise NotImplementedError(
+            f"Model '{model.name}' would fit under "
+            f"{type(model.distribute_strategy).__name__} with {workers} "
+            "workers, which Keras 3's fit does not support "
+            "(keras-team/keras#20585: it fails in the first step with "
+            "'Attempt to convert a value (PerReplica...)', for a plain "
+            "keras.Model too). What works: MirroredStrategy over one "
+            "machine's devices, or one trainer whose StagedInput reads from "
+            "tf.data service workers on other machines (service=...)."
+        )
+
+
+def worker_count(strategy):
+    """The workers (chief included) of `strategy`'s cluster; 1 if none."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return 1
+    spec = resolver.cluster_spec()
+    jobs = spec.jobs
+    count = sum(
+        spec.num_tasks(job) for job in ("chief", "worker") if job in jobs
+    )
+    return max(count, 1)
+
+
 def host_arrays(data):
     """`data` with NumPy string arrays as `tf.string` tensors, on JAX.
 

@@ -343,6 +343,7 @@ class StagingMixin:
         if layer is None:
             return unstaged()
         backends.check_supported(self, layer)
+        backends.check_strategy(self)
         graph = backends.graph_steps()
         call = StagedCall(self, layer, ("train", "test"), callbacks)
         if validation_split and validation_data is None:

@@ -224,3 +224,52 @@ def test_a_worker_stopped_mid_epoch_ends_in_a_clear_error_not_a_hang():
     assert result["threads_left"] <= 1
     assert result["again"] == [0, 1, 2, 3, 4]
     assert result["again_closed"] is True
+
+
+def test_local_service_names_the_ports_it_opens_on_every_interface(caplog):
+    with caplog.at_level("WARNING", logger="keras_stage"):
+        with LocalService(num_workers=2) as running:
+            ports = running.ports
+            assert len(ports) == 3  # the dispatcher, then each worker
+            warned = [r.getMessage() for r in caplog.records]
+            assert len(warned) == 1
+            assert "every network interface" in warned[0]
+            assert "no authentication" in warned[0]
+            for port in ports:
+                assert str(port) in warned[0]
+            listening = _listening_ports()
+            if listening is not None:
+                # What TensorFlow really does: every interface, not loopback.
+                for port in ports:
+                    assert listening.get(port) in ("0.0.0.0", "::"), (
+                        port,
+                        listening.get(port),
+                    )
+            running.add_worker()
+            assert len(caplog.records) == 2
+            assert str(running.ports[-1]) in caplog.records[-1].getMessage()
+
+
+def _listening_ports():
+    """`{port: bound address}` of this process's listening TCP sockets."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    found = {}
+    for conn in psutil.Process().net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN:
+            found.setdefault(conn.laddr.port, conn.laddr.ip)
+    return found
+
+
+@pytest.mark.parametrize("host", ["10.0.0.5", "example.com", "0.0.0.0"])
+def test_local_service_refuses_a_remote_host_without_the_opt_in(host):
+    with pytest.raises(ValueError, match="allow_remote=True"):
+        LocalService(num_workers=0, host=host)
+
+
+def test_local_service_accepts_loopback_addresses():
+    for host in ("localhost", "127.0.0.1"):
+        with LocalService(num_workers=0, host=host) as running:
+            assert running.target.startswith(f"grpc://{host}:")

@@ -54,3 +54,74 @@ def test_a_string_model_exports_on_tensorflow(tmp_path):
     model.export(str(tmp_path / "exported"), verbose=False)
     served = tf.saved_model.load(str(tmp_path / "exported"))
     assert served.serve(tf.constant(["a"])).shape == (1,)
+
+
+def test_one_machine_strategies_count_one_worker():
+    assert backends.worker_count(tf.distribute.get_strategy()) == 1
+    mirrored = tf.distribute.MirroredStrategy(["/cpu:0"])
+    assert backends.worker_count(mirrored) == 1
+
+
+_TWO_WORKERS = r"""
+import json, os, sys
+os.environ["TF_CONFIG"] = json.dumps({
+    "cluster": {"worker": [f"localhost:{p}" for p in sys.argv[1:3]]},
+    "task": {"type": "worker", "index": int(sys.argv[3])},
+})
+import keras, numpy as np, tensorflow as tf
+import keras_stage
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+with strategy.scope():
+    inputs = keras.Input(shape=(2,))
+    x = keras_stage.layers.StagedInput()(inputs)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse")
+data = np.ones((8, 2), "float32")
+try:
+    model.fit(data, data[:, :1], batch_size=4, verbose=0)
+except NotImplementedError as e:
+    print("REFUSED", str(e).replace("\n", " "))
+else:
+    print("TRAINED")
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_staged_fit_with_two_real_workers_says_what_works(tmp_path):
+    # Two worker processes of one MultiWorkerMirroredStrategy cluster on
+    # this machine: Keras 3 cannot fit there (keras-team/keras#20585), and
+    # the staged fit says so at once instead of failing in its first step.
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            ports.append(str(s.getsockname()[1]))
+    script = tmp_path / "worker.py"
+    script.write_text(_TWO_WORKERS)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(script), *ports, str(index)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for index in range(2)
+    ]
+    try:
+        outputs = [worker.communicate(timeout=150) for worker in workers]
+    finally:
+        for worker in workers:
+            worker.kill()
+    for (out, err), worker in zip(outputs, workers, strict=True):
+        assert worker.returncode == 0, err[-3000:]
+        assert "REFUSED" in out, (out, err[-3000:])
+        assert "2 workers" in out
+        assert "keras-team/keras#20585" in out
+        assert "MirroredStrategy" in out
