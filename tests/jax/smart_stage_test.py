@@ -456,3 +456,93 @@ def test_random_augmentation_trains_in_the_jax_step_and_says_why():
         images, np.random.rand(16, 1), batch_size=8, epochs=2, verbose=0
     )
     assert np.all(np.isfinite(history.history["loss"]))
+
+
+def _word_model(sequential=False):
+    if sequential:
+        return keras_stage.Sequential(
+            [
+                keras.Input(shape=(), dtype="string"),
+                keras_stage.layers.StagedInput(),
+                keras.layers.Hashing(16),
+                keras.layers.Embedding(16, 4),
+                keras.layers.Dense(1),
+            ]
+        )
+    inputs = keras.Input(shape=(), dtype="string")
+    x = keras_stage.layers.StagedInput()(inputs)
+    x = keras.layers.Embedding(16, 4)(keras.layers.Hashing(16)(x))
+    return keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "sequential",
+        "sample_weight",
+        "run_eagerly",
+        "jit_compile_false",
+        "steps_per_execution",
+        "mixed_float16",
+    ],
+)
+def test_standard_keras_settings_train_on_jax(setting):
+    words = np.array([f"w{i % 20}" for i in range(128)], dtype=object)
+    labels = np.random.rand(128, 1).astype("float32")
+    compile_kwargs, fit_kwargs = {}, {}
+    if setting == "sample_weight":
+        fit_kwargs["sample_weight"] = np.linspace(0.5, 1.5, 128)
+    if setting == "run_eagerly":
+        compile_kwargs["run_eagerly"] = True
+    if setting == "jit_compile_false":
+        compile_kwargs["jit_compile"] = False
+    if setting == "steps_per_execution":
+        compile_kwargs["steps_per_execution"] = 2
+    if setting == "mixed_float16":
+        keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = _word_model(sequential=setting == "sequential")
+        model.compile("adam", "mse", smart_stage=True, **compile_kwargs)
+        history = model.fit(
+            words, labels, batch_size=32, epochs=2, verbose=0, **fit_kwargs
+        )
+        assert np.all(np.isfinite(history.history["loss"]))
+        assert len(history.history["stage_wait_ratio"]) == 2
+        assert model.predict(words[:8], verbose=0).shape == (8, 1)
+        losses = [model.evaluate(words, labels, verbose=0) for _ in range(2)]
+        assert losses[0] == pytest.approx(losses[1])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_op_determinism_trains_on_jax():
+    # The reproducibility recipe, in a fresh process (op determinism cannot
+    # be turned off once on): the stage's clock gives way to the host's.
+    script = (
+        "import numpy as np, keras, keras_stage, tensorflow as tf\n"
+        "keras.utils.set_random_seed(1)\n"
+        "tf.config.experimental.enable_op_determinism()\n"
+        "words = np.array([f'w{i % 20}' for i in range(128)], dtype=object)\n"
+        "y = np.linspace(0, 1, 128, dtype='float32')[:, None]\n"
+        "inputs = keras.Input(shape=(), dtype='string')\n"
+        "x = keras_stage.layers.StagedInput()(inputs)\n"
+        "x = keras.layers.Embedding(16, 4)(keras.layers.Hashing(16)(x))\n"
+        "m = keras_stage.Model(inputs, keras.layers.Dense(1)(x))\n"
+        "m.compile('adam', 'mse', smart_stage=True)\n"
+        "h = m.fit(words, y, batch_size=32, epochs=2, verbose=0,\n"
+        "          validation_split=0.25)\n"
+        "print('LOSSES', h.history['loss'], h.history['val_loss'])\n"
+    )
+    runs = []
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "KERAS_BACKEND": "jax"},
+            timeout=240,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(done.stdout.strip().splitlines()[-1])
+    assert runs[0].startswith("LOSSES")
+    assert runs[0] == runs[1]  # the same losses, run after run
