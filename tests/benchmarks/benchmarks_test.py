@@ -1070,3 +1070,15 @@ def test_history_and_plots_import_no_tensorflow():
         [sys.executable, "-c", code], cwd=root, timeout=60, check=False
     )
     assert done.returncode == 0
+
+
+def test_importing_the_jax_benchmark_leaves_the_backend_alone():
+    # It once set KERAS_BACKEND=jax on import: collected by pytest on the
+    # TensorFlow backend, every later subprocess then started on JAX.
+    import os
+
+    before = os.environ.get("KERAS_BACKEND")
+    from benchmarks import jax_backend
+
+    assert os.environ.get("KERAS_BACKEND") == before
+    assert jax_backend.MODE_CLASSES
