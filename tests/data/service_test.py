@@ -273,3 +273,77 @@ def test_local_service_accepts_loopback_addresses():
     for host in ("localhost", "127.0.0.1"):
         with LocalService(num_workers=0, host=host) as running:
             assert running.target.startswith(f"grpc://{host}:")
+
+
+_FT_DISPATCHER = (
+    "import sys, tensorflow as tf\n"
+    "s = tf.data.experimental.service\n"
+    "d = s.DispatchServer(s.DispatcherConfig(port=int(sys.argv[1]),\n"
+    "    work_dir=sys.argv[2], fault_tolerant_mode=True))\n"
+    "print('UP', flush=True)\n"
+    "d.join()\n"
+)
+_FT_WORKERS = (
+    "import sys, tensorflow as tf\n"
+    "s = tf.data.experimental.service\n"
+    "ws = [s.WorkerServer(s.WorkerConfig(\n"
+    "    dispatcher_address='localhost:' + sys.argv[1],\n"
+    "    heartbeat_interval_ms=500)) for _ in range(2)]\n"
+    "print('UP', flush=True)\n"
+    "ws[0].join()\n"
+)
+
+
+def _serve(code, *args):
+    """A tf.data service process running `code`, once it says it is up."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
+    assert process.stdout.readline().strip() == "UP"
+    return process
+
+
+def _stop(process):
+    process.kill()
+    process.wait()
+    process.stdout.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["distributed_epoch", "parallel_epochs"])
+def test_a_fault_tolerant_dispatcher_restarted_mid_epoch_loses_nothing(
+    mode, tmp_path
+):
+    # TensorFlow's fault-tolerant mode (a work_dir journal): the dispatcher
+    # is killed mid-epoch and started again on its port; the stage's epoch
+    # goes on and ends, every element exactly as often as without the kill.
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    dispatcher = _serve(_FT_DISPATCHER, port, tmp_path)
+    workers = _serve(_FT_WORKERS, port)
+    try:
+        staged = stage(
+            tf.data.Dataset.range(400).batch(10),
+            lambda x: x * 2,
+            service=f"grpc://localhost:{port}",
+            processing_mode=mode,
+            timeout=60,
+        )
+        seen = collections.Counter()
+        for index, batch in enumerate(staged):
+            seen.update(batch.numpy().tolist())
+            if index == 5:
+                _stop(dispatcher)
+                dispatcher = _serve(_FT_DISPATCHER, port, tmp_path)
+        times = 1 if mode == "distributed_epoch" else 2  # per worker
+        assert seen == collections.Counter(
+            {2 * value: times for value in range(400)}
+        )
+    finally:
+        _stop(dispatcher)
+        _stop(workers)
