@@ -162,8 +162,6 @@ class StagedCall:
         Keras reads predict batches, and every batch on JAX, in Python,
         where the stage's own iterators apply its policies.
         """
-        if data.in_step or (backends.graph_steps() and data.strategy):
-            return data.pipeline
         if backends.graph_steps() and "predict" not in self.phases:
             return data.pipeline
         return data.eager_dataset
