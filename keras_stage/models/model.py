@@ -64,10 +64,7 @@ class Functional(_compat.keras_functional_class(), Model):
 
     def call(self, inputs, training=None, mask=None, **kwargs):
         # Keras's Functional.call precedes StagingMixin's in this class's
-        # MRO: the JAX step's redirect to the trunk is made here too.
-        trunk = _steps.trunk(self)
-        if trunk is not None:
-            return _steps.call_trunk(
-                trunk, inputs, training=training, mask=mask, **kwargs
-            )
-        return super().call(inputs, training=training, mask=mask, **kwargs)
+        # MRO: the redirect to the trunk is made here too.
+        return _steps.call_model(
+            self, super().call, inputs, training=training, mask=mask, **kwargs
+        )

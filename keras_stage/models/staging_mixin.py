@@ -203,12 +203,9 @@ class StagingMixin:
 
     def call(self, inputs, training=None, mask=None, **kwargs):
         # Keras's JAX step calls `call` itself (`stateless_call`).
-        trunk = _steps.trunk(self)
-        if trunk is not None:
-            return _steps.call_trunk(
-                trunk, inputs, training=training, mask=mask, **kwargs
-            )
-        return super().call(inputs, training=training, mask=mask, **kwargs)
+        return _steps.call_model(
+            self, super().call, inputs, training=training, mask=mask, **kwargs
+        )
 
     # The steps take `(data)` on TensorFlow, `(state, data)` on JAX.
 

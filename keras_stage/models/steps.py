@@ -371,12 +371,17 @@ def trunk(model):
     return getattr(_state(model).local, "trunk", None)
 
 
-def call_trunk(trunk, inputs, **kwargs):
-    """`trunk(inputs, **kwargs)`, a lone cut tensor given as the list.
+def call_model(model, call, inputs, **kwargs):
+    """`call(inputs, **kwargs)`, or the trunk's call while a step traces it.
 
-    The stage hands a cut of one tensor bare (`StageSplit.stage_fn`);
-    the trunk's inputs are a list.
+    `call` is the model class's own `call`. Keras's JAX step calls `call`
+    itself (`stateless_call`), so the redirect to the trunk is made there
+    too, not only in `__call__`. The stage hands a cut of one tensor bare
+    (`StageSplit.stage_fn`); the trunk's inputs are a list.
     """
-    if len(trunk.inputs) == 1 and not isinstance(inputs, (list, tuple)):
+    split_trunk = trunk(model)
+    if split_trunk is None:
+        return call(inputs, **kwargs)
+    if len(split_trunk.inputs) == 1 and not isinstance(inputs, (list, tuple)):
         inputs = [inputs]
-    return trunk(inputs, **kwargs)
+    return split_trunk(inputs, **kwargs)
