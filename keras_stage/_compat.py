@@ -228,3 +228,15 @@ def service_server_port(server):
     it opens (they listen on every interface, see `data/service.py`).
     """
     return int(server._address.rsplit(":", 1)[1])
+
+
+def backend_seed_generators(layer):
+    """The SeedGenerators Keras made for `layer`'s calls on another backend.
+
+    On JAX, a Keras preprocessing layer called in a TensorFlow graph (as in
+    tf.data) draws its randomness from a TensorFlow SeedGenerator of its
+    own, made at its first such call (`DataLayer._get_seed_generator`) and
+    kept only in `DataLayer._backend_generators`. SmartStage seeds the
+    staged layers per batch through their generators' state variables.
+    """
+    return list(vars(layer).get("_backend_generators", {}).values())

@@ -110,17 +110,6 @@ def _own_reason(layer, access, changing, seeds):
     changed = [v for v in access.reads if id(v) in changing]
     if changed:
         return f"reads variable '{changed[0].name}' that training changes"
-    if access.foreign and keras.backend.backend() != "tensorflow":
-        if any(
-            isinstance(v, keras.random.SeedGenerator)
-            for v in vars(layer).values()
-        ):
-            return (
-                "draws random numbers, which in tf.data on the "
-                f"{keras.backend.backend()} backend come from a TensorFlow "
-                "seed generator keras_stage cannot seed per batch: Keras "
-                "runs it in the step"
-            )
     if access.foreign:
         _, op_type = access.foreign[0]
         return (
@@ -737,9 +726,7 @@ class StageSplit:
             else:
                 x, rest = element, None
             if numbered and training:
-                with keras.StatelessScope(
-                    state_mapping=self._seeds_for(ordinal)
-                ):
+                with self._seeded(ordinal):
                     cut = self._run_prefix(x, training)
             else:
                 cut = self._run_prefix(x, training)
@@ -784,11 +771,17 @@ class StageSplit:
                 values[id(t)] = v
         return [values[id(t)] for t in prefix.outputs]
 
-    def _seeds_for(self, ordinal):
-        """Each staged seed state, folded with the element's ordinal."""
-        mapping = []
+    def _seeded(self, ordinal):
+        """A scope giving each staged seed state the element's own seeds.
+
+        Each state folded with the element's ordinal. Given as the scope's
+        updates: its `state_mapping` argument converts the values with the
+        backend's arrays, and on JAX these are TensorFlow graph tensors (the
+        staged layers' TensorFlow seed generators, see `seed_states`).
+        """
+        scope = keras.StatelessScope()
         for state in self.seed_states:
             base = tf.cast(state.value, tf.int64)
             folded = tf.random.experimental.stateless_fold_in(base, ordinal)
-            mapping.append((state, tf.cast(folded, state.dtype)))
-        return mapping
+            scope.add_update((state, tf.cast(folded, state.dtype)))
+        return scope

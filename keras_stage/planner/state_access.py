@@ -129,9 +129,13 @@ def accepts_training(layer):
 
 
 def _variable_handles(model):
-    """`id(resource handle)` -> Keras variable, for every model variable."""
+    """`id(resource handle)` -> Keras variable, for every model variable.
+
+    And for the seed states of the layers' TensorFlow seed generators on
+    another backend, which are no model variables (see `seed_states`).
+    """
     handles = {}
-    for variable in model.variables:
+    for variable in list(model.variables) + seed_states(model):
         value = getattr(variable, "value", None)
         handle = getattr(value, "handle", None)
         if handle is not None:
@@ -405,6 +409,9 @@ def seed_states(model):
             for item in value if isinstance(value, (list, tuple)) else [value]:
                 if isinstance(item, keras.random.SeedGenerator):
                     states.append(item.state)
+        # On a backend other than TensorFlow, the TensorFlow generators a
+        # traced call made (see `_compat.backend_seed_generators`).
+        states.extend(g.state for g in _compat.backend_seed_generators(layer))
     return states
 
 

@@ -440,22 +440,80 @@ def test_device_options_are_named_as_unused_on_jax(caplog):
     assert "gpu_stage" in warned[0].message
 
 
-def test_random_augmentation_trains_in_the_jax_step_and_says_why():
+IMAGES = np.random.default_rng(4).integers(0, 255, (16, 4, 4, 3)).astype(
+    "float32"
+)
+
+
+def _augmenting_model():
     inputs = keras.Input(shape=(4, 4, 3))
-    x = keras_stage.layers.StagedInput()(inputs)
+    x = keras_stage.layers.StagedInput(name="stage")(inputs)
     x = keras.layers.Rescaling(1 / 255.0, name="scale")(x)
     x = keras.layers.RandomFlip("horizontal", seed=1, name="flip")(x)
+    x = keras.layers.RandomContrast(0.5, seed=2, name="contrast")(x)
     x = keras.layers.Flatten(name="flat")(x)
-    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model = keras_stage.Model(inputs, keras.layers.Dense(1, name="head")(x))
     model.compile(optimizer="adam", loss="mse", smart_stage=True)
-    plan = model.get_stage_plan()
-    assert "scale" in plan.staged_layers
-    assert "draws random numbers" in plan.reasons["flip"]
-    images = np.random.randint(0, 255, (16, 4, 4, 3)).astype("float32")
-    history = model.fit(
-        images, np.random.rand(16, 1), batch_size=8, epochs=2, verbose=0
+    return model
+
+
+def _staged_prefix_outputs(model, epochs):
+    from keras_stage.planner import plan_model
+
+    _, split = plan_model(model, model.get_layer("stage"))
+    dataset = tf.data.Dataset.from_tensor_slices((IMAGES,)).batch(4)
+    staged = keras_stage.data.stage(
+        split.number(dataset), fn=split.stage_fn(training=True), num_threads=4
     )
-    assert np.all(np.isfinite(history.history["loss"]))
+    try:
+        return [[e[0].numpy() for e in staged] for _ in range(epochs)]
+    finally:
+        staged.close()
+
+
+def test_random_augmentation_is_staged_with_its_own_seed_stream():
+    model = _augmenting_model()
+    plan = model.get_stage_plan()
+    assert plan.staged_layers == ["stage", "scale", "flip", "contrast"]
+    assert "flip" not in plan.reasons and "contrast" not in plan.reasons
+    jax_state = np.asarray(model.get_layer("flip").generator.state.value)
+    first, second = _staged_prefix_outputs(model, epochs=2)
+    # Every batch of every epoch is augmented afresh (not the rescaled
+    # input, not the same as another batch's draw)...
+    batches = [b.tobytes() for b in first + second]
+    assert len(set(batches)) == len(batches)
+    for epoch in (first, second):
+        rescaled = np.concatenate(epoch) * 255.0
+        assert not np.allclose(rescaled, IMAGES, atol=1e-3)
+    # ...the same in a rebuilt stage with 4 threads, whatever thread runs
+    # which batch...
+    again = _staged_prefix_outputs(_augmenting_model(), epochs=2)
+    np.testing.assert_array_equal(np.stack(first), np.stack(again[0]))
+    # ...and the layer's own (JAX) seed state is untouched by the stage.
+    np.testing.assert_array_equal(
+        np.asarray(model.get_layer("flip").generator.state.value), jax_state
+    )
+
+
+def test_staged_augmentation_trains_deterministically_and_serves_unaugmented():
+    weights, predictions = [], []
+    for _ in range(2):
+        keras.utils.set_random_seed(7)
+        model = _augmenting_model()
+        history = model.fit(
+            IMAGES, np.linspace(0, 1, 16)[:, None], batch_size=4, epochs=2,
+            verbose=0,
+        )
+        assert np.all(np.isfinite(history.history["loss"]))
+        weights.append(model.get_weights())
+        predictions.append(model.predict(IMAGES, verbose=0))
+    for a, b in zip(*weights, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # Inference does not augment: the stage's predict equals the model's
+    # own call, where the random layers pass their inputs through.
+    np.testing.assert_allclose(
+        predictions[1], np.asarray(model(IMAGES, training=False)), rtol=1e-5
+    )
 
 
 def _word_model(sequential=False):
