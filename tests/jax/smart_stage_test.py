@@ -440,8 +440,8 @@ def test_device_options_are_named_as_unused_on_jax(caplog):
     assert "gpu_stage" in warned[0].message
 
 
-IMAGES = np.random.default_rng(4).integers(0, 255, (16, 4, 4, 3)).astype(
-    "float32"
+IMAGES = (
+    np.random.default_rng(4).integers(0, 255, (16, 4, 4, 3)).astype("float32")
 )
 
 
@@ -501,7 +501,10 @@ def test_staged_augmentation_trains_deterministically_and_serves_unaugmented():
         keras.utils.set_random_seed(7)
         model = _augmenting_model()
         history = model.fit(
-            IMAGES, np.linspace(0, 1, 16)[:, None], batch_size=4, epochs=2,
+            IMAGES,
+            np.linspace(0, 1, 16)[:, None],
+            batch_size=4,
+            epochs=2,
             verbose=0,
         )
         assert np.all(np.isfinite(history.history["loss"]))
