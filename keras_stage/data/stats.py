@@ -255,7 +255,7 @@ class StageStats:
             ],
         )
 
-    def count_produced(self, started, gate):
+    def count_produced(self, started, gate, busy=None):
         """Counts one finished element; fails it if its pipeline was closed.
 
         Args:
@@ -276,9 +276,10 @@ class StageStats:
             ],
         )
         with tf.control_dependencies([check]):
-            if started is None:
+            if started is None and busy is None:
                 return self._counters.assign_add(_slots({_PRODUCED: 1}))
-            busy = tf.timestamp() - started
+            if busy is None:
+                busy = tf.timestamp() - started
             return self._counters.assign_add(
                 _slots({_PRODUCED: 1, _BUSY: busy})
             )
