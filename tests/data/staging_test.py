@@ -629,9 +629,7 @@ def _fetch_after_buffering(staged, iterator, buffered=8):
     left = staged.stats.unconsumed()
     # An iterator's first call starts its pipeline: it waits, on the helper.
     got = [staged.runner.call(_fetch, iterator, elements=1)]
-    assert wait_until(
-        lambda: staged.stats.unconsumed() - left >= buffered, 20
-    )
+    assert wait_until(lambda: staged.stats.unconsumed() - left >= buffered, 20)
     for _ in range(buffered):
         got.append(staged.runner.call(_fetch, iterator, elements=1))
     return got
