@@ -266,6 +266,10 @@ class StageStats:
                 (see `staging.build_stage`): an iterator a finished call
                 left alive must not count its elements in stats the next
                 call's iterator shares, nor deliver them late.
+            busy: The computation's seconds, taken where it ran, for a
+                count made later (after an ordered map, see
+                `staging._build_pipeline`); None takes them from `started`.
+                Defaults to `None`.
         """
         check = tf.debugging.Assert(
             gate,
