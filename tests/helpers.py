@@ -172,3 +172,26 @@ def printed_in_fresh_python(code, timeout=100):
         timeout=timeout,
         check=True,
     ).stdout
+
+
+def staged_prefix_outputs(model, inputs, batch_size, epochs):
+    """Epochs of the training stage of `model`'s SmartStage prefix.
+
+    `model`'s `StagedInput` is named "stage"; its prefix runs on `inputs`
+    in batches of `batch_size`, numbered for per-batch seeds, on 4
+    threads. Returns each epoch's list of first cut tensors (NumPy).
+    """
+    import tensorflow as tf
+
+    from keras_stage.data import stage
+    from keras_stage.planner import plan_model
+
+    _, split = plan_model(model, model.get_layer("stage"))
+    dataset = tf.data.Dataset.from_tensor_slices((inputs,)).batch(batch_size)
+    staged = stage(
+        split.number(dataset), fn=split.stage_fn(training=True), num_threads=4
+    )
+    try:
+        return [[e[0].numpy() for e in staged] for _ in range(epochs)]
+    finally:
+        staged.close()

@@ -18,6 +18,7 @@ import pytest
 import tensorflow as tf
 
 import keras_stage
+from tests.helpers import staged_prefix_outputs
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -457,27 +458,13 @@ def _augmenting_model():
     return model
 
 
-def _staged_prefix_outputs(model, epochs):
-    from keras_stage.planner import plan_model
-
-    _, split = plan_model(model, model.get_layer("stage"))
-    dataset = tf.data.Dataset.from_tensor_slices((IMAGES,)).batch(4)
-    staged = keras_stage.data.stage(
-        split.number(dataset), fn=split.stage_fn(training=True), num_threads=4
-    )
-    try:
-        return [[e[0].numpy() for e in staged] for _ in range(epochs)]
-    finally:
-        staged.close()
-
-
 def test_random_augmentation_is_staged_with_its_own_seed_stream():
     model = _augmenting_model()
     plan = model.get_stage_plan()
     assert plan.staged_layers == ["stage", "scale", "flip", "contrast"]
     assert "flip" not in plan.reasons and "contrast" not in plan.reasons
     jax_state = np.asarray(model.get_layer("flip").generator.state.value)
-    first, second = _staged_prefix_outputs(model, epochs=2)
+    first, second = staged_prefix_outputs(model, IMAGES, 4, epochs=2)
     # Every batch of every epoch is augmented afresh (not the rescaled
     # input, not the same as another batch's draw)...
     batches = [b.tobytes() for b in first + second]
@@ -487,7 +474,7 @@ def test_random_augmentation_is_staged_with_its_own_seed_stream():
         assert not np.allclose(rescaled, IMAGES, atol=1e-3)
     # ...the same in a rebuilt stage with 4 threads, whatever thread runs
     # which batch...
-    again = _staged_prefix_outputs(_augmenting_model(), epochs=2)
+    again = staged_prefix_outputs(_augmenting_model(), IMAGES, 4, epochs=2)
     np.testing.assert_array_equal(np.stack(first), np.stack(again[0]))
     # ...and the layer's own (JAX) seed state is untouched by the stage.
     np.testing.assert_array_equal(

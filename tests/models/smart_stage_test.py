@@ -18,7 +18,7 @@ import tensorflow as tf
 import keras_stage
 from keras_stage.data import stage
 from keras_stage.layers import StagedInput
-from keras_stage.planner import plan_model
+from tests.helpers import staged_prefix_outputs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -347,32 +347,20 @@ def _noisy_model(num_threads=4):
     return model
 
 
-def _staged_prefix_outputs(model, epochs):
-    _, split = plan_model(model, model.get_layer("stage"))
-    dataset = tf.data.Dataset.from_tensor_slices((X,)).batch(5)
-    staged = stage(
-        split.number(dataset), fn=split.stage_fn(training=True), num_threads=4
-    )
-    try:
-        return [[e[0].numpy() for e in staged] for _ in range(epochs)]
-    finally:
-        staged.close()
-
-
 def test_random_layers_get_their_own_deterministic_seed_stream():
     model = _noisy_model()
     assert model.get_stage_plan().staged_layers == ["stage", "noise", "drop"]
-    first, second = _staged_prefix_outputs(model, epochs=2)
+    first, second = staged_prefix_outputs(model, X, 5, epochs=2)
     # Every batch of every epoch gets fresh noise...
     batches = [b.tobytes() for b in first + second]
     assert len(set(batches)) == len(batches)
     # ...the same noise in a rebuilt stage with 4 threads, whatever thread
     # runs which batch...
-    again = _staged_prefix_outputs(_noisy_model(), epochs=2)
+    again = staged_prefix_outputs(_noisy_model(), X, 5, epochs=2)
     np.testing.assert_array_equal(np.stack(first), np.stack(again[0]))
     # ...and the model's own seed state is untouched by the stage.
     state = model.get_layer("noise").seed_generator.state.numpy()
-    _staged_prefix_outputs(model, epochs=1)
+    staged_prefix_outputs(model, X, 5, epochs=1)
     np.testing.assert_array_equal(
         model.get_layer("noise").seed_generator.state.numpy(), state
     )
