@@ -35,6 +35,9 @@ Example:
 True
 """
 
+import contextlib
+import weakref
+
 from keras_stage.data.eager_iterated import EagerIterated
 
 
@@ -68,6 +71,8 @@ class StagePool:
         self._size = self.largest
         # The fewest threads `adapt` gives (see there).
         self._fewest = 1
+        # Iterators made on one thread: they finish elements in order.
+        self._one_thread = weakref.WeakSet()
 
     @property
     def size(self):
@@ -142,6 +147,22 @@ class StagePool:
             threads = self.size
         return self.resize(threads)
 
+    def finishes_in_order(self, iterator):
+        """Whether `iterator` was made on a pool of one thread.
+
+        Its map finishes elements in the order it delivers them, so the
+        stage's counters tell which of its fetches cannot wait (see
+        `runner.ReadyElements`).
+        """
+        # A WeakSet answers False for what it cannot reference weakly.
+        return iterator in self._one_thread
+
+    def _made(self, iterator, size):
+        """Notes that `iterator` was made on a pool of `size` threads."""
+        if size == 1:
+            with contextlib.suppress(TypeError):  # not weakly referable
+                self._one_thread.add(iterator)
+
     def pipelines(self, build):
         """The stage's pipelines, each iterator's on a pool of the size then.
 
@@ -190,4 +211,7 @@ class _Resized(EagerIterated):
         super().__init__(base)
 
     def eager_iter(self):
-        return iter(self._pipeline(self._pool.size, self._which))
+        size = self._pool.size
+        iterator = iter(self._pipeline(size, self._which))
+        self._pool._made(iterator, size)
+        return iterator

@@ -281,6 +281,11 @@ class ReadyElements:
         """
         return max(self._level - 1, 0)
 
+    def untrusted(self, iterator):
+        """Notes `iterator` as current; none of its calls is ready."""
+        self._follow(iterator)
+        self._left_behind = None
+
     def _is_current(self, iterator):
         return self._iterator is not None and self._iterator() is iterator
 
@@ -343,13 +348,13 @@ class StageRunner:
         stats: The stage's `StageStats`.
         gate: The pipeline's open flag (a boolean variable) that `close`
             and a timeout clear, or None. Defaults to `None`.
-        counts_in_order: Whether the stage counts its elements in the
+        counts_in_order: Whether the stage finishes its elements in the
             order the consumer gets them, so that a call whose elements
             are counted runs without the helper thread (`ReadyElements`).
-            Counted as an ordered parallel map finishes them, a later
-            element done would say nothing of a hung earlier one (the stage
-            counts them after the map, see `staging._build_pipeline`).
-            Defaults to `False`.
+            An ordered parallel map finishes them out of order: a later
+            element done says nothing of a hung earlier one. A callable
+            tells it per iterator (`StagePool.finishes_in_order`: those
+            made on one thread). Defaults to `False`.
     """
 
     def __init__(self, options, stats, gate=None, counts_in_order=False):
@@ -367,10 +372,11 @@ class StageRunner:
         self._ready_calls = 0  # see `_sample_ready`
         # The most elements the call under way fetches (see `call`).
         self._elements = None
+        self._in_order = counts_in_order if callable(counts_in_order) else None
         self.records_in_step = False
         # The names staging.py gives the stage's tf.data transformations.
         self._own_ops = re.compile(
-            rf"\b{re.escape(options.name)}_(map|count|buffer|wait|fetch)\b"
+            rf"\b{re.escape(options.name)}_(map|buffer|wait|fetch)\b"
         )
 
     @property
@@ -476,6 +482,11 @@ class StageRunner:
         """Whether the call's `elements` are in the buffer already."""
         if elements is None or self._ready is None:
             return False
+        if self._in_order is not None and not self._in_order(args[0]):
+            # Noted all the same: while it lives, the counts are not the
+            # next iterator's alone.
+            self._ready.untrusted(args[0])
+            return False
         return self._ready.take(args[0], elements)
 
     def take_report(self, iterator, values):
@@ -487,6 +498,8 @@ class StageRunner:
         """
         unconsumed = self.stats.take_report(values)
         if self._ready is None:
+            return
+        if self._in_order is not None and not self._in_order(iterator):
             return
         self._ready.note(iterator, unconsumed)
 

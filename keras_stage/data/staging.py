@@ -159,8 +159,6 @@ def _build_pipeline(
     unpacked = type(dataset.element_spec) is tuple
     staged_fn = None if fn is None else on_host(fn)
 
-    clocked = []  # whether the map's trace took a clock (`start_busy`)
-
     def produce(*args):
         element = args if unpacked else args[0]
         if staged_fn is None:
@@ -175,20 +173,7 @@ def _build_pipeline(
         # Count only elements whose computation finished; tf.data runs the
         # counter op with the map (no identity ops are needed to keep it).
         with tf.control_dependencies(tf.nest.flatten(out, True)):
-            if not count_after:
-                stats.count_produced(started, gate)
-                return out
-            clocked[:] = [started is not None]
-            if isinstance(out, list):
-                # As tf.data takes a map's list (and only at the top).
-                out = tuple(out)
-            if started is None:
-                return out, tf.constant(0.0, tf.float64)
-            return out, tf.timestamp() - started
-
-    def count(out, busy):
-        # Run whether or not `out` depends on it (see `produce`).
-        stats.count_produced(None, gate, busy=busy if clocked[0] else None)
+            stats.count_produced(started, gate)
         return out
 
     if options.service is not None:
@@ -206,14 +191,6 @@ def _build_pipeline(
         unpacked = type(dataset.element_spec) is tuple
         staged_fn = fn = None
 
-    # An ordered parallel map finishes elements out of order: counted as
-    # they finish, a later one done says nothing of a hung earlier one.
-    # Counted after the map, in the order it delivers them, each counted
-    # element is in the buffer or on its way there, so a fetch of it
-    # cannot wait on the source (`runner.ReadyElements`). The busy time is
-    # still taken in the map, where the computation ran.
-    count_after = fn is not None and options.deterministic
-
     # No timestamp is taken before each pull from the source: that needs a
     # zip with a dataset of markers, work on the path of every element that
     # only the verdict would use. It infers a slow source from the epoch
@@ -225,15 +202,12 @@ def _build_pipeline(
             # counter runs in the buffer's own thread, op by op, and no
             # element waits for a hand-off to a worker thread.
             return _compat.inline_map(dataset, produce, f"{name}_map")
-        mapped = dataset.map(
+        return dataset.map(
             produce,
             num_parallel_calls=parallel,
             deterministic=options.deterministic,
             name=f"{name}_map",
         )
-        if not count_after:
-            return mapped
-        return _compat.inline_map(mapped, count, f"{name}_count")
 
     threads = options.resolved_pool_size()
     if pool is None:
@@ -636,9 +610,28 @@ def build_stage(
         gate=gate,
         placement=placement,
         thread_pool=pool,
-        # Counted in the order they are delivered (see `_build_pipeline`).
-        counts_in_order=True,
+        counts_in_order=_counts_in_order(fn, options, pool),
     )
+
+
+def _counts_in_order(fn, options, pool=None):
+    """Whether the stage finishes elements in the order it delivers them.
+
+    Its counter then tells which fetches cannot wait on the source (see
+    `runner.ReadyElements`). With nothing to compute, or on the tf.data
+    service, elements are counted in the buffer's own thread; one worker
+    finishes them in order; an unordered map delivers whichever finished.
+    With a `pool`, per iterator: those made on one thread.
+    """
+    in_order = (
+        fn is None
+        or options.service is not None
+        or not options.deterministic
+        or options.num_threads == 1
+    )
+    if in_order or pool is None:
+        return in_order
+    return pool.finishes_in_order
 
 
 def live_stages():

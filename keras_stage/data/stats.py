@@ -255,7 +255,7 @@ class StageStats:
             ],
         )
 
-    def count_produced(self, started, gate, busy=None):
+    def count_produced(self, started, gate):
         """Counts one finished element; fails it if its pipeline was closed.
 
         Args:
@@ -266,10 +266,6 @@ class StageStats:
                 (see `staging.build_stage`): an iterator a finished call
                 left alive must not count its elements in stats the next
                 call's iterator shares, nor deliver them late.
-            busy: The computation's seconds, taken where it ran, for a
-                count made later (after an ordered map, see
-                `staging._build_pipeline`); None takes them from `started`.
-                Defaults to `None`.
         """
         check = tf.debugging.Assert(
             gate,
@@ -280,10 +276,9 @@ class StageStats:
             ],
         )
         with tf.control_dependencies([check]):
-            if started is None and busy is None:
+            if started is None:
                 return self._counters.assign_add(_slots({_PRODUCED: 1}))
-            if busy is None:
-                busy = tf.timestamp() - started
+            busy = tf.timestamp() - started
             return self._counters.assign_add(
                 _slots({_PRODUCED: 1, _BUSY: busy})
             )
