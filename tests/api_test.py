@@ -108,7 +108,7 @@ _STAGE_OPTIONS = [
     "deterministic",
 ]
 _DEVICE_OPTIONS = ["device", "stream", "pack_transfer"]
-_SERVICE_OPTIONS = ["service", "processing_mode"]
+_SERVICE_OPTIONS = ["service", "processing_mode", "worker_timeout"]
 
 
 def test_stage_signature():
@@ -123,6 +123,7 @@ def test_stage_signature():
     ]
     assert params["service"].default is None
     assert params["processing_mode"].default == "distributed_epoch"
+    assert params["worker_timeout"].default == 10.0
     assert params["device"].default == "auto"
     assert params["stream"].default is None
     assert params["pack_transfer"].default == "auto"

@@ -384,6 +384,7 @@ class PrefetchCallback(keras.callbacks.Callback):
         binding = self._bindings.get(phase)
         if binding is not None:
             binding.end_epoch()
+            _log_service_epoch(binding, None)
             snapshot = binding.staged.stats.snapshot()
             self._report_skips(
                 binding, snapshot, binding.skipped_this_epoch(snapshot)
@@ -412,6 +413,7 @@ class PrefetchCallback(keras.callbacks.Callback):
         )
         # Skips are the epoch's, first step included.
         stats["skipped"] = now["skipped"] - self._snapshot["skipped"]
+        _log_service_epoch(binding, logs)
         self._snapshot = None
         self._epoch_start = None
         self._after_first_step = None
@@ -780,3 +782,25 @@ def _verdict_record(stats, pool_size, message, **figures):
         or stats["cpu_load"] >= _CORES_BUSY_LOAD,
         "message": message,
     }
+
+
+def _log_service_epoch(binding, logs):
+    """Closes the epoch of a stage on the tf.data service; logs its counts.
+
+    `stage_service_delivered`: examples the service delivered this epoch;
+    `stage_service_lost` and `stage_service_repeated`: against one pass of
+    the data per copy (see `keras_stage.data.failover`), when its size is
+    known; `stage_service_ended_early`: 1.0 if the stage ended the epoch
+    because a worker was lost.
+    """
+    ledger = binding.staged.service_ledger
+    if ledger is None:
+        return
+    report = ledger.settle()
+    if logs is None:
+        return
+    logs["stage_service_delivered"] = report["delivered"]
+    if report["lost"] is not None:
+        logs["stage_service_lost"] = report["lost"]
+        logs["stage_service_repeated"] = report["repeated"]
+    logs["stage_service_ended_early"] = float(report["ended_early"])

@@ -414,6 +414,18 @@ OPTIONS = (
         `range` or `list_files`) or `"parallel_epochs"` (every worker runs
         the whole dataset).""",
     ),
+    Option(
+        "worker_timeout",
+        10.0,
+        _seconds_or_none,
+        """With a `service`: seconds the consumer may wait for the next
+        element, in an epoch that has already delivered, before the stage
+        takes a worker as lost and ends the epoch with what arrived (the
+        service itself never ends an epoch whose worker died); what was
+        lost is counted and reported per epoch. Set it above the time your
+        slowest element takes. `None` never ends an epoch early (then
+        `timeout` raises).""",
+    ),
 )
 
 # The line of an `Args:` section that `document_options` replaces.
@@ -486,6 +498,7 @@ class StageOptions:
         pack_transfer=AUTO,
         service=None,
         processing_mode=DISTRIBUTED_EPOCH,
+        worker_timeout=10.0,
     ):
         # The arguments by name, for the table (`locals()` holds only them
         # and `self` at this point).

@@ -355,12 +355,18 @@ class StageRunner:
             element done says nothing of a hung earlier one. A callable
             tells it per iterator (`StagePool.finishes_in_order`: those
             made on one thread). Defaults to `False`.
+        ledger: The stage's `ServiceLedger` (a stage on the tf.data
+            service), whose epoch a wait of `worker_timeout` ends, or None.
+            Defaults to `None`.
     """
 
-    def __init__(self, options, stats, gate=None, counts_in_order=False):
+    def __init__(
+        self, options, stats, gate=None, counts_in_order=False, ledger=None
+    ):
         self.options = options
         self.stats = stats
         self._gate = gate
+        self._ledger = ledger
         # Names of the model layers the stage runs (SmartStage), to name
         # the one an error came from.
         self.staged_layers = ()
@@ -443,21 +449,30 @@ class StageRunner:
         started = time.time()
         try:
             timeout = self.options.timeout
+            # A stage on the service waits on the helper thread even
+            # without a timeout: a lost worker is noticed from the wait.
+            waits = timeout is not None or self._ledger is not None
             # Without a timeout, the count only serves `ready_fn`.
-            buffered = (
-                timeout is not None or ready_fn is not None
-            ) and self._buffered(args, elements)
+            buffered = (waits or ready_fn is not None) and self._buffered(
+                args, elements
+            )
             if buffered and ready_fn is not None and self._sample_ready():
                 out = ready_fn(*args)
                 self.stats.count_taken(elements, self._ready.fill())
                 return out
-            if buffered or timeout is None:
+            if buffered or not waits:
                 return fn(*args)
             self._elements = elements
+            if self._ledger is not None and args:
+                self._ledger.note_call(args[0])
             return self._call_with_timeout(fn, args, started)
         except StageTimeoutError:
             raise
         except Exception as e:
+            if self._ledger is not None and self._ledger.is_end(e):
+                # The stage ended a service epoch whose worker was lost:
+                # the end of its data, whatever the exception policies.
+                raise EndOfData() from None
             if check_origin and not (
                 self.raised_by_stage(e) or self._refused_own_clock(e)
             ):
@@ -563,7 +578,13 @@ class StageRunner:
                     waited = self.stats.seconds_waiting(
                         since=started if self.records_in_step else None
                     )
-                if waited > self.options.timeout:
+                ledger = self._ledger
+                if ledger is not None and ledger.should_end(waited):
+                    # The pipeline delivers the end marker, which fails
+                    # this call's fetch (see `call`).
+                    ledger.request_end(waited)
+                timeout = self.options.timeout
+                if timeout is not None and waited > timeout:
                     self.stats.close()
                     self.close_gate()
                     # Blocked on the source: `close` need not wait for it.
@@ -603,9 +624,10 @@ class StageRunner:
                 "the stage runs on the tf.data service at "
                 f"{self.options.service} and a worker stopped, or the "
                 "dispatcher did: the service does not end an epoch whose "
-                "worker was lost. Check the workers "
-                "and run the call again (keras.callbacks.BackupAndRestore "
-                "resumes a fit)"
+                "worker was lost (with `worker_timeout` set the stage ends "
+                "one that has delivered; this one had not). Check the "
+                "workers and run the call again "
+                "(keras.callbacks.BackupAndRestore resumes a fit)"
             )
         return StageTimeoutError(
             f"Stage '{self.name}' timed out: the consumer waited "

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from keras_stage import _compat
 from keras_stage.data.devices import resolve_device, stream_device
+from keras_stage.data.failover import ServiceLedger
 from keras_stage.data.options import (
     AUTO,
     IDLE_CAPACITY,
@@ -130,6 +131,7 @@ def _build_pipeline(
     pool=None,
     pool_size=None,
     measured=True,
+    ledger=None,
 ):
     """The stage's pipelines: `(lean, measured)`.
 
@@ -137,7 +139,8 @@ def _build_pipeline(
     consumer's side of the counters around the fetch, for consumers that
     do not record it in their own step (see `StageStats`). `pool`: the
     stage's `StagePool`, or None for a fixed pool; `pool_size`: with a
-    `StagePool`, the size of the pool these pipelines run on.
+    `StagePool`, the size of the pool these pipelines run on. `ledger`:
+    the `ServiceLedger` of a stage on the tf.data service.
     """
     name = options.name
     num_threads = (
@@ -187,6 +190,7 @@ def _build_pipeline(
             num_threads,
             rebatch,
             cardinality,
+            ledger,
         )
         unpacked = type(dataset.element_spec) is tuple
         staged_fn = fn = None
@@ -301,12 +305,20 @@ def _stage_pool(fn, options, stats):
 
 
 def _served(
-    dataset, staged_fn, unpacked, options, num_threads, rebatch, cardinality
+    dataset,
+    staged_fn,
+    unpacked,
+    options,
+    num_threads,
+    rebatch,
+    cardinality,
+    ledger,
 ):
     """`dataset` and `staged_fn` run by the tf.data service's workers.
 
     `num_threads` parallel calls per worker; `rebatch` and `cardinality`:
-    see `build_stage`.
+    see `build_stage`; `ledger`: the stage's `ServiceLedger`, which counts
+    what arrives and ends an epoch whose worker was lost.
     """
     if staged_fn is not None:
         dataset = dataset.map(
@@ -315,7 +327,9 @@ def _served(
             deterministic=options.deterministic,
             name=f"{options.name}_served_map",
         )
+    dataset = ledger.worker_side(dataset)
     dataset = distribute(dataset, options.service, options.processing_mode)
+    dataset = ledger.client_side(dataset)
     if rebatch is not None:
         # Each worker batches its share of the epoch, so an epoch ends with
         # a partial batch per worker and its batch count varies; full
@@ -324,7 +338,7 @@ def _served(
     if cardinality is not None:
         assert_cardinality = tf.data.experimental.assert_cardinality
         dataset = dataset.apply(assert_cardinality(cardinality))
-    return dataset
+    return ledger.delivered(dataset)
 
 
 class StagedDataset(tf.data.Dataset):
@@ -346,15 +360,21 @@ class StagedDataset(tf.data.Dataset):
         placement=None,
         thread_pool=None,
         counts_in_order=False,
+        service_ledger=None,
     ):
         self._pipeline = pipeline
+        self.service_ledger = service_ledger
         self._thread_pool = thread_pool
         self._lean_pipeline = lean_pipeline
         self.placement = Placement() if placement is None else placement
         self.stage_options = options
         self.stats = stats
         self.runner = StageRunner(
-            options, stats, gate=gate, counts_in_order=counts_in_order
+            options,
+            stats,
+            gate=gate,
+            counts_in_order=counts_in_order,
+            ledger=service_ledger,
         )
         super().__init__(_compat.dataset_variant(pipeline))
         _live_stages.add(self)
@@ -457,6 +477,9 @@ class StageIterator:
             except SkipElement:
                 continue
             except EndOfData:
+                ledger = self._staged.service_ledger
+                if ledger is not None:
+                    ledger.settle()
                 raise StopIteration from None
             if self._times_on_host:
                 self._staged.stats.add_wait(time.perf_counter() - started)
@@ -487,6 +510,7 @@ def stage(
     pack_transfer=AUTO,
     service=None,
     processing_mode="distributed_epoch",
+    worker_timeout=10.0,
 ):
     """Runs `fn` over `dataset` ahead of the consumer, in parallel, buffered.
 
@@ -561,6 +585,7 @@ def build_stage(
     rebatch=None,
     cardinality=None,
     consumer_records=False,
+    per_copy=None,
 ):
     """`stage()` with validated `StageOptions` and the `StageStats` to use.
 
@@ -571,10 +596,25 @@ def build_stage(
     the measured one is not built (the stage's `pipeline` is the lean
     one). `distributed` and `unpacks`: see `Placement.resolve`.
     `rebatch` and `cardinality`: with a service, the batch size to re-form
-    and the number of batches an epoch then has, if known.
+    and the number of batches an epoch then has, if known. `per_copy`:
+    with a service, the examples one pass over `dataset` holds (with
+    `rebatch`), for the `ServiceLedger`; `stage()` counts elements, and
+    takes the dataset's cardinality.
     """
     if stats is None:
         stats = new_stats(options)
+    ledger = None
+    if options.service is not None:
+        if rebatch is None and per_copy is None:
+            size = int(dataset.cardinality())
+            per_copy = size if size >= 0 else None
+        ledger = ServiceLedger(
+            options.name,
+            options.processing_mode,
+            options.worker_timeout,
+            per_copy,
+            batched=rebatch is not None,
+        )
     # Open until the stage is closed. Per pipeline, not per stats: a
     # consumer's stats outlive its calls, and an iterator of an ended call
     # (kept alive by a traceback, say) must stop counting in them.
@@ -596,6 +636,7 @@ def build_stage(
             pool,
             pool_size,
             measured=not consumer_records,
+            ledger=ledger,
         )
 
     if pool is None:
@@ -611,6 +652,7 @@ def build_stage(
         placement=placement,
         thread_pool=pool,
         counts_in_order=_counts_in_order(fn, options, pool),
+        service_ledger=ledger,
     )
 
 

@@ -119,6 +119,7 @@ class StagedInput(keras.layers.Layer):
         pack_transfer=AUTO,
         service=None,
         processing_mode="distributed_epoch",
+        worker_timeout=10.0,
         adaptive=True,
         **kwargs,
     ):
@@ -182,6 +183,7 @@ class StagedInput(keras.layers.Layer):
         rebatch=None,
         cardinality=None,
         consumer_records=False,
+        per_copy=None,
         **overrides,
     ):
         """Stages `dataset` with this layer's options.
@@ -206,6 +208,10 @@ class StagedInput(keras.layers.Layer):
             consumer_records: Whether the consumer records its fetches in
                 its own step with `stats` (and reads only
                 `lean_pipeline`). Defaults to `False`.
+            per_copy: With a `service` and `rebatch`: the examples one
+                pass over `dataset` holds, if known, so that each epoch's
+                lost and repeated examples are counted
+                (`StagedDataset.service_ledger`). Defaults to `None`.
             **overrides: Options that differ from the layer's for this
                 stage (e.g. `service=None` to stage in this process).
 
@@ -225,6 +231,7 @@ class StagedInput(keras.layers.Layer):
             rebatch=rebatch,
             cardinality=cardinality,
             consumer_records=consumer_records,
+            per_copy=per_copy,
         )
 
     def new_stats(self, name):

@@ -537,6 +537,9 @@ def stage_data(
     if served:
         # Before `split.number`, whose ordinals a peek would consume.
         overrides["rebatch"] = _batch_size(adapter, dataset)
+        if in_memory(x) and steps is None:
+            # The examples of one pass, for the epoch's count of lost ones.
+            overrides["per_copy"] = int(tf.nest.flatten(x)[0].shape[0])
     distributed = strategy is not None and strategy.num_replicas_in_sync > 1
     source = dataset  # one epoch of what the stage stages
     long_lived, refusal = None, None

@@ -293,6 +293,7 @@ def test_defaults():
         "pack_transfer": AUTO,
         "service": None,
         "processing_mode": "distributed_epoch",
+        "worker_timeout": 10.0,
     }
 
 

@@ -58,6 +58,7 @@ EVERY_OPTION = dict(
     NON_DEFAULT_OPTIONS,
     service="grpc://10.0.0.9:5050",
     processing_mode="parallel_epochs",
+    worker_timeout=4.5,
     adaptive=False,
 )
 
@@ -182,6 +183,7 @@ def test_get_config_has_every_constructor_argument():
     assert config["pack_transfer"] is False
     assert config["service"] == "grpc://10.0.0.9:5050"
     assert config["processing_mode"] == "parallel_epochs"
+    assert config["worker_timeout"] == 4.5
     assert config["adaptive"] is False
 
 

@@ -1,0 +1,483 @@
+"""Ending a tf.data service epoch whose worker was lost, and its ledger.
+
+Measured with TF 2.21: when a worker dies mid-epoch, the service client
+keeps reading the other workers' elements but never reaches the end of the
+epoch (in both processing modes, whatever the dispatcher's
+`worker_timeout_ms`): the elements the lost worker held are gone and the
+client waits for them for good. TensorFlow cannot cancel that read, but it
+can drop the iterator that makes it (the client is cancelled then).
+
+So a stage on the service ends such an epoch itself. The consumer's wait
+is what tells it (the runner measures it, as for `timeout`): once the
+consumer has waited `worker_timeout` seconds in an epoch that has already
+delivered, the stage's pipeline is asked to end the epoch. A second branch
+of the pipeline, beside the service's reads, polls for that request and
+then delivers an end marker; the marker fails its fetch with a message the
+runner knows, and the consumer's epoch ends as at the end of its data
+(Keras goes on with the next epoch, which is a new service job that the
+dispatcher gives only to the workers still alive).
+
+The ledger counts, in the pipeline, what the service delivered each
+epoch, so what was lost or repeated is reported exactly:
+
+- `"distributed_epoch"`: TensorFlow gives each element to one worker, at
+  most once, so an epoch is expected to deliver the source once;
+- `"parallel_epochs"`: every worker runs the whole source; each copy is
+  recognised by the position each element has in its worker's stream (the
+  workers number them), and an epoch is expected to deliver one source per
+  copy that started.
+
+A batched consumer (a Keras model: the service re-forms full batches)
+counts examples, the rows of each batch; `stage()` counts elements.
+"""
+
+import logging
+import threading
+import weakref
+
+import tensorflow as tf
+
+logger = logging.getLogger("keras_stage")
+
+__all__ = ["ServiceLedger"]
+
+# How long a poll of the end request blocks in its pipeline thread: the
+# most the end of a lost epoch waits after it is asked for.
+_POLL_SECONDS = 0.2
+# The counters' slots: elements and rows that arrived from the service,
+# copies started ("parallel_epochs"), rows delivered to the consumer,
+# and copies ended.
+_ARRIVED, _COPIES, _DELIVERED, _ARRIVED_ROWS, _ENDED = range(5)
+_SLOTS = 5
+# What the end branch (and the reads' own end) says: nothing yet, the
+# reads ended, end the epoch now; data elements are `_DATA`.
+_NOTHING, _FINISHED, _END, _STOP = 0, 1, 2, 3
+_DATA = _NOTHING
+# Seconds a consumer waits in an epoch that has all its elements (see
+# `_complete`) before the stage ends it: the service's own end comes first
+# when no worker was lost.
+_COMPLETE_WAIT = 1.0
+# Tokens of ended iterators kept (those dropped mid-epoch never finish).
+_MAX_TOKENS = 64
+# Text of the end marker's error (an InvalidArgumentError from its fetch).
+_END_MARK = "keras_stage: the service epoch was ended by fail-over"
+
+
+class ServiceLedger:
+    """The fail-over and per-epoch counts of one stage on the tf.data service.
+
+    Built by the stage (`staging.build_stage`) when it has a `service`;
+    `StagedDataset.service_ledger` holds it. Its graph side wraps the
+    service's part of the pipeline (`worker_side`, `client_side`,
+    `delivered`); its Python side is used by the runner (`note_call`,
+    `should_end`, `request_end`, `is_end`) and by whoever closes an epoch
+    (`settle`).
+
+    Args:
+        name: The stage's name, for messages.
+        processing_mode: The stage's `processing_mode`.
+        worker_timeout: Seconds the consumer may wait in an epoch that has
+            delivered before the epoch is ended (the stage option), or
+            None for never.
+        per_copy: Examples (or elements) one pass over the source holds,
+            or None if unknown: then what was lost cannot be counted.
+        batched: Whether elements are batches whose rows are counted.
+    """
+
+    def __init__(
+        self, name, processing_mode, worker_timeout, per_copy, batched
+    ):
+        self.name = name
+        self.processing_mode = processing_mode
+        self.worker_timeout = worker_timeout
+        self.per_copy = per_copy
+        self.batched = batched
+        with tf.init_scope(), tf.device("/CPU:0"):
+            self._counts = tf.Variable(
+                tf.zeros([_SLOTS], tf.int64),
+                trainable=False,
+                name=f"{name}_ledger",
+            )
+        self._end = threading.Event()
+        self._ended = False  # the end marker reached the consumer
+        self._settled = [0] * _SLOTS
+        # Per iterator (token): set when its reads ended; and each one's
+        # arrivals when it started, to tell a complete epoch.
+        self._finished = {}
+        self._started = {}
+        self._tokens = 0
+        self._lock = threading.Lock()
+        self._iterator = None  # weak reference to the one being read
+        self._arrived_before = 0  # arrivals when it was first read
+        # One report per epoch settled (see `settle`).
+        self.epochs = []
+
+    @property
+    def parallel(self):
+        return self.processing_mode == "parallel_epochs"
+
+    # -- graph side ----------------------------------------------------------
+
+    def worker_side(self, dataset):
+        """`dataset` numbered on each worker: `(element, position)`.
+
+        Only `"parallel_epochs"` needs it: the first position of a stream
+        marks a copy. The numbering is a `scan`, run on the worker.
+        """
+        if not self.parallel:
+            return dataset
+
+        def number(position, element):
+            # `scan` passes the element as one argument, a tuple as is.
+            return position + 1, (element, position)
+
+        numbered = dataset.scan(tf.constant(0, tf.int64), number)
+        # Each worker's stream ends with a mark (position -1): the copies
+        # that ended tell the client when an epoch has all it will get.
+        spec = numbered.element_spec[0]
+        if not _placeable(spec):
+            return numbered
+        end = tf.data.Dataset.from_tensors(0).map(
+            lambda _: (
+                tf.nest.map_structure(_placeholder, spec),
+                tf.constant(-1, tf.int64),
+            )
+        )
+        return numbered.concatenate(end)
+
+    def client_side(self, dataset):
+        """The service's stream counted, with the end branch beside it.
+
+        `dataset` is what `distribute` returns (numbered by `worker_side`
+        in `"parallel_epochs"`). Returns the same elements, unnumbered.
+        """
+        parallel = self.parallel
+        unpacked = type(dataset.element_spec) is tuple
+        batched = self.batched
+
+        def arrive(*args):
+            ended = tf.constant(0, tf.int64)
+            if parallel:
+                element, position = args
+                copies = tf.cast(tf.equal(position, 0), tf.int64)
+                ended = tf.cast(tf.equal(position, -1), tf.int64)
+            else:
+                element = args if unpacked else args[0]
+                copies = tf.constant(0, tf.int64)
+            rows = _rows(element, batched) * (1 - ended)
+            update = self._counts.assign_add(
+                tf.stack([1 - ended, copies, 0, rows, ended])
+            )
+            with tf.control_dependencies([update]):
+                element = tf.nest.map_structure(tf.identity, element)
+            # A stream's end mark goes no further (`_FINISHED` is dropped).
+            state = tf.where(ended > 0, _FINISHED, _DATA)
+            return tf.cast(state, tf.int64), element
+
+        served = dataset.map(arrive, name=f"{self.name}_arrive")
+        spec = served.element_spec[1]
+        if self.worker_timeout is None:
+            # No fail-over asked for: counted only.
+            served = served.filter(lambda state, _: state != _FINISHED)
+            return served.map(lambda _, element: element)
+        if not _placeable(spec):
+            # The end marker needs a placeholder element of the same
+            # structure; composite tensors have none. The runner's
+            # `timeout` still ends a lost epoch, with an error.
+            logger.warning(
+                "Stage '%s': its elements hold composite tensors (ragged or "
+                "sparse) or tensors of unknown rank, so an epoch whose "
+                "service worker is lost cannot be ended by fail-over; the "
+                "stage's `timeout` applies.",
+                self.name,
+            )
+            self.worker_timeout = None
+            served = served.filter(lambda state, _: state != _FINISHED)
+            return served.map(lambda _, element: element)
+        new_token, poll, finish = self._new_token, self._poll, self._finish
+
+        def epoch(token):
+            # One iterator's (one epoch's) pipeline: the service's reads
+            # and the end branch side by side; whichever has an element
+            # gives it. The reads may block for good; the end branch then
+            # still delivers. When the reads end, they tell the end branch
+            # (`_finish`), which ends too: a whole epoch ends as usual.
+            def marked(_):
+                state = tf.py_function(finish, [token], tf.int64)
+                return state, tf.nest.map_structure(_placeholder, spec)
+
+            reads = served
+            if not parallel and self.per_copy is not None:
+                reads = _until_complete(reads, self.per_copy, spec, batched)
+            reads = reads.concatenate(
+                tf.data.Dataset.from_tensors(0).map(marked)
+            )
+
+            def polled(_):
+                state = tf.py_function(poll, [token], tf.int64)
+                return state, tf.nest.map_structure(_placeholder, spec)
+
+            ends = tf.data.Dataset.from_tensors(0).repeat().map(polled)
+            ends = ends.take_while(lambda state, _: state != _FINISHED)
+            ends = ends.filter(lambda state, _: state == _END)
+            branches = tf.data.Dataset.from_tensors(reads).concatenate(
+                tf.data.Dataset.from_tensors(ends)
+            )
+            return branches.interleave(
+                lambda branch: branch,
+                cycle_length=2,
+                num_parallel_calls=2,
+                deterministic=False,
+            )
+
+        # A token per iterator, so the end branch of each knows its reads.
+        tokens = tf.data.Dataset.from_tensors(0).map(
+            lambda _: tf.py_function(new_token, [], tf.int64)
+        )
+        merged = tokens.flat_map(epoch)
+        merged = merged.filter(lambda state, _: state != _FINISHED)
+
+        def fail_at_end(state, element):
+            check = tf.debugging.Assert(
+                tf.not_equal(state, _END), [f"{_END_MARK} ('{self.name}')"]
+            )
+            with tf.control_dependencies([check]):
+                return tf.nest.map_structure(tf.identity, element)
+
+        return merged.map(fail_at_end, name=f"{self.name}_end")
+
+    def delivered(self, dataset):
+        """`dataset` (the service's elements, as delivered) counted."""
+        batched = self.batched
+        unpacked = type(dataset.element_spec) is tuple
+
+        def count(*args):
+            element = args if unpacked else args[0]
+            rows = _rows(element, batched)
+            update = self._counts.assign_add(tf.stack([0, 0, rows, 0, 0]))
+            with tf.control_dependencies([update]):
+                return tf.nest.map_structure(tf.identity, element)
+
+        return dataset.map(count, name=f"{self.name}_delivered")
+
+    def _new_token(self):
+        with self._lock:
+            self._tokens += 1
+            token = self._tokens
+            for old in [t for t in self._finished if t <= token - _MAX_TOKENS]:
+                del self._finished[old]
+                self._started.pop(old, None)
+            self._finished[token] = threading.Event()
+            self._started[token] = self._read()
+        return token
+
+    def _finish(self, token):
+        with self._lock:
+            event = self._finished.get(int(token))
+        if event is not None:
+            event.set()
+        return _FINISHED
+
+    def _poll(self, token):
+        # Runs in a pipeline thread: blocks a little (so the end branch
+        # costs a few Python calls a second) unless its reads end.
+        with self._lock:
+            event = self._finished.get(int(token))
+        if event is None or event.wait(_POLL_SECONDS):
+            return _FINISHED
+        return _END if self._end.is_set() else _NOTHING
+
+    def _complete(self):
+        """Whether the epoch being read has all the service will give.
+
+        A job with a task on a lost worker never ends (TensorFlow keeps
+        giving new jobs a task on it), even once the other workers gave
+        every element: in `"distributed_epoch"` the count of rows says
+        when they have (the source's size is known); in
+        `"parallel_epochs"`, each copy that started has ended.
+        """
+        with self._lock:
+            started = self._started.get(self._tokens)
+        if started is None:
+            return False
+        now = self._read()
+        if self.parallel:
+            copies = now[_COPIES] - started[_COPIES]
+            return copies > 0 and now[_ENDED] - started[_ENDED] >= copies
+        if self.per_copy is None:
+            return False
+        return now[_ARRIVED_ROWS] - started[_ARRIVED_ROWS] >= self.per_copy
+
+    # -- the runner's side ---------------------------------------------------
+
+    def _read(self):
+        counts = tf.raw_ops.ReadVariableOp(
+            resource=self._counts.handle, dtype=tf.int64
+        )
+        return [int(v) for v in counts.numpy()]
+
+    def note_call(self, iterator):
+        """Notes the iterator a consumer's call reads (an epoch's).
+
+        A tf.data iterator reads nothing before its first call, so the
+        arrivals counted then are earlier epochs'.
+        """
+        if self._iterator is not None and self._iterator() is iterator:
+            return
+        try:
+            self._iterator = weakref.ref(iterator)
+        except TypeError:
+            self._iterator = None
+        self._arrived_before = self._read()[_ARRIVED]
+
+    def should_end(self, waited):
+        """Whether a consumer that waited `waited` s ends its epoch now.
+
+        Only in an epoch that has delivered: the first element of a job
+        may take long (a shuffle buffer filling, a worker starting), and
+        the stage's `timeout` covers a service that delivers nothing.
+        """
+        if self.worker_timeout is None or self._end.is_set():
+            return False
+        if waited >= min(_COMPLETE_WAIT, self.worker_timeout) and (
+            self._complete()
+        ):
+            return True
+        if waited < self.worker_timeout:
+            return False
+        return self._read()[_ARRIVED] > self._arrived_before
+
+    def request_end(self, waited):
+        """Asks the pipeline to end the epoch (the end branch delivers)."""
+        if self._complete():
+            # Nothing is missing: no warning (`settle` reports the epoch).
+            self._end.set()
+            return
+        logger.warning(
+            "Stage '%s': no element from the tf.data service for %.1f s "
+            "(worker_timeout=%g s) in an epoch that had delivered: a worker "
+            "was lost, or its elements take longer than worker_timeout. "
+            "Ending this epoch with what arrived; the next epoch is a new "
+            "job on the workers still alive. Raise `worker_timeout` if "
+            "elements legitimately take this long.",
+            self.name,
+            waited,
+            self.worker_timeout,
+        )
+        self._end.set()
+
+    def is_end(self, error):
+        """Whether `error` is the end marker's (the epoch was ended)."""
+        message = getattr(error, "message", None) or str(error)
+        if _END_MARK not in message:
+            return False
+        self._ended = True
+        self._end.clear()  # the next epoch's pipeline must not see it
+        return True
+
+    # -- per epoch -----------------------------------------------------------
+
+    def settle(self):
+        """Closes an epoch's count; returns its report (also in `epochs`).
+
+        The report: `delivered` (examples, or elements, the consumer got),
+        `copies` (`"parallel_epochs"`: the workers' streams that started),
+        `expected` (None if the source's size is unknown), `lost` and
+        `repeated` (None when `expected` is), and `ended_early` (whether
+        fail-over ended the epoch). A loss or a repeat is logged as a
+        warning.
+        """
+        now = self._read()
+        delivered = now[_DELIVERED] - self._settled[_DELIVERED]
+        copies = now[_COPIES] - self._settled[_COPIES]
+        self._settled = now
+        expected = lost = repeated = None
+        if self.per_copy is not None:
+            expected = self.per_copy * (copies if self.parallel else 1)
+            lost = max(expected - delivered, 0)
+            repeated = max(delivered - expected, 0)
+        report = {
+            "epoch": len(self.epochs),
+            "processing_mode": self.processing_mode,
+            "delivered": delivered,
+            "copies": copies if self.parallel else None,
+            "expected": expected,
+            "lost": lost,
+            "repeated": repeated,
+            "ended_early": self._ended,
+        }
+        self._ended = False
+        self._end.clear()
+        self.epochs.append(report)
+        if lost or repeated or (report["ended_early"] and expected is None):
+            unit = "examples" if self.batched else "elements"
+            logger.warning(
+                "Stage '%s' on the tf.data service (%s): this epoch delivered "
+                "%d %s of %s expected: %s lost, %s repeated%s.",
+                self.name,
+                self.processing_mode,
+                delivered,
+                unit,
+                "an unknown number" if expected is None else expected,
+                "unknown" if lost is None else lost,
+                "unknown" if repeated is None else repeated,
+                "; it was ended by fail-over" if report["ended_early"] else "",
+            )
+        return report
+
+
+def _rows(element, batched):
+    """Rows of `element` (its first tensor's first dimension), or 1."""
+    if not batched:
+        return tf.constant(1, tf.int64)
+    first = tf.nest.flatten(element)[0]
+    return tf.cast(tf.shape(first)[0], tf.int64)
+
+
+def _until_complete(served, per_copy, spec, batched):
+    """`served` (`(state, element)`) ended once it has `per_copy` rows.
+
+    In `"distributed_epoch"` an epoch holds the source once: with all of
+    its rows in, the reads end at once, without asking the service for
+    more. A job whose task on a lost worker never ends (TensorFlow gives
+    new jobs a task on it) then ends like any other, its last partial
+    batch included.
+    """
+
+    def tally(total, state_and_element):
+        state, element = state_and_element
+        data = tf.cast(tf.equal(state, _DATA), tf.int64)
+        total += _rows(element, batched) * data
+        return total, (state, element, total >= per_copy)
+
+    def then_stop(state, element, done):
+        stop = tf.data.Dataset.from_tensors(
+            (
+                tf.constant(_STOP, tf.int64),
+                tf.nest.map_structure(_placeholder, spec),
+            )
+        )
+        return tf.data.Dataset.from_tensors((state, element)).concatenate(
+            stop.take(tf.cast(done, tf.int64))
+        )
+
+    counted = served.scan(tf.constant(0, tf.int64), tally)
+    return counted.flat_map(then_stop).take_while(
+        lambda state, _: state != _STOP
+    )
+
+
+def _placeable(spec):
+    """Whether `_placeholder` can make an element of `spec`."""
+    return all(
+        isinstance(s, tf.TensorSpec) and s.shape.rank is not None
+        for s in tf.nest.flatten(spec)
+    )
+
+
+def _placeholder(spec):
+    """An element of `spec` for the end marker: zeros, unknown dims empty."""
+    shape = [0 if d is None else d for d in spec.shape.as_list()]
+    zeros = tf.zeros(shape, spec.dtype)
+    # With the spec's own static shape, so the two branches match.
+    return tf.raw_ops.PlaceholderWithDefault(input=zeros, shape=spec.shape)
