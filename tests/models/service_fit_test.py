@@ -244,3 +244,63 @@ def test_a_seeded_random_layer_is_staged_on_the_service(service):
     history, served = _fit(model, dataset, epochs=2, shuffle=False)
     assert served == [collections.Counter(range(40))] * 2
     assert all(np.isfinite(history.history["loss"]))
+
+
+def _worker_streams(dataset, service):
+    """`(streams, batches)`: workers that computed part of one epoch.
+
+    Each worker numbers the batches of its stream (a `scan` on the worker),
+    so the streams that started are the batches numbered 0.
+    """
+
+    def number(position, element):
+        return position + 1, (element, position)
+
+    numbered = dataset.scan(tf.constant(0, tf.int64), number)
+    served = numbered.apply(
+        tf.data.experimental.service.distribute(
+            "distributed_epoch", service.target
+        )
+    )
+    positions = [int(p) for _, p in served]
+    return positions.count(0), len(positions)
+
+
+@pytest.mark.timeout(180)
+def test_arrays_give_the_service_one_split_and_a_warning_says_so(
+    service, caplog
+):
+    x, y = _data()
+    adapter = keras_stage._compat.get_data_adapter(
+        x=x,
+        y=y,
+        sample_weight=None,
+        batch_size=BATCH,
+        steps_per_epoch=None,
+        shuffle=True,
+        class_weight=None,
+    )
+    # What the warning is about: Keras's dataset of arrays is one split,
+    # so one worker computes the whole epoch...
+    batches = -(-NUM_EXAMPLES // BATCH)
+    assert _worker_streams(adapter.get_tf_dataset(), service) == (1, batches)
+    # ...and what it advises shares the epoch among the workers (enough
+    # examples that the second worker's task starts before the first has
+    # taken them all).
+    rows = np.arange(4000, dtype="float32")
+    advised = tf.data.Dataset.from_tensor_slices((rows, rows)).shuffle(1024)
+    streams, batches = _worker_streams(advised.batch(32), service)
+    assert streams == service.num_workers
+    assert batches in (125, 126)  # a partial batch per worker at most
+    model = _model(service.target)
+    with caplog.at_level("WARNING", logger="keras_stage"):
+        _fit(model, x, y, epochs=2, batch_size=BATCH)
+        _fit(model, x, y, epochs=1, batch_size=BATCH)
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if "one tf.data service split" in r.getMessage()
+    ]
+    assert len(warned) == 1  # once per layer
+    assert "from_tensor_slices" in warned[0]
+    assert "'staged'" in warned[0]
