@@ -14,8 +14,15 @@ delivered, the stage's pipeline is asked to end the epoch. A second branch
 of the pipeline, beside the service's reads, polls for that request and
 then delivers an end marker; the marker fails its fetch with a message the
 runner knows, and the consumer's epoch ends as at the end of its data
-(Keras goes on with the next epoch, which is a new service job that the
-dispatcher gives only to the workers still alive).
+(Keras goes on with the next epoch, a new service job).
+
+TensorFlow also gives every later job a task on the dead worker, so later
+epochs would never end either, though the workers alive deliver all of
+them. In `"distributed_epoch"` mode with a source of known size, the
+reads end by themselves once they hold every row (a count in the
+pipeline, no wait); in `"parallel_epochs"` mode each worker's stream ends
+with a mark, and once every stream that started has ended, a consumer
+that waits 1 s ends the epoch.
 
 The ledger counts, in the pipeline, what the service delivered each
 epoch, so what was lost or repeated is reported exactly:
