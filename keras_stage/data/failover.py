@@ -44,6 +44,8 @@ import weakref
 
 import tensorflow as tf
 
+from keras_stage.data.stats import op_determinism_enabled
+
 logger = logging.getLogger("keras_stage")
 
 __all__ = ["ServiceLedger"]
@@ -114,6 +116,10 @@ class ServiceLedger:
         self._started = {}
         self._tokens = 0
         self._lock = threading.Lock()
+        # Whether op determinism was on when the last iterator started:
+        # no end branch then (see `_new_token`).
+        self._ordered = False
+        self._warned_ordered = False
         self._iterator = None  # weak reference to the one being read
         self._arrived_before = 0  # arrivals when it was first read
         # One report per epoch settled (see `settle`).
@@ -268,6 +274,8 @@ class ServiceLedger:
         return dataset.map(count, name=f"{self.name}_delivered")
 
     def _new_token(self):
+        # Runs when an iterator starts (an epoch's first fetch).
+        ordered = op_determinism_enabled()
         with self._lock:
             self._tokens += 1
             token = self._tokens
@@ -276,6 +284,23 @@ class ServiceLedger:
                 self._started.pop(old, None)
             self._finished[token] = threading.Event()
             self._started[token] = self._read()
+            if ordered:
+                # Op determinism makes tf.data take the two branches in
+                # turn, `deterministic=False` or not: the reads would wait
+                # for the end branch. It ends at once instead (see
+                # `should_end`).
+                self._finished[token].set()
+        if ordered and not self._warned_ordered:
+            self._warned_ordered = True
+            logger.warning(
+                "Stage '%s': op determinism is enabled, under which tf.data "
+                "reads interleaved branches in turn, so the stage cannot end "
+                "an epoch whose tf.data service worker died (its `timeout` "
+                "applies). Later epochs still end once they hold every "
+                "element (distributed_epoch, known size).",
+                self.name,
+            )
+        self._ordered = ordered
         return token
 
     def _finish(self, token):
@@ -344,7 +369,7 @@ class ServiceLedger:
         may take long (a shuffle buffer filling, a worker starting), and
         the stage's `timeout` covers a service that delivers nothing.
         """
-        if self.worker_timeout is None or self._end.is_set():
+        if self.worker_timeout is None or self._end.is_set() or self._ordered:
             return False
         if waited >= min(_COMPLETE_WAIT, self.worker_timeout) and (
             self._complete()

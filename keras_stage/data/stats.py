@@ -138,13 +138,20 @@ def clock_allowed():
     determinism after importing keras_stage, and a graph keeps the clock
     (or its absence) it was traced with.
     """
+    if op_determinism_enabled():
+        _note_no_clock()
+        return False
+    return True
+
+
+def op_determinism_enabled():
+    """Whether op determinism is on now (see `clock_allowed` for how)."""
     with tf.init_scope(), tf.device("/CPU:0"):
         try:
             tf.timestamp()
         except tf.errors.FailedPreconditionError:
-            _note_no_clock()
-            return False
-    return True
+            return True
+    return False
 
 
 # The note `_note_no_clock` logs, once per process.

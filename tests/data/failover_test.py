@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from keras_stage.data import stage
 from keras_stage.data.service import LocalService
+from tests.op_determinism import op_determinism
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
@@ -253,3 +254,32 @@ def test_worker_timeout_none_counts_without_the_end_branch():
 def test_worker_timeout_names_the_argument(bad):
     with pytest.raises(ValueError, match="worker_timeout"):
         stage(tf.data.Dataset.range(3), worker_timeout=bad)
+
+
+@pytest.mark.timeout(120)
+def test_under_op_determinism_the_service_stage_runs_whole_epochs(caplog):
+    # Op determinism makes tf.data take interleaved branches in turn, so
+    # the end branch would hold up every read: the stage drops it then
+    # (no fail-over; its `timeout` applies) and says so.
+    with LocalService(num_workers=2) as running:
+        with op_determinism(), caplog.at_level("WARNING", "keras_stage"):
+            # Built under it, as op determinism asks (no clock traced).
+            staged = stage(
+                tf.data.Dataset.range(50),
+                lambda x: x + 1,
+                service=running.target,
+                worker_timeout=30,
+            )
+            for _ in range(2):
+                got = sorted(int(x) for x in staged)
+                assert got == list(range(1, 51))
+        reports = staged.service_ledger.epochs
+        assert [r["delivered"] for r in reports] == [50, 50]
+        assert not any(r["ended_early"] for r in reports)
+        warned = [
+            r.getMessage()
+            for r in caplog.records
+            if "op determinism" in r.getMessage()
+            and "cannot end an epoch" in r.getMessage()
+        ]
+        assert len(warned) == 1
