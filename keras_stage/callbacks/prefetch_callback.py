@@ -791,7 +791,8 @@ def _log_service_epoch(binding, logs):
     `stage_service_lost` and `stage_service_repeated`: against one pass of
     the data per copy (see `keras_stage.data.failover`), when its size is
     known; `stage_service_ended_early`: 1.0 if the stage ended the epoch
-    because a worker was lost.
+    itself (a worker was lost, or the epoch's job held a task on one that
+    was).
     """
     ledger = binding.staged.service_ledger
     if ledger is None:
