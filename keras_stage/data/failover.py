@@ -53,11 +53,11 @@ __all__ = ["ServiceLedger"]
 # How long a poll of the end request blocks in its pipeline thread: the
 # most the end of a lost epoch waits after it is asked for.
 _POLL_SECONDS = 0.2
-# The counters' slots: elements and rows that arrived from the service,
-# copies started ("parallel_epochs"), rows delivered to the consumer,
-# and copies ended.
-_ARRIVED, _COPIES, _DELIVERED, _ARRIVED_ROWS, _ENDED = range(5)
-_SLOTS = 5
+# The counters' slots: elements that arrived from the service, copies
+# started ("parallel_epochs"), rows delivered to the consumer, and copies
+# ended.
+_ARRIVED, _COPIES, _DELIVERED, _ENDED = range(4)
+_SLOTS = 4
 # What the end branch (and the reads' own end) says: nothing yet, the
 # reads ended, end the epoch now; data elements are `_DATA`.
 _NOTHING, _FINISHED, _END, _STOP = 0, 1, 2, 3
@@ -177,9 +177,8 @@ class ServiceLedger:
             else:
                 element = args if unpacked else args[0]
                 copies = tf.constant(0, tf.int64)
-            rows = _rows(element, batched) * (1 - ended)
             update = self._counts.assign_add(
-                tf.stack([1 - ended, copies, 0, rows, ended])
+                tf.stack([1 - ended, copies, 0, ended])
             )
             with tf.control_dependencies([update]):
                 element = tf.nest.map_structure(tf.identity, element)
@@ -267,7 +266,7 @@ class ServiceLedger:
         def count(*args):
             element = args if unpacked else args[0]
             rows = _rows(element, batched)
-            update = self._counts.assign_add(tf.stack([0, 0, rows, 0, 0]))
+            update = self._counts.assign_add(tf.stack([0, 0, rows, 0]))
             with tf.control_dependencies([update]):
                 return tf.nest.map_structure(tf.identity, element)
 
@@ -320,25 +319,23 @@ class ServiceLedger:
         return _END if self._end.is_set() else _NOTHING
 
     def _complete(self):
-        """Whether the epoch being read has all the service will give.
+        """Whether the parallel epoch being read has all it will get.
 
         A job with a task on a lost worker never ends (TensorFlow keeps
         giving new jobs a task on it), even once the other workers gave
-        every element: in `"distributed_epoch"` the count of rows says
-        when they have (the source's size is known); in
-        `"parallel_epochs"`, each copy that started has ended.
+        their streams whole: each stream that started has ended then. (A
+        `"distributed_epoch"` one of known size ends in the pipeline, see
+        `_until_complete`.)
         """
+        if not self.parallel:
+            return False
         with self._lock:
             started = self._started.get(self._tokens)
         if started is None:
             return False
         now = self._read()
-        if self.parallel:
-            copies = now[_COPIES] - started[_COPIES]
-            return copies > 0 and now[_ENDED] - started[_ENDED] >= copies
-        if self.per_copy is None:
-            return False
-        return now[_ARRIVED_ROWS] - started[_ARRIVED_ROWS] >= self.per_copy
+        copies = now[_COPIES] - started[_COPIES]
+        return copies > 0 and now[_ENDED] - started[_ENDED] >= copies
 
     # -- the runner's side ---------------------------------------------------
 
