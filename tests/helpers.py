@@ -1,6 +1,7 @@
 """Helpers shared by the tests."""
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -172,6 +173,27 @@ def printed_in_fresh_python(code, timeout=100):
         timeout=timeout,
         check=True,
     ).stdout
+
+
+def result_of_script(code, timeout):
+    """`(result, stderr)` of `code` run in a new interpreter.
+
+    `code` prints one line `"RESULT " + json.dumps(result)`; it may end
+    with `os._exit` (a service read a stage abandoned could hold a normal
+    exit), so its exit status is not checked. Fails, with the output's
+    tail, if it printed no result.
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = [
+        line for line in done.stdout.splitlines() if line.startswith("RESULT ")
+    ]
+    assert lines, done.stdout[-2000:] + done.stderr[-4000:]
+    return json.loads(lines[0][len("RESULT ") :]), done.stderr
 
 
 def staged_prefix_outputs(model, inputs, batch_size, epochs):

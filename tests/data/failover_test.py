@@ -7,10 +7,7 @@ production; each scenario runs in a subprocess with a timeout, so a hang
 fails the test instead of stalling the run.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,6 +15,7 @@ import tensorflow as tf
 
 from keras_stage.data import stage
 from keras_stage.data.service import LocalService
+from tests.helpers import result_of_script
 from tests.op_determinism import op_determinism
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -132,17 +130,7 @@ finish({{k: v for k, v in history.history.items()}})
 
 def _run(body, mode, timeout=240):
     code = _PRELUDE.format(root=ROOT) + body.format(mode=mode)
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    lines = [
-        line for line in done.stdout.splitlines() if line.startswith("RESULT ")
-    ]
-    assert lines, done.stdout[-2000:] + done.stderr[-4000:]
-    return json.loads(lines[0][len("RESULT ") :]), done.stderr
+    return result_of_script(code, timeout)
 
 
 @pytest.mark.timeout(300)

@@ -5,7 +5,6 @@ Every test runs a dispatcher and workers in this process on loopback
 """
 
 import collections
-import json
 import os
 import socket
 import subprocess
@@ -20,6 +19,7 @@ from keras_stage.data.service import (
     LocalService,
     check_dispatcher,
 )
+from tests.helpers import result_of_script
 
 
 @pytest.fixture(scope="module")
@@ -201,17 +201,7 @@ def test_a_worker_stopped_mid_epoch_ends_in_a_clear_error_not_a_hang():
     # failover_test.py for it on), the stage's timeout turns the wait into
     # an error naming the service.
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-    done = subprocess.run(
-        [sys.executable, "-c", WORKER_STOP_SCRIPT.format(root=root)],
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
-    lines = [
-        line for line in done.stdout.splitlines() if line.startswith("RESULT ")
-    ]
-    assert lines, done.stdout[-2000:] + done.stderr[-3000:]
-    result = json.loads(lines[0][len("RESULT ") :])
+    result, _ = result_of_script(WORKER_STOP_SCRIPT.format(root=root), 110)
     message = result.get("error")
     assert message is not None, result
     assert result["target"] in message
