@@ -53,6 +53,22 @@ for w in workers:
 target = f"grpc://localhost:{{port}}"
 
 
+def wait_for_workers(count, seconds=60):
+    # A worker joins the dispatcher after it starts; a job made before
+    # then has no task on it. Each worker runs the whole probe in
+    # parallel_epochs mode: `count` elements once all have joined.
+    probe = tf.data.Dataset.range(1).apply(
+        service.distribute("parallel_epochs", target)
+    )
+    deadline = time.monotonic() + seconds
+    while len(list(probe)) < count:
+        assert time.monotonic() < deadline, "the workers did not join"
+        time.sleep(0.2)
+
+
+wait_for_workers(2)
+
+
 def kill_one():
     workers[0].send_signal(signal.SIGKILL)
     workers[0].wait()
