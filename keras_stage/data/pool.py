@@ -35,9 +35,6 @@ Example:
 True
 """
 
-import contextlib
-import weakref
-
 from keras_stage.data.eager_iterated import EagerIterated
 
 
@@ -71,8 +68,6 @@ class StagePool:
         self._size = self.largest
         # The fewest threads `adapt` gives (see there).
         self._fewest = 1
-        # Iterators made on one thread: they finish elements in order.
-        self._one_thread = weakref.WeakSet()
 
     @property
     def size(self):
@@ -115,9 +110,7 @@ class StagePool:
         threads than `smallest` (`needed_threads`, the verdict's
         `suggested_num_threads`: per-batch staged time over training time,
         with headroom) gets the threads it needs: more could only contend
-        for the cores the step uses, and one thread finishes elements in
-        order, so its buffered batches skip the timeout's hand-off (see
-        `runner.ReadyElements`). Never fewer than a size that once kept
+        for the cores the step uses. Never fewer than a size that once kept
         the step waiting, plus one. Any other epoch leaves the size as it
         is. Shrinking to an in-between size is what a stage that waits on
         IO must not get: its threads cost no CPU, and the suggestion moves
@@ -146,22 +139,6 @@ class StagePool:
         else:
             threads = self.size
         return self.resize(threads)
-
-    def finishes_in_order(self, iterator):
-        """Whether `iterator` was made on a pool of one thread.
-
-        Its map finishes elements in the order it delivers them, so the
-        stage's counters tell which of its fetches cannot wait (see
-        `runner.ReadyElements`).
-        """
-        # A WeakSet answers False for what it cannot reference weakly.
-        return iterator in self._one_thread
-
-    def _made(self, iterator, size):
-        """Notes that `iterator` was made on a pool of `size` threads."""
-        if size == 1:
-            with contextlib.suppress(TypeError):  # not weakly referable
-                self._one_thread.add(iterator)
 
     def pipelines(self, build):
         """The stage's pipelines, each iterator's on a pool of the size then.
@@ -211,7 +188,4 @@ class _Resized(EagerIterated):
         super().__init__(base)
 
     def eager_iter(self):
-        size = self._pool.size
-        iterator = iter(self._pipeline(size, self._which))
-        self._pool._made(iterator, size)
-        return iterator
+        return iter(self._pipeline(self._pool.size, self._which))

@@ -14,9 +14,9 @@ pipeline marks it in a variable), never a slow training step. A caller that
 stops waiting (the timeout, or Ctrl-C in the waiting thread) abandons the
 call: its thread ends once the call returns, and the next call gets a fresh
 one. That hand-off costs two thread wake-ups per call, a share of a short
-training step worth saving, so in a stage that finishes its elements in
-order, a call whose elements are already buffered, and so cannot wait on
-the source, runs in the caller's thread (see `ReadyElements`).
+training step worth saving, so a call whose elements are already buffered
+(counted ready, in the order the consumer gets them), and so cannot wait
+on the source, runs in the caller's thread (see `ReadyElements`).
 """
 
 import logging
@@ -196,13 +196,12 @@ class _CallThread:
 class ReadyElements:
     """Finished elements a consumer's next calls can take without waiting.
 
-    The stage counts each element it finishes (`StageStats.count_produced`)
-    and each fetch (its own fetch map, or a consumer recording in its
-    step). Where elements are finished in the order the consumer gets them
-    (see `StageRunner`'s `counts_in_order`), one counted and not consumed
-    is in the buffer or on its way there, and no fetch of it can wait on
-    the source: a call that needs no more than that many elements cannot
-    time out, and needs no helper thread.
+    The stage counts each element ready as it enters the buffer, in the
+    order the consumer gets them (`StageStats.count_ready`), and each fetch
+    (its own fetch map, or a consumer recording in its step). So one
+    counted ready and not consumed is in the buffer or on its way there,
+    and no fetch of it can wait on the source: a call that needs no more
+    than that many elements cannot time out, and needs no helper thread.
 
     The counters are the stage's, shared by every iterator of its
     pipeline (Keras makes one per epoch), so a count is trusted only for
@@ -272,19 +271,17 @@ class ReadyElements:
         self._level = int(unconsumed) - self._left_behind
         self._ready = max(self._ready, self._level)
 
-    def fill(self):
+    def fill(self, others=True):
         """The buffer fill a fetch of a ready element saw, estimated.
 
         The other elements counted at the last reading: the pipeline keeps
         producing while its buffer has room, so a ready stage's buffer
-        stays about that full between readings.
+        stays about that full between readings. With `others=False`, all
+        of them: for a fetch timed on the host, which no record at the
+        element's arrival follows (a step's record counts the buffer
+        after the fetch, which the pipeline has refilled by then).
         """
-        return max(self._level - 1, 0)
-
-    def untrusted(self, iterator):
-        """Notes `iterator` as current; none of its calls is ready."""
-        self._follow(iterator)
-        self._left_behind = None
+        return max(self._level - (1 if others else 0), 0)
 
     def _is_current(self, iterator):
         return self._iterator is not None and self._iterator() is iterator
@@ -348,13 +345,13 @@ class StageRunner:
         stats: The stage's `StageStats`.
         gate: The pipeline's open flag (a boolean variable) that `close`
             and a timeout clear, or None. Defaults to `None`.
-        counts_in_order: Whether the stage finishes its elements in the
-            order the consumer gets them, so that a call whose elements
+        counts_in_order: Whether the stage counts its elements ready in
+            the order the consumer gets them, so that a call whose elements
             are counted runs without the helper thread (`ReadyElements`).
-            An ordered parallel map finishes them out of order: a later
-            element done says nothing of a hung earlier one. A callable
-            tells it per iterator (`StagePool.finishes_in_order`: those
-            made on one thread). Defaults to `False`.
+            Counted as an ordered parallel map finishes them, a later
+            element done would say nothing of a hung earlier one (the stage
+            counts them after the map, see `staging._build_pipeline`).
+            Defaults to `False`.
         ledger: The stage's `ServiceLedger` (a stage on the tf.data
             service), whose epoch a wait of `worker_timeout` ends, or None.
             Defaults to `None`.
@@ -378,11 +375,10 @@ class StageRunner:
         self._ready_calls = 0  # see `_sample_ready`
         # The most elements the call under way fetches (see `call`).
         self._elements = None
-        self._in_order = counts_in_order if callable(counts_in_order) else None
         self.records_in_step = False
         # The names staging.py gives the stage's tf.data transformations.
         self._own_ops = re.compile(
-            rf"\b{re.escape(options.name)}_(map|buffer|wait|fetch)\b"
+            rf"\b{re.escape(options.name)}_(map|ready|buffer|wait|fetch)\b"
         )
 
     @property
@@ -421,7 +417,15 @@ class StageRunner:
             or "IteratorGetNext" in message
         )
 
-    def call(self, fn, *args, check_origin=False, elements=None, ready_fn=None):
+    def call(
+        self,
+        fn,
+        *args,
+        check_origin=False,
+        elements=None,
+        ready_fn=None,
+        host_timed=False,
+    ):
         """Runs `fn(*args)` under the stage's policies.
 
         With `check_origin`, errors not raised by the stage's pipeline (see
@@ -440,6 +444,12 @@ class StageRunner:
         current. Its fetches are counted in Python
         (`StageStats.count_taken`).
 
+        `host_timed`, for a consumer that times and counts its fetches on
+        the host (`fn` does, `ready_fn` is the bare fetch; see
+        `StageIterator`): every call whose elements are buffered runs
+        `ready_fn` (it has no baseline to keep), and the timeout counts
+        the wait from the call's start (`_HostWait`).
+
         Raises:
             SkipElement: the element failed with an ignored exception type.
             EndOfData: the data ended (a closed exception type).
@@ -456,16 +466,21 @@ class StageRunner:
             buffered = (waits or ready_fn is not None) and self._buffered(
                 args, elements
             )
-            if buffered and ready_fn is not None and self._sample_ready():
+            if (
+                buffered
+                and ready_fn is not None
+                and (host_timed or self._sample_ready())
+            ):
                 out = ready_fn(*args)
-                self.stats.count_taken(elements, self._ready.fill())
+                fill = self._ready.fill(others=not host_timed)
+                self.stats.count_taken(elements, fill)
                 return out
             if buffered or not waits:
                 return fn(*args)
             self._elements = elements
             if self._ledger is not None and args:
                 self._ledger.note_call(args[0])
-            return self._call_with_timeout(fn, args, started)
+            return self._call_with_timeout(fn, args, started, host_timed)
         except StageTimeoutError:
             raise
         except Exception as e:
@@ -497,11 +512,6 @@ class StageRunner:
         """Whether the call's `elements` are in the buffer already."""
         if elements is None or self._ready is None:
             return False
-        if self._in_order is not None and not self._in_order(args[0]):
-            # Noted all the same: while it lives, the counts are not the
-            # next iterator's alone.
-            self._ready.untrusted(args[0])
-            return False
         return self._ready.take(args[0], elements)
 
     def take_report(self, iterator, values):
@@ -513,8 +523,6 @@ class StageRunner:
         """
         unconsumed = self.stats.take_report(values)
         if self._ready is None:
-            return
-        if self._in_order is not None and not self._in_order(iterator):
             return
         self._ready.note(iterator, unconsumed)
 
@@ -559,12 +567,12 @@ class StageRunner:
             )
         return "; ".join(part for part in (where, advice) if part) or None
 
-    def _call_with_timeout(self, fn, args, started):
+    def _call_with_timeout(self, fn, args, started, host_timed=False):
         if self._caller is None or not self._caller.alive:
             self._caller = _CallThread(f"keras_stage-{self.name}")
         caller = self._caller
         progress = None
-        if not self.stats.fetches_timed:
+        if host_timed or not self.stats.fetches_timed:
             progress = _HostWait(self.stats, started, self._elements)
         try:
             caller.submit(fn, args)

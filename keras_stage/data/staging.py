@@ -8,6 +8,7 @@ consumer's fetch update the stage's counters. Exception policies and the
 timeout are applied where the consumer fetches (see `runner.py`).
 """
 
+import functools
 import itertools
 import time
 import weakref
@@ -176,8 +177,13 @@ def _build_pipeline(
         # Count only elements whose computation finished; tf.data runs the
         # counter op with the map (no identity ops are needed to keep it).
         with tf.control_dependencies(tf.nest.flatten(out, True)):
-            stats.count_produced(started, gate)
+            stats.count_produced(started, gate, ready=not count_after)
         return out
+
+    def count_ready(*args):
+        # Run whether or not the element depends on it (see `produce`).
+        stats.count_ready()
+        return args if ready_unpacked else args[0]
 
     if options.service is not None:
         # The workers run the source and `fn`; this process counts what
@@ -195,6 +201,16 @@ def _build_pipeline(
         unpacked = type(dataset.element_spec) is tuple
         staged_fn = fn = None
 
+    # An ordered parallel map finishes elements out of order: a later one
+    # done says nothing of a hung earlier one. So its elements are also
+    # counted ready after the map, in the order it delivers them (one op in
+    # the buffer's thread), which tells the consumer which fetches cannot
+    # wait on the source (`runner.ReadyElements`). The busy time and the
+    # finished count stay in the map, where the computation ran: the
+    # verdict and the buffer fill read them.
+    count_after = fn is not None and options.deterministic
+    ready_unpacked = False
+
     # No timestamp is taken before each pull from the source: that needs a
     # zip with a dataset of markers, work on the path of every element that
     # only the verdict would use. It infers a slow source from the epoch
@@ -206,12 +222,18 @@ def _build_pipeline(
             # counter runs in the buffer's own thread, op by op, and no
             # element waits for a hand-off to a worker thread.
             return _compat.inline_map(dataset, produce, f"{name}_map")
-        return dataset.map(
+        mapped = dataset.map(
             produce,
             num_parallel_calls=parallel,
             deterministic=options.deterministic,
             name=f"{name}_map",
         )
+        if not count_after:
+            return mapped
+        nonlocal ready_unpacked
+        # A tuple element comes as separate arguments (see `unpacked`).
+        ready_unpacked = type(mapped.element_spec) is tuple
+        return _compat.inline_map(mapped, count_ready, f"{name}_ready")
 
     threads = options.resolved_pool_size()
     if pool is None:
@@ -455,25 +477,47 @@ class StagedDataset(tf.data.Dataset):
         return self.runner.close(timeout)
 
 
+def _timed_fetch(stats, iterator):
+    """A fetch that may wait (its element is not known to be buffered)."""
+    started = time.perf_counter()
+    element = next(iterator)
+    stats.record_host_fetch(time.perf_counter() - started)
+    return element
+
+
 class StageIterator:
-    """Eager iterator of a `StagedDataset` applying its policies."""
+    """Eager iterator of a `StagedDataset` applying its policies.
+
+    Python reads each element here, so the fetch is recorded on the host:
+    it reads the lean pipeline (without the in-graph fetch records, a zip
+    and two maps on the consumer's path, about 0.06 ms an element here),
+    times each fetch that may wait with two clock reads and counts every
+    fetch in Python (`StageStats.record_host_fetch`, `count_taken`). That
+    works under op determinism too, where the graph has no clock.
+    """
 
     def __init__(self, staged):
         self._staged = staged
         self._runner = staged.runner
-        self._iterator = iter(staged.pipeline)
-        # A pipeline built without a clock (op determinism) cannot time
-        # the fetch; here, where the caller does nothing else, the host can.
-        self._times_on_host = not staged.stats.fetches_timed
+        # Runs on the timeout's helper thread: it must not hold the stage
+        # (whose last reference dropped there would close the stage from
+        # its own helper thread).
+        self._fetch = functools.partial(_timed_fetch, staged.stats)
+        self._iterator = iter(staged.lean_pipeline)
 
     def __iter__(self):
         return self
 
     def __next__(self):
         while True:
-            started = time.perf_counter()
             try:
-                element = self._runner.call(next, self._iterator, elements=1)
+                return self._runner.call(
+                    self._fetch,
+                    self._iterator,
+                    elements=1,
+                    ready_fn=next,
+                    host_timed=True,
+                )
             except SkipElement:
                 continue
             except EndOfData:
@@ -481,9 +525,6 @@ class StageIterator:
                 if ledger is not None:
                     ledger.settle()
                 raise StopIteration from None
-            if self._times_on_host:
-                self._staged.stats.add_wait(time.perf_counter() - started)
-            return element
 
     @property
     def element_spec(self):
@@ -592,9 +633,11 @@ def build_stage(
     A consumer whose compiled step records the fetches itself keeps one
     `StageStats` across the stages it consumes (the step captures its
     variables when traced), and builds each stage with it; `None` makes
-    new ones. With `consumer_records`, it reads only the lean pipeline:
-    the measured one is not built (the stage's `pipeline` is the lean
-    one). `distributed` and `unpacks`: see `Placement.resolve`.
+    new ones. With `consumer_records`, it reads only the lean pipeline
+    (so does a consumer that reads every element through the stage's
+    eager iterators, which record their fetches on the host): the
+    measured one is not built (the stage's `pipeline` is the lean one).
+    `distributed` and `unpacks`: see `Placement.resolve`.
     `rebatch` and `cardinality`: with a service, the batch size to re-form
     and the number of batches an epoch then has, if known. `per_copy`:
     with a service, the examples one pass over `dataset` holds (with
@@ -651,29 +694,10 @@ def build_stage(
         gate=gate,
         placement=placement,
         thread_pool=pool,
-        counts_in_order=_counts_in_order(fn, options, pool),
+        # Counted ready in the order they are delivered (`_build_pipeline`).
+        counts_in_order=True,
         service_ledger=ledger,
     )
-
-
-def _counts_in_order(fn, options, pool=None):
-    """Whether the stage finishes elements in the order it delivers them.
-
-    Its counter then tells which fetches cannot wait on the source (see
-    `runner.ReadyElements`). With nothing to compute, or on the tf.data
-    service, elements are counted in the buffer's own thread; one worker
-    finishes them in order; an unordered map delivers whichever finished.
-    With a `pool`, per iterator: those made on one thread.
-    """
-    in_order = (
-        fn is None
-        or options.service is not None
-        or not options.deterministic
-        or options.num_threads == 1
-    )
-    if in_order or pool is None:
-        return in_order
-    return pool.finishes_in_order
 
 
 def live_stages():

@@ -53,7 +53,10 @@ _DONE_FETCH = 5
 # the arrival of a batch that was ready, and the elements produced but left
 # in the buffers of iterators dropped before an epoch began.
 _BASELINE, _ORPHANS = 6, 7
-_SLOTS = 8
+# Elements that entered the buffer, counted in the order the consumer gets
+# them (see `count_ready`); `_PRODUCED` counts them as they finish.
+_READY = 8
+_SLOTS = 9
 # Weight of one ready fetch in the moving baseline.
 _BASELINE_WEIGHT = 0.1
 
@@ -234,7 +237,8 @@ class StageStats:
         self._busy_timed = None
         # Whether any graph traced on these stats holds a clock.
         self._clocked = False
-        # Whether the consumer timed its fetches on the host (`add_wait`).
+        # Whether the consumer timed its fetches on the host
+        # (`record_host_fetch`).
         self._host_waits = False
 
     # -- graph side: called inside tf.data functions -------------------------
@@ -262,7 +266,7 @@ class StageStats:
             ],
         )
 
-    def count_produced(self, started, gate):
+    def count_produced(self, started, gate, ready=True):
         """Counts one finished element; fails it if its pipeline was closed.
 
         Args:
@@ -273,6 +277,9 @@ class StageStats:
                 (see `staging.build_stage`): an iterator a finished call
                 left alive must not count its elements in stats the next
                 call's iterator shares, nor deliver them late.
+            ready: Whether to count it ready too (see `count_ready`): the
+                stage finishes its elements in the order it delivers them.
+                Defaults to `True`.
         """
         check = tf.debugging.Assert(
             gate,
@@ -282,13 +289,25 @@ class StageStats:
                 "retry."
             ],
         )
+        values = {_PRODUCED: 1}
+        if ready:
+            values[_READY] = 1
         with tf.control_dependencies([check]):
-            if started is None:
-                return self._counters.assign_add(_slots({_PRODUCED: 1}))
-            busy = tf.timestamp() - started
-            return self._counters.assign_add(
-                _slots({_PRODUCED: 1, _BUSY: busy})
-            )
+            if started is not None:
+                values[_BUSY] = tf.timestamp() - started
+            return self._counters.assign_add(_slots(values))
+
+    def count_ready(self):
+        """Counts one element entering the buffer, in delivery order.
+
+        For a stage whose ordered parallel map finishes elements out of
+        order (`count_produced(..., ready=False)` counts them there): run
+        after the map, in the order it delivers them, so a counted element
+        is in the buffer or on its way there, and a fetch of it cannot
+        wait on the source, however long an earlier-numbered one hangs
+        (see `runner.ReadyElements`).
+        """
+        return self._counters.assign_add(_slots({_READY: 1}))
 
     def _wait_clock(self):
         """Whether the consumer's side being traced may take timestamps."""
@@ -475,13 +494,13 @@ class StageStats:
             values: The report's values, a sequence of floats.
 
         Returns:
-            The elements finished and not consumed once the step was done
-            (see `unconsumed`): a floor for the next call, since finished
+            The elements ready and not consumed once the step was done
+            (see `unconsumed`): a floor for the next call, since ready
             elements only grow and only the consumer consumes them.
         """
         if len(values) == _REPORT_SIZE:
             self._take_fetch(values)
-        return self._unconsumed(values[-_SLOTS:])
+        return self._ready(values[-_SLOTS:])
 
     def _take_fetch(self, values):
         marked = values[_REPORT_MARK]
@@ -500,14 +519,18 @@ class StageStats:
             self._reported_buffered += buffered
             self._reported_peak = max(self._reported_peak, buffered)
 
-    def add_wait(self, seconds):
-        """Adds the wait of a fetch timed on the host.
+    def record_host_fetch(self, seconds):
+        """Counts, in Python, a fetch that waited `seconds` for its element.
 
-        For a consumer whose pipeline was traced without a clock (see
-        `fetches_timed`) and which does nothing but fetch in the call it
-        times (an eager iterator).
+        For a consumer that reads the pipeline without the consumer's side
+        of the counters (`StagedDataset.lean_pipeline`) and times on the
+        host each fetch that may wait: an eager iterator, whose call does
+        nothing but fetch (`StageIterator`). Its fetches known to be
+        buffered are counted with `count_taken` (no wait). Consumed-count
+        readers add both (see `count_taken`).
         """
         with self._lock:
+            self._taken += 1
             self._reported_wait += seconds
             self._host_waits = True
 
@@ -576,7 +599,7 @@ class StageStats:
             self._counters.assign_add(_slots(update))
 
     def unconsumed(self):
-        """Elements counted as finished and not consumed, ever.
+        """Elements counted ready (see `count_ready`) and not consumed, ever.
 
         Includes those left in the buffers of dropped iterators. One raw
         read, called between training steps: `Variable.numpy()` adds name
@@ -585,7 +608,7 @@ class StageStats:
         counters = tf.raw_ops.ReadVariableOp(
             resource=self._counters.handle, dtype=tf.float64
         ).numpy()
-        return self._unconsumed(counters)
+        return self._ready(counters)
 
     def consumed(self):
         """Fetches counted in the graph so far (one raw variable read).
@@ -602,6 +625,9 @@ class StageStats:
     def _unconsumed(self, counters):
         # The counters lack the fetches counted in Python (`count_taken`).
         return int(counters[_PRODUCED] - counters[_CONSUMED]) - self._taken
+
+    def _ready(self, counters):
+        return int(counters[_READY] - counters[_CONSUMED]) - self._taken
 
     @property
     def closed(self):

@@ -245,14 +245,21 @@ class StagedData:
         Keras may leave such an iterator alive (a traceback holds it); its
         late elements must not count in the stats the next call shares.
         A user's own staged dataset stays usable.
+
+        Returns:
+            The thread tearing down the call's long-lived iterator (see
+            `iterators.release`), or None.
         """
         if self.owned:
             self.staged.runner.close_gate()
-        if self.kept is not None:
-            self.kept.in_use = False
+        released = None
         if self._shared is not None:
             # Its epochs not read yet run no further.
-            self._shared.close()
+            released = self._shared.close()
+        if self.kept is not None:
+            self.kept.released = released
+            self.kept.in_use = False
+        return released
 
     @property
     def pipeline(self):
@@ -304,6 +311,11 @@ class _KeptStage:
         )
         # The `LongLivedEpochs` whose source the stage runs, or None.
         self.long_lived = long_lived
+        # The thread tearing down the last call's iterator (see
+        # `iterators.release`), or None: a call reusing the stage waits
+        # for it before it opens the gate, so nothing that iterator still
+        # finishes counts in the stats the new one reads.
+        self.released = None
         self.staged = None
         self.in_use = False
 
@@ -473,6 +485,7 @@ def stage_data(
     steps_per_execution=1,
     alongside=(),
     kept=None,
+    reads_in_python=False,
 ):
     """Stages the data of one phase ("train", "val", "test", "predict").
 
@@ -495,6 +508,11 @@ def stage_data(
     data for its training, its training data for its validation): a
     `tf.data.Dataset` sharing a dataset with this one keeps an iterator
     per epoch (their draws interleave as plain Keras's do).
+
+    `reads_in_python`: whether Keras reads every batch in Python, through
+    `StagedData.eager_dataset` (predict; every phase on JAX), whose
+    iterators record their fetches on the host: the stage builds only its
+    lean pipeline (the fetch records' functions are not traced).
 
     `kept`: the model's stages kept between calls, by role (a dict this
     updates), or None. A stage over a user's `tf.data.Dataset` is built
@@ -658,6 +676,9 @@ def stage_data(
             entry = earlier
     if entry is not None and entry.staged is not None:
         staged = entry.staged
+        if entry.released is not None:
+            entry.released.join()
+            entry.released = None
         staged.runner.open_gate()
         long_lived = entry.long_lived  # what `staged` was built on
     else:
@@ -666,7 +687,7 @@ def stage_data(
             fn=fn,
             name=f"{layer.stage_options.name}_{phase}",
             stats=stats,
-            consumer_records=stats is not None,
+            consumer_records=stats is not None or reads_in_python,
             # On JAX, Keras's trainer copies each batch to the device.
             distributed=distributed or not backends.uses_device_buffer(),
             unpacks=True,

@@ -116,6 +116,7 @@ class StagedCall:
             ),
             strategy=model.distribute_strategy if stepped else None,
             kept=self._state.stages,
+            reads_in_python=not stepped,
             **kwargs,
         )
         if switch_epochs is not None:

@@ -12,6 +12,7 @@ from keras_stage.data import runner as runner_module
 from keras_stage.data.errors import annotate
 from keras_stage.data.runner import EndOfData, SkipElement, StageRunner
 from keras_stage.data.stats import StageStats
+from tests.helpers import counters_with
 
 
 def _runner(**options):
@@ -172,6 +173,7 @@ from keras_stage.data.errors import StageTimeoutError
 from keras_stage.data.options import StageOptions
 from keras_stage.data.runner import StageRunner
 from keras_stage.data.stats import StageStats
+from tests.helpers import counters_with
 
 options = StageOptions(name="at_exit", timeout=0.5)
 stats = StageStats(options.name)
@@ -238,8 +240,7 @@ def test_a_buffered_call_runs_unrecorded_but_one_in_ready_sample():
     # The first call of an iterator is never known to be ready.
     _call(runner, iterator, ran)
     assert ran == ["recorded"]
-    counters = stats._counters.numpy()
-    counters[0] = 100.0  # produced
+    counters = counters_with(stats, 100)
     stats._counters.assign(counters)
     # The consumer's step reports the counters after it.
     runner.take_report(iterator, list(counters))

@@ -625,9 +625,11 @@ def _fetch_after_buffering(staged, iterator, buffered=8):
     Returns `[(thread, value)]` of every fetch, each made through the
     stage's runner with `elements=1`.
     """
+    # Counted by an earlier iterator of the stage and never consumed.
+    left = staged.stats.unconsumed()
     # An iterator's first call starts its pipeline: it waits, on the helper.
     got = [staged.runner.call(_fetch, iterator, elements=1)]
-    assert wait_until(lambda: staged.stats.unconsumed() >= buffered, 20)
+    assert wait_until(lambda: staged.stats.unconsumed() - left >= buffered, 20)
     for _ in range(buffered):
         got.append(staged.runner.call(_fetch, iterator, elements=1))
     return got
@@ -640,8 +642,9 @@ def _fetch_after_buffering(staged, iterator, buffered=8):
         {},
         {"fn": lambda x: x + 1, "deterministic": False, "num_threads": 2},
         {"fn": lambda x: x + 1, "num_threads": 1},
+        {"fn": lambda x: x + 1, "num_threads": 4},
     ],
-    ids=["nothing-to-compute", "unordered", "one-thread"],
+    ids=["nothing-to-compute", "unordered", "one-thread", "ordered-parallel"],
 )
 def test_buffered_fetches_run_in_the_callers_thread(settings):
     staged = stage(
@@ -665,39 +668,61 @@ def test_buffered_fetches_run_in_the_callers_thread(settings):
 
 
 @pytest.mark.timeout(60)
-def test_an_ordered_parallel_stage_hands_every_call_to_the_helper():
-    # Its workers finish elements out of order: a later element counted
-    # says nothing of an earlier one that hangs, so no call skips the
-    # timeout however full the buffer is.
-    staged = stage(
-        tf.data.Dataset.range(30),
-        lambda x: x + 1,
-        capacity=8,
-        num_threads=2,
-        timeout=5.0,
-    )
-    here = threading.get_ident()
-    got = _fetch_after_buffering(staged, iter(staged.pipeline))
-    assert [value for _, value in got] == list(range(1, 10))
-    assert here not in [thread for thread, _ in got]
+def test_an_ordered_stage_whose_earlier_element_hangs_still_times_out():
+    # Its workers finish elements out of order: here every element after
+    # the third is done while the third hangs. They are counted as the
+    # ordered map delivers them, so none counts as ready, and the fetch of
+    # the third waits on the helper thread and times out.
+    release = threading.Event()
+
+    def slow(x):
+        if int(x) == 2:
+            release.wait(30)
+        return x + 1
+
+    def fn(x):
+        return tf.py_function(slow, [x], tf.int64)
+
+    try:
+        staged = stage(
+            tf.data.Dataset.range(12),
+            fn,
+            capacity=8,
+            num_threads=4,
+            timeout=1.0,
+            name="ordered_hang",
+        )
+        iterator = iter(staged.pipeline)
+        here = threading.get_ident()
+        got = [staged.runner.call(_fetch, iterator, elements=1)]
+        got.append(staged.runner.call(_fetch, iterator, elements=1))
+        assert [value for _, value in got] == [1, 2]
+        # Elements 4, 5 and 6 are finished by the other workers...
+        time.sleep(1.0)
+        # ...and none is counted ahead of the hung one.
+        assert staged.stats.unconsumed() == 0
+        started = time.monotonic()
+        with pytest.raises(StageTimeoutError, match="Stage 'ordered_hang'"):
+            staged.runner.call(_fetch, iterator, elements=1)
+        assert 0.9 <= time.monotonic() - started < 10
+        assert here not in [thread for thread, _ in got[:1]]
+    finally:
+        release.set()
 
 
 @pytest.mark.timeout(60)
-def test_an_auto_stage_shrunk_to_one_thread_skips_the_hand_off():
-    # Its pool decides per iterator: one made on one thread finishes its
-    # elements in order; one made on two does not.
+def test_an_auto_stage_skips_the_hand_off_at_any_pool_size():
+    # Counted in the order they are delivered, buffered elements are known
+    # ready whether the pool runs one thread or several.
     staged = stage(
         tf.data.Dataset.range(30), lambda x: x + 1, capacity=8, timeout=5.0
     )
     here = threading.get_ident()
-    staged.thread_pool.resize(1)
-    got = _fetch_after_buffering(staged, iter(staged.pipeline))
-    assert [value for _, value in got] == list(range(1, 10))
-    assert [thread for thread, _ in got[1:]] == [here] * 8
-    staged.thread_pool.resize(2)
-    got = _fetch_after_buffering(staged, iter(staged.pipeline))
-    assert [value for _, value in got] == list(range(1, 10))
-    assert here not in [thread for thread, _ in got]
+    for size in (1, 2):
+        staged.thread_pool.resize(size)
+        got = _fetch_after_buffering(staged, iter(staged.pipeline))
+        assert [value for _, value in got] == list(range(1, 10))
+        assert [thread for thread, _ in got[1:]] == [here] * 8
 
 
 @pytest.mark.timeout(60)

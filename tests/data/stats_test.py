@@ -186,8 +186,10 @@ def test_waits_timed_on_the_host_are_measured(determinism):
     stats.begin_wait()  # a pipeline's marker, traced without a clock
     assert stats.fetches_timed is False
     assert math.isnan(stats.snapshot()["wait_seconds"])
-    stats.add_wait(0.25)
-    assert stats.snapshot()["wait_seconds"] == pytest.approx(0.25)
+    stats.record_host_fetch(0.25)
+    snapshot = stats.snapshot()
+    assert snapshot["wait_seconds"] == pytest.approx(0.25)
+    assert snapshot["consumed"] == 1
 
 
 def test_busy_time_is_not_measured_without_a_clock(determinism):

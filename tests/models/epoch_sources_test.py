@@ -479,7 +479,8 @@ def test_an_early_stop_leaves_nothing_running_after_end_call():
         time.sleep(0.01)
     assert stats.snapshot()["produced"] > 6
     real = weakref.ref(data._shared._iterator)
-    data.end_call()
+    # Its teardown runs on a thread of its own (it can block).
+    data.end_call().join(10)
     gc.collect()
     assert real() is None
     produced = stats.snapshot()["produced"]
@@ -488,6 +489,35 @@ def test_an_early_stop_leaves_nothing_running_after_end_call():
     with pytest.raises(RuntimeError, match="ended"):
         resolve(iter(data.pipeline))
     assert len(made) == 1
+
+
+class _Teardown:
+    """Stands for the thread tearing down a call's iterator."""
+
+    def __init__(self):
+        self.joined = False
+
+    def join(self, timeout=None):
+        self.joined = True
+
+
+def test_a_kept_stage_waits_for_the_last_iterators_teardown():
+    # A call that runs a kept stage again opens its gate: what the last
+    # call's iterator still finished must be gone by then, or it would
+    # count in the stats the new iterator reads.
+    staged, _, _ = _words_model()
+    words = np.array([f"w{i % 7}" for i in range(32)], dtype=object)
+    labels = np.zeros((32, 1), "float32")
+    ds = tf.data.Dataset.from_tensor_slices((words, labels)).batch(8)
+    staged.fit(ds, epochs=2, shuffle=False, verbose=0)
+    entry = staged._keras_stage_state.stages["train"]
+    assert entry.long_lived is not None
+    entry.released.join(10)
+    teardown = entry.released = _Teardown()
+    staged.fit(ds, epochs=2, shuffle=False, verbose=0)
+    assert staged._keras_stage_state.stages["train"] is entry
+    assert teardown.joined
+    assert entry.released is not teardown  # the second call's own
 
 
 def test_reading_more_epochs_than_announced_fails_clearly():

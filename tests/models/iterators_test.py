@@ -7,17 +7,22 @@ boundaries, restarts, refusals) is checked on its own; the same iterators
 behind `stage_data` and a real `fit` are tests/models/epoch_sources_test.py's.
 """
 
+import threading
+import weakref
+
 import pytest
 import tensorflow as tf
 
 from keras_stage.data.eager_iterated import EagerIterated
 from keras_stage.models.iterators import (
+    RELEASE_THREAD,
     DeferredIterator,
     DeferredPipeline,
     EpochPipeline,
     EpochView,
     LongLivedIterator,
     ResolvingIterator,
+    release,
     resolve,
 )
 
@@ -184,6 +189,38 @@ def test_a_closed_iterator_cannot_be_read():
     assert shared.closed
     with pytest.raises(RuntimeError, match="Stage 'unit': its call has ended"):
         next(view)
+
+
+class _Dropped:
+    """Notes the thread that drops it (a stand-in for a tf.data iterator)."""
+
+    def __init__(self, dropped_on):
+        self._dropped_on = dropped_on
+
+    def __del__(self):
+        self._dropped_on.append(threading.current_thread().name)
+
+
+def test_release_drops_the_iterator_on_its_own_thread():
+    dropped_on = []
+    held = [_Dropped(dropped_on)]
+    thread = release(held)
+    thread.join(10)
+    assert held == []
+    assert dropped_on == [RELEASE_THREAD]
+
+
+def test_a_closed_iterator_drops_its_real_iterator_off_the_callers_thread():
+    shared, _ = _shared()
+    _read(EpochView(shared, None), 1)
+    real = weakref.ref(shared._iterator)
+    shared.close()
+    # Nothing of the caller holds it: the release thread's drop deletes it.
+    for _ in range(100):
+        if real() is None:
+            break
+        threading.Event().wait(0.05)
+    assert real() is None
 
 
 def test_a_resized_pool_starts_a_new_iterator_at_the_epoch_boundary():

@@ -18,8 +18,9 @@ import tensorflow as tf
 import keras_stage
 from keras_stage.callbacks import PrefetchCallback
 from keras_stage.layers import StagedInput
+from keras_stage.models.iterators import RELEASE_THREAD
 from keras_stage.models.model_state import state as model_state
-from tests.helpers import stage_threads
+from tests.helpers import stage_threads, wait_until
 
 STAGE_KEYS = ("stage_wait_ratio", "stage_buffer_fill", "stage_skipped")
 # TF and Keras may park a worker or two between calls; a leak of one thread
@@ -180,6 +181,13 @@ def test_one_prefetch_callback_serves_two_fits():
     assert second["stage_skipped"] == [0, 0, 0]
     assert prefetch.verdict["epoch"] == 2
     assert stage_threads() == before
+    # The threads tearing down each call's long-lived iterator end too.
+    assert wait_until(
+        lambda: (
+            not [t for t in threading.enumerate() if t.name == RELEASE_THREAD]
+        ),
+        20,
+    )
 
 
 @pytest.mark.timeout(60)
