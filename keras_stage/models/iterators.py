@@ -48,8 +48,10 @@ or the epoch's buffer fill and wait are misread. Batches read past in
 Python to finish an epoch Keras left are not counted as consumed.
 """
 
+import atexit
 import threading
 import time
+import weakref
 
 import tensorflow as tf
 
@@ -121,6 +123,20 @@ class DeferredPipeline(EagerIterated):
 # The name of `release`'s threads: not a stage's helper thread
 # (`keras_stage-<stage>`), as it holds no stage, only a dropped iterator.
 RELEASE_THREAD = "tf.data-iterator-release"
+# How long the interpreter's exit waits for teardowns still running.
+_EXIT_WAIT_SECONDS = 10.0
+_releases = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_releases():
+    # A daemon thread is stopped wherever it is when the interpreter
+    # exits; one stopped inside TensorFlow's teardown while TensorFlow's
+    # own state is destroyed could crash the exit of a script whose last
+    # line was a fit. They end on their own, in well under a second.
+    deadline = time.monotonic() + _EXIT_WAIT_SECONDS
+    for thread in list(_releases):
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def release(held):
@@ -143,6 +159,7 @@ def release(held):
 
     thread = threading.Thread(target=drop, name=RELEASE_THREAD, daemon=True)
     thread.start()
+    _releases.add(thread)
     return thread
 
 

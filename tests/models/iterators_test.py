@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 from keras_stage.data.eager_iterated import EagerIterated
+from keras_stage.models import iterators as iterators_module
 from keras_stage.models.iterators import (
     RELEASE_THREAD,
     DeferredIterator,
@@ -208,6 +209,22 @@ def test_release_drops_the_iterator_on_its_own_thread():
     thread.join(10)
     assert held == []
     assert dropped_on == [RELEASE_THREAD]
+
+
+def test_the_exit_waits_for_a_teardown_still_running():
+    # A daemon thread stopped inside TensorFlow's teardown at exit could
+    # crash it: the exit hook joins those still running.
+    gate = threading.Event()
+
+    class _Slow:
+        def __del__(self):
+            gate.wait(5)
+
+    thread = release([_Slow()])
+    assert thread.is_alive()
+    threading.Timer(0.2, gate.set).start()
+    iterators_module._finish_releases()
+    assert not thread.is_alive()
 
 
 def test_a_closed_iterator_drops_its_real_iterator_off_the_callers_thread():
