@@ -314,7 +314,10 @@ class _HostWait:
 
     For pipelines and steps traced without a clock (op determinism, see
     `StageStats.fetches_timed`), which cannot mark when a fetch begins and
-    ends; the count of consumed elements still moves as each arrives. The
+    ends, and for a consumer that records its fetches on the host (see
+    `StageRunner.call`'s `host_timed`: one element a call, which waits
+    from the call's start); the count of consumed elements still moves as
+    each arrives in the graph. The
     call waits from its start, or from its last element's arrival, until
     it has its `elements` (None: until it returns). So with several
     elements per call the timeout also counts the step on the one before,

@@ -288,6 +288,11 @@ class StagedData:
         )
 
 
+# How long a call waits for the teardown of a kept stage's last iterator
+# before it builds a stage of its own (see `_KeptStage.released`).
+TEARDOWN_WAIT_SECONDS = 5.0
+
+
 class _KeptStage:
     """A stage a model keeps for its later calls on the same dataset.
 
@@ -674,11 +679,16 @@ def stage_data(
             and not earlier.staged.stats.closed  # by a timeout: it ended
         ):
             entry = earlier
+    if entry is not None and entry.released is not None:
+        entry.released.join(TEARDOWN_WAIT_SECONDS)
+        if entry.released.is_alive():
+            # Its last iterator is still being torn down: a stage of its
+            # own for this call, rather than that one's gate reopened.
+            entry = None
+        else:
+            entry.released = None
     if entry is not None and entry.staged is not None:
         staged = entry.staged
-        if entry.released is not None:
-            entry.released.join()
-            entry.released = None
         staged.runner.open_gate()
         long_lived = entry.long_lived  # what `staged` was built on
     else:

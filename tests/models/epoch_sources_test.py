@@ -500,6 +500,14 @@ class _Teardown:
     def join(self, timeout=None):
         self.joined = True
 
+    def is_alive(self):
+        return False
+
+
+class _StuckTeardown(_Teardown):
+    def is_alive(self):
+        return True
+
 
 def test_a_kept_stage_waits_for_the_last_iterators_teardown():
     # A call that runs a kept stage again opens its gate: what the last
@@ -518,6 +526,13 @@ def test_a_kept_stage_waits_for_the_last_iterators_teardown():
     assert staged._keras_stage_state.stages["train"] is entry
     assert teardown.joined
     assert entry.released is not teardown  # the second call's own
+    # A teardown that does not end: the next call stages on its own.
+    entry.released.join(10)
+    stuck = entry.released = _StuckTeardown()
+    staged.fit(ds, epochs=2, shuffle=False, verbose=0)
+    assert stuck.joined
+    assert staged._keras_stage_state.stages["train"] is entry
+    assert entry.released is stuck  # the entry was not run again
 
 
 def test_reading_more_epochs_than_announced_fails_clearly():
