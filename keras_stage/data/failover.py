@@ -337,6 +337,18 @@ class ServiceLedger:
         copies = now[_COPIES] - started[_COPIES]
         return copies > 0 and now[_ENDED] - started[_ENDED] >= copies
 
+    @property
+    def streams_started(self):
+        """The worker streams that started in the epoch being read.
+
+        `"parallel_epochs"` only (each worker streams the whole dataset,
+        and its first element says it started); None in
+        `"distributed_epoch"`, where the workers share one pass.
+        """
+        if not self.parallel:
+            return None
+        return self._read()[_COPIES] - self._settled[_COPIES]
+
     # -- the runner's side ---------------------------------------------------
 
     def _read(self):

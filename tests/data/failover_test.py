@@ -139,11 +139,23 @@ seen = []
 
 
 class Watch(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
     def on_train_batch_begin(self, batch, logs=None):
-        # Late enough that both workers' streams have started (a stream
-        # that never started is not counted in parallel_epochs).
-        if not seen and batch == 20:
+        # Mid-epoch, once every worker's stream has started (a stream that
+        # never started is not counted in parallel_epochs).
+        if seen or self.epoch or batch < 20:
+            return
+        from keras_stage.data import live_stages
+        (ledger,) = [
+            s.service_ledger for s in live_stages() if s.service_ledger
+        ]
+        if ledger.streams_started in (None, 2):
             seen.append(kill_one())
+
+    def on_epoch_end(self, epoch, logs=None):
+        assert seen, "the first epoch ended before both streams started"
 
 
 history = model.fit(
