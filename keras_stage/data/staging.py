@@ -180,11 +180,6 @@ def _build_pipeline(
             stats.count_produced(started, gate, ready=not count_after)
         return out
 
-    def count_ready(*args):
-        # Run whether or not the element depends on it (see `produce`).
-        stats.count_ready()
-        return args if ready_unpacked else args[0]
-
     if options.service is not None:
         # The workers run the source and `fn`; this process counts what
         # arrives (a worker's copy of the counters would count nothing here).
@@ -209,7 +204,6 @@ def _build_pipeline(
     # finished count stay in the map, where the computation ran: the
     # verdict and the buffer fill read them.
     count_after = fn is not None and options.deterministic
-    ready_unpacked = False
 
     # No timestamp is taken before each pull from the source: that needs a
     # zip with a dataset of markers, work on the path of every element that
@@ -230,9 +224,14 @@ def _build_pipeline(
         )
         if not count_after:
             return mapped
-        nonlocal ready_unpacked
         # A tuple element comes as separate arguments (see `unpacked`).
-        ready_unpacked = type(mapped.element_spec) is tuple
+        tupled = type(mapped.element_spec) is tuple
+
+        def count_ready(*args):
+            # Run whether or not the element depends on it (see `produce`).
+            stats.count_ready()
+            return args if tupled else args[0]
+
         return _compat.inline_map(mapped, count_ready, f"{name}_ready")
 
     threads = options.resolved_pool_size()
