@@ -83,6 +83,29 @@ def get_data_adapter(**kwargs):
     return get(**kwargs)
 
 
+def array_adapter_inputs(adapter):
+    """The arrays a Keras array adapter batches, or None for other adapters.
+
+    `(x, y, sample_weight)` packed as Keras packs them, class weights
+    turned into sample weights, converted as Keras converts them before it
+    gathers batches (floats cast to floatx, strings to `tf.string`), or
+    None when `adapter` is not Keras's `ArrayDataAdapter`. keras_stage
+    gathers its batches from these itself (`models/array_source.py`);
+    Keras keeps them only in `ArrayDataAdapter._inputs`.
+    """
+    adapter_class = _keras_private(
+        "keras.src.trainers.data_adapters.array_data_adapter",
+        "ArrayDataAdapter",
+    )
+    if type(adapter) is not adapter_class:
+        return None
+    convert = _keras_private(
+        "keras.src.trainers.data_adapters.array_slicing",
+        "convert_to_sliceable",
+    )
+    return convert(adapter._inputs, target_backend="tensorflow")
+
+
 def train_validation_split(arrays, validation_split):
     """Keras's split of arrays for `validation_split` (last fraction)."""
     split = _keras_private(

@@ -160,6 +160,57 @@ def test_get_data_adapter_shuffles_with_the_global_seed():
     assert not np.array_equal(first, np.arange(16))
 
 
+def test_array_adapter_inputs_are_the_arrays_keras_batches():
+    _private(
+        "keras.src.trainers.data_adapters.array_data_adapter",
+        "ArrayDataAdapter",
+        "array_adapter_inputs",
+    )
+    _private(
+        "keras.src.trainers.data_adapters.array_slicing",
+        "convert_to_sliceable",
+        "array_adapter_inputs",
+    )
+    x = {"a": np.arange(6, dtype="float64").reshape(3, 2)}
+    y = np.array([0, 1, 1])
+    adapter = _compat.get_data_adapter(
+        x=x,
+        y=y,
+        sample_weight=None,
+        batch_size=2,
+        steps_per_epoch=None,
+        shuffle=False,
+        class_weight={0: 1.0, 1: 3.0},
+    )
+    inputs = _compat.array_adapter_inputs(adapter)
+    assert inputs is not None, (
+        "Keras's array adapter is no longer ArrayDataAdapter; "
+        + UPDATE.format("array_adapter_inputs")
+    )
+    # Packed (x, y, sample_weight) with the class weights as sample
+    # weights, floats cast to floatx: what Keras's own dataset yields.
+    (batch,) = list(adapter.get_tf_dataset().take(1))
+    first = keras.tree.map_structure(lambda t: np.asarray(t)[:2], inputs)
+    keras.tree.assert_same_structure(keras.tree.lists_to_tuples(first), batch)
+    for want, have in zip(
+        keras.tree.flatten(batch), keras.tree.flatten(first), strict=True
+    ):
+        np.testing.assert_array_equal(want.numpy(), have)
+    np.testing.assert_array_equal(first[2], [1.0, 3.0])
+    assert first[0]["a"].dtype == np.float32
+    dataset = tf.data.Dataset.range(3).batch(2)
+    other = _compat.get_data_adapter(
+        x=dataset,
+        y=None,
+        sample_weight=None,
+        batch_size=None,
+        steps_per_epoch=None,
+        shuffle=False,
+        class_weight=None,
+    )
+    assert _compat.array_adapter_inputs(other) is None
+
+
 # -- train_validation_split ---------------------------------------------------
 
 

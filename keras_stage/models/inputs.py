@@ -18,6 +18,7 @@ from keras_stage import _compat
 from keras_stage.data.service import DISTRIBUTED_EPOCH
 from keras_stage.data.staging import StagedDataset
 from keras_stage.models import backends, epoch_sources
+from keras_stage.models.array_source import array_dataset
 from keras_stage.models.call_costs import in_memory
 from keras_stage.models.iterators import (
     DeferredPipeline,
@@ -569,9 +570,14 @@ def stage_data(
         shuffle=shuffle,
         class_weight=class_weight,
     )
-    dataset = adapter.get_tf_dataset()
-    num_batches = adapter.num_batches
     served = overrides.get("service", layer.stage_options.service) is not None
+    # Arrays' batches gathered by the stage's source (see `array_dataset`);
+    # not on the tf.data service, whose workers rebuild the dataset from
+    # its graph: that path runs Keras's own dataset, as tested there.
+    dataset = None if served else array_dataset(adapter, shuffle)
+    if dataset is None:
+        dataset = adapter.get_tf_dataset()
+    num_batches = adapter.num_batches
     if (
         num_batches is not None
         and dataset.cardinality() == tf.data.UNKNOWN_CARDINALITY
