@@ -239,8 +239,9 @@ class PrefetchCallback(keras.callbacks.Callback):
         self._train_cpu = None
         self._snapshot = None
         # The first epoch of a fit: its first step traces (see
-        # `on_train_batch_end`).
+        # `on_train_batch_begin`).
         self._tracing_epoch = False
+        self._first_step_begun = False
         self._after_first_step = None
 
     # -- wiring, called by the staged model ---------------------------------
@@ -286,14 +287,21 @@ class PrefetchCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self.verdict = None
         self._tracing_epoch = True
+        self._first_step_begun = False
         self._warn_without_stage()
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_begin(self, batch, logs=None):
         if not self._tracing_epoch or self._snapshot is None:
             return
         # The fit's first step also traces the step function, which takes
-        # far longer than a step: the first epoch's figures start after it,
-        # or its verdict would blame the input for tracing.
+        # far longer than a step: the first epoch's figures start after it
+        # (here, as the second step begins), or its verdict would blame the
+        # input for tracing. Not in a batch-end hook: a callback with one
+        # makes Keras run every batch end in the training loop's thread
+        # (no async dispatch on JAX), each waiting for its step's logs.
+        if not self._first_step_begun:
+            self._first_step_begun = True
+            return
         self._tracing_epoch = False
         binding = self._bindings.get("train")
         if binding is not None:

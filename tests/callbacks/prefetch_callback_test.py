@@ -213,6 +213,21 @@ def test_the_first_epoch_leaves_out_the_first_step_which_traces():
     assert history["stage_skipped"] == [0]
 
 
+def test_it_leaves_keras_free_to_dispatch_batch_ends_asynchronously():
+    # Keras (on JAX) runs the callbacks' batch ends off the training loop's
+    # thread only if no callback overrides one; one that does makes every
+    # step wait for its logs before the next is dispatched.
+    for hook in (
+        "on_batch_end",
+        "on_train_batch_end",
+        "on_test_batch_end",
+        "on_predict_batch_end",
+    ):
+        assert getattr(PrefetchCallback, hook) is getattr(
+            keras.callbacks.Callback, hook
+        ), hook
+
+
 @pytest.mark.timeout(60)
 def test_verbose_0_prints_nothing_and_logs_the_verdict_at_debug(capsys, caplog):
     cb = PrefetchCallback()
