@@ -54,7 +54,9 @@ class DataBackup(keras.callbacks.Callback):
         current_iterator: Returns the iterator the training step read last
             (or None).
         restore_next: Called with a function of the iterator to run before
-            the next training step, to restore its position.
+            the next training step, to restore its position, and the
+            count of the epoch's steps left after that position (None if
+            Keras does not know the epoch's length).
     """
 
     def __init__(self, backup, current_iterator, restore_next):
@@ -78,7 +80,7 @@ class DataBackup(keras.callbacks.Callback):
         self._epoch = epoch
         pending, self._pending = self._pending, None
         if pending is not None and pending[0] == epoch:
-            self._restore_next(pending[1])
+            self._restore_next(pending[1], pending[2])
 
     def on_train_batch_end(self, batch, logs=None):
         if self.save_freq == "epoch":
@@ -169,4 +171,8 @@ class DataBackup(keras.callbacks.Callback):
                 batch,
             )
 
-        self._pending = (position["epoch"], restore)
+        # Keras still counts the whole epoch's steps; those after the
+        # position are what the restored iterator holds.
+        steps = (self.params or {}).get("steps")
+        left = None if steps is None else max(int(steps) - (batch + 1), 0)
+        self._pending = (position["epoch"], restore, left)

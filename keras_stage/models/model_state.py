@@ -60,6 +60,10 @@ class StagingState:
         # `DataBackup`).
         self.iterators = {}
         self.pending_restores = {}
+        # Per phase: `[iterator (weakly), batches]` left in an epoch
+        # resumed from a saved position, whose data ends before Keras's
+        # count of the epoch's steps (see `steps.track_iterator`).
+        self.resumed_left = {}
         # Per phase: the stage its last call built over a user's dataset
         # and what it was built for (see `inputs.stage_data(kept=...)`).
         self.stages = {}

@@ -417,8 +417,8 @@ def _with_data_backup(model, callbacks):
                 ref = state.iterators.get("train")
                 return None if ref is None else ref()
 
-            def restore_next(restore, state=state):
-                state.pending_restores["train"] = restore
+            def restore_next(restore, left, state=state):
+                state.pending_restores["train"] = (restore, left)
 
             out.append(DataBackup(callback, current, restore_next))
     return out

@@ -66,6 +66,10 @@ def guard(model, phase, function):
         if runner is None:
             return reported(function(iterator))[0]
         track_iterator(state, phase, iterator)
+        if resumed_epoch_ended(
+            state, phase, iterator, model.steps_per_execution
+        ):
+            raise StopIteration
         while True:
             try:
                 outputs, report = reported(
@@ -152,15 +156,40 @@ def track_iterator(state, phase, iterator):
     """Notes the iterator `phase`'s step reads; restores it first if asked.
 
     See `DataBackup`: a resumed epoch's iterator continues from the saved
-    position before its first step.
+    position before its first step, and holds the epoch's batches after
+    that position only, where Keras still counts the whole epoch's steps.
+    Their count, when known, ends the epoch (`resumed_epoch_ended`).
     """
-    restore = state.pending_restores.pop(phase, None)
-    if restore is not None:
+    pending = state.pending_restores.pop(phase, None)
+    if pending is not None:
+        restore, left = pending
         restore(iterator)
+        if left is not None:
+            state.resumed_left[phase] = [weakref.ref(iterator), left]
     try:
         state.iterators[phase] = weakref.ref(iterator)
     except TypeError:  # not weakly referable: not checkpointable either
         state.iterators.pop(phase, None)
+
+
+def resumed_epoch_ended(state, phase, iterator, batches):
+    """Whether a resumed epoch's data is all read (see `track_iterator`).
+
+    Counts down the call's `batches` otherwise. Keras would make one more
+    call, whose step fails at the end of the data: and a failing step
+    still counts an optimizer iteration (TensorFlow orders the optimizer's
+    counter after no read of the data), which a run never stopped does not
+    make there.
+    """
+    left = state.resumed_left.get(phase)
+    if left is None or left[0]() is not iterator:
+        state.resumed_left.pop(phase, None)
+        return False
+    if left[1] <= 0:
+        del state.resumed_left[phase]
+        return True
+    left[1] -= batches
+    return False
 
 
 # Calls of a guarded step that report their fetch before it makes the

@@ -31,9 +31,14 @@ class _Run:
         )
         self.iterator = iter(tf.data.Dataset.range(20)) if iterator else None
         self.restores = []
+        self.steps_left = []
         self.callback = DataBackup(
-            self.backup, lambda: self.iterator, self.restores.append
+            self.backup, lambda: self.iterator, self._restore_next
         )
+
+    def _restore_next(self, restore, left):
+        self.restores.append(restore)
+        self.steps_left.append(left)
 
     def train(self, epoch, batches):
         """The hooks of `batches` steps of `epoch`, each reading one element."""
@@ -91,6 +96,23 @@ def test_a_run_resumes_after_the_last_saved_batch(tmp_path):
     assert len(second.restores) == 1
     second.restores[0](second.iterator)
     assert int(next(second.iterator)) == 4
+
+
+def test_the_restore_says_how_many_of_the_epoch_s_steps_are_left(tmp_path):
+    # Keras counts the resumed epoch's steps whole; the restored iterator
+    # holds those after the saved batch only.
+    first = _Run(tmp_path, save_freq=2)
+    first.train(0, 4)  # saved after batch 3
+    second = _Run(tmp_path, save_freq=2)
+    second.callback.set_params({"steps": 10, "epochs": 2})
+    second.callback.on_train_begin()
+    second.callback.on_epoch_begin(0)
+    assert second.steps_left == [6]
+    unknown = _Run(tmp_path, save_freq=2)  # a dataset of unknown length
+    unknown.callback.set_params({"steps": None, "epochs": 2})
+    unknown.callback.on_train_begin()
+    unknown.callback.on_epoch_begin(0)
+    assert unknown.steps_left == [None]
 
 
 def _saved_in_epoch_1(folder):

@@ -157,3 +157,34 @@ def test_the_twin_steps_like_keras_and_ends_with_the_data(run_eagerly):
     with pytest.raises(tf.errors.OutOfRangeError) as info:
         twin(twin_iterator)
     assert runner_module._is_end_of_data(info.value)
+
+
+def test_a_resumed_epoch_ends_when_its_restored_batches_are_read():
+    # DataBackup's restore leaves the epoch's batches after the saved one;
+    # Keras still counts the whole epoch's steps. The guard ends the epoch
+    # instead of calling a step on data that has ended.
+    class State:
+        def __init__(self):
+            self.pending_restores = {}
+            self.resumed_left = {}
+            self.iterators = {}
+
+    state, restored = State(), []
+    iterator = iter(tf.data.Dataset.range(10))
+    state.pending_restores["train"] = (restored.append, 5)
+    steps.track_iterator(state, "train", iterator)
+    assert restored == [iterator]
+    ended = [
+        steps.resumed_epoch_ended(state, "train", iterator, 2) for _ in range(4)
+    ]
+    assert ended == [False, False, False, True]  # 2 + 2 + 1 batches
+    assert "train" not in state.resumed_left
+    # Another iterator (the next epoch's) is not counted down.
+    state.resumed_left["train"] = [lambda: iterator, 0]
+    other = iter(tf.data.Dataset.range(3))
+    assert not steps.resumed_epoch_ended(state, "train", other, 1)
+    assert "train" not in state.resumed_left
+    # Unknown epoch length: nothing to count.
+    state.pending_restores["train"] = (restored.append, None)
+    steps.track_iterator(state, "train", other)
+    assert not steps.resumed_epoch_ended(state, "train", other, 1)
