@@ -63,7 +63,7 @@ class StagedCall:
             never needs it).
     """
 
-    def __init__(self, model, layer, phases, callbacks):
+    def __init__(self, model, layer, phases, callbacks, steps_per_epoch=None):
         self.model = model
         self.layer = layer
         self.split = None
@@ -71,7 +71,9 @@ class StagedCall:
         self.user_callbacks = callbacks
         self.callbacks, self.prefetch = _with_prefetch_callback(callbacks)
         if "train" in self.phases:
-            self.callbacks = _with_data_backup(model, self.callbacks)
+            self.callbacks = _with_data_backup(
+                model, self.callbacks, steps_per_epoch
+            )
         self.built = []
         self._state = model_state(model)
         # Per bound phase: the outer call's (runner, recording, placement).
@@ -405,7 +407,7 @@ def _skips_end_epochs_early(layer, built=(), callbacks=()):
         yield
 
 
-def _with_data_backup(model, callbacks):
+def _with_data_backup(model, callbacks, steps_per_epoch=None):
     """`callbacks` with a `DataBackup` right after a `BackupAndRestore`."""
     state = model_state(model)
     out = []
@@ -418,6 +420,10 @@ def _with_data_backup(model, callbacks):
                 return None if ref is None else ref()
 
             def restore_next(restore, left, state=state):
+                if steps_per_epoch is not None:
+                    # Keras reads one iterator across the epochs: the
+                    # restored one holds the later epochs' batches too.
+                    left = None
                 state.pending_restores["train"] = (restore, left)
 
             out.append(DataBackup(callback, current, restore_next))

@@ -342,7 +342,9 @@ class StagingMixin:
         backends.check_supported(self, layer)
         backends.check_strategy(self)
         graph = backends.graph_steps()
-        call = StagedCall(self, layer, ("train", "test"), callbacks)
+        call = StagedCall(
+            self, layer, ("train", "test"), callbacks, steps_per_epoch
+        )
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = (
                 _compat.train_validation_split(

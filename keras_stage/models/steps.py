@@ -164,12 +164,13 @@ def track_iterator(state, phase, iterator):
     if pending is not None:
         restore, left = pending
         restore(iterator)
-        if left is not None:
-            state.resumed_left[phase] = [weakref.ref(iterator), left]
     try:
         state.iterators[phase] = weakref.ref(iterator)
     except TypeError:  # not weakly referable: not checkpointable either
         state.iterators.pop(phase, None)
+        return
+    if pending is not None and left is not None:
+        state.resumed_left[phase] = [state.iterators[phase], left]
 
 
 def resumed_epoch_ended(state, phase, iterator, batches):

@@ -301,3 +301,26 @@ def test_iterator_kept_alive_by_a_failed_fit_stops_counting():
     produced = stats.snapshot()["produced"]
     time.sleep(0.6)  # time for 60 more elements, were it still running
     assert stats.snapshot()["produced"] <= produced + 2
+
+
+@pytest.mark.parametrize("steps_per_epoch, left", [(None, 6), (10, None)])
+def test_a_resumed_epoch_is_counted_down_only_with_an_iterator_per_epoch(
+    tmp_path, steps_per_epoch, left
+):
+    # With steps_per_epoch Keras reads one iterator across the epochs, so
+    # the restored iterator also holds the later epochs' batches: the
+    # resumed epoch runs its steps as Keras counts them.
+    from keras_stage.callbacks.data_backup import DataBackup
+    from keras_stage.models.staged_call import _with_data_backup
+
+    inputs = keras.Input((1,))
+    model = keras_stage.Model(
+        inputs, keras.layers.Dense(1)(StagedInput()(inputs))
+    )
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path), save_freq=2)
+    callbacks = _with_data_backup(model, [backup], steps_per_epoch)
+    data_backup = callbacks[1]
+    assert isinstance(data_backup, DataBackup)
+    data_backup._restore_next(lambda iterator: None, 6)
+    restore, got = model_state(model).pending_restores.pop("train")
+    assert got == left
