@@ -26,6 +26,7 @@ Example (what `StagingMixin.evaluate` does, `keras_evaluate` being
 """
 
 import contextlib
+import functools
 import warnings
 
 import keras
@@ -70,9 +71,11 @@ class StagedCall:
         self.phases = tuple(phases)
         self.user_callbacks = callbacks
         self.callbacks, self.prefetch = _with_prefetch_callback(callbacks)
+        # Per phase: the `StagedData` Keras iterates (see `_reopen`).
+        self._fed = {}
         if "train" in self.phases:
             self.callbacks = _with_data_backup(
-                model, self.callbacks, steps_per_epoch
+                model, self.callbacks, steps_per_epoch, self._reopen
             )
         self.built = []
         self._state = model_state(model)
@@ -139,6 +142,7 @@ class StagedCall:
                 state.placements.get(phase),
             )
         self._splits[phase] = data.split
+        self._fed[phase] = data
         self.prefetch.attach(
             phase,
             data.staged,
@@ -168,6 +172,18 @@ class StagedCall:
         if backends.graph_steps() and "predict" not in self.phases:
             return data.pipeline
         return data.eager_dataset
+
+    def _reopen(self, phase):
+        """Makes and drops an iterator of what Keras iterates in `phase`.
+
+        What Keras does at the end of an epoch it stepped through (it makes
+        the next epoch's iterator and makes another at that epoch's start):
+        for a source that draws per iterator (a reshuffling `shuffle`),
+        one draw of its sequence.
+        """
+        data = self._fed.get(phase)
+        if data is not None:
+            iter(self.feed(data))
 
     def run(self, keras_call, **kwargs):
         """`keras_call(callbacks=..., **kwargs)` with the staged steps."""
@@ -407,8 +423,13 @@ def _skips_end_epochs_early(layer, built=(), callbacks=()):
         yield
 
 
-def _with_data_backup(model, callbacks, steps_per_epoch=None):
-    """`callbacks` with a `DataBackup` right after a `BackupAndRestore`."""
+def _with_data_backup(model, callbacks, steps_per_epoch=None, reopen=None):
+    """`callbacks` with a `DataBackup` right after a `BackupAndRestore`.
+
+    `reopen(phase)`: makes the iterator Keras makes at the end of an epoch
+    it stepped through (`StagedCall._reopen`), for a resumed epoch that
+    ends before Keras's count of its steps (see `steps.track_iterator`).
+    """
     state = model_state(model)
     out = []
     for callback in callbacks:
@@ -424,7 +445,12 @@ def _with_data_backup(model, callbacks, steps_per_epoch=None):
                     # Keras reads one iterator across the epochs: the
                     # restored one holds the later epochs' batches too.
                     left = None
-                state.pending_restores["train"] = (restore, left)
+                end = (
+                    None
+                    if reopen is None
+                    else functools.partial(reopen, "train")
+                )
+                state.pending_restores["train"] = (restore, left, end)
 
             out.append(DataBackup(callback, current, restore_next))
     return out

@@ -158,11 +158,13 @@ def track_iterator(state, phase, iterator):
     See `DataBackup`: a resumed epoch's iterator continues from the saved
     position before its first step, and holds the epoch's batches after
     that position only, where Keras still counts the whole epoch's steps.
-    Their count, when known, ends the epoch (`resumed_epoch_ended`).
+    Their count, when known, ends the epoch (`resumed_epoch_ended`), with
+    `reopen()` (or None) making the iterator Keras makes at the end of an
+    epoch it stepped through.
     """
     pending = state.pending_restores.pop(phase, None)
     if pending is not None:
-        restore, left = pending
+        restore, left, reopen = pending
         restore(iterator)
     try:
         state.iterators[phase] = weakref.ref(iterator)
@@ -170,7 +172,7 @@ def track_iterator(state, phase, iterator):
         state.iterators.pop(phase, None)
         return
     if pending is not None and left is not None:
-        state.resumed_left[phase] = [state.iterators[phase], left]
+        state.resumed_left[phase] = [state.iterators[phase], left, reopen]
 
 
 def resumed_epoch_ended(state, phase, iterator, batches):
@@ -180,7 +182,9 @@ def resumed_epoch_ended(state, phase, iterator, batches):
     call, whose step fails at the end of the data: and a failing step
     still counts an optimizer iteration (TensorFlow orders the optimizer's
     counter after no read of the data), which a run never stopped does not
-    make there.
+    make there. An epoch ended here is one Keras did not step through, so
+    Keras skips the iterator it makes after one: it is made here instead
+    (a run never stopped draws its reshuffle sequence with it).
     """
     left = state.resumed_left.get(phase)
     if left is None or left[0]() is not iterator:
@@ -188,6 +192,8 @@ def resumed_epoch_ended(state, phase, iterator, batches):
         return False
     if left[1] <= 0:
         del state.resumed_left[phase]
+        if left[2] is not None:
+            left[2]()
         return True
     left[1] -= batches
     return False

@@ -318,9 +318,14 @@ def test_a_resumed_epoch_is_counted_down_only_with_an_iterator_per_epoch(
         inputs, keras.layers.Dense(1)(StagedInput()(inputs))
     )
     backup = keras.callbacks.BackupAndRestore(str(tmp_path), save_freq=2)
-    callbacks = _with_data_backup(model, [backup], steps_per_epoch)
+    reopened = []
+    callbacks = _with_data_backup(
+        model, [backup], steps_per_epoch, reopened.append
+    )
     data_backup = callbacks[1]
     assert isinstance(data_backup, DataBackup)
     data_backup._restore_next(lambda iterator: None, 6)
-    restore, got = model_state(model).pending_restores.pop("train")
+    restore, got, reopen = model_state(model).pending_restores.pop("train")
     assert got == left
+    reopen()  # Keras's end-of-epoch iterator, of the training data
+    assert reopened == ["train"]

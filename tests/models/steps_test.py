@@ -169,22 +169,27 @@ def test_a_resumed_epoch_ends_when_its_restored_batches_are_read():
             self.resumed_left = {}
             self.iterators = {}
 
-    state, restored = State(), []
+    state, restored, reopened = State(), [], []
     iterator = iter(tf.data.Dataset.range(10))
-    state.pending_restores["train"] = (restored.append, 5)
+    reopen = lambda: reopened.append(True)  # noqa: E731
+    state.pending_restores["train"] = (restored.append, 5, reopen)
     steps.track_iterator(state, "train", iterator)
     assert restored == [iterator]
     ended = [
         steps.resumed_epoch_ended(state, "train", iterator, 2) for _ in range(4)
     ]
     assert ended == [False, False, False, True]  # 2 + 2 + 1 batches
+    # Keras's iterator after an epoch it stepped through, made once.
+    assert reopened == [True]
     assert "train" not in state.resumed_left
     # Another iterator (the next epoch's) is not counted down.
-    state.resumed_left["train"] = [lambda: iterator, 0]
+    state.resumed_left["train"] = [lambda: iterator, 0, reopen]
     other = iter(tf.data.Dataset.range(3))
     assert not steps.resumed_epoch_ended(state, "train", other, 1)
+    assert reopened == [True]
     assert "train" not in state.resumed_left
     # Unknown epoch length: nothing to count.
-    state.pending_restores["train"] = (restored.append, None)
+    state.pending_restores["train"] = (restored.append, None, reopen)
     steps.track_iterator(state, "train", other)
     assert not steps.resumed_epoch_ended(state, "train", other, 1)
+    assert reopened == [True]
