@@ -27,6 +27,7 @@ import os
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 logger = logging.getLogger("keras_stage")
@@ -57,10 +58,17 @@ class DataBackup(keras.callbacks.Callback):
             the next training step, to restore its position, and the
             count of the epoch's steps left after that position (None if
             Keras does not know the epoch's length).
+        build_metrics: Called (if given) before the resumed epoch's
+            metrics get their saved values: builds them if Keras has not
+            yet (without a strategy it builds them as it traces the first
+            step, after the epoch began).
     """
 
-    def __init__(self, backup, current_iterator, restore_next):
+    def __init__(
+        self, backup, current_iterator, restore_next, build_metrics=None
+    ):
         super().__init__()
+        self._build_metrics = build_metrics
         self.backup = backup
         self.save_freq = backup.save_freq
         self.directory = os.path.join(backup.backup_dir, SUBDIR)
@@ -81,6 +89,7 @@ class DataBackup(keras.callbacks.Callback):
         pending, self._pending = self._pending, None
         if pending is not None and pending[0] == epoch:
             self._restore_next(pending[1], pending[2])
+            self._restore_metrics(pending[3])
 
     def on_train_batch_end(self, batch, logs=None):
         if self.save_freq == "epoch":
@@ -113,7 +122,46 @@ class DataBackup(keras.callbacks.Callback):
                 path = tf.train.Checkpoint(iterator=iterator).write(prefix)
             except (tf.errors.OpError, TypeError, ValueError) as e:
                 self._warn_unsaveable(e)
-        self._journal({"epoch": epoch, "batch": batch, "iterator": path})
+        self._journal(
+            {
+                "epoch": epoch,
+                "batch": batch,
+                "iterator": path,
+                "metrics": self._metric_values(),
+            }
+        )
+
+    def _metric_variables(self):
+        # The epoch's running metrics (the loss's mean and the compiled
+        # metrics), whose values the epoch's History entry reports.
+        model = self.model
+        if model is None:
+            return []
+        return [v for metric in model.metrics for v in metric.variables]
+
+    def _metric_values(self):
+        return [np.asarray(v).tolist() for v in self._metric_variables()]
+
+    def _restore_metrics(self, values):
+        """Gives the epoch's metrics the values saved with its position.
+
+        Keras resets them as every epoch begins: without this, a resumed
+        epoch's History entry would average its batches after the saved
+        one only, not the epoch's.
+        """
+        if values is not None and self._build_metrics is not None:
+            self._build_metrics()
+        variables = self._metric_variables()
+        if values is None or len(values) != len(variables):
+            logger.info(
+                "BackupAndRestore: the resumed epoch's metrics start from "
+                "zero (%s saved values for %d metric variables).",
+                "no" if values is None else len(values),
+                len(variables),
+            )
+            return
+        for variable, value in zip(variables, values, strict=True):
+            variable.assign(np.asarray(value, dtype=variable.dtype))
 
     def _journal(self, position):
         os.makedirs(self.directory, exist_ok=True)
@@ -175,4 +223,9 @@ class DataBackup(keras.callbacks.Callback):
         # position are what the restored iterator holds.
         steps = (self.params or {}).get("steps")
         left = None if steps is None else max(int(steps) - (batch + 1), 0)
-        self._pending = (position["epoch"], restore, left)
+        self._pending = (
+            position["epoch"],
+            restore,
+            left,
+            position.get("metrics"),
+        )

@@ -75,7 +75,11 @@ class StagedCall:
         self._fed = {}
         if "train" in self.phases:
             self.callbacks = _with_data_backup(
-                model, self.callbacks, steps_per_epoch, self._reopen
+                model,
+                self.callbacks,
+                steps_per_epoch,
+                self._reopen,
+                self._build_metrics,
             )
         self.built = []
         self._state = model_state(model)
@@ -184,6 +188,23 @@ class StagedCall:
         data = self._fed.get(phase)
         if data is not None:
             iter(self.feed(data))
+
+    def _build_metrics(self, phase):
+        """Builds the model's compile metrics and loss from `phase`'s specs.
+
+        Keras builds them as it traces the first step (without a strategy);
+        a resumed epoch gives them their saved values before that step.
+        """
+        data = self._fed.get(phase)
+        if (
+            data is None
+            or data.element_spec is None
+            or not backends.graph_steps()
+            or not _compat.builds_from_data(self.model)
+        ):
+            return
+        with self.model.distribute_strategy.scope():
+            _compat.symbolic_build(self.model, data.element_spec)
 
     def run(self, keras_call, **kwargs):
         """`keras_call(callbacks=..., **kwargs)` with the staged steps."""
@@ -423,12 +444,16 @@ def _skips_end_epochs_early(layer, built=(), callbacks=()):
         yield
 
 
-def _with_data_backup(model, callbacks, steps_per_epoch=None, reopen=None):
+def _with_data_backup(
+    model, callbacks, steps_per_epoch=None, reopen=None, build_metrics=None
+):
     """`callbacks` with a `DataBackup` right after a `BackupAndRestore`.
 
     `reopen(phase)`: makes the iterator Keras makes at the end of an epoch
     it stepped through (`StagedCall._reopen`), for a resumed epoch that
     ends before Keras's count of its steps (see `steps.track_iterator`).
+    `build_metrics(phase)`: builds the metrics the resumed epoch restores
+    (`StagedCall._build_metrics`).
     """
     state = model_state(model)
     out = []
@@ -452,7 +477,10 @@ def _with_data_backup(model, callbacks, steps_per_epoch=None, reopen=None):
                 )
                 state.pending_restores["train"] = (restore, left, end)
 
-            out.append(DataBackup(callback, current, restore_next))
+            build = None
+            if build_metrics is not None:
+                build = functools.partial(build_metrics, "train")
+            out.append(DataBackup(callback, current, restore_next, build))
     return out
 
 

@@ -14,6 +14,7 @@ import os
 import warnings
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -167,7 +168,12 @@ def test_without_an_iterator_the_journal_names_none(tmp_path):
     run = _Run(tmp_path, save_freq=1, iterator=False)
     run.callback.on_epoch_begin(0)
     run.callback.on_train_batch_end(0)
-    assert _journal(tmp_path) == {"epoch": 0, "batch": 0, "iterator": None}
+    assert _journal(tmp_path) == {
+        "epoch": 0,
+        "batch": 0,
+        "iterator": None,
+        "metrics": [],  # no model: no metrics
+    }
     assert _checkpoints(tmp_path) == []
 
 
@@ -199,3 +205,51 @@ def test_it_can_be_deep_copied_before_training(tmp_path):
     clone = copy.deepcopy(run.callback)
     assert clone.directory == run.callback.directory
     assert clone.save_freq == 2
+
+
+def test_the_resumed_epoch_s_metrics_continue_from_the_saved_values(tmp_path):
+    # Keras resets the metrics as each epoch begins; the resumed epoch's
+    # History entry must still average the whole epoch.
+    def model():
+        inputs = keras.Input((1,))
+        built = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+        built.compile("sgd", "mse", metrics=["mae"])
+        built.fit(tf.ones((4, 1)), tf.ones((4, 1)), verbose=0)  # builds
+        return built
+
+    first = _Run(tmp_path, save_freq=2)
+    first.callback.set_model(model())
+    variables = first.callback._metric_variables()
+    assert len(variables) >= 3  # the loss's total and count, mae's
+    for i, variable in enumerate(variables):
+        variable.assign(np.full(variable.shape, i + 0.5, variable.dtype))
+    first.train(0, 2)  # saved after batch 1, with those values
+    second = _Run(tmp_path, save_freq=2)
+    second.callback.set_model(model())
+    second.callback.on_train_begin()
+    for variable in second.callback._metric_variables():
+        variable.assign(np.zeros(variable.shape, variable.dtype))  # reset
+    second.callback.on_epoch_begin(0)
+    restored = [np.asarray(v) for v in second.callback._metric_variables()]
+    assert [float(v) for v in restored] == [
+        i + 0.5 for i in range(len(restored))
+    ]
+
+
+def test_the_metrics_are_built_before_they_get_their_saved_values(tmp_path):
+    # Without a strategy Keras builds its compile metrics as it traces the
+    # first step: a resumed epoch asks for them to be built first.
+    first = _Run(tmp_path, save_freq=2)
+    first.train(0, 2)
+    calls = []
+    second = _Run(tmp_path, save_freq=2)
+    second.callback = DataBackup(
+        second.backup,
+        lambda: second.iterator,
+        second._restore_next,
+        lambda: calls.append("build"),
+    )
+    second.callback.on_train_begin()
+    assert calls == []
+    second.callback.on_epoch_begin(0)
+    assert calls == ["build"] and len(second.restores) == 1

@@ -294,7 +294,7 @@ staged = keras_stage.layers.StagedInput(capacity=4, num_threads=2)(inputs)
 h = keras.layers.Dense(4)(keras.layers.Rescaling(0.01)(staged))
 model = keras_stage.Model(inputs, keras.layers.Dense(1)(h))
 # Adam: its update reads the optimizer's iteration count.
-model.compile(optimizer="adam", loss="mse", smart_stage=True)
+model.compile(optimizer="adam", loss="mse", metrics=["mae"], smart_stage=True)
 callbacks = [Kill()]
 if backup_dir != "-":
     callbacks.insert(0, keras.callbacks.BackupAndRestore(
@@ -305,9 +305,11 @@ if source == "dataset":  # reshuffled each epoch, from its seed's sequence
         {n}, seed=7).batch({batch}))
 else:  # Keras shuffles arrays the same in every epoch under a global seed
     data = dict(x=x, y=y, batch_size={batch}, shuffle=True)
-model.fit(**data, epochs={epochs}, verbose=0, callbacks=callbacks)
+history = model.fit(**data, epochs={epochs}, verbose=0, callbacks=callbacks)
 np.savez(out, *model.get_weights(),
-         iterations=int(model.optimizer.iterations))
+         iterations=int(model.optimizer.iterations),
+         loss=np.array(history.history["loss"]),
+         mae=np.array(history.history["mae"]))
 print("done")
 """
 
@@ -359,3 +361,7 @@ def test_a_resumed_run_ends_with_the_uninterrupted_run_s_iterations_and_weights(
     weights = [k for k in want.files if k.startswith("arr_")]
     for key in weights:
         np.testing.assert_array_equal(got[key], want[key])
+    # The History from the resume on: the resumed epoch's loss averages
+    # the whole epoch (its metrics saved with the position), as unstopped.
+    np.testing.assert_array_equal(got["loss"], want["loss"][1:])
+    np.testing.assert_array_equal(got["mae"], want["mae"][1:])
