@@ -275,6 +275,10 @@ import keras
 import keras_stage
 
 backup_dir, out, kill_at, source = sys.argv[1:5]
+# "e,b": after training batch b of epoch e; "val:e,b": after validation
+# batch b of epoch e's validation.
+during_validation = kill_at.startswith("val:")
+kill_at = kill_at.removeprefix("val:")
 kill_at = tuple(int(v) for v in kill_at.split(",")) if kill_at else None
 keras.utils.set_random_seed(0)
 
@@ -284,7 +288,11 @@ class Kill(keras.callbacks.Callback):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        if kill_at == (self.epoch, batch):
+        if not during_validation and kill_at == (self.epoch, batch):
+            os.kill(os.getpid(), 9)
+
+    def on_test_batch_end(self, batch, logs=None):
+        if during_validation and kill_at == (self.epoch, batch):
             os.kill(os.getpid(), 9)
 
 
@@ -305,22 +313,29 @@ if source == "dataset":  # reshuffled each epoch, from its seed's sequence
         {n}, seed=7).batch({batch}))
 else:  # Keras shuffles arrays the same in every epoch under a global seed
     data = dict(x=x, y=y, batch_size={batch}, shuffle=True)
-history = model.fit(**data, epochs={epochs}, verbose=0, callbacks=callbacks)
+history = model.fit(**data, epochs={epochs}, verbose=0, callbacks=callbacks,
+          validation_data=(x[:16], y[:16]), validation_batch_size={batch})
 np.savez(out, *model.get_weights(),
          iterations=int(model.optimizer.iterations),
          loss=np.array(history.history["loss"]),
-         mae=np.array(history.history["mae"]))
+         mae=np.array(history.history["mae"]),
+         val_loss=np.array(history.history["val_loss"]))
 print("done")
 """
 
 
 @pytest.mark.reliability
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("source", ["arrays", "dataset"])
+@pytest.mark.parametrize(
+    "source, kill_at",
+    [("arrays", "1,13"), ("dataset", "1,13"), ("arrays", "val:1,2")],
+    ids=["arrays", "dataset", "arrays-during-validation"],
+)
 def test_a_resumed_run_ends_with_the_uninterrupted_run_s_iterations_and_weights(
-    tmp_path, source
+    tmp_path, source, kill_at
 ):
-    # Killed in epoch 1 at batch 13, resumed after the save at batch 10.
+    # Killed in epoch 1 at batch 13, resumed after the save at batch 10
+    # (or during epoch 1's validation, resumed after the save at batch 20).
     # The resumed epoch's data ends 13 steps before Keras's count of the
     # epoch; a step that ran into that end still counted an optimizer
     # iteration (73 where 72 were trained), and Adam's later updates
@@ -350,7 +365,7 @@ def test_a_resumed_run_ends_with_the_uninterrupted_run_s_iterations_and_weights(
     reference = run("-", tmp_path / "reference.npz")
     assert reference.returncode == 0, reference.stderr[-3000:]
     backup = str(tmp_path / "backup")
-    killed = run(backup, tmp_path / "resumed.npz", "1,13")
+    killed = run(backup, tmp_path / "resumed.npz", kill_at)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     resumed = run(backup, tmp_path / "resumed.npz")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -365,3 +380,4 @@ def test_a_resumed_run_ends_with_the_uninterrupted_run_s_iterations_and_weights(
     # the whole epoch (its metrics saved with the position), as unstopped.
     np.testing.assert_array_equal(got["loss"], want["loss"][1:])
     np.testing.assert_array_equal(got["mae"], want["mae"][1:])
+    np.testing.assert_array_equal(got["val_loss"], want["val_loss"][1:])
