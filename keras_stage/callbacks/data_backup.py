@@ -8,7 +8,10 @@ each of those saves: a checkpoint of the tf.data iterator the training
 step reads (tf.data saves the shuffle buffers and the batches already in
 the stage's buffer with it). On restart the resumed epoch continues from
 the batch after the last save, so every example of every epoch is trained
-on exactly once.
+on exactly once. The resumed epoch ends when those batches are read (not a
+step later on the end of the data, which would count an optimizer
+iteration) and its metrics go on from the values saved with the position:
+the run goes on as one never stopped would (see docs/reliability.md).
 
 `keras_stage.Model.fit` adds one, right after the `BackupAndRestore` in the
 callbacks, whenever the run is staged; users do not create it.
