@@ -58,9 +58,9 @@ class DataBackup(keras.callbacks.Callback):
         current_iterator: Returns the iterator the training step read last
             (or None).
         restore_next: Called with a function of the iterator to run before
-            the next training step, to restore its position, and the
-            count of the epoch's steps left after that position (None if
-            Keras does not know the epoch's length).
+            the next training step, to restore its position, the count of
+            the epoch's steps left after that position (None if Keras does
+            not know the epoch's length), and the epoch, as it begins.
         build_metrics: Called (if given) before the resumed epoch's
             metrics get their saved values: builds them if Keras has not
             yet (without a strategy it builds them as it traces the first
@@ -91,7 +91,7 @@ class DataBackup(keras.callbacks.Callback):
         self._epoch = epoch
         pending, self._pending = self._pending, None
         if pending is not None and pending[0] == epoch:
-            self._restore_next(pending[1], pending[2])
+            self._restore_next(pending[1], pending[2], epoch)
             self._restore_metrics(pending[3])
 
     def on_train_batch_end(self, batch, logs=None):

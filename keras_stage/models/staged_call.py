@@ -177,17 +177,21 @@ class StagedCall:
             return data.pipeline
         return data.eager_dataset
 
-    def _reopen(self, phase):
-        """Makes and drops an iterator of what Keras iterates in `phase`.
+    def _reopen(self, phase, count=1):
+        """Makes and drops `count` iterators of `phase`'s source.
 
-        What Keras does at the end of an epoch it stepped through (it makes
-        the next epoch's iterator and makes another at that epoch's start):
-        for a source that draws per iterator (a reshuffling `shuffle`),
-        one draw of its sequence.
+        The draws Keras's own iterators make of a source that draws per
+        iterator (a reshuffling `shuffle`: each iterator takes the next
+        seed of its sequence); nothing for one whose iterators Keras gets
+        deferred (they draw nothing, see `StagedData.defers`). An iterator
+        of the source draws what one of the stage's pipeline over it draws,
+        without instantiating the staged computation.
         """
         data = self._fed.get(phase)
-        if data is not None:
-            iter(self.feed(data))
+        if data is None or data.defers or data.source is None:
+            return
+        for _ in range(count):
+            iter(data.source)
 
     def _build_metrics(self, phase):
         """Builds the model's compile metrics and loss from `phase`'s specs.
@@ -465,11 +469,24 @@ def _with_data_backup(
                 ref = state.iterators.get("train")
                 return None if ref is None else ref()
 
-            def restore_next(restore, left, state=state):
+            def restore_next(restore, left, epoch, state=state):
                 if steps_per_epoch is not None:
                     # Keras reads one iterator across the epochs: the
                     # restored one holds the later epochs' batches too.
                     left = None
+                elif reopen is not None:
+                    # A run never stopped drew 2 * epoch times from a
+                    # reshuffling source before this epoch's iterator
+                    # (Keras makes one as each epoch begins and one after
+                    # each it stepped through). The restore usually sets
+                    # the sequence's state itself; from a checkpoint taken
+                    # after the source's end (the stage had read the epoch
+                    # ahead) it does not, and makes one draw of its own,
+                    # as this epoch's new iterator makes one: these draws
+                    # come first (measured: the uninterrupted run's orders
+                    # at all 11 kill points tried, see
+                    # docs/reliability.md).
+                    reopen("train", max(2 * epoch - 1, 0))
                 end = (
                     None
                     if reopen is None

@@ -33,13 +33,15 @@ class _Run:
         self.iterator = iter(tf.data.Dataset.range(20)) if iterator else None
         self.restores = []
         self.steps_left = []
+        self.epochs = []
         self.callback = DataBackup(
             self.backup, lambda: self.iterator, self._restore_next
         )
 
-    def _restore_next(self, restore, left):
+    def _restore_next(self, restore, left, epoch):
         self.restores.append(restore)
         self.steps_left.append(left)
+        self.epochs.append(epoch)
 
     def train(self, epoch, batches):
         """The hooks of `batches` steps of `epoch`, each reading one element."""
@@ -129,7 +131,7 @@ def _saved_in_epoch_1(folder):
 def test_the_restore_runs_once_when_the_saved_epoch_begins(tmp_path):
     run = _saved_in_epoch_1(tmp_path)
     run.callback.on_epoch_begin(1)
-    assert len(run.restores) == 1
+    assert len(run.restores) == 1 and run.epochs == [1]
     run.callback.on_epoch_begin(2)
     assert len(run.restores) == 1
 

@@ -328,14 +328,26 @@ print("done")
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
     "source, kill_at",
-    [("arrays", "1,13"), ("dataset", "1,13"), ("arrays", "val:1,2")],
-    ids=["arrays", "dataset", "arrays-during-validation"],
+    [
+        ("arrays", "1,13"),
+        ("dataset", "1,13"),
+        ("arrays", "val:1,2"),
+        ("dataset", "val:1,2"),
+    ],
+    ids=[
+        "arrays",
+        "dataset",
+        "arrays-during-validation",
+        "dataset-during-validation",
+    ],
 )
 def test_a_resumed_run_ends_with_the_uninterrupted_run_s_iterations_and_weights(
     tmp_path, source, kill_at
 ):
     # Killed in epoch 1 at batch 13, resumed after the save at batch 10
-    # (or during epoch 1's validation, resumed after the save at batch 20).
+    # (or during epoch 1's validation, resumed after the save at batch 20,
+    # a checkpoint taken after the stage had read the epoch's source to
+    # its end).
     # The resumed epoch's data ends 13 steps before Keras's count of the
     # epoch; a step that ran into that end still counted an optimizer
     # iteration (73 where 72 were trained), and Adam's later updates
