@@ -195,7 +195,9 @@ def symbolic_build(model, data_spec):
     Under a tf.distribute strategy Keras builds them before the first step
     by calling the model on a batch of the data it iterates; with SmartStage
     that data holds the cut tensors, not the model's inputs. Building first
-    from the raw data's `element_spec` makes Keras's own build a no-op.
+    from the raw data's `element_spec` makes Keras's own build a no-op. A
+    resumed epoch builds them so too, before the first step's trace, to
+    give them the values saved with its position (`DataBackup`).
     """
     model._symbolic_build(data_batch=data_spec)
 
