@@ -71,7 +71,8 @@ class StagedCall:
         self.phases = tuple(phases)
         self.user_callbacks = callbacks
         self.callbacks, self.prefetch = _with_prefetch_callback(callbacks)
-        # Per phase: the `StagedData` Keras iterates (see `_reopen`).
+        # Per phase: the `StagedData` Keras iterates (its split is the one
+        # the phase's step runs; see also `_reopen`).
         self._fed = {}
         if "train" in self.phases:
             self.callbacks = _with_data_backup(
@@ -85,7 +86,6 @@ class StagedCall:
         self._state = model_state(model)
         # Per bound phase: the outer call's (runner, recording, placement).
         self._outer = {}
-        self._splits = {}
 
     # -- stages -----------------------------------------------------------
 
@@ -145,7 +145,6 @@ class StagedCall:
                 state.recording.get(phase),
                 state.placements.get(phase),
             )
-        self._splits[phase] = data.split
         self._fed[phase] = data
         self.prefetch.attach(
             phase,
@@ -213,7 +212,11 @@ class StagedCall:
     def run(self, keras_call, **kwargs):
         """`keras_call(callbacks=..., **kwargs)` with the staged steps."""
         model = self.model
-        splits = {phase: self._splits.get(phase) for phase in self.phases}
+        fed = {phase: self._fed.get(phase) for phase in self.phases}
+        splits = {
+            phase: None if data is None else data.split
+            for phase, data in fed.items()
+        }
         with (
             _skips_end_epochs_early(self.layer, self.built, self.callbacks),
             _staged_steps(model, self.phases, splits),
