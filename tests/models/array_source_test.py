@@ -12,21 +12,28 @@ from keras_stage.models.array_source import array_dataset
 ROWS = 25  # 6 batches of 4 and a partial one of 1
 
 
-def _adapter(shuffle, **kwargs):
+def _keras_adapter(x, **kwargs):
+    """Keras's adapter of `x`, its other arguments defaulted as fit's."""
     args = dict(
-        x={
-            "a": np.arange(ROWS * 2, dtype="float64").reshape(ROWS, 2),
-            "s": np.array([f"row{i}" for i in range(ROWS)], dtype=object),
-        },
-        y=np.arange(ROWS) % 3,
+        y=None,
         sample_weight=None,
-        batch_size=4,
+        batch_size=None,
         steps_per_epoch=None,
-        shuffle=shuffle,
+        shuffle=False,
         class_weight=None,
     )
     args.update(kwargs)
-    return _compat.get_data_adapter(**args)
+    return _compat.get_data_adapter(x=x, **args)
+
+
+def _adapter(shuffle, **kwargs):
+    x = {
+        "a": np.arange(ROWS * 2, dtype="float64").reshape(ROWS, 2),
+        "s": np.array([f"row{i}" for i in range(ROWS)], dtype=object),
+    }
+    args = dict(y=np.arange(ROWS) % 3, batch_size=4, shuffle=shuffle)
+    args.update(kwargs)
+    return _keras_adapter(x, **args)
 
 
 def _epochs(dataset, count=2):
@@ -84,27 +91,10 @@ def test_the_options_are_those_keras_sets():
 
 
 def test_other_sources_keep_keras_s_dataset():
-    dataset = tf.data.Dataset.range(4).batch(2)
-    adapter = _compat.get_data_adapter(
-        x=dataset,
-        y=None,
-        sample_weight=None,
-        batch_size=None,
-        steps_per_epoch=None,
-        shuffle=False,
-        class_weight=None,
-    )
+    adapter = _keras_adapter(tf.data.Dataset.range(4).batch(2))
     assert array_dataset(adapter, False) is None
     ragged = tf.ragged.constant([[1], [2, 3], [4], [5, 6, 7]])
-    adapter = _compat.get_data_adapter(
-        x=ragged,
-        y=np.zeros((4,)),
-        sample_weight=None,
-        batch_size=2,
-        steps_per_epoch=None,
-        shuffle=False,
-        class_weight=None,
-    )
+    adapter = _keras_adapter(ragged, y=np.zeros((4,)), batch_size=2)
     assert array_dataset(adapter, False) is None
 
 

@@ -124,12 +124,13 @@ print("done")
 """
 
 
-def _run(tmp_path, kill_at, deterministic, smart_stage, source):
+def _write_script(tmp_path, template):
+    """`tmp_path/train.py`: `template` filled in with this module's sizes."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
     script = tmp_path / "train.py"
     script.write_text(
         textwrap.dedent(
-            SCRIPT.format(
+            template.format(
                 root=root,
                 n=NUM_EXAMPLES,
                 batch=BATCH,
@@ -138,6 +139,11 @@ def _run(tmp_path, kill_at, deterministic, smart_stage, source):
             )
         )
     )
+    return script
+
+
+def _run(tmp_path, kill_at, deterministic, smart_stage, source):
+    script = _write_script(tmp_path, SCRIPT)
     args = [
         sys.executable,
         str(script),
@@ -356,19 +362,7 @@ def test_a_resumed_run_ends_with_the_uninterrupted_run_s_iterations_and_weights(
     # dataset's epoch 2 drew the order of the sequence's wrong draw.
     import numpy as np
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-    script = tmp_path / "train.py"
-    script.write_text(
-        textwrap.dedent(
-            SAME_RUN_SCRIPT.format(
-                root=root,
-                n=NUM_EXAMPLES,
-                batch=BATCH,
-                epochs=EPOCHS,
-                save_freq=SAVE_FREQ,
-            )
-        )
-    )
+    script = _write_script(tmp_path, SAME_RUN_SCRIPT)
 
     def run(backup, out, kill_at=""):
         args = [sys.executable, str(script), backup, str(out), kill_at, source]
