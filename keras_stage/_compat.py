@@ -265,3 +265,14 @@ def backend_seed_generators(layer):
     staged layers per batch through their generators' state variables.
     """
     return list(vars(layer).get("_backend_generators", {}).values())
+
+
+def backup_files(backup):
+    """The weights and metadata files a `BackupAndRestore` writes and loads.
+
+    Keras names them only in private attributes (`latest.weights.h5` and
+    `training_metadata.json` in its `backup_dir`). `DataBackup` keeps a copy
+    of both with each data position, to put the pair back when a kill tore
+    Keras's write or fell between it and `DataBackup`'s.
+    """
+    return backup._weights_path, backup._training_metadata_path

@@ -5,6 +5,8 @@ to update when a new TensorFlow or Keras release moves or changes it.
 """
 
 import importlib
+import json
+import os
 
 import keras
 import numpy as np
@@ -410,3 +412,26 @@ def test_service_server_port_reads_a_worker_s_port():
     finally:
         worker.stop()
         dispatcher.stop()
+
+
+def test_backup_files_are_the_files_backup_and_restore_writes(tmp_path):
+    backup = keras.callbacks.BackupAndRestore(
+        str(tmp_path), save_freq=1, delete_checkpoint=False
+    )
+    assert hasattr(backup, "_weights_path") and hasattr(
+        backup, "_training_metadata_path"
+    ), (
+        "keras.callbacks.BackupAndRestore no longer names its files in "
+        f"_weights_path/_training_metadata_path in Keras {keras.__version__}; "
+        + UPDATE.format("backup_files")
+    )
+    inputs = keras.Input((1,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.ones((2, 1)), np.ones((2, 1)), epochs=1, callbacks=[backup])
+    weights, metadata = _compat.backup_files(backup)
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [os.path.basename(weights), os.path.basename(metadata)]
+    )
+    with open(metadata) as f:
+        assert json.load(f) == {"epoch": 0, "batch": 0}  # saved at batch 0

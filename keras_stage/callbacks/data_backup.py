@@ -24,20 +24,28 @@ Python); with them the resumed epoch starts again from its first batch, as
 with plain Keras, and a warning says so.
 """
 
+import hashlib
 import json
 import logging
 import os
+import shutil
 import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_stage import _compat
+from keras_stage.planner.state_access import seed_states
+
 logger = logging.getLogger("keras_stage")
 
 # The folder inside the BackupAndRestore's backup_dir that holds ours.
 SUBDIR = "keras_stage_data"
 _JOURNAL = "position.json"
+# Iterator checkpoints kept: the journal's, and the one written after it
+# when a kill falls before the journal names it.
+_KEPT = 2
 
 
 def _write_json(path, value):
@@ -46,6 +54,67 @@ def _write_json(path, value):
     with open(tmp, "w") as f:
         json.dump(value, f)
     os.replace(tmp, path)
+
+
+def _copy(source, target):
+    """Copies `source` to `target` atomically; returns its sha256.
+
+    Written aside and renamed, so `target` is either the old file or the
+    whole new one, never a torn one.
+    """
+    digest = hashlib.sha256()
+    tmp = f"{target}.tmp"
+    with open(source, "rb") as src, open(tmp, "wb") as dst:
+        for chunk in iter(lambda: src.read(1 << 20), b""):
+            digest.update(chunk)
+            dst.write(chunk)
+    os.replace(tmp, target)
+    return digest.hexdigest()
+
+
+def _values(variables):
+    return [np.asarray(v).tolist() for v in variables]
+
+
+def _sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _read_text(path):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read()
+
+
+def _with_epoch(metadata, epoch):
+    """Keras's metadata file, made to name `epoch`; returns its text.
+
+    BackupAndRestore (Keras 3.15) learns the epoch it saves in only as an
+    epoch ends: a run resumed into epoch 2 writes epoch 0 in its saves
+    until then, and killed again there it would go back to epoch 0
+    (measured). Rewritten aside and renamed, right after Keras's write.
+    """
+    text = _read_text(metadata)
+    if text is None:
+        return None
+    values = json.loads(text)
+    if values.get("epoch") == epoch:
+        return text
+    values["epoch"] = epoch
+    text = json.dumps(values)
+    with open(f"{metadata}.tmp", "w") as f:
+        f.write(text)
+    os.replace(f"{metadata}.tmp", metadata)
+    return text
+
+
+class TornBackupError(RuntimeError):
+    """The backup folder holds no save whose parts belong together."""
 
 
 class DataBackup(keras.callbacks.Callback):
@@ -65,13 +134,37 @@ class DataBackup(keras.callbacks.Callback):
             metrics get their saved values: builds them if Keras has not
             yet (without a strategy it builds them as it traces the first
             step, after the epoch began).
+        stage_state: Returns (if given) a dict of `tf.Variable`s the
+            stage's pipeline reads and writes (the staged random layers'
+            element count), saved with the iterator and restored before it.
+        ordered: Whether the stage keeps the data's order
+            (`deterministic=True`). If not, a resumed run trains every
+            example once but in another order than a run never stopped,
+            and the first save warns once that its weights will differ.
+
+    Each save is one position in `backup_dir/keras_stage_data/`: the
+    iterator checkpoint (a `tf.train.CheckpointManager` keeping two), a
+    copy of the weights and metadata Keras wrote just before, and a
+    journal naming them, written last and atomically. `recover()`, run
+    before `BackupAndRestore` loads, puts that copy back when Keras's files
+    are not the ones the journal names (a kill during Keras's write, or
+    between it and ours), so the weights and the data position always
+    come from the same save.
     """
 
     def __init__(
-        self, backup, current_iterator, restore_next, build_metrics=None
+        self,
+        backup,
+        current_iterator,
+        restore_next,
+        build_metrics=None,
+        stage_state=None,
+        ordered=True,
     ):
         super().__init__()
+        self._ordered = ordered
         self._build_metrics = build_metrics
+        self._stage_state = stage_state or (lambda: {})
         self.backup = backup
         self.save_freq = backup.save_freq
         self.directory = os.path.join(backup.backup_dir, SUBDIR)
@@ -81,18 +174,24 @@ class DataBackup(keras.callbacks.Callback):
         self._last_batch_seen = 0
         self._since_save = 0
         self._epoch = 0
+        self._offset = 0
         self._saves = 0
         self._pending = None
-        self._warned = False
+        self._warned = set()
 
     # -- saving -------------------------------------------------------------
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
+        self._offset = 0
         pending, self._pending = self._pending, None
         if pending is not None and pending[0] == epoch:
             self._restore_next(pending[1], pending[2], epoch)
-            self._restore_metrics(pending[3])
+            self._restore_values(pending[3])
+            # Keras numbers the resumed epoch's batches from 0 again; the
+            # journal keeps the epoch's own numbers (a run killed again in
+            # this epoch resumes after the right batch).
+            self._offset = pending[3]["batch"] + 1
 
     def on_train_batch_end(self, batch, logs=None):
         if self.save_freq == "epoch":
@@ -104,7 +203,7 @@ class DataBackup(keras.callbacks.Callback):
         self._last_batch_seen = batch
         if self._since_save >= self.save_freq:
             self._since_save = 0
-            self._save(self._epoch, batch)
+            self._save(self._epoch, batch + self._offset)
 
     def on_epoch_end(self, epoch, logs=None):
         self._last_batch_seen = 0
@@ -113,26 +212,88 @@ class DataBackup(keras.callbacks.Callback):
             # starts from its first batch. (With a batch count it saves no
             # more at an epoch's end, and a run killed before the next
             # save resumes this epoch after its last saved batch.)
-            self._journal({"epoch": epoch + 1, "batch": -1, "iterator": None})
+            self._journal(epoch + 1, -1, None, None)
 
     def _save(self, epoch, batch):
+        if not self._ordered:
+            self._warn_once(
+                "unordered",
+                "BackupAndRestore: this stage has deterministic=False, so a "
+                "run resumed from this backup trains every example of the "
+                "interrupted epoch once, but not in the order of a run "
+                "never stopped: its weights will differ from that run's. "
+                "Set deterministic=True on the StagedInput for a resume "
+                "identical to never stopping.",
+            )
         iterator = self._current_iterator()
         path = None
         if iterator is not None:
-            self._saves += 1
-            prefix = os.path.join(self.directory, f"iterator-{self._saves}")
+            checkpoint = tf.train.Checkpoint(
+                iterator=iterator, **self._stage_state()
+            )
+            manager = tf.train.CheckpointManager(
+                checkpoint,
+                self.directory,
+                max_to_keep=_KEPT,
+                checkpoint_name="iterator",
+            )
             try:
-                path = tf.train.Checkpoint(iterator=iterator).write(prefix)
+                # Numbered by the optimizer's step: a resumed run that
+                # saves the same position again writes the same name.
+                path = manager.save(checkpoint_number=self._step())
             except (tf.errors.OpError, TypeError, ValueError) as e:
-                self._warn_unsaveable(e)
+                self._warn_once(
+                    "unsaveable",
+                    "BackupAndRestore: the training data's position cannot "
+                    "be saved, so a run restarted mid-epoch trains that "
+                    "epoch's first batches again (as plain Keras does). The "
+                    "data pipeline must be one tf.data can checkpoint: a "
+                    "Python generator or PyDataset is not (use a tf.data "
+                    "source), nor is a stage on the tf.data service (its "
+                    "workers hold the position). TensorFlow said: "
+                    f"{str(e).splitlines()[0]}",
+                )
         self._journal(
+            epoch,
+            batch,
+            path,
             {
-                "epoch": epoch,
-                "batch": batch,
-                "iterator": path,
-                "metrics": self._metric_values(),
-            }
+                "metrics": _values(self._metric_variables()),
+                "seeds": _values(self._seed_variables()),
+            },
         )
+
+    def _step(self):
+        self._saves += 1
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is None:
+            return self._saves  # hooks called by hand, without a model
+        return int(np.asarray(optimizer.iterations))
+
+    def _journal(self, epoch, batch, iterator, values):
+        """Writes the position with a copy of Keras's save, journal last.
+
+        The journal is renamed into place: until then the previous one
+        stands, with the previous copy, and `recover()` goes back to it.
+        """
+        os.makedirs(self.directory, exist_ok=True)
+        weights, metadata = _compat.backup_files(self.backup)
+        position = {"epoch": epoch, "batch": batch, "iterator": iterator}
+        position.update(values or {})
+        position["weights"] = None
+        if os.path.exists(weights):
+            previous = (self._read_journal() or {}).get("weights")
+            # Two names in turn: the copy the journal names stays whole
+            # while the next one is written.
+            name = (
+                "weights-b.h5" if previous == "weights-a.h5" else "weights-a.h5"
+            )
+            position["weights"] = name
+            position["weights_sha256"] = _copy(
+                weights, os.path.join(self.directory, name)
+            )
+            position["keras_metadata"] = _with_epoch(metadata, epoch)
+        _write_json(os.path.join(self.directory, _JOURNAL), position)
 
     def _metric_variables(self):
         # The epoch's running metrics (the loss's mean and the compiled
@@ -142,79 +303,157 @@ class DataBackup(keras.callbacks.Callback):
             return []
         return [v for metric in model.metrics for v in metric.variables]
 
-    def _metric_values(self):
-        return [np.asarray(v).tolist() for v in self._metric_variables()]
+    def _seed_variables(self):
+        # The random layers' seed generators (Dropout in the trunk draws
+        # from its state at every step): Keras's weights file leaves them
+        # out. Staged random layers draw from the stage's own count.
+        if self.model is None:
+            return []
+        return seed_states(self.model)
 
-    def _restore_metrics(self, values):
-        """Gives the epoch's metrics the values saved with its position.
+    def _restore_values(self, position):
+        """Gives the epoch's metrics and seeds the values saved with it.
 
-        Keras resets them as every epoch begins: without this, a resumed
-        epoch's History entry would average its batches after the saved
-        one only, not the epoch's.
+        Keras resets the metrics as every epoch begins: without this, a
+        resumed epoch's History entry would average its batches after the
+        saved one only, not the epoch's. The seed generators would start
+        where the new process's seed puts them, not where they were.
         """
-        if values is not None and self._build_metrics is not None:
+        if position.get("metrics") is not None and self._build_metrics:
             self._build_metrics()
-        variables = self._metric_variables()
-        if values is None or len(values) != len(variables):
-            logger.info(
-                "BackupAndRestore: the resumed epoch's metrics start from "
-                "zero (%s saved values for %d metric variables).",
-                "no" if values is None else len(values),
-                len(variables),
-            )
-            return
-        for variable, value in zip(variables, values, strict=True):
-            variable.assign(np.asarray(value, dtype=variable.dtype))
-
-    def _journal(self, position):
-        os.makedirs(self.directory, exist_ok=True)
-        previous = self._read_journal() or {}
-        _write_json(os.path.join(self.directory, _JOURNAL), position)
-        # Keep the iterator checkpoint just written and the one before.
-        keep = [
-            p for p in (position["iterator"], previous.get("iterator")) if p
-        ]
-        for name in os.listdir(self.directory):
-            path = os.path.join(self.directory, name)
-            if name.startswith("iterator-") and not any(
-                path.startswith(f"{k}.") for k in keep
-            ):
-                os.remove(path)
+        for key, variables in (
+            ("metrics", self._metric_variables()),
+            ("seeds", self._seed_variables()),
+        ):
+            values = position.get(key)
+            if values is None or len(values) != len(variables):
+                logger.info(
+                    "BackupAndRestore: the resumed epoch's %s start afresh "
+                    "(%s saved values for %d variables).",
+                    key,
+                    "no" if values is None else len(values),
+                    len(variables),
+                )
+                continue
+            for variable, value in zip(variables, values, strict=True):
+                variable.assign(np.asarray(value, dtype=variable.dtype))
 
     def _read_journal(self):
         path = os.path.join(self.directory, _JOURNAL)
         if not os.path.exists(path):
             return None
-        with open(path) as f:
-            return json.load(f)
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except ValueError as e:
+            raise TornBackupError(
+                f"The data position journal {path} cannot be read ({e}). "
+                "It is written aside and renamed, so this is not a kill "
+                "mid-write: the file was changed or the disk lost it. "
+                f"Delete {self.directory} to resume as plain Keras does "
+                "(the interrupted epoch from its first batch), or the "
+                f"whole {self.backup.backup_dir} to start over."
+            ) from e
 
-    def _warn_unsaveable(self, error):
-        if self._warned:
+    def _warn_once(self, key, message):
+        if key in self._warned:
             return
-        self._warned = True
-        message = (
-            "BackupAndRestore: the training data's position cannot be "
-            "saved, so a run restarted mid-epoch trains that epoch's first "
-            "batches again (as plain Keras does). The data pipeline must "
-            "be one tf.data can checkpoint: a Python generator or "
-            "PyDataset is not (use a tf.data source), nor is a stage on the "
-            "tf.data service (its workers hold the position). "
-            f"TensorFlow said: {str(error).splitlines()[0]}"
-        )
+        self._warned.add(key)
         warnings.warn(message, stacklevel=2)
         logger.warning(message)
 
     # -- restoring ----------------------------------------------------------
 
+    def recover(self):
+        """Makes Keras's backup files the ones the journal names.
+
+        Run before `BackupAndRestore` loads them (as `fit` begins). Keras
+        writes its weights and metadata in place, and this callback writes
+        its position after them: a kill during Keras's write leaves torn
+        files, and one between the two writes leaves weights one save
+        ahead of the data position. Either way the copy saved with the
+        journal goes back, and the run resumes from the save before the
+        interrupted one, whole. Raises `TornBackupError` if that copy is
+        not whole either.
+        """
+        position = self._read_journal()
+        if position is None or "weights" not in position:
+            return
+        weights, metadata = _compat.backup_files(self.backup)
+        if position["weights"] is None:
+            # Nothing saved yet: Keras's files, if any, are a first save
+            # cut before its data position was written.
+            if os.path.exists(weights):
+                for path in (weights, metadata):
+                    if os.path.exists(path):
+                        os.remove(path)
+                self._warn_once(
+                    "first",
+                    "BackupAndRestore: the first save in "
+                    f"{self.backup.backup_dir} was interrupted before its "
+                    "data position was written. The run starts again from "
+                    "its first batch.",
+                )
+            return
+        if (
+            os.path.exists(weights)
+            and _read_text(metadata) == position["keras_metadata"]
+            and _sha256(weights) == position["weights_sha256"]
+        ):
+            return
+        copy = os.path.join(self.directory, position["weights"])
+        if not (
+            os.path.exists(copy) and _sha256(copy) == position["weights_sha256"]
+        ):
+            raise TornBackupError(
+                f"The backup in {self.backup.backup_dir} is torn: Keras's "
+                f"weights ({weights}) are not those saved with the data "
+                f"position, and the copy kept with it ({copy}) is missing "
+                "or changed. Delete the folder to start over, or restore "
+                "it from a copy."
+            )
+        shutil.copyfile(copy, f"{weights}.tmp")
+        os.replace(f"{weights}.tmp", weights)
+        if position["keras_metadata"] is None:
+            if os.path.exists(metadata):
+                os.remove(metadata)
+        else:
+            with open(f"{metadata}.tmp", "w") as f:
+                f.write(position["keras_metadata"])
+            os.replace(f"{metadata}.tmp", metadata)
+        message = (
+            "BackupAndRestore: the last save in "
+            f"{self.backup.backup_dir} was interrupted (its weights are not "
+            "those saved with the data position). The run resumes from the "
+            f"save before it: epoch {position['epoch']}"
+            + (
+                f" after its batch {position['batch']}."
+                if position["batch"] >= 0
+                else ", from its first batch."
+            )
+        )
+        warnings.warn(message, stacklevel=2)
+        logger.warning(message)
+
     def on_train_begin(self, logs=None):
         # BackupAndRestore (just before) restored the weights and the epoch
         # to resume; the journal says where in that epoch its last save was.
         position = self._read_journal()
+        if position is None:
+            # A fresh run: say so in the folder, so that a kill during the
+            # first save (Keras's files and no position) is told apart.
+            self._journal(0, -1, None, None)
         if position is None or position["iterator"] is None:
             return
         path, batch = position["iterator"], position["batch"]
+        stage_state = self._stage_state
 
         def restore(iterator):
+            # The stage's state first: the restored iterator's threads
+            # start at once and carry it on.
+            state = stage_state()
+            if state:
+                tf.train.Checkpoint(**state).read(path).expect_partial()
             tf.train.Checkpoint(iterator=iterator).read(path).expect_partial()
             logger.info(
                 "BackupAndRestore: epoch %d resumes after its batch %d.",
@@ -226,9 +465,4 @@ class DataBackup(keras.callbacks.Callback):
         # position are what the restored iterator holds.
         steps = (self.params or {}).get("steps")
         left = None if steps is None else max(int(steps) - (batch + 1), 0)
-        self._pending = (
-            position["epoch"],
-            restore,
-            left,
-            position.get("metrics"),
-        )
+        self._pending = (position["epoch"], restore, left, position)

@@ -81,6 +81,7 @@ class StagedCall:
                 steps_per_epoch,
                 self._reopen,
                 self._build_metrics,
+                ordered=layer.stage_options.deterministic,
             )
         self.built = []
         self._state = model_state(model)
@@ -452,7 +453,12 @@ def _skips_end_epochs_early(layer, built=(), callbacks=()):
 
 
 def _with_data_backup(
-    model, callbacks, steps_per_epoch=None, reopen=None, build_metrics=None
+    model,
+    callbacks,
+    steps_per_epoch=None,
+    reopen=None,
+    build_metrics=None,
+    ordered=True,
 ):
     """`callbacks` with a `DataBackup` right after a `BackupAndRestore`.
 
@@ -460,7 +466,7 @@ def _with_data_backup(
     it stepped through (`StagedCall._reopen`), for a resumed epoch that
     ends before Keras's count of its steps (see `steps.track_iterator`).
     `build_metrics(phase)`: builds the metrics the resumed epoch restores
-    (`StagedCall._build_metrics`).
+    (`StagedCall._build_metrics`). `ordered`: the stage's `deterministic`.
     """
     state = model_state(model)
     out = []
@@ -497,10 +503,19 @@ def _with_data_backup(
                 )
                 state.pending_restores["train"] = (restore, left, end)
 
+            def stage_state(state=state):
+                ordinal = None if state.split is None else state.split.ordinal
+                return {} if ordinal is None else {"stage_ordinal": ordinal}
+
             build = None
             if build_metrics is not None:
                 build = functools.partial(build_metrics, "train")
-            out.append(DataBackup(callback, current, restore_next, build))
+            data_backup = DataBackup(
+                callback, current, restore_next, build, stage_state, ordered
+            )
+            # Before BackupAndRestore loads the files, as fit begins.
+            data_backup.recover()
+            out.append(data_backup)
     return out
 
 

@@ -659,16 +659,44 @@ class StageSplit:
         # Seconds spent tracing the staged computation so far.
         self.trace_seconds = 0.0
 
+    @property
+    def ordinal(self):
+        """The count of elements numbered so far (a `tf.Variable`), or None.
+
+        Saved with the iterator by `DataBackup`: a restored iterator's
+        count goes on in the scan `number` makes, and this carries it to
+        the iterators after.
+        """
+        return self._ordinal
+
     def number(self, dataset):
         """Tags each element with its ordinal, in order, if seeds need it.
 
-        A sequential map before the stage: the ordinal follows the data
-        order, not the order the stage's threads happen to run in.
+        A sequential scan before the stage: the ordinal follows the data
+        order, not the order the stage's threads happen to run in, and
+        goes on across iterators (epochs, calls) through `ordinal`.
         """
         if self._ordinal is None:
             return dataset
         ordinal = self._ordinal
-        return dataset.map(lambda *e: (ordinal.assign_add(1), e))
+
+        def step(count, element):
+            # `scan` passes a tuple element whole; `fn` takes a tuple.
+            if not isinstance(element, tuple):
+                element = (element,)
+            started, last = count
+            # An iterator's first element reads where the iterators
+            # before it stopped (the variable); after that the scan's own
+            # state counts, which tf.data saves with the iterator
+            # (`DataBackup`): a restored iterator numbers on where the
+            # saved one was. (Not a flat_map over the variable's value:
+            # that would make the source's iterator, and a reshuffling
+            # source's seed draw, wait for the first element.)
+            n = tf.cond(started, lambda: last, ordinal.read_value) + 1
+            with tf.control_dependencies([ordinal.assign(n)]):
+                return (True, n), (tf.identity(n), element)
+
+        return dataset.scan((False, tf.constant(0, tf.int64)), step)
 
     def stage_fn(self, training):
         """The staged computation of one element of a `number`ed dataset.

@@ -18,7 +18,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_stage.callbacks.data_backup import SUBDIR, DataBackup
+from keras_stage.callbacks.data_backup import (
+    SUBDIR,
+    DataBackup,
+    TornBackupError,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,7 +30,7 @@ pytestmark = pytest.mark.timeout(60)
 class _Run:
     """One training run's DataBackup, over one iterator of `range(20)`."""
 
-    def __init__(self, folder, save_freq=2, iterator=True):
+    def __init__(self, folder, save_freq=2, iterator=True, ordered=True):
         self.backup = keras.callbacks.BackupAndRestore(
             str(folder), save_freq=save_freq
         )
@@ -35,7 +39,10 @@ class _Run:
         self.steps_left = []
         self.epochs = []
         self.callback = DataBackup(
-            self.backup, lambda: self.iterator, self._restore_next
+            self.backup,
+            lambda: self.iterator,
+            self._restore_next,
+            ordered=ordered,
         )
 
     def _restore_next(self, restore, left, epoch):
@@ -152,7 +159,12 @@ def test_with_epoch_saves_the_next_epoch_starts_from_its_first_batch(
     run.train(0, 5)
     assert not os.path.exists(os.path.join(tmp_path, SUBDIR))  # no batch save
     run.callback.on_epoch_end(0)
-    assert _journal(tmp_path) == {"epoch": 1, "batch": -1, "iterator": None}
+    assert _journal(tmp_path) == {
+        "epoch": 1,
+        "batch": -1,
+        "iterator": None,
+        "weights": None,  # no Keras files here
+    }
     resumed = _Run(tmp_path, save_freq="epoch")
     resumed.callback.on_train_begin()
     resumed.callback.on_epoch_begin(1)
@@ -175,6 +187,8 @@ def test_without_an_iterator_the_journal_names_none(tmp_path):
         "batch": 0,
         "iterator": None,
         "metrics": [],  # no model: no metrics
+        "seeds": [],  # nor seed generators
+        "weights": None,  # no Keras files here
     }
     assert _checkpoints(tmp_path) == []
 
@@ -255,3 +269,184 @@ def test_the_metrics_are_built_before_they_get_their_saved_values(tmp_path):
     assert calls == []
     second.callback.on_epoch_begin(0)
     assert calls == ["build"] and len(second.restores) == 1
+
+
+def _keras_save(folder, weights, batch):
+    """What BackupAndRestore writes in place (epoch 0), before DataBackup."""
+    with open(os.path.join(folder, "latest.weights.h5"), "wb") as f:
+        f.write(weights)
+    with open(os.path.join(folder, "training_metadata.json"), "w") as f:
+        json.dump({"epoch": 0, "batch": batch}, f)
+
+
+def _files(folder):
+    with open(os.path.join(folder, "latest.weights.h5"), "rb") as f:
+        weights = f.read()
+    with open(os.path.join(folder, "training_metadata.json")) as f:
+        return weights, f.read()
+
+
+WEIGHTS = [bytes([i]) * 5000 for i in range(3)]
+
+
+def _saved_twice(folder):
+    """A run saved after batches 0 and 1 (Keras's files, then ours)."""
+    run = _Run(folder, save_freq=1)
+    run.callback.on_epoch_begin(0)
+    for batch in range(2):
+        next(run.iterator)
+        _keras_save(folder, WEIGHTS[batch], batch)
+        run.callback.on_train_batch_end(batch)
+    return run
+
+
+def test_each_position_keeps_a_copy_of_the_keras_save_it_goes_with(tmp_path):
+    _saved_twice(tmp_path)
+    position = _journal(tmp_path)
+    with open(tmp_path / SUBDIR / position["weights"], "rb") as f:
+        assert f.read() == WEIGHTS[1]
+    assert json.loads(position["keras_metadata"]) == {"epoch": 0, "batch": 1}
+    # Two names in turn: the journal's copy is never the one rewritten.
+    with open(tmp_path / SUBDIR / "weights-a.h5", "rb") as f:
+        assert f.read() == WEIGHTS[0]
+    assert position["weights"] == "weights-b.h5"
+
+
+def test_recover_leaves_a_whole_save_as_it_is(tmp_path):
+    run = _saved_twice(tmp_path)
+    before = _files(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run.callback.recover()
+    assert _files(tmp_path) == before
+
+
+def _torn_weights(folder):
+    # Killed while Keras wrote the weights of batch 2.
+    _keras_save(folder, WEIGHTS[2][:1234], 1)
+
+
+def _weights_ahead(folder):
+    # Killed after Keras's write of batch 2, before DataBackup's.
+    _keras_save(folder, WEIGHTS[2], 2)
+
+
+def _torn_metadata(folder):
+    # Killed while Keras wrote the metadata of batch 2.
+    _keras_save(folder, WEIGHTS[2], 2)
+    open(os.path.join(folder, "training_metadata.json"), "w").close()
+
+
+def _metadata_missing(folder):
+    # The same in a first save's metadata write.
+    _keras_save(folder, WEIGHTS[2], 2)
+    os.remove(os.path.join(folder, "training_metadata.json"))
+
+
+@pytest.mark.parametrize(
+    "interrupt",
+    [_torn_weights, _weights_ahead, _torn_metadata, _metadata_missing],
+)
+def test_recover_goes_back_to_the_last_whole_save(tmp_path, interrupt):
+    run = _saved_twice(tmp_path)
+    next(run.iterator)  # batch 2 trained, then the kill during its save
+    interrupt(tmp_path)
+
+    resumed = _Run(tmp_path, save_freq=1)
+    with pytest.warns(UserWarning, match="was interrupted") as caught:
+        resumed.callback.recover()
+    assert "epoch 0 after its batch 1" in str(caught[0].message)
+    weights, metadata = _files(tmp_path)
+    assert weights == WEIGHTS[1]
+    assert json.loads(metadata) == {"epoch": 0, "batch": 1}
+    # The data position is the same save's: batch 2 is read again.
+    resumed.callback.on_train_begin()
+    resumed.callback.on_epoch_begin(0)
+    resumed.restores[0](resumed.iterator)
+    assert int(next(resumed.iterator)) == 2
+
+
+def test_a_backup_with_no_whole_save_is_an_error_naming_it(tmp_path):
+    run = _saved_twice(tmp_path)
+    _torn_weights(tmp_path)
+    with open(tmp_path / SUBDIR / _journal(tmp_path)["weights"], "wb") as f:
+        f.write(b"changed")
+    with pytest.raises(TornBackupError, match="is torn") as raised:
+        run.callback.recover()
+    assert str(tmp_path) in str(raised.value)
+    assert "Delete the folder" in str(raised.value)
+
+
+def test_an_unreadable_journal_is_an_error_naming_it(tmp_path):
+    run = _saved_twice(tmp_path)
+    with open(tmp_path / SUBDIR / "position.json", "w") as f:
+        f.write('{"epoch": 0, "ba')
+    with pytest.raises(TornBackupError, match="position.json"):
+        run.callback.recover()
+
+
+def test_an_unordered_stage_warns_once_that_its_resume_differs(tmp_path):
+    run = _Run(tmp_path, save_freq=1, ordered=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.train(0, 3)
+    ours = [w for w in caught if "deterministic=False" in str(w.message)]
+    assert len(ours) == 1
+    assert "Set deterministic=True" in str(ours[0].message)
+    assert _journal(tmp_path)["iterator"]  # the position is still saved
+    ordered = _Run(tmp_path / "ordered", save_freq=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ordered.train(0, 3)
+
+
+def test_a_second_resume_in_the_same_epoch_continues_where_the_first_saved(
+    tmp_path,
+):
+    # Keras numbers a resumed epoch's batches from 0 again: the journal
+    # keeps the epoch's own batch numbers.
+    first = _Run(tmp_path, save_freq=2)
+    first.train(0, 4)  # saved after batch 3
+    second = _Run(tmp_path, save_freq=2)
+    second.callback.set_params({"steps": 10, "epochs": 1})
+    second.callback.on_train_begin()
+    second.callback.on_epoch_begin(0)
+    second.restores[0](second.iterator)
+    for batch in range(2):  # Keras's batches 0 and 1: the epoch's 4 and 5
+        next(second.iterator)
+        second.callback.on_train_batch_end(batch)
+    assert _journal(tmp_path)["batch"] == 5
+    third = _Run(tmp_path, save_freq=2)
+    third.callback.set_params({"steps": 10, "epochs": 1})
+    third.callback.on_train_begin()
+    third.callback.on_epoch_begin(0)
+    assert third.steps_left == [4]
+    third.restores[0](third.iterator)
+    assert int(next(third.iterator)) == 6
+
+
+def test_keras_s_metadata_names_the_epoch_the_save_was_made_in(tmp_path):
+    # Keras 3.15 writes epoch 0 in the saves of a run resumed into a later
+    # epoch until that epoch ends: killed again, it would go back to 0.
+    run = _Run(tmp_path, save_freq=1)
+    run.callback.on_epoch_begin(2)
+    next(run.iterator)
+    _keras_save(tmp_path, WEIGHTS[0], 0)  # {"epoch": 0, "batch": 0}
+    run.callback.on_train_batch_end(0)
+    _, metadata = _files(tmp_path)
+    assert json.loads(metadata) == {"epoch": 2, "batch": 0}
+    assert _journal(tmp_path)["keras_metadata"] == metadata
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _Run(tmp_path, save_freq=1).callback.recover()  # whole as it is
+
+
+def test_a_first_save_cut_before_its_position_starts_the_run_again(tmp_path):
+    run = _Run(tmp_path, save_freq=1)
+    run.callback.on_train_begin()  # a fresh run: the folder says so
+    _keras_save(tmp_path, WEIGHTS[0], 0)  # killed before DataBackup's save
+    resumed = _Run(tmp_path, save_freq=1)
+    with pytest.warns(UserWarning, match="first save .* was interrupted"):
+        resumed.callback.recover()
+    assert not os.path.exists(tmp_path / "latest.weights.h5")
+    assert not os.path.exists(tmp_path / "training_metadata.json")
