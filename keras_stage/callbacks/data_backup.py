@@ -11,7 +11,11 @@ the batch after the last save, so every example of every epoch is trained
 on exactly once. The resumed epoch ends when those batches are read (not a
 step later on the end of the data, which would count an optimizer
 iteration) and its metrics go on from the values saved with the position:
-the run goes on as one never stopped would (see docs/reliability.md).
+the run goes on as one never stopped would (see docs/reliability.md). The
+stage's element count (the staged random layers' seeds) is saved with the
+iterator, the seed generators of the trunk's random layers with the
+position, and `recover()` keeps the weights and the position from one save
+when a kill cuts a backup.
 
 `keras_stage.Model.fit` adds one, right after the `BackupAndRestore` in the
 callbacks, whenever the run is staged; users do not create it.
