@@ -443,10 +443,17 @@ class DataBackup(keras.callbacks.Callback):
         # BackupAndRestore (just before) restored the weights and the epoch
         # to resume; the journal says where in that epoch its last save was.
         position = self._read_journal()
-        if position is None:
+        weights, _ = _compat.backup_files(self.backup)
+        if position is None and not os.path.exists(weights):
             # A fresh run: say so in the folder, so that a kill during the
             # first save (Keras's files and no position) is told apart.
-            self._journal(0, -1, None, None)
+            # (Keras's files and no journal: a backup of plain Keras,
+            # resumed as Keras resumes it.)
+            os.makedirs(self.directory, exist_ok=True)
+            _write_json(
+                os.path.join(self.directory, _JOURNAL),
+                {"epoch": 0, "batch": -1, "iterator": None, "weights": None},
+            )
         if position is None or position["iterator"] is None:
             return
         path, batch = position["iterator"], position["batch"]

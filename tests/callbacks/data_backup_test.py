@@ -450,3 +450,16 @@ def test_a_first_save_cut_before_its_position_starts_the_run_again(tmp_path):
         resumed.callback.recover()
     assert not os.path.exists(tmp_path / "latest.weights.h5")
     assert not os.path.exists(tmp_path / "training_metadata.json")
+
+
+def test_a_plain_keras_backup_is_left_as_keras_wrote_it(tmp_path):
+    # Keras's files and no journal: resumed as Keras resumes it.
+    with open(tmp_path / "latest.weights.h5", "wb") as f:
+        f.write(WEIGHTS[0])
+    with open(tmp_path / "training_metadata.json", "w") as f:
+        json.dump({"epoch": 3, "batch": 0}, f)
+    run = _Run(tmp_path, save_freq=1)
+    run.callback.recover()
+    run.callback.on_train_begin()
+    assert _files(tmp_path) == (WEIGHTS[0], '{"epoch": 3, "batch": 0}')
+    assert not os.path.exists(tmp_path / SUBDIR / "position.json")
