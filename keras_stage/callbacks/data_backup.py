@@ -141,6 +141,9 @@ class DataBackup(keras.callbacks.Callback):
         stage_state: Returns (if given) a dict of `tf.Variable`s the
             stage's pipeline reads and writes (the staged random layers'
             element count), saved with the iterator and restored before it.
+        stage_restored: Called (if given) with the dict `stage_state`
+            returns once its variables hold their saved values, before the
+            iterator is restored.
         ordered: Whether the stage keeps the data's order
             (`deterministic=True`). If not, a resumed run trains every
             example once but in another order than a run never stopped,
@@ -164,8 +167,10 @@ class DataBackup(keras.callbacks.Callback):
         build_metrics=None,
         stage_state=None,
         ordered=True,
+        stage_restored=None,
     ):
         super().__init__()
+        self._stage_restored = stage_restored
         self._ordered = ordered
         self._build_metrics = build_metrics
         self._stage_state = stage_state or (lambda: {})
@@ -179,6 +184,8 @@ class DataBackup(keras.callbacks.Callback):
         self._since_save = 0
         self._epoch = 0
         self._offset = 0
+        self._stepped = False
+        self._untrained = None
         self._saves = 0
         self._pending = None
         self._warned = set()
@@ -188,6 +195,8 @@ class DataBackup(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._offset = 0
+        self._stepped = False
+        self._untrained = None
         pending, self._pending = self._pending, None
         if pending is not None and pending[0] == epoch:
             self._restore_next(pending[1], pending[2], epoch)
@@ -198,6 +207,7 @@ class DataBackup(keras.callbacks.Callback):
             self._offset = pending[3]["batch"] + 1
 
     def on_train_batch_end(self, batch, logs=None):
+        self._stepped = True
         if self.save_freq == "epoch":
             return
         if batch <= self._last_batch_seen:  # a new epoch
@@ -209,8 +219,26 @@ class DataBackup(keras.callbacks.Callback):
             self._since_save = 0
             self._save(self._epoch, batch + self._offset)
 
+    def on_test_begin(self, logs=None):
+        self._note_untrained_results()
+
+    def _note_untrained_results(self):
+        # A resumed epoch saved after its last batch runs no step, and
+        # Keras's epoch logs then lack the training metrics: their values
+        # are the ones restored, noted before validation reuses the
+        # metrics (History gets them, as from a run never stopped).
+        if self._offset and not self._stepped and self._untrained is None:
+            self._untrained = {
+                key: float(np.asarray(value))
+                for key, value in self.model.get_metrics_result().items()
+            }
+
     def on_epoch_end(self, epoch, logs=None):
         self._last_batch_seen = 0
+        self._note_untrained_results()
+        if self._untrained and logs is not None:
+            for key, value in self._untrained.items():
+                logs.setdefault(key, value)
         if self.save_freq == "epoch":
             # BackupAndRestore saved at the epoch's end: the next epoch
             # starts from its first batch. (With a batch count it saves no
@@ -457,7 +485,7 @@ class DataBackup(keras.callbacks.Callback):
         if position is None or position["iterator"] is None:
             return
         path, batch = position["iterator"], position["batch"]
-        stage_state = self._stage_state
+        stage_state, stage_restored = self._stage_state, self._stage_restored
 
         def restore(iterator):
             # The stage's state first: the restored iterator's threads
@@ -465,6 +493,8 @@ class DataBackup(keras.callbacks.Callback):
             state = stage_state()
             if state:
                 tf.train.Checkpoint(**state).read(path).expect_partial()
+                if stage_restored is not None:
+                    stage_restored(state)
             tf.train.Checkpoint(iterator=iterator).read(path).expect_partial()
             logger.info(
                 "BackupAndRestore: epoch %d resumes after its batch %d.",

@@ -478,6 +478,27 @@ def _with_data_backup(
                 ref = state.iterators.get("train")
                 return None if ref is None else ref()
 
+            def stage_restored(variables, state=state):
+                # Marks the restored iterator as having numbered nothing.
+                state.split.unnumbered.assign(True)
+
+            def drew_itself(left, state=state):
+                """Whether the restore drew a reshuffle seed of its own.
+
+                It does (measured with tf.data alone) when the saved
+                iterator held no more of the source: when it had handed
+                out the epoch's last batch (`left` 0), or, with the staged
+                random layers' numbering `scan` before the stage, when the
+                stage had read the source to its end (the restored scan
+                then numbered nothing: the mark is still set).
+                """
+                split = state.split
+                if split is not None and split.unnumbered is not None:
+                    drew = bool(split.unnumbered.numpy())
+                    split.unnumbered.assign(False)
+                    return drew
+                return left == 0
+
             def restore_next(restore, left, epoch, state=state):
                 if steps_per_epoch is not None:
                     # Keras reads one iterator across the epochs: the
@@ -488,19 +509,20 @@ def _with_data_backup(
                     # reshuffling source before this epoch's iterator
                     # (Keras makes one as each epoch begins and one after
                     # each it stepped through). The restore usually sets
-                    # the sequence's state itself; from a checkpoint taken
-                    # after the source's end (the stage had read the epoch
-                    # ahead) it does not, and makes one draw of its own,
-                    # as this epoch's new iterator makes one: these draws
-                    # come first (measured: the uninterrupted run's orders
-                    # at all 11 kill points tried, see
-                    # docs/reliability.md).
+                    # the sequence's state itself; when it draws one of
+                    # its own instead (`drew_itself`), as this epoch's new
+                    # iterator makes one, these draws come first; in epoch
+                    # 0 the two are one too many, and the end of the
+                    # epoch makes none (measured: the uninterrupted run's
+                    # orders, see docs/reliability.md).
                     reopen("train", max(2 * epoch - 1, 0))
-                end = (
-                    None
-                    if reopen is None
-                    else functools.partial(reopen, "train")
-                )
+                end = None
+                if reopen is not None:
+
+                    def end(epoch=epoch, left=left, drew_itself=drew_itself):
+                        if not (drew_itself(left) and epoch == 0):
+                            reopen("train")
+
                 state.pending_restores["train"] = (restore, left, end)
 
             def stage_state(state=state):
@@ -511,7 +533,13 @@ def _with_data_backup(
             if build_metrics is not None:
                 build = functools.partial(build_metrics, "train")
             data_backup = DataBackup(
-                callback, current, restore_next, build, stage_state, ordered
+                callback,
+                current,
+                restore_next,
+                build,
+                stage_state,
+                ordered,
+                stage_restored,
             )
             # Before BackupAndRestore loads the files, as fit begins.
             data_backup.recover()

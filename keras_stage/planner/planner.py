@@ -654,6 +654,12 @@ class StageSplit:
             if self.seed_states
             else None
         )
+        # Set when an iterator is restored (`DataBackup`); cleared as an
+        # element is numbered: still set, the restored iterator held no
+        # more of its source.
+        self.unnumbered = (
+            tf.Variable(False, trainable=False) if self.seed_states else None
+        )
         # Per training flag: (the state objects it was traced with, fn).
         self._stage_fns = {}
         # Seconds spent tracing the staged computation so far.
@@ -678,7 +684,7 @@ class StageSplit:
         """
         if self._ordinal is None:
             return dataset
-        ordinal = self._ordinal
+        ordinal, unnumbered = self._ordinal, self.unnumbered
 
         def step(count, element):
             # `scan` passes a tuple element whole; `fn` takes a tuple.
@@ -693,7 +699,8 @@ class StageSplit:
             # that would make the source's iterator, and a reshuffling
             # source's seed draw, wait for the first element.)
             n = tf.cond(started, lambda: last, ordinal.read_value) + 1
-            with tf.control_dependencies([ordinal.assign(n)]):
+            updates = [ordinal.assign(n), unnumbered.assign(False)]
+            with tf.control_dependencies(updates):
                 return (True, n), (tf.identity(n), element)
 
         return dataset.scan((False, tf.constant(0, tf.int64)), step)

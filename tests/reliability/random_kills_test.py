@@ -8,14 +8,12 @@ and compared with the same run never stopped: the same weights (bit for
 bit), optimizer iterations and History from the last resume on, and every
 step trained on the same examples in the same order.
 
-Two runs, each with `keras.utils.set_random_seed`, a Dropout in the trunk,
-Adam, `deterministic=True` and `BackupAndRestore(save_freq=5)`: a
-reshuffling seeded dataset; and shuffled arrays with a staged random
-augmentation layer (GaussianNoise). (Both at once is not yet identical: a
-backup made after the stage read epoch 0's source to its end resumes with
-the reshuffle one draw on, see docs/reliability.md.) The points are drawn
-anew each run; the seed is in every failure message
-(`KERAS_STAGE_KILL_SEED=...` replays it).
+Two runs, each with `keras.utils.set_random_seed`, a staged random
+augmentation layer (GaussianNoise), a Dropout in the trunk, Adam and
+`deterministic=True`: a reshuffling seeded dataset with
+`BackupAndRestore(save_freq=5)`, and shuffled arrays with `save_freq=6`
+(every epoch's last batch saved). The points are drawn anew each run; the
+seed is in every failure message (`KERAS_STAGE_KILL_SEED=...` replays it).
 """
 
 import json
@@ -36,7 +34,10 @@ BATCH = 4
 EPOCHS = 3
 STEPS = NUM_EXAMPLES // BATCH  # per epoch
 VAL_STEPS = 4
-SAVE_FREQ = 5
+# Backups every 5 steps of 24-step epochs (the last batch saved only
+# after a resume shifts them), or every 6 (the last batch of every epoch
+# saved: a resumed epoch with no step left).
+SAVE_FREQS = {"dataset": 5, "arrays": 6}
 KILLS = 20
 
 SCRIPT = """
@@ -48,7 +49,8 @@ import keras
 import keras_stage
 from keras_stage.callbacks import data_backup
 
-backup_dir, out, log_path, source, point = sys.argv[1:6]
+backup_dir, out, log_path, source, save_freq, point = sys.argv[1:7]
+save_freq = int(save_freq)
 # "train:g" after global step g; "val:e,b" after validation batch b of
 # epoch e; "end:e" at epoch e's end; "ahead:g", "tornw:g", "tornm:g",
 # "ours:g" at the first backup at or after step g: after Keras's write,
@@ -156,23 +158,21 @@ else:
     fit_data = dict(x=x, y=y, batch_size=B, shuffle=True)
 inputs = keras.Input((1,), name="x")
 noisy = keras_stage.layers.StagedInput(capacity=4, num_threads=2)(inputs)
-if source == "arrays":
-    # Small enough noise that the trunk still reads each id from x.
-    noisy = keras.layers.GaussianNoise(2e-4, seed=3, name="noise")(noisy)
+# Small enough noise that the trunk still reads each id from x.
+noisy = keras.layers.GaussianNoise(2e-4, seed=3, name="noise")(noisy)
 h = keras.layers.Dense(8, name="hidden")(noisy)
 h = keras.layers.Dropout(0.3, seed=5, name="drop")(h)
 h = Recorder(name="recorder")([h, noisy])
 model = keras_stage.Model(inputs, keras.layers.Dense(1, name="out")(h))
 model.compile(optimizer="adam", loss="mse", metrics=["mae"], smart_stage=True)
-if source == "arrays":
-    assert "noise" in model.get_stage_plan().staged_layers
+assert "noise" in model.get_stage_plan().staged_layers
 history = model.fit(
     **fit_data,
     epochs={epochs},
     verbose=0,
     validation_data=(x[:16], y[:16]),
     validation_batch_size=B,
-    callbacks=[Backup(backup_dir, save_freq={save_freq}), Points()],
+    callbacks=[Backup(backup_dir, save_freq=save_freq), Points()],
 )
 np.savez(
     out,
@@ -194,7 +194,7 @@ def _timeline():
     return points
 
 
-def _draw(rng):
+def _draw(rng, save_freq):
     """20 distinct points in run order, of every kind."""
     timeline = _timeline()
     by_kind = {}
@@ -203,10 +203,11 @@ def _draw(rng):
     chosen = rng.sample(by_kind["train"], 9)
     chosen += rng.sample(by_kind["val"], 4)
     chosen += rng.sample(by_kind["end"], 2)
-    # A backup comes within SAVE_FREQ steps of any step before the last
+    # A backup comes within save_freq steps of any step before the last
     # ones; a write point is the first backup at or after its step.
     steps = [p for p in by_kind["train"] if p not in chosen]
-    steps = [p for p in steps if int(p.split(":")[1]) <= 66]
+    last = EPOCHS * STEPS - save_freq
+    steps = [p for p in steps if int(p.split(":")[1]) < last]
     kinds = ["ahead", "tornw", "tornm", "ours"]
     writes = rng.sample(steps, 5)
     chosen += [
@@ -215,7 +216,7 @@ def _draw(rng):
 
     def position(point):
         # Where the run passes it. A write point fires at the first backup
-        # at or after its step: up to SAVE_FREQ - 1 steps later, which
+        # at or after its step: up to save_freq - 1 steps later, which
         # still leaves every later point reachable (the resumed run goes
         # back to the save before that backup, before the write point's
         # step).
@@ -240,7 +241,6 @@ def _script(tmp_path):
                 n=NUM_EXAMPLES,
                 batch=BATCH,
                 epochs=EPOCHS,
-                save_freq=SAVE_FREQ,
             )
         )
     )
@@ -264,14 +264,15 @@ def test_twenty_random_kills_resume_to_the_uninterrupted_run(tmp_path, source):
     drawn = random.SystemRandom().randrange(10**6)  # not the tests' seed
     seed = int(os.environ.get("KERAS_STAGE_KILL_SEED", drawn))
     rng = random.Random(seed)
-    points = _draw(rng)
+    save_freq = SAVE_FREQS[source]
+    points = _draw(rng, save_freq)
     assert len(set(points)) == KILLS
     replay = f"(replay: KERAS_STAGE_KILL_SEED={seed}; points {points})"
     script = _script(tmp_path)
 
     def run(backup, out, log, point=""):
         args = [sys.executable, str(script), backup, str(out), str(log)]
-        args += [source, point]
+        args += [source, str(save_freq), point]
         return subprocess.run(args, capture_output=True, text=True, timeout=300)
 
     reference = run(
