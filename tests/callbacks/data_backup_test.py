@@ -252,6 +252,61 @@ def test_the_resumed_epoch_s_metrics_continue_from_the_saved_values(tmp_path):
     ]
 
 
+def _compiled_model(metrics=("mae",), dropout=False):
+    inputs = keras.Input((1,))
+    x = keras.layers.Dropout(0.5, seed=1)(inputs) if dropout else inputs
+    built = keras.Model(inputs, keras.layers.Dense(1)(x))
+    built.compile("sgd", "mse", metrics=list(metrics))
+    built.fit(tf.ones((4, 1)), tf.ones((4, 1)), verbose=0)  # builds
+    return built
+
+
+def test_a_resumed_epoch_with_no_step_left_logs_its_restored_metrics(
+    tmp_path,
+):
+    # Saved after the epoch's last batch: the resumed epoch runs no step,
+    # and Keras's epoch logs hold the validation's only.
+    first = _Run(tmp_path, save_freq=2)
+    first.callback.set_model(_compiled_model())
+    for variable in first.callback._metric_variables():
+        variable.assign(np.full(variable.shape, 2.0, variable.dtype))
+    first.train(0, 2)  # saved after batch 1: mean loss 2 / 2 = 1
+    second = _Run(tmp_path, save_freq=2)
+    second.callback.set_model(_compiled_model())
+    second.callback.on_train_begin()
+    second.callback.on_epoch_begin(0)
+    second.callback.on_test_begin()  # validation reuses the metrics...
+    for variable in second.callback._metric_variables():
+        variable.assign(np.zeros(variable.shape, variable.dtype))
+    logs = {"val_loss": 0.5}
+    second.callback.on_epoch_end(0, logs)
+    assert logs == {"val_loss": 0.5, "loss": 1.0, "mae": 1.0}
+    # An epoch that stepped keeps Keras's logs as they are.
+    second.callback.on_epoch_begin(1)
+    second.callback.on_train_batch_end(0)
+    logs = {"loss": 3.0}
+    second.callback.on_epoch_end(1, logs)
+    assert logs == {"loss": 3.0}
+
+
+def test_the_trunk_s_seed_generators_resume_where_they_were(tmp_path):
+    # Keras's weights file leaves the seed generators out; Dropout draws
+    # from its state at every step.
+    first = _Run(tmp_path, save_freq=2)
+    first.callback.set_model(_compiled_model(dropout=True))
+    seeds = first.callback._seed_variables()
+    assert seeds
+    for variable in seeds:
+        variable.assign(np.array([7, 11], variable.dtype))
+    first.train(0, 2)
+    second = _Run(tmp_path, save_freq=2)
+    second.callback.set_model(_compiled_model(dropout=True))
+    second.callback.on_train_begin()
+    second.callback.on_epoch_begin(0)
+    for variable in second.callback._seed_variables():
+        assert np.asarray(variable).tolist() == [7, 11]
+
+
 def test_the_metrics_are_built_before_they_get_their_saved_values(tmp_path):
     # Without a strategy Keras builds its compile metrics as it traces the
     # first step: a resumed epoch asks for them to be built first.

@@ -745,3 +745,41 @@ def test_save_and_load_keep_smart_stage_longest(tmp_path):
     assert loaded.get_stage_plan() == model.get_stage_plan()
     assert "onehot" in loaded.get_stage_plan().staged_layers
     loaded.fit(IDS, TARGETS, batch_size=8, epochs=1, verbose=0)
+
+
+def test_the_random_layers_numbering_is_saved_with_the_iterator(tmp_path):
+    # Staged random layers draw per element number: the number goes on
+    # across iterators, and a restored iterator numbers on from its save.
+    from keras_stage.models.model_state import state
+
+    model = keras_stage.Model(
+        *_dense_model(keras.layers.GaussianNoise(0.1, seed=1, name="noise"))
+    )
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    model.get_stage_plan()  # plans the split
+    split = state(model).split
+    data = split.number(tf.data.Dataset.range(10).map(lambda i: (i, i)))
+    assert int(data.cardinality()) == 10  # Keras counts its steps
+    # As the stage does: the count's variable is state outside the
+    # pipeline, skipped by the iterator's checkpoint.
+    options = tf.data.Options()
+    options.experimental_external_state_policy = (
+        tf.data.experimental.ExternalStatePolicy.IGNORE
+    )
+    data = data.with_options(options)
+
+    def numbers(iterator, count):
+        return [int(next(iterator)[0]) for _ in range(count)]
+
+    assert numbers(iter(data), 10) == list(range(1, 11))
+    iterator = iter(data)
+    assert numbers(iterator, 3) == [11, 12, 13]  # on across iterators
+    path = tf.train.Checkpoint(iterator=iterator).write(str(tmp_path / "ck"))
+    numbers(iterator, 4)
+    split.ordinal.assign(0)  # a new process's count
+    split.unnumbered.assign(True)
+    restored = iter(data)
+    tf.train.Checkpoint(iterator=restored).read(path).expect_partial()
+    assert numbers(restored, 7) == list(range(14, 21))
+    assert int(split.ordinal.numpy()) == 20  # carried to the next iterator
+    assert not bool(split.unnumbered.numpy())  # cleared by the numbering
