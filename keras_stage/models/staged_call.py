@@ -479,7 +479,8 @@ def _with_data_backup(
                 return None if ref is None else ref()
 
             def stage_restored(variables, state=state):
-                # Marks the restored iterator as having numbered nothing.
+                # `variables` hold their saved values; the restored
+                # iterator has numbered nothing yet.
                 state.split.unnumbered.assign(True)
 
             def drew_itself(left, state=state):
@@ -511,10 +512,11 @@ def _with_data_backup(
                     # each it stepped through). The restore usually sets
                     # the sequence's state itself; when it draws one of
                     # its own instead (`drew_itself`), as this epoch's new
-                    # iterator makes one, these draws come first; in epoch
-                    # 0 the two are one too many, and the end of the
-                    # epoch makes none (measured: the uninterrupted run's
-                    # orders, see docs/reliability.md).
+                    # iterator makes one, these draws come first. In epoch
+                    # 0 those two already are the two a run never stopped
+                    # makes before epoch 1, and the epoch's end makes none
+                    # (measured: the uninterrupted run's orders, see
+                    # docs/reliability.md).
                     reopen("train", max(2 * epoch - 1, 0))
                 end = None
                 if reopen is not None:
