@@ -34,6 +34,7 @@ import logging
 import os
 import shutil
 import warnings
+import weakref
 
 import keras
 import numpy as np
@@ -188,6 +189,7 @@ class DataBackup(keras.callbacks.Callback):
         self._untrained = None
         self._saves = 0
         self._pending = None
+        self._saver = None  # (weakref to an iterator, its manager)
         self._warned = set()
 
     # -- saving -------------------------------------------------------------
@@ -260,19 +262,12 @@ class DataBackup(keras.callbacks.Callback):
         iterator = self._current_iterator()
         path = None
         if iterator is not None:
-            checkpoint = tf.train.Checkpoint(
-                iterator=iterator, **self._stage_state()
-            )
-            manager = tf.train.CheckpointManager(
-                checkpoint,
-                self.directory,
-                max_to_keep=_KEPT,
-                checkpoint_name="iterator",
-            )
             try:
                 # Numbered by the optimizer's step: a resumed run that
                 # saves the same position again writes the same name.
-                path = manager.save(checkpoint_number=self._step())
+                path = self._manager(iterator).save(
+                    checkpoint_number=self._step()
+                )
             except (tf.errors.OpError, TypeError, ValueError) as e:
                 self._warn_once(
                     "unsaveable",
@@ -294,6 +289,30 @@ class DataBackup(keras.callbacks.Callback):
                 "seeds": _values(self._seed_variables()),
             },
         )
+
+    def _manager(self, iterator):
+        """The checkpoint manager of `iterator`, kept while it is read.
+
+        A checkpoint and its manager cost more to make than a save (~15 ms
+        here): one per iterator (an epoch's), not one per save.
+        """
+        kept = self._saver
+        if kept is not None and kept[0]() is iterator:
+            return kept[1]
+        checkpoint = tf.train.Checkpoint(
+            iterator=iterator, **self._stage_state()
+        )
+        manager = tf.train.CheckpointManager(
+            checkpoint,
+            self.directory,
+            max_to_keep=_KEPT,
+            checkpoint_name="iterator",
+        )
+        try:
+            self._saver = (weakref.ref(iterator), manager)
+        except TypeError:  # not weakly referable: made again next time
+            self._saver = None
+        return manager
 
     def _step(self):
         self._saves += 1
