@@ -293,8 +293,8 @@ class DataBackup(keras.callbacks.Callback):
     def _manager(self, iterator):
         """The checkpoint manager of `iterator`, kept while it is read.
 
-        A checkpoint and its manager cost more to make than a save (~15 ms
-        here): one per iterator (an epoch's), not one per save.
+        Made once per iterator (an epoch's), not at every save: making a
+        checkpoint object also makes its save counter variable.
         """
         kept = self._saver
         if kept is not None and kept[0]() is iterator:
