@@ -32,7 +32,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import warnings
 import weakref
 
@@ -53,12 +52,16 @@ _JOURNAL = "position.json"
 _KEPT = 2
 
 
-def _write_json(path, value):
-    # Written aside and renamed: a kill mid-write leaves the old journal.
+def _write_text(path, text):
+    # Written aside and renamed: a kill mid-write leaves the old file.
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump(value, f)
+        f.write(text)
     os.replace(tmp, path)
+
+
+def _write_json(path, value):
+    _write_text(path, json.dumps(value))
 
 
 def _copy(source, target):
@@ -112,9 +115,7 @@ def _with_epoch(metadata, epoch):
         return text
     values["epoch"] = epoch
     text = json.dumps(values)
-    with open(f"{metadata}.tmp", "w") as f:
-        f.write(text)
-    os.replace(f"{metadata}.tmp", metadata)
+    _write_text(metadata, text)
     return text
 
 
@@ -463,15 +464,12 @@ class DataBackup(keras.callbacks.Callback):
                 "or changed. Delete the folder to start over, or restore "
                 "it from a copy."
             )
-        shutil.copyfile(copy, f"{weights}.tmp")
-        os.replace(f"{weights}.tmp", weights)
+        _copy(copy, weights)
         if position["keras_metadata"] is None:
             if os.path.exists(metadata):
                 os.remove(metadata)
         else:
-            with open(f"{metadata}.tmp", "w") as f:
-                f.write(position["keras_metadata"])
-            os.replace(f"{metadata}.tmp", metadata)
+            _write_text(metadata, position["keras_metadata"])
         message = (
             "BackupAndRestore: the last save in "
             f"{self.backup.backup_dir} was interrupted (its weights are not "
