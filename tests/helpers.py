@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import traceback
@@ -177,6 +178,18 @@ def printed_in_fresh_python(code, timeout=100):
         timeout=timeout,
         check=True,
     ).stdout
+
+
+def write_script(folder, template, **values):
+    """`folder/train.py`: `template` filled in with `values` and `root`.
+
+    `root` is the repository's folder, for the script's `sys.path`: the
+    reliability tests run training scripts in processes they kill.
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = folder / "train.py"
+    script.write_text(textwrap.dedent(template.format(root=root, **values)))
+    return script
 
 
 def result_of_script(code, timeout):

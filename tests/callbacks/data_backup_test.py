@@ -58,6 +58,19 @@ class _Run:
             self.callback.on_train_batch_end(batch)
 
 
+def _resumed(folder, steps, epochs):
+    """The next run's `_Run` (save_freq 2), resumed into its epoch 0.
+
+    Keras gives the callbacks the epoch's step count, then begins the run
+    (restored weights) and the epoch.
+    """
+    run = _Run(folder, save_freq=2)
+    run.callback.set_params({"steps": steps, "epochs": epochs})
+    run.callback.on_train_begin()
+    run.callback.on_epoch_begin(0)
+    return run
+
+
 def _journal(folder):
     with open(os.path.join(folder, SUBDIR, "position.json")) as f:
         return json.load(f)
@@ -113,15 +126,9 @@ def test_the_restore_says_how_many_of_the_epoch_s_steps_are_left(tmp_path):
     # holds those after the saved batch only.
     first = _Run(tmp_path, save_freq=2)
     first.train(0, 4)  # saved after batch 3
-    second = _Run(tmp_path, save_freq=2)
-    second.callback.set_params({"steps": 10, "epochs": 2})
-    second.callback.on_train_begin()
-    second.callback.on_epoch_begin(0)
+    second = _resumed(tmp_path, 10, 2)
     assert second.steps_left == [6]
-    unknown = _Run(tmp_path, save_freq=2)  # a dataset of unknown length
-    unknown.callback.set_params({"steps": None, "epochs": 2})
-    unknown.callback.on_train_begin()
-    unknown.callback.on_epoch_begin(0)
+    unknown = _resumed(tmp_path, None, 2)  # a dataset of unknown length
     assert unknown.steps_left == [None]
 
 
@@ -462,19 +469,13 @@ def test_a_second_resume_in_the_same_epoch_continues_where_the_first_saved(
     # keeps the epoch's own batch numbers.
     first = _Run(tmp_path, save_freq=2)
     first.train(0, 4)  # saved after batch 3
-    second = _Run(tmp_path, save_freq=2)
-    second.callback.set_params({"steps": 10, "epochs": 1})
-    second.callback.on_train_begin()
-    second.callback.on_epoch_begin(0)
+    second = _resumed(tmp_path, 10, 1)
     second.restores[0](second.iterator)
     for batch in range(2):  # Keras's batches 0 and 1: the epoch's 4 and 5
         next(second.iterator)
         second.callback.on_train_batch_end(batch)
     assert _journal(tmp_path)["batch"] == 5
-    third = _Run(tmp_path, save_freq=2)
-    third.callback.set_params({"steps": 10, "epochs": 1})
-    third.callback.on_train_begin()
-    third.callback.on_epoch_begin(0)
+    third = _resumed(tmp_path, 10, 1)
     assert third.steps_left == [4]
     third.restores[0](third.iterator)
     assert int(next(third.iterator)) == 6

@@ -22,10 +22,11 @@ import random
 import signal
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
+
+from tests.helpers import write_script
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(1200)]
 
@@ -232,19 +233,9 @@ def _draw(rng, save_freq):
 
 
 def _script(tmp_path):
-    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-    script = tmp_path / "train.py"
-    script.write_text(
-        textwrap.dedent(
-            SCRIPT.format(
-                root=root,
-                n=NUM_EXAMPLES,
-                batch=BATCH,
-                epochs=EPOCHS,
-            )
-        )
+    return write_script(
+        tmp_path, SCRIPT, n=NUM_EXAMPLES, batch=BATCH, epochs=EPOCHS
     )
-    return script
 
 
 def _trained(log_path):

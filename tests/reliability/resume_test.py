@@ -14,11 +14,12 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import warnings
 from collections import Counter
 
 import pytest
+
+from tests.helpers import write_script
 
 NUM_EXAMPLES = 96
 BATCH = 4
@@ -126,20 +127,14 @@ print("done")
 
 def _write_script(tmp_path, template):
     """`tmp_path/train.py`: `template` filled in with this module's sizes."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-    script = tmp_path / "train.py"
-    script.write_text(
-        textwrap.dedent(
-            template.format(
-                root=root,
-                n=NUM_EXAMPLES,
-                batch=BATCH,
-                epochs=EPOCHS,
-                save_freq=SAVE_FREQ,
-            )
-        )
+    return write_script(
+        tmp_path,
+        template,
+        n=NUM_EXAMPLES,
+        batch=BATCH,
+        epochs=EPOCHS,
+        save_freq=SAVE_FREQ,
     )
-    return script
 
 
 def _run(tmp_path, kill_at, deterministic, smart_stage, source):
