@@ -81,12 +81,15 @@ class _Binding:
         long_lived=False,
         switch=None,
         adapts_pool=True,
+        pool_shrinks=True,
     ):
         self.phase = phase
         self.staged = staged
         self.adapter = adapter
-        # Whether the verdict resizes the stage's pool between epochs.
+        # Whether the verdict resizes the stage's pool between epochs, and
+        # whether it may shrink it.
         self.adapts_pool = adapts_pool
+        self.pool_shrinks = pool_shrinks
         # The `EpochSwitch` that may run epochs without the stage, or None.
         self.switch = switch
         # Whether the stage runs the call's epochs on one iterator: what
@@ -254,17 +257,25 @@ class PrefetchCallback(keras.callbacks.Callback):
         long_lived=False,
         switch=None,
         adapts_pool=True,
+        pool_shrinks=True,
     ):
         """Registers the stage feeding `phase` ("train", "test", "predict").
 
         `long_lived`: whether the stage runs the call's epochs on one
         iterator. `switch`: the fit's `EpochSwitch`, if its epochs may run
         without the stage. `adapts_pool`: whether an adaptive pool is
-        resized after each epoch (see `keras_stage.data.pool`). Called by
+        resized after each epoch (see `keras_stage.data.pool`);
+        `pool_shrinks`: whether it may shrink, or only grows. Called by
         `keras_stage.Model`; users do not need it.
         """
         self._bindings[phase] = _Binding(
-            phase, staged, adapter, long_lived, switch, adapts_pool
+            phase,
+            staged,
+            adapter,
+            long_lived,
+            switch,
+            adapts_pool,
+            pool_shrinks,
         )
 
     def close(self, timeout=5.0):
@@ -460,7 +471,7 @@ class PrefetchCallback(keras.callbacks.Callback):
             and binding.adapts_pool
             and self.verdict["input_bound"] is not None
         ):
-            self._adapt_pool(pool, self.verdict)
+            self._adapt_pool(pool, self.verdict, binding.pool_shrinks)
         self.verdict["staged"] = True
         self._add_switch_report(switch)
         self._write_summaries(epoch, stats, self.verdict)
@@ -508,13 +519,14 @@ class PrefetchCallback(keras.callbacks.Callback):
         if report is not None:
             self.verdict["message"] += " " + report
 
-    def _adapt_pool(self, pool, verdict):
+    def _adapt_pool(self, pool, verdict, shrink=True):
         """Resizes the stage's pool for the next epoch from `verdict`."""
         before = pool.size
         after = pool.adapt(
             verdict["input_bound"],
             verdict["suggested_num_threads"],
             cores_busy=verdict["cores_busy"],
+            shrink=shrink,
         )
         verdict["next_thread_pool_size"] = after
         if after != before:

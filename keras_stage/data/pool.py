@@ -50,22 +50,30 @@ class StagePool:
             what tf.data's shared pool has.
         most: The most threads `adapt` gives a stage that waits on IO
             (`StageOptions.most_pool_size`). Defaults to `largest`.
+        start: The size the first iterator's pool gets. Defaults to
+            `largest`.
     """
 
-    def __init__(self, name, largest, smallest, most=None):
+    def __init__(self, name, largest, smallest, most=None, start=None):
         most = largest if most is None else most
+        start = largest if start is None else start
         if not 1 <= smallest <= largest <= most:
             raise ValueError(
                 f"Invalid pool bounds for stage '{name}': expected "
                 f"1 <= smallest <= largest <= most. Received: "
                 f"smallest={smallest}, largest={largest}, most={most}"
             )
+        if not 1 <= start <= most:
+            raise ValueError(
+                f"Invalid starting pool size for stage '{name}': expected 1 "
+                f"to {most}. Received: start={start}"
+            )
         self.name = name
         self.largest = int(largest)
         self.smallest = int(smallest)
         self.most = int(most)
         # Read only in Python, when an iterator is made: no graph needs it.
-        self._size = self.largest
+        self._size = int(start)
         # The fewest threads `adapt` gives (see there).
         self._fewest = 1
 
@@ -97,7 +105,7 @@ class StagePool:
         self._size = threads
         return threads
 
-    def adapt(self, input_bound, needed_threads, cores_busy=True):
+    def adapt(self, input_bound, needed_threads, cores_busy=True, shrink=True):
         """Sizes the next epoch's pool from the epoch that ended.
 
         An input-bound epoch gets at least `largest` back: a stage that
@@ -115,7 +123,9 @@ class StagePool:
         is. Shrinking to an in-between size is what a stage that waits on
         IO must not get: its threads cost no CPU, and the suggestion moves
         with every epoch's step time (on the `remote` benchmark it ranged
-        over 7-14, and pools sized from it kept the step waiting).
+        over 7-14, and pools sized from it kept the step waiting). With
+        `shrink=False` the pool only grows: an epoch that kept up leaves
+        it as it is.
 
         Args:
             input_bound: Whether the epoch kept the step waiting.
@@ -123,6 +133,8 @@ class StagePool:
             cores_busy: Whether the process kept the machine's cores busy
                 over the epoch. Defaults to True (no growth past
                 `largest`).
+            shrink: Whether an epoch that kept up may shrink the pool.
+                Defaults to True.
 
         Returns:
             The new size.
@@ -133,7 +145,7 @@ class StagePool:
                 self._fewest = max(self._fewest, self.size + 1)
             wanted = self.largest if cores_busy else int(needed_threads)
             threads = min(self.most, max(self.size, self.largest, wanted))
-        elif int(needed_threads) <= self.smallest:
+        elif shrink and int(needed_threads) <= self.smallest:
             wanted = max(1, int(needed_threads), self._fewest)
             threads = min(self.smallest, wanted)
         else:

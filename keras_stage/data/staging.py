@@ -133,6 +133,7 @@ def _build_pipeline(
     pool_size=None,
     measured=True,
     ledger=None,
+    reads_in_python=False,
 ):
     """The stage's pipelines: `(lean, measured)`.
 
@@ -142,6 +143,8 @@ def _build_pipeline(
     stage's `StagePool`, or None for a fixed pool; `pool_size`: with a
     `StagePool`, the size of the pool these pipelines run on. `ledger`:
     the `ServiceLedger` of a stage on the tf.data service.
+    `reads_in_python`: whether the consumer reads every element through
+    the stage's eager iterators (`StageIterator`).
     """
     name = options.name
     num_threads = (
@@ -150,12 +153,19 @@ def _build_pipeline(
     capacity = (
         tf.data.AUTOTUNE if options.capacity == AUTO else options.capacity
     )
-    if fn is None and capacity == tf.data.AUTOTUNE and placement.device is None:
-        # tf.data's autotuner keeps the buffer of a stage with nothing to
-        # compute at about one element (its source is never late), so a
-        # consumer's next call seldom knows its batch is there and pays a
-        # count read or the timeout's hand-off (see `ReadyElements`); a few
-        # more host-side elements spare most of them.
+    if (
+        capacity == tf.data.AUTOTUNE
+        and placement.device is None
+        and (fn is None or reads_in_python)
+    ):
+        # tf.data's autotuner keeps the buffer of a stage that keeps up at
+        # about one element (its source is never late), so a consumer's
+        # next call seldom knows its batch is there and pays a count read
+        # or the timeout's hand-off (see `ReadyElements`); a few more
+        # host-side elements spare most of them. A compiled step returns
+        # the count with its outputs (`StageStats.take_report`); an eager
+        # iterator has to read it: about 70 us a batch on the JAX tabular
+        # benchmark, whose steps take 0.8 ms.
         capacity = IDLE_CAPACITY
 
     # tf.data passes a tuple element (exactly `tuple`) as separate
@@ -311,8 +321,11 @@ def _build_pipeline(
     return lean, measure(host).apply(to_device(device, 1))
 
 
-def _stage_pool(fn, options, stats):
-    """The `StagePool` the stage's work runs on, or None for a fixed pool."""
+def _stage_pool(fn, options, stats, start=None):
+    """The `StagePool` the stage's work runs on, or None for a fixed pool.
+
+    `start`: the size its first iterator gets (None: its largest).
+    """
     if fn is None or not options.adaptive_pool:
         return None
     if stats.pool is None:
@@ -321,6 +334,7 @@ def _stage_pool(fn, options, stats):
             largest=options.resolved_pool_size(),
             smallest=options.smallest_pool_size(),
             most=options.most_pool_size(),
+            start=start,
         )
     return stats.pool
 
@@ -626,6 +640,8 @@ def build_stage(
     cardinality=None,
     consumer_records=False,
     per_copy=None,
+    reads_in_python=False,
+    pool_start=None,
 ):
     """`stage()` with validated `StageOptions` and the `StageStats` to use.
 
@@ -641,7 +657,11 @@ def build_stage(
     and the number of batches an epoch then has, if known. `per_copy`:
     with a service, the examples one pass over `dataset` holds (with
     `rebatch`), for the `ServiceLedger`; `stage()` counts elements, and
-    takes the dataset's cardinality.
+    takes the dataset's cardinality. `reads_in_python`: whether the
+    consumer reads every element through the stage's eager iterators
+    (then an `"auto"` host buffer holds `IDLE_CAPACITY` elements, see
+    `_build_pipeline`). `pool_start`: the size an adaptive pool starts at
+    (None: its largest; see `StagePool`).
     """
     if stats is None:
         stats = new_stats(options)
@@ -663,7 +683,7 @@ def build_stage(
     with tf.init_scope(), tf.device("/CPU:0"):
         gate = tf.Variable(True, trainable=False, name=f"{options.name}_open")
     placement = Placement.resolve(options, distributed, unpacks)
-    pool = _stage_pool(fn, options, stats)
+    pool = _stage_pool(fn, options, stats, pool_start)
 
     def build(pool_size=None):
         return _build_pipeline(
@@ -679,6 +699,7 @@ def build_stage(
             pool_size,
             measured=not consumer_records,
             ledger=ledger,
+            reads_in_python=reads_in_python,
         )
 
     if pool is None:

@@ -184,6 +184,8 @@ class StagedInput(keras.layers.Layer):
         cardinality=None,
         consumer_records=False,
         per_copy=None,
+        reads_in_python=False,
+        pool_start=None,
         **overrides,
     ):
         """Stages `dataset` with this layer's options.
@@ -212,6 +214,12 @@ class StagedInput(keras.layers.Layer):
                 pass over `dataset` holds, if known, so that each epoch's
                 lost and repeated examples are counted
                 (`StagedDataset.service_ledger`). Defaults to `None`.
+            reads_in_python: Whether the consumer reads every element
+                through the stage's eager iterators (an `"auto"` buffer
+                then holds a few elements, so that most reads find theirs
+                counted ready). Defaults to `False`.
+            pool_start: The threads an adaptive pool starts with, or `None`
+                for its largest. Defaults to `None`.
             **overrides: Options that differ from the layer's for this
                 stage (e.g. `service=None` to stage in this process).
 
@@ -232,6 +240,8 @@ class StagedInput(keras.layers.Layer):
             cardinality=cardinality,
             consumer_records=consumer_records,
             per_copy=per_copy,
+            reads_in_python=reads_in_python,
+            pool_start=pool_start,
         )
 
     def new_stats(self, name):

@@ -19,8 +19,70 @@ import tensorflow as tf
 from keras_stage import _compat
 
 
-def array_dataset(adapter, shuffle):
-    """The dataset of `adapter`'s batches, gathered from held tensors.
+class ArrayBatches:
+    """Keras's batches of in-memory arrays: index batches and a gather.
+
+    The batches are `indices.map(gather)`. A stage with work of its own
+    (a SmartStage prefix) runs `gather` in its own map, on the index
+    batches: one map and one buffer fewer on every batch's path, and one
+    function fewer traced per call (about 8 ms on the tabular JAX fit).
+
+    Attributes:
+        indices: The row indices of each batch, in the order Keras's
+            adapter draws them, with the options Keras sets on its dataset.
+        element_spec: The spec of a gathered batch (`dataset()`'s).
+    """
+
+    def __init__(self, indices, inputs):
+        self.indices = indices
+        self._inputs = inputs
+        self.element_spec = keras.tree.map_structure(
+            lambda t: tf.TensorSpec((None,) + tuple(t.shape[1:]), t.dtype),
+            inputs,
+        )
+
+    def gather(self, batch):
+        """The rows `batch` (an index batch) of every array."""
+        return keras.tree.map_structure(
+            lambda tensor: tf.gather(tensor, batch, axis=0), self._inputs
+        )
+
+    def dataset(self, indices=None):
+        """The gathered batches, as a dataset of their own.
+
+        Args:
+            indices: The index batches to gather (`indices` transformed,
+                e.g. with its cardinality asserted). Defaults to `indices`.
+        """
+        indices = self.indices if indices is None else indices
+        dataset = indices.map(self.gather, num_parallel_calls=tf.data.AUTOTUNE)
+        return dataset.prefetch(tf.data.AUTOTUNE)
+
+    def staged_fn(self, fn, numbered=False):
+        """`fn` of the gathered batch, for a stage over the index batches.
+
+        Args:
+            fn: The stage's computation of one gathered batch.
+            numbered: Whether each index batch comes numbered, as
+                `(ordinal, (indices,))` (`StageSplit.number`); `fn` then
+                takes `(ordinal, batch)` as that numbering gives it.
+        """
+
+        def gathered(element):
+            if not numbered:
+                return fn(self.gather(element))
+            ordinal, (indices,) = element
+            batch = self.gather(indices)
+            # `number` passes a tuple element whole, anything else in one.
+            return fn(
+                (ordinal, batch if isinstance(batch, tuple) else (batch,))
+            )
+
+        return gathered
+
+
+def array_batches(adapter, shuffle):
+    """The `ArrayBatches` of `adapter`'s arrays, or None.
 
     The same elements as `adapter.get_tf_dataset()` in the same order:
     the arrays Keras would batch (class weights turned into sample
@@ -33,7 +95,7 @@ def array_dataset(adapter, shuffle):
         shuffle: The call's `shuffle` argument (False, True or "batch").
 
     Returns:
-        A `tf.data.Dataset`, or None where keras_stage reads Keras's own
+        An `ArrayBatches`, or None where keras_stage reads Keras's own
         dataset: adapters of anything but arrays, and sparse or ragged
         arrays (Keras slices those its own way).
     """
@@ -49,15 +111,17 @@ def array_dataset(adapter, shuffle):
     # its graph (a NumPy array would be, as a constant).
     inputs = keras.tree.map_structure(tf.convert_to_tensor, inputs)
     count = int(keras.tree.flatten(inputs)[0].shape[0])
-    indices = _index_batches(adapter, shuffle, count)
+    return ArrayBatches(_index_batches(adapter, shuffle, count), inputs)
 
-    def gather(batch):
-        return keras.tree.map_structure(
-            lambda tensor: tf.gather(tensor, batch, axis=0), inputs
-        )
 
-    dataset = indices.map(gather, num_parallel_calls=tf.data.AUTOTUNE)
-    return dataset.prefetch(tf.data.AUTOTUNE)
+def array_dataset(adapter, shuffle):
+    """The dataset of `adapter`'s batches, gathered from held tensors.
+
+    `array_batches(adapter, shuffle).dataset()`, or None where that is
+    None.
+    """
+    batches = array_batches(adapter, shuffle)
+    return None if batches is None else batches.dataset()
 
 
 def _is_dense(leaf):

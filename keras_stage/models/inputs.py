@@ -8,6 +8,7 @@ sample weights stay aligned with their inputs and a staged run sees the
 same batches in the same order.
 """
 
+import functools
 import logging
 import weakref
 
@@ -18,7 +19,7 @@ from keras_stage import _compat
 from keras_stage.data.service import DISTRIBUTED_EPOCH
 from keras_stage.data.staging import StagedDataset
 from keras_stage.models import backends, epoch_sources
-from keras_stage.models.array_source import array_dataset
+from keras_stage.models.array_source import array_batches
 from keras_stage.models.call_costs import in_memory
 from keras_stage.models.iterators import (
     DeferredPipeline,
@@ -166,9 +167,10 @@ class StagedData:
         # The model's kept stage this runs (see `stage_data(kept=...)`).
         self.kept = None
         # The dataset the stage stages, as Keras would iterate it (set by
-        # `stage_data`), and the `EpochSwitch` that may run epochs of it
-        # without the stage (set by the caller before `pipeline`), or None.
-        self.source = None
+        # `stage_data`; see `source`), and the `EpochSwitch` that may run
+        # epochs of it without the stage (set by the caller before
+        # `pipeline`), or None.
+        self._source = None
         self.switch = None
         # Why `stage_data(epochs=...)` kept an iterator per epoch, or None.
         self.long_lived_refusal = None
@@ -178,6 +180,22 @@ class StagedData:
         # the phase they are noted for, and the work counters at the start.
         self.cost_phase = None
         self.work_before = None
+
+    @property
+    def source(self):
+        """One epoch of the source, as Keras would iterate it, or None.
+
+        Set as a dataset, or as a function that builds it when first read
+        (a fused array source's gathered batches, which only an epoch run
+        without the stage reads).
+        """
+        if callable(self._source):
+            self._source = self._source()
+        return self._source
+
+    @source.setter
+    def source(self, value):
+        self._source = value
 
     @property
     def in_step(self):
@@ -571,12 +589,19 @@ def stage_data(
         class_weight=class_weight,
     )
     served = overrides.get("service", layer.stage_options.service) is not None
-    # Arrays' batches gathered by the stage's source (see `array_dataset`);
-    # not on the tf.data service, whose workers rebuild the dataset from
-    # its graph: that path runs Keras's own dataset, as tested there.
-    dataset = None if served else array_dataset(adapter, shuffle)
-    if dataset is None:
+    # Arrays' batches gathered from the arrays (see `ArrayBatches`); not on
+    # the tf.data service, whose workers rebuild the dataset from its
+    # graph: that path runs Keras's own dataset, as tested there.
+    batches = None if served else array_batches(adapter, shuffle)
+    # A stage with work of its own (a SmartStage prefix) gathers in its
+    # own map: it stages the index batches.
+    fused = batches is not None and split is not None
+    if batches is None:
         dataset = adapter.get_tf_dataset()
+    elif fused:
+        dataset = batches.indices
+    else:
+        dataset = batches.dataset()
     num_batches = adapter.num_batches
     if (
         num_batches is not None
@@ -651,10 +676,12 @@ def stage_data(
         if long_lived is not None:
             dataset = long_lived.source
     fn = None
-    element_spec = dataset.element_spec
+    element_spec = batches.element_spec if fused else dataset.element_spec
     if split is not None:
         dataset = split.number(dataset)
         fn = split.stage_fn(training=phase == "train")
+        if fused:
+            fn = batches.staged_fn(fn, numbered=split.ordinal is not None)
     if served:
         mode = overrides.get(
             "processing_mode", layer.stage_options.processing_mode
@@ -707,6 +734,8 @@ def stage_data(
             # On JAX, Keras's trainer copies each batch to the device.
             distributed=distributed or not backends.uses_device_buffer(),
             unpacks=True,
+            reads_in_python=reads_in_python,
+            pool_start=backends.pool_start(layer.stage_options),
             **overrides,
         )
         if entry is not None:
@@ -740,5 +769,8 @@ def stage_data(
     )
     data.long_lived_refusal = refusal
     data.kept = entry
-    data.source = source
+    # Index batches when fused: the gathered ones are built if read.
+    data.source = (
+        functools.partial(batches.dataset, source) if fused else source
+    )
     return data

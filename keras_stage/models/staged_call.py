@@ -153,7 +153,7 @@ class StagedCall:
             data.adapter,
             long_lived=data.long_lived,
             switch=data.switch,
-            adapts_pool=backends.adapts_pool(),
+            pool_shrinks=backends.pool_shrinks(),
         )
         bind_placement(self.model, phase, data.staged.placement)
         if phase == "predict":

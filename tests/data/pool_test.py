@@ -247,11 +247,37 @@ def test_resize_rejects_a_bad_size_naming_it(threads, error):
     assert pool.size == 4
 
 
+def test_a_pool_can_start_below_its_largest_and_only_grow():
+    # keras_stage on JAX: a pool at the cores that only grows (see
+    # keras_stage.models.backends.pool_start).
+    pool = StagePool("grows", largest=16, smallest=2, most=64, start=2)
+    assert pool.size == 2
+    # Keeping up on the cores: left as it is, never shrunk.
+    assert pool.adapt(False, needed_threads=1, shrink=False) == 2
+    assert pool.adapt(False, needed_threads=30, shrink=False) == 2
+    # Keeping the step waiting: grown as `adapt` grows any pool.
+    assert pool.adapt(True, needed_threads=1, shrink=False) == 16
+    assert pool.adapt(False, needed_threads=1, shrink=False) == 16
+    assert pool.adapt(True, 40, cores_busy=False, shrink=False) == 40
+
+
+def test_a_stage_s_pool_starts_at_the_size_it_is_built_with():
+    options = StageOptions(name="started")
+    staged = build_stage(
+        tf.data.Dataset.range(3), lambda x: x + 1, options, pool_start=1
+    )
+    assert staged.thread_pool.size == 1
+    assert [int(x) for x in staged] == [1, 2, 3]
+    assert staged.close()
+
+
 def test_pool_bounds_are_checked():
     with pytest.raises(ValueError, match="smallest=5, largest=4"):
         StagePool("bounds", largest=4, smallest=5)
     with pytest.raises(ValueError, match="largest=4, most=3"):
         StagePool("bounds", largest=4, smallest=1, most=3)
+    with pytest.raises(ValueError, match="stage 'bounds'.*start=9"):
+        StagePool("bounds", largest=4, smallest=1, most=8, start=9)
 
 
 def test_stages_built_with_the_same_stats_share_their_pool():

@@ -364,7 +364,9 @@ def test_export_on_jax_names_the_tensorflow_backend(tmp_path):
 
 def test_a_fit_runs_its_epochs_on_one_stage_iterator(monkeypatch):
     # Keras's JAX trainer reads an iterator per epoch; each would start the
-    # stage afresh (its threads, its functions, a cold buffer).
+    # stage afresh (its threads, its functions, a cold buffer). Only a
+    # larger pool (the "auto" pool grows after an epoch that kept the step
+    # waiting) runs in a new one.
     from keras_stage.data import staging
 
     made = []
@@ -378,23 +380,40 @@ def test_a_fit_runs_its_epochs_on_one_stage_iterator(monkeypatch):
     x, y = make_data(96)
     model = staged_model(x)
     callback = keras_stage.callbacks.PrefetchCallback()
+    verdicts = []
+    noted = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: verdicts.append(callback.verdict)
+    )
     model.fit(
         x,
         y,
         batch_size=16,
         epochs=3,
         validation_data=(x, y),
-        callbacks=[callback],
+        callbacks=[callback, noted],
         verbose=0,
     )
-    # One for the training epochs, one for the validation runs.
-    assert sorted(name.rsplit("_", 1)[1] for name in made) == [
-        "train",
-        "val",
-    ], made
-    # The "auto" pool keeps its size on JAX: a resize would restart the
-    # stage (see keras_stage.models.backends.adapts_pool).
-    assert callback.verdict["next_thread_pool_size"] is None
+    # The "auto" pool starts at the cores on JAX, the pool tf.data's
+    # shared one has, and never shrinks (see
+    # keras_stage.models.backends.pool_start).
+    cores = keras_stage.data.StageOptions().smallest_pool_size()
+    assert verdicts[0]["thread_pool_size"] == cores
+    grown = 0
+    for epoch, verdict in enumerate(verdicts):
+        size, after = (
+            verdict["thread_pool_size"],
+            verdict["next_thread_pool_size"],
+        )
+        assert after >= size, verdicts
+        if not verdict["input_bound"]:
+            assert after == size, verdicts
+        if epoch < len(verdicts) - 1:
+            assert verdicts[epoch + 1]["thread_pool_size"] == after
+            grown += after > size
+    # One for the training epochs (and one per growth), one for the
+    # validation runs.
+    names = sorted(name.rsplit("_", 1)[1] for name in made)
+    assert names == ["train"] * (1 + grown) + ["val"], (made, verdicts)
 
 
 @pytest.mark.timeout(60)

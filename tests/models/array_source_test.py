@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage import _compat
-from keras_stage.models.array_source import array_dataset
+from keras_stage.models.array_source import array_batches, array_dataset
 
 ROWS = 25  # 6 batches of 4 and a partial one of 1
 
@@ -75,6 +75,37 @@ def test_the_batches_are_keras_s_in_keras_s_order(shuffle, weights):
         assert not np.array_equal(labels, np.arange(ROWS) % 3)
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_the_spec_is_the_gathered_batches_spec(shuffle):
+    batches = array_batches(
+        _adapter(shuffle, sample_weight=np.ones(ROWS)), shuffle
+    )
+    assert batches.element_spec == batches.dataset().element_spec
+
+
+@pytest.mark.parametrize("numbered", [False, True])
+def test_the_staged_fn_gathers_each_index_batch(numbered):
+    # A stage over the index batches runs `fn` on what the gathered
+    # dataset (numbered as `StageSplit.number` numbers it) would give.
+    batches = array_batches(_adapter(False), False)
+    indices = next(iter(batches.indices))
+    gathered = next(iter(batches.dataset()))
+    seen = []
+    fn = batches.staged_fn(lambda element: seen.append(element) or 0, numbered)
+    if numbered:
+        fn((tf.constant(5, tf.int64), (indices,)))
+        (ordinal, got), want = seen[0], (5, gathered)
+        assert int(ordinal) == want[0]
+        _assert_same_batches(_numpy(want[1]), _numpy(got))
+    else:
+        fn(indices)
+        _assert_same_batches(_numpy(gathered), _numpy(seen[0]))
+
+
+def _numpy(batch):
+    return keras.tree.map_structure(lambda t: t.numpy(), batch)
+
+
 def test_floats_are_cast_to_floatx_as_keras_does():
     dataset = array_dataset(_adapter(False), False)
     assert dataset.element_spec[0]["a"].dtype == tf.float32
@@ -102,14 +133,14 @@ def test_a_staged_fit_on_arrays_reads_the_gathered_batches(monkeypatch):
     # The stage's source is this module's dataset, and the fit trains on
     # the same data as plain Keras (same weights, shuffled).
     built = []
-    original = keras_stage.models.inputs.array_dataset
+    original = keras_stage.models.inputs.array_batches
 
     def spy(adapter, shuffle):
-        dataset = original(adapter, shuffle)
-        built.append(dataset)
-        return dataset
+        batches = original(adapter, shuffle)
+        built.append(batches)
+        return batches
 
-    monkeypatch.setattr(keras_stage.models.inputs, "array_dataset", spy)
+    monkeypatch.setattr(keras_stage.models.inputs, "array_batches", spy)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(40, 3)).astype("float32")
     y = rng.normal(size=(40, 1)).astype("float32")
@@ -136,4 +167,58 @@ def test_a_staged_fit_on_arrays_reads_the_gathered_batches(monkeypatch):
     staged = fitted(keras_stage.Model, staged=True)
     assert built and all(dataset is not None for dataset in built)
     for a, b in zip(plain, staged, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_a_smart_stage_fit_on_arrays_gathers_in_the_stage(monkeypatch):
+    # With a SmartStage prefix the stage stages the index batches and
+    # gathers in its own map: the gathered dataset is never built, and
+    # the fit trains as plain Keras does (shuffled, with validation).
+    from keras_stage.models.array_source import ArrayBatches
+
+    gathered, fused = [], []
+    original, original_fn = ArrayBatches.dataset, ArrayBatches.staged_fn
+
+    def spy(self, indices=None):
+        gathered.append(indices)
+        return original(self, indices)
+
+    def spy_fn(self, fn, numbered=False):
+        fused.append(numbered)
+        return original_fn(self, fn, numbered)
+
+    monkeypatch.setattr(ArrayBatches, "dataset", spy)
+    monkeypatch.setattr(ArrayBatches, "staged_fn", spy_fn)
+    rng = np.random.default_rng(1)
+    x = rng.normal(3.0, 2.0, size=(48, 3)).astype("float32")
+    y = rng.normal(size=(48, 1)).astype("float32")
+
+    def fitted(model_class, staged):
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((3,))
+        h = keras_stage.layers.StagedInput()(inputs) if staged else inputs
+        norm = keras.layers.Normalization(name="norm")
+        norm.adapt(x)
+        model = model_class(inputs, keras.layers.Dense(1)(norm(h)))
+        compile_kwargs = {"smart_stage": True} if staged else {}
+        model.compile("sgd", "mse", **compile_kwargs)
+        callbacks = [keras_stage.callbacks.PrefetchCallback()] if staged else []
+        model.fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=2,
+            shuffle=True,
+            validation_data=(x[:16], y[:16]),
+            verbose=0,
+            callbacks=callbacks,
+        )
+        return model
+
+    plain = fitted(keras.Model, staged=False)
+    staged = fitted(keras_stage.Model, staged=True)
+    assert staged.get_stage_plan().staged_layers[-1] == "norm"
+    assert gathered == []
+    assert fused == [False, False]  # the training's and the validation's
+    for a, b in zip(plain.get_weights(), staged.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
