@@ -114,16 +114,6 @@ def array_batches(adapter, shuffle):
     return ArrayBatches(_index_batches(adapter, shuffle, count), inputs)
 
 
-def array_dataset(adapter, shuffle):
-    """The dataset of `adapter`'s batches, gathered from held tensors.
-
-    `array_batches(adapter, shuffle).dataset()`, or None where that is
-    None.
-    """
-    batches = array_batches(adapter, shuffle)
-    return None if batches is None else batches.dataset()
-
-
 def _is_dense(leaf):
     return isinstance(leaf, (np.ndarray, tf.Tensor))
 

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage import _compat
-from keras_stage.models.array_source import array_batches, array_dataset
+from keras_stage.models.array_source import array_batches
 
 ROWS = 25  # 6 batches of 4 and a partial one of 1
 
@@ -67,7 +67,7 @@ def test_the_batches_are_keras_s_in_keras_s_order(shuffle, weights):
     expected = _adapter(shuffle, **weights).get_tf_dataset()
     want = _epochs(expected)
     keras.utils.set_random_seed(7)
-    dataset = array_dataset(_adapter(shuffle, **weights), shuffle)
+    dataset = array_batches(_adapter(shuffle, **weights), shuffle).dataset()
     assert dataset.element_spec == expected.element_spec
     _assert_same_batches(want, _epochs(dataset))
     if shuffle:  # the order is Keras's shuffle, not the rows' order
@@ -107,26 +107,31 @@ def _numpy(batch):
 
 
 def test_floats_are_cast_to_floatx_as_keras_does():
-    dataset = array_dataset(_adapter(False), False)
+    dataset = array_batches(_adapter(False), False).dataset()
     assert dataset.element_spec[0]["a"].dtype == tf.float32
 
 
 def test_the_options_are_those_keras_sets():
+    # On the index batches (what a stage with a prefix stages) and on the
+    # gathered ones.
     for shuffle in (False, True):
-        options = array_dataset(_adapter(shuffle), shuffle).options()
-        assert not options.experimental_optimization.apply_default_optimizations
-        assert (
-            options.experimental_distribute.auto_shard_policy
-            == tf.data.experimental.AutoShardPolicy.DATA
-        )
+        batches = array_batches(_adapter(shuffle), shuffle)
+        for dataset in (batches.indices, batches.dataset()):
+            options = dataset.options()
+            optimization = options.experimental_optimization
+            assert not optimization.apply_default_optimizations
+            assert (
+                options.experimental_distribute.auto_shard_policy
+                == tf.data.experimental.AutoShardPolicy.DATA
+            )
 
 
 def test_other_sources_keep_keras_s_dataset():
     adapter = _keras_adapter(tf.data.Dataset.range(4).batch(2))
-    assert array_dataset(adapter, False) is None
+    assert array_batches(adapter, False) is None
     ragged = tf.ragged.constant([[1], [2, 3], [4], [5, 6, 7]])
     adapter = _keras_adapter(ragged, y=np.zeros((4,)), batch_size=2)
-    assert array_dataset(adapter, False) is None
+    assert array_batches(adapter, False) is None
 
 
 def test_a_staged_fit_on_arrays_reads_the_gathered_batches(monkeypatch):
