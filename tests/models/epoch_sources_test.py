@@ -669,10 +669,13 @@ def test_unsafe_cases_keep_an_iterator_per_epoch(case, expected, monkeypatch):
     elif case == "strategy":
         kwargs["strategy"] = tf.distribute.OneDeviceStrategy("/cpu:0")
     elif case == "random_staged_layers":
+        # A `StageSplit`'s interface: the staged computation is the
+        # identity here (a stage over arrays gathers the rows before it).
         kwargs["split"] = types.SimpleNamespace(
             seed_states=[object()],
+            ordinal=None,
             number=lambda ds: ds,
-            stage_fn=lambda training: None,
+            stage_fn=lambda training: lambda element: element,
             plan=types.SimpleNamespace(staged_layers=()),
         )
     elif case == "max_steps_per_epoch":
