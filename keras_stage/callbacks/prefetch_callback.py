@@ -80,15 +80,13 @@ class _Binding:
         adapter,
         long_lived=False,
         switch=None,
-        adapts_pool=True,
         pool_shrinks=True,
     ):
         self.phase = phase
         self.staged = staged
         self.adapter = adapter
-        # Whether the verdict resizes the stage's pool between epochs, and
-        # whether it may shrink it.
-        self.adapts_pool = adapts_pool
+        # Whether the verdict may shrink the stage's pool between epochs,
+        # or only grow it.
         self.pool_shrinks = pool_shrinks
         # The `EpochSwitch` that may run epochs without the stage, or None.
         self.switch = switch
@@ -256,26 +254,19 @@ class PrefetchCallback(keras.callbacks.Callback):
         adapter=None,
         long_lived=False,
         switch=None,
-        adapts_pool=True,
         pool_shrinks=True,
     ):
         """Registers the stage feeding `phase` ("train", "test", "predict").
 
         `long_lived`: whether the stage runs the call's epochs on one
         iterator. `switch`: the fit's `EpochSwitch`, if its epochs may run
-        without the stage. `adapts_pool`: whether an adaptive pool is
-        resized after each epoch (see `keras_stage.data.pool`);
-        `pool_shrinks`: whether it may shrink, or only grows. Called by
-        `keras_stage.Model`; users do not need it.
+        without the stage. `pool_shrinks`: whether the verdict may shrink
+        an adaptive pool after an epoch, or only grow it (see
+        `keras_stage.data.pool`). Called by `keras_stage.Model`; users do
+        not need it.
         """
         self._bindings[phase] = _Binding(
-            phase,
-            staged,
-            adapter,
-            long_lived,
-            switch,
-            adapts_pool,
-            pool_shrinks,
+            phase, staged, adapter, long_lived, switch, pool_shrinks
         )
 
     def close(self, timeout=5.0):
@@ -466,11 +457,7 @@ class PrefetchCallback(keras.callbacks.Callback):
         )
         self.verdict["epoch"] = epoch
         self.verdict["next_thread_pool_size"] = None
-        if (
-            pool is not None
-            and binding.adapts_pool
-            and self.verdict["input_bound"] is not None
-        ):
+        if pool is not None and self.verdict["input_bound"] is not None:
             self._adapt_pool(pool, self.verdict, binding.pool_shrinks)
         self.verdict["staged"] = True
         self._add_switch_report(switch)
