@@ -25,7 +25,8 @@ class ArrayBatches:
     The batches are `indices.map(gather)`. A stage with work of its own
     (a SmartStage prefix) runs `gather` in its own map, on the index
     batches: one map and one buffer fewer on every batch's path, and one
-    function fewer traced per call (about 8 ms on the tabular JAX fit).
+    function fewer traced per call (building the tabular JAX fit's stage
+    measured 58 ms against 62 ms with the separate map).
 
     Attributes:
         indices: The row indices of each batch, in the order Keras's
