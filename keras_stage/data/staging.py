@@ -164,8 +164,7 @@ def _build_pipeline(
         # or the timeout's hand-off (see `ReadyElements`); a few more
         # host-side elements spare most of them. A compiled step returns
         # the count with its outputs (`StageStats.take_report`); an eager
-        # iterator has to read it: about 70 us a batch on the JAX tabular
-        # benchmark, whose steps take 0.8 ms.
+        # iterator has to read it, a cost that weighs on short steps.
         capacity = IDLE_CAPACITY
 
     # tf.data passes a tuple element (exactly `tuple`) as separate
@@ -503,7 +502,7 @@ class StageIterator:
 
     Python reads each element here, so the fetch is recorded on the host:
     it reads the lean pipeline (without the in-graph fetch records, a zip
-    and two maps on the consumer's path, about 0.06 ms an element here),
+    and two maps on the consumer's path),
     times each fetch that may wait with two clock reads and counts every
     fetch in Python (`StageStats.record_host_fetch`, `count_taken`). That
     works under op determinism too, where the graph has no clock.

@@ -126,7 +126,7 @@ def check_strategy(model):
     Keras 3's fit does not run under `MultiWorkerMirroredStrategy` with
     more than one worker (keras-team/keras#20585: even a plain
     `keras.Model` of Dense layers fails with `Attempt to convert a value
-    (PerReplica...)`, measured with 2 worker processes here). Said at the
+    (PerReplica...)`). Said at the
     start of the call, with what works instead.
     """
     if not graph_steps():
@@ -197,14 +197,13 @@ def pool_start(options):
     it between epochs both ways. On JAX, whose steps are dispatched ahead
     and whose fetches go through Python, the verdict's waits swing between
     epochs (a pool shrunk to one thread, then grown back), and each resize
-    restarts the stage (about 100 ms an epoch on the tabular benchmark).
+    restarts the stage.
     So there it starts at the cores, the pool tf.data's shared one has and
     the hand-split `map(...).prefetch(...)` runs on, and only grows, after
-    an epoch that kept the step waiting (`pool_shrinks`). A pool of 16
-    threads whose autotuner budgets 16 cores runs the staged work on more
-    threads than the 2 cores here, beside the step: the tabular JAX fit
-    measured 1.11 of the hand split's time at 16 threads, 1.01 at 2
-    (paired, 11 rounds).
+    an epoch that kept the step waiting (`pool_shrinks`). A pool larger
+    than the cores, whose autotuner budgets as many cores as threads, runs
+    the staged work on more threads than there are cores, beside the step
+    (docs/jax.md has the figures).
     """
     return None if graph_steps() else options.smallest_pool_size()
 

@@ -41,7 +41,7 @@ def _warn_one_split(layer, overrides):
     Keras's dataset of arrays starts from `Dataset.range(1)` and draws the
     epoch's order inside: to the tf.data service that is one split, so in
     `"distributed_epoch"` mode one worker computes the whole epoch
-    (measured: 125 of 125 batches on one of 2 workers).
+    (`tests/models/service_fit_test.py` shows it).
     """
     mode = overrides.get("processing_mode", layer.stage_options.processing_mode)
     if mode != DISTRIBUTED_EPOCH or layer in _WARNED_ONE_SPLIT:

@@ -144,9 +144,8 @@ def release(held):
 
     Deleting a tf.data iterator cancels and joins its threads in the
     deleting thread, which at the end of a long-lived call's last epoch
-    blocked for 80-500 ms in one fit of five (measured on the JAX
-    benchmarks, in `LongLivedIterator.close`) while the pipeline itself
-    was idle. A list, not the iterator: an argument stays referenced by
+    can block the call's return (seen in `LongLivedIterator.close`) while
+    the pipeline itself is idle. A list, not the iterator: an argument stays referenced by
     the caller until the call returns, which would delete it there. The
     caller must hold no other reference to what the list holds.
 
