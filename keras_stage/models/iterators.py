@@ -145,8 +145,9 @@ def release(held):
     Deleting a tf.data iterator cancels and joins its threads in the
     deleting thread, which at the end of a long-lived call's last epoch
     can block the call's return (seen in `LongLivedIterator.close`) while
-    the pipeline itself is idle. A list, not the iterator: an argument stays referenced by
-    the caller until the call returns, which would delete it there. The
+    the pipeline itself is idle. A list, not the iterator: an argument
+    stays referenced by the caller until the call returns, which would
+    delete it there. The
     caller must hold no other reference to what the list holds.
 
     Returns:
