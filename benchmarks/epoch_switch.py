@@ -8,7 +8,7 @@ included) of one workload in four modes, side by side in one process:
 - `staged`: keras_stage's three lines with `StagedInput()` defaults: a
   fit may run its later epochs with the whole model in the step when a
   trial epoch measures that the stage does not pay
-  (`keras_stage.models.epoch_switch`);
+  (`keras_stage.models.decision.epochs`);
 - `staged_always`: the same with `StagedInput(adaptive=False)`: every
   epoch staged, the behaviour before the switch;
 - `expert`: the preprocessing in `dataset.map(num_parallel_calls=

@@ -90,7 +90,7 @@ def array_adapter_inputs(adapter):
     turned into sample weights, converted as Keras converts them before it
     gathers batches (floats cast to floatx, strings to `tf.string`), or
     None when `adapter` is not Keras's `ArrayDataAdapter`. keras_stage
-    gathers its batches from these itself (`models/array_source.py`);
+    gathers its batches from these itself (`models/data_adapters/arrays.py`);
     Keras keeps them only in `ArrayDataAdapter._inputs`.
     """
     adapter_class = _keras_private(
@@ -222,9 +222,9 @@ def dataset_inputs(dataset):
 
     Whether a source can run several epochs on one iterator depends on
     what every dataset and function under it does (see
-    `models/epoch_sources.py`); tf.data lists a dataset's inputs only in
-    `Dataset._inputs`. None for a dataset that does not say (a custom
-    subclass without it).
+    `models/data_adapters/epoch_sources.py`); tf.data lists a dataset's
+    inputs only in `Dataset._inputs`. None for a dataset that does not say
+    (a custom subclass without it).
     """
     try:
         return list(dataset._inputs())

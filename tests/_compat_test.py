@@ -127,7 +127,8 @@ def test_get_data_adapter_gives_what_keras_stage_uses(kwargs, num_batches):
             **kwargs,
         }
     )
-    # Everything models/inputs.py and the PrefetchCallback call on it.
+    # Everything models/data_adapters/staged_data.py and the PrefetchCallback
+    # call on it.
     for name in ("get_tf_dataset", "on_epoch_begin", "on_epoch_end"):
         assert callable(getattr(adapter, name, None)), (
             f"Keras data adapters lost `{name}`; "

@@ -13,7 +13,7 @@ import keras  # noqa: E402
 import pytest  # noqa: E402
 
 from keras_stage.data import live_stages  # noqa: E402
-from keras_stage.models.call_costs import forget_shared_costs  # noqa: E402
+from keras_stage.models.decision.calls import forget_shared_costs  # noqa: E402
 from tests.helpers import HANG_REPORTS, stage_threads  # noqa: E402
 
 
@@ -27,7 +27,7 @@ def _seed_everything():
 @pytest.fixture(autouse=True)
 def _measure_costs_afresh():
     # Staged-call costs are shared between models with the same stage
-    # (`adaptive.costs`): each test starts as a fresh process would.
+    # (`decision.calls.costs`): each test starts as a fresh process would.
     forget_shared_costs()
     yield
 

@@ -43,3 +43,26 @@ def test_cross_cutting_suites_have_their_own_folders():
         folder = ROOT / "tests" / name
         assert (folder / "__init__.py").is_file(), folder
         assert list(folder.glob("*_test.py")), folder
+
+
+MODELS_API = ("model.py", "sequential.py", "staging_mixin.py", "model_state.py")
+MODELS_FOLDERS = ("call", "data_adapters", "decision", "backends")
+
+
+def test_models_folders_show_the_staged_call():
+    models = PACKAGE / "models"
+    for name in MODELS_FOLDERS:
+        assert (models / name / "__init__.py").is_file(), models / name
+    loose = sorted(
+        path.name
+        for path in models.glob("*.py")
+        if path.name not in ("__init__.py", *MODELS_API)
+    )
+    assert not loose, (
+        f"modules directly in keras_stage/models/: {loose}; only the model "
+        f"API ({', '.join(MODELS_API)}) sits there. A new module goes in "
+        "the folder of its part of the staged call: call/ (a call's "
+        "lifetime), data_adapters/ (the data path, one file per input "
+        "type), decision/ (whether a call or an epoch is staged) or "
+        "backends/ (the backend's steps)"
+    )

@@ -147,7 +147,7 @@ class PrefetchCallback(keras.callbacks.Callback):
     - `stage_skipped`: batches skipped this epoch by
       `ignored_exception_types`.
     - `stage_unstaged`: in a fit whose epochs may run without the stage
-      where it does not pay (see `keras_stage.models.epoch_switch`), 1
+      where it does not pay (see `keras_stage.models.decision.epochs`), 1
       for an epoch that ran the whole model in Keras's step (its other
       `stage_*` figures are then 0: nothing was staged), else 0.
 
@@ -341,7 +341,7 @@ class PrefetchCallback(keras.callbacks.Callback):
         """Warns once if the callback's model has no stage to report.
 
         A keras_stage model with a stage is not warned, even for a call it
-        runs unstaged: it logs why (`keras_stage.models.adaptive`).
+        runs unstaged: it logs why (`keras_stage.models.decision.calls`).
         """
         model = self.model
         if self._warned_without_stage or model is None:

@@ -656,7 +656,8 @@ class StageRunner:
 
     def open_gate(self):
         """Lets the pipeline finish elements again (a stage built once and
-        run by several calls, see `keras_stage.models.inputs`)."""
+        run by several calls, see
+        `keras_stage.models.data_adapters.staged_data`)."""
         if self._gate is not None:
             self._gate.assign(True)
 

@@ -81,7 +81,7 @@ class StagedInput(keras.layers.Layer):
             Within a SmartStage fit, an epoch whose step did not wait for
             input is followed by one run with the whole model in the step,
             and the faster of the two runs the remaining epochs (see
-            `keras_stage.models.epoch_switch`). `False` stages every call
+            `keras_stage.models.decision.epochs`). `False` stages every call
             and every epoch. Calls with exception policies
             (`ignored_exception_types`, other `closed_exception_types`) or
             a `service` are always staged, and so are calls on datasets,

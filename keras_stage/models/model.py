@@ -10,7 +10,7 @@ the same class afterwards. So functional construction returns a
 import keras
 
 from keras_stage import _compat
-from keras_stage.models import steps as _steps
+from keras_stage.models.backends import tensorflow_steps
 from keras_stage.models.staging_mixin import StagingMixin
 
 
@@ -65,6 +65,6 @@ class Functional(_compat.keras_functional_class(), Model):
     def call(self, inputs, training=None, mask=None, **kwargs):
         # Keras's Functional.call precedes StagingMixin's in this class's
         # MRO: the redirect to the trunk is made here too.
-        return _steps.call_model(
+        return tensorflow_steps.call_model(
             self, super().call, inputs, training=training, mask=mask, **kwargs
         )

@@ -62,20 +62,20 @@ class StagingState:
         self.pending_restores = {}
         # Per phase: `[iterator (weakly), batches]` left in an epoch
         # resumed from a saved position, whose data ends before Keras's
-        # count of the epoch's steps (see `steps.track_iterator`).
+        # count of the epoch's steps (see `tensorflow_steps.track_iterator`).
         self.resumed_left = {}
         # Per phase: the stage its last call built over a user's dataset
-        # and what it was built for (see `inputs.stage_data(kept=...)`).
+        # and what it was built for (see `staged_data.stage_data(kept=...)`).
         self.stages = {}
         # Per phase: what a fit's trial of its epochs without the stage
-        # found, when the stage paid (see `epoch_switch`).
+        # found, when the stage paid (see `decision.epochs`).
         self.switch_verdicts = {}
         # Set, in the thread tracing a step, to the trunk the model's call
         # runs instead of the whole model.
         self.local = threading.local()
         # What staged calls of models with this model's stage cost, to skip
         # those that cannot pay: shared between such models (see
-        # `adaptive.costs`), looked up again after compile.
+        # `decision.calls.costs`), looked up again after compile.
         self.costs = None
 
 

@@ -3,13 +3,13 @@
 - `compile` takes `smart_stage` and keeps it through save/load;
   `get_stage_plan` / `stage_summary` show what the stage runs;
 - `fit`, `evaluate` and `predict` of a model with a `StagedInput` (or with
-  `smart_stage`) run as a `StagedCall` (`staged_call.py`): the call's data
+  `smart_stage`) run as a `StagedCall` (`call/staged_call.py`): the call's data
   goes through a stage with that layer's options, a `PrefetchCallback`
   runs first, and the stage ends however the call ends. A call that cannot
-  repay its stage runs unstaged (`adaptive.py`);
+  repay its stage runs unstaged (`decision/calls.py`);
 - the train/test/predict steps run the SmartStage trunk on the stage's cut
   tensors, and the compiled ones are guarded by the stage's runner
-  (`steps.py`).
+  (`backends/tensorflow_steps.py`).
 
 What the model keeps between calls is `model_state.py`'s. A model without a
 `StagedInput` and without `smart_stage` behaves exactly like its Keras base
@@ -24,11 +24,12 @@ import keras
 
 from keras_stage import _compat
 from keras_stage.layers.staged_input import StagedInput
-from keras_stage.models import adaptive, backends
-from keras_stage.models import steps as _steps
-from keras_stage.models.call_costs import array_batches, validation_runs
+from keras_stage.models.backends import backend, tensorflow_steps
+from keras_stage.models.call.staged_call import StagedCall
+from keras_stage.models.data_adapters.arrays import batch_count
+from keras_stage.models.decision import calls
+from keras_stage.models.decision.calls import validation_runs
 from keras_stage.models.model_state import state as _state
-from keras_stage.models.staged_call import StagedCall
 from keras_stage.planner.planner import plan_model
 
 logger = logging.getLogger("keras_stage")
@@ -152,7 +153,7 @@ class StagingMixin:
                 self, find_staged_input(self), smart_stage=mode
             )
             if state.smart_stage:
-                adaptive.costs(self).note_plan(time.perf_counter() - started)
+                calls.costs(self).note_plan(time.perf_counter() - started)
         return state.plan, state.split
 
     def _stage_setup(self):
@@ -196,43 +197,47 @@ class StagingMixin:
     # -- the model's call in staged steps ---------------------------------
 
     def __call__(self, *args, **kwargs):
-        trunk = _steps.trunk(self)
+        trunk = tensorflow_steps.trunk(self)
         if trunk is not None:
             return trunk(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
     def call(self, inputs, training=None, mask=None, **kwargs):
         # Keras's JAX step calls `call` itself (`stateless_call`).
-        return _steps.call_model(
+        return tensorflow_steps.call_model(
             self, super().call, inputs, training=training, mask=mask, **kwargs
         )
 
     # The steps take `(data)` on TensorFlow, `(state, data)` on JAX.
 
-    @_steps.own
+    @tensorflow_steps.own
     def train_step(self, *args):
-        if not backends.graph_steps():
-            return backends.jax_step(self, "train", super().train_step, *args)
-        data = _steps.unpacked(self, "train", *args)
-        with _steps.calling_trunk(self, "train"):
-            return _steps.recorded_step(self, "train", super().train_step, data)
+        if not backend.graph_steps():
+            return backend.jax_step(self, "train", super().train_step, *args)
+        data = tensorflow_steps.unpacked(self, "train", *args)
+        with tensorflow_steps.calling_trunk(self, "train"):
+            return tensorflow_steps.recorded_step(
+                self, "train", super().train_step, data
+            )
 
-    @_steps.own
+    @tensorflow_steps.own
     def test_step(self, *args):
-        if not backends.graph_steps():
-            return backends.jax_step(self, "test", super().test_step, *args)
-        data = _steps.unpacked(self, "test", *args)
-        with _steps.calling_trunk(self, "test"):
-            return _steps.recorded_step(self, "test", super().test_step, data)
+        if not backend.graph_steps():
+            return backend.jax_step(self, "test", super().test_step, *args)
+        data = tensorflow_steps.unpacked(self, "test", *args)
+        with tensorflow_steps.calling_trunk(self, "test"):
+            return tensorflow_steps.recorded_step(
+                self, "test", super().test_step, data
+            )
 
-    @_steps.own
+    @tensorflow_steps.own
     def predict_step(self, *args):
-        if not backends.graph_steps():
-            return backends.jax_step(
+        if not backend.graph_steps():
+            return backend.jax_step(
                 self, "predict", super().predict_step, *args
             )
-        data = _steps.unpacked(self, "predict", *args)
-        with _steps.calling_trunk(self, "predict"):
+        data = tensorflow_steps.unpacked(self, "predict", *args)
+        with tensorflow_steps.calling_trunk(self, "predict"):
             return super().predict_step(data)
 
     @property
@@ -275,7 +280,7 @@ class StagingMixin:
         cannot be exported (its preprocessing is TensorFlow): this says
         how to export it from the TensorFlow backend instead.
         """
-        backends.check_exportable(self)
+        backend.check_exportable(self)
         return super().export(filepath, format=format, **kwargs)
 
     # -- compiled steps ---------------------------------------------------
@@ -283,16 +288,22 @@ class StagingMixin:
     def make_train_function(self, force=False):
         super().make_train_function(force=force)
         # On JAX the stage's eager iterator applies its runner instead.
-        if backends.graph_steps() and not _steps.guarded(self.train_function):
-            self.train_function = _steps.guard(
+        if backend.graph_steps() and not tensorflow_steps.guarded(
+            self.train_function
+        ):
+            self.train_function = tensorflow_steps.guard(
                 self, "train", self.train_function
             )
         return self.train_function
 
     def make_test_function(self, force=False):
         super().make_test_function(force=force)
-        if backends.graph_steps() and not _steps.guarded(self.test_function):
-            self.test_function = _steps.guard(self, "test", self.test_function)
+        if backend.graph_steps() and not tensorflow_steps.guarded(
+            self.test_function
+        ):
+            self.test_function = tensorflow_steps.guard(
+                self, "test", self.test_function
+            )
         return self.test_function
 
     # -- fit / evaluate / predict -----------------------------------------
@@ -339,16 +350,16 @@ class StagingMixin:
         layer = self._stage_setup()
         if layer is None:
             return unstaged()
-        backends.check_supported(self, layer)
-        backends.check_strategy(self)
-        graph = backends.graph_steps()
+        backend.check_supported(self, layer)
+        backend.check_strategy(self)
+        graph = backend.graph_steps()
         call = StagedCall(
             self, layer, ("train", "test"), callbacks, steps_per_epoch
         )
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = (
                 _compat.train_validation_split(
-                    backends.host_arrays((x, y, sample_weight)),
+                    backend.host_arrays((x, y, sample_weight)),
                     validation_split,
                 )
             )
@@ -361,7 +372,7 @@ class StagingMixin:
             for cb in call.callbacks
         )
         # On JAX a string prefix cannot run unstaged: always staged.
-        if graph and not adaptive.fit_stages(
+        if graph and not calls.fit_stages(
             self,
             layer,
             x,
@@ -455,11 +466,11 @@ class StagingMixin:
         if layer is None or _compat.is_fit_validation(kwargs):
             # Unstaged, or the validation of a fit (staged with the fit).
             return unstaged()
-        backends.check_supported(self, layer)
+        backend.check_supported(self, layer)
         # Made first: its callbacks are checked whichever way the call runs.
         call = StagedCall(self, layer, ("test",), callbacks)
-        if backends.graph_steps() and not adaptive.stages(
-            self, layer, "test", array_batches(x, batch_size, steps)
+        if backend.graph_steps() and not calls.stages(
+            self, layer, "test", batch_count(x, batch_size, steps)
         ):
             return call.run_unstaged(unstaged)
         call.split = self._stage_split()
@@ -498,11 +509,11 @@ class StagingMixin:
 
         if layer is None:
             return unstaged()
-        backends.check_supported(self, layer)
+        backend.check_supported(self, layer)
         # Made first: its callbacks are checked whichever way the call runs.
         call = StagedCall(self, layer, ("predict",), callbacks)
-        if backends.graph_steps() and not adaptive.stages(
-            self, layer, "predict", array_batches(x, batch_size, steps)
+        if backend.graph_steps() and not calls.stages(
+            self, layer, "predict", batch_count(x, batch_size, steps)
         ):
             return call.run_unstaged(unstaged)
         call.split = self._stage_split()

@@ -23,7 +23,7 @@ from keras_stage.callbacks import PrefetchCallback
 from keras_stage.callbacks.prefetch_callback import epoch_statistics, verdict
 from keras_stage.data import StageOptions
 from keras_stage.layers import StagedInput
-from keras_stage.models import epoch_switch
+from keras_stage.models.decision import epochs as epoch_switch
 from tests.helpers import printed_in_fresh_python, tensorboard_scalars
 
 SLEEP_SECONDS = 0.03
@@ -848,7 +848,7 @@ def test_callback_of_epochs_the_switch_runs_unstaged_is_not_warned(
     monkeypatch, caplog
 ):
     # Every trial happens and finds the whole model faster (as in
-    # tests/models/epoch_switch_test.py): the later epochs run unstaged,
+    # tests/models/decision/epochs_test.py): the later epochs run unstaged,
     # and the switch logs its own verdict.
     monkeypatch.setattr(epoch_switch, "TRIAL_WAIT_RATIO", float("inf"))
     monkeypatch.setattr(epoch_switch, "TRACE_SHARE", float("inf"))

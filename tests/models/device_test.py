@@ -194,7 +194,9 @@ def test_mirrored_strategy_over_two_devices_matches_unstaged(smart_stage):
         staged_w, staged_loss = train(staged, smart_stage={smart_stage})
         # Each replica's batch arrives on its own device.
         from keras_stage.data import StageOptions
-        from keras_stage.models.inputs import distribute_inputs
+        from keras_stage.models.data_adapters.staged_data import (
+            distribute_inputs,
+        )
         dist = distribute_inputs(
             strategy,
             tf.data.Dataset.range(8).batch(4),

@@ -2,7 +2,7 @@
 
 Covers the traced SmartStage prefix kept across calls (planner's
 `StageSplit.stage_fn`), the iterators handed to Keras
-(keras_stage/models/iterators.py) and `StagedInput(adaptive=...)`.
+(keras_stage/models/call/epoch_iterators.py) and `StagedInput(adaptive=...)`.
 """
 
 import logging
@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import keras_stage
-from keras_stage.models.iterators import DeferredPipeline, resolve
+from keras_stage.models.call.epoch_iterators import DeferredPipeline, resolve
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -374,13 +374,13 @@ def test_an_evaluate_nested_in_a_fit_on_its_validation_data_builds_its_own():
     ],
 )
 def test_which_datasets_draw_when_an_iterator_starts(make, draws):
-    from keras_stage.models.epoch_sources import inspect_source
+    from keras_stage.models.data_adapters.epoch_sources import inspect_source
 
     assert inspect_source(make()).iterator_draws is draws
 
 
 def test_a_dataset_that_draws_nothing_gets_iterators_made_when_read():
-    from keras_stage.models.inputs import stage_data
+    from keras_stage.models.data_adapters.staged_data import stage_data
 
     model = _model(adaptive=False)
     layer, split = model.layers[1], model._stage_plan()[1]

@@ -559,7 +559,7 @@ def _raising_in(hook):
 
 
 # on_train_batch_end, and evaluate's/predict's batch ends, are covered in
-# tests/models/staged_call_test.py.
+# tests/models/call/staged_call_test.py.
 HOOKS = [
     "on_train_begin",
     "on_epoch_begin",

@@ -12,7 +12,7 @@ Long-lived epochs
 -----------------
 
 A stage built with `stage_data(..., epochs=E)` (when it is safe, see
-`inputs.stage_data`) runs across the call's epochs: its source spans all E
+`staged_data.stage_data`) runs across the call's epochs: its source spans all E
 of them (`epoch_sources.long_lived_source`: `range(E).flat_map` of the
 epoch's source, each pass drawing the order plain Keras's epoch draws),
 and the stage makes ONE real iterator of it, when first read. Keras

@@ -3,8 +3,8 @@
 The one place that asks which backend runs the model's steps:
 
 - TensorFlow: Keras's compiled steps read the stage's pipeline inside a
-  `tf.function`; `steps.py` guards them with the stage's runner and makes
-  them record the fetches (`graph_steps()` is True).
+  `tf.function`; `tensorflow_steps.py` guards them with the stage's
+  runner and makes them record the fetches (`graph_steps()` is True).
 - JAX: Keras's steps are pure functions of the data, jitted, and its
   trainer fetches each batch in Python, from the iterator of the dataset
   it is given. The stage's eager iterator (`StagedData.eager_dataset`)
@@ -19,8 +19,8 @@ The one place that asks which backend runs the model's steps:
 
 Example (the JAX step of `StagingMixin.train_step`):
 
-    if not backends.graph_steps():
-        return backends.jax_step(model, "train", keras_train_step, *args)
+    if not backend.graph_steps():
+        return backend.jax_step(model, "train", keras_train_step, *args)
 """
 
 import logging
@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from keras_stage import _compat
 from keras_stage.data.options import AUTO
-from keras_stage.models import steps as _steps
+from keras_stage.models.backends import tensorflow_steps
 
 SUPPORTED = ("tensorflow", "jax")
 
@@ -219,7 +219,7 @@ def jax_step(model, phase, keras_step, state, data):
     The step is traced by `jax.jit` with the model's `call` redirected to
     the trunk (see `StagingMixin.call`): the data holds the cut tensors.
     """
-    with _steps.calling_trunk(model, phase):
+    with tensorflow_steps.calling_trunk(model, phase):
         return keras_step(state, data)
 
 
@@ -238,5 +238,5 @@ def build_as_keras_would(model, data, phase):
         return
     if not data.defers and data.source is not None:
         next(iter(data.source), None)  # the draw of Keras's own read
-    with _steps.calling_trunk(model, phase):
+    with tensorflow_steps.calling_trunk(model, phase):
         _compat.symbolic_build(model, data.staged.element_spec)

@@ -1,4 +1,4 @@
-"""Epochs run without the stage where it does not pay (models/epoch_switch.py).
+"""Epochs run without the stage where it does not pay (decision/epochs.py).
 
 Which mode is faster is timing; these tests fix the outcome of the
 comparison (`MARGIN`, `TRIAL_WAIT_RATIO`) and check everything else: the
@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import keras_stage
-from keras_stage.models import epoch_switch
+from keras_stage.models.decision import epochs as epoch_switch
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -11,13 +11,13 @@ saves the fit's bindings of its phase and gives them back when it ends.
 
 What outlives calls (the plan, the traced prefix, the compiled steps, the
 stats the steps record in, the measured costs) is the model's
-(`model_state.py`); the steps themselves are `steps.py`'s.
+(`model_state.py`); the steps themselves are `tensorflow_steps.py`'s.
 
 Example (what `StagingMixin.evaluate` does, `keras_evaluate` being
 `keras.Model.evaluate` bound to the model):
 
     call = StagedCall(model, layer, ("test",), callbacks)
-    if not adaptive.stages(model, layer, "test", batches):
+    if not calls.stages(model, layer, "test", batches):
         return call.run_unstaged(lambda: keras_evaluate(x, y, ...))
     call.split = split  # the SmartStage split, or None
     with call:
@@ -35,8 +35,9 @@ import tensorflow as tf
 from keras_stage import _compat
 from keras_stage.callbacks.data_backup import DataBackup
 from keras_stage.callbacks.prefetch_callback import PrefetchCallback
-from keras_stage.models import adaptive, backends, steps
-from keras_stage.models.epoch_switch import epoch_switch
+from keras_stage.models.backends import backend, tensorflow_steps
+from keras_stage.models.decision import calls
+from keras_stage.models.decision.epochs import epoch_switch
 from keras_stage.models.model_state import (
     FUNCTIONS,
     UNSTAGED_STEPS,
@@ -102,27 +103,29 @@ class StagedCall:
     ):
         """Stages `x` (and its labels and weights) for `phase`'s step.
 
-        `role` names the stage ("train", "val", "test", "predict");
-        `kwargs` go to `keras_stage.models.inputs.stage_data` (batch size,
-        steps, shuffle, class_weight). With `switch_epochs` (a fit's
-        training: its epochs), the epochs may run without the stage where
-        it does not pay (`epoch_switch`). Returns the `StagedData`, bound
-        to the step: its pipeline is what Keras must iterate.
+        `role` names the stage ("train", "val", "test", "predict"); `kwargs`
+        go to `staged_data.stage_data` (batch size, steps, shuffle,
+        class_weight). With `switch_epochs` (a fit's training: its epochs),
+        the epochs may run without the stage where it does not pay
+        (`epoch_switch`). Returns the `StagedData`, bound to the step: its
+        pipeline is what Keras must iterate.
         """
         model = self.model
         # Predict reads its batches in Python, and so does every JAX step.
-        stepped = phase != "predict" and backends.graph_steps()
-        data = adaptive.staged_data(
+        stepped = phase != "predict" and backend.graph_steps()
+        data = calls.staged_data(
             model,
             phase,
             self.layer,
             role,
-            backends.host_arrays(x),
-            backends.host_arrays(y),
+            backend.host_arrays(x),
+            backend.host_arrays(y),
             sample_weight,
             split=self.split,
             stats=(
-                steps.step_stats(model, self.layer, phase) if stepped else None
+                tensorflow_steps.step_stats(model, self.layer, phase)
+                if stepped
+                else None
             ),
             strategy=model.distribute_strategy if stepped else None,
             kept=self._state.stages,
@@ -153,7 +156,7 @@ class StagedCall:
             data.adapter,
             long_lived=data.long_lived,
             switch=data.switch,
-            pool_shrinks=backends.pool_shrinks(),
+            pool_shrinks=backend.pool_shrinks(),
         )
         bind_placement(self.model, phase, data.staged.placement)
         if phase == "predict":
@@ -173,7 +176,7 @@ class StagedCall:
         Keras reads predict batches, and every batch on JAX, in Python,
         where the stage's own iterators apply its policies.
         """
-        if backends.graph_steps() and "predict" not in self.phases:
+        if backend.graph_steps() and "predict" not in self.phases:
             return data.pipeline
         return data.eager_dataset
 
@@ -203,7 +206,7 @@ class StagedCall:
         if (
             data is None
             or data.element_spec is None
-            or not backends.graph_steps()
+            or not backend.graph_steps()
             or not _compat.builds_from_data(self.model)
         ):
             return
@@ -223,10 +226,10 @@ class StagedCall:
             _staged_steps(model, self.phases, splits),
         ):
             if self.built and "predict" not in self.phases:
-                if backends.graph_steps():
+                if backend.graph_steps():
                     _build_for_strategy(model, self.built[0])
                 else:
-                    backends.build_as_keras_would(
+                    backend.build_as_keras_would(
                         model, self.built[0], self.phases[0]
                     )
             return keras_call(callbacks=self.callbacks, **kwargs)
@@ -234,7 +237,7 @@ class StagedCall:
     def run_unstaged(self, keras_call):
         """Runs `keras_call()` (the user's call as given) with no stage.
 
-        The whole model runs in Keras's step (see `adaptive.py`); the
+        The whole model runs in Keras's step (see `decision/calls.py`); the
         call's `PrefetchCallback` reports nothing and is closed.
         """
         try:
@@ -276,7 +279,7 @@ class StagedCall:
             try:
                 for data in self.built:
                     if data.owned:
-                        adaptive.note_work(self.model, data)
+                        calls.note_work(self.model, data)
                     data.end_call()
             finally:
                 self.prefetch.close()
@@ -389,7 +392,7 @@ def _trunk_jit(model, splits):
     the trunk can honour the user's request.
     """
     requested = model_state(model).requested_jit
-    if requested == "auto" and not backends.graph_steps():
+    if requested == "auto" and not backend.graph_steps():
         requested = True  # Keras's "auto" on JAX: jit what it can
     if requested is not True:
         return None
@@ -464,9 +467,10 @@ def _with_data_backup(
 
     `reopen(phase)`: makes the iterator Keras makes at the end of an epoch
     it stepped through (`StagedCall._reopen`), for a resumed epoch that
-    ends before Keras's count of its steps (see `steps.track_iterator`).
-    `build_metrics(phase)`: builds the metrics the resumed epoch restores
-    (`StagedCall._build_metrics`). `ordered`: the stage's `deterministic`.
+    ends before Keras's count of its steps (see
+    `tensorflow_steps.track_iterator`). `build_metrics(phase)`: builds the
+    metrics the resumed epoch restores (`StagedCall._build_metrics`).
+    `ordered`: the stage's `deterministic`.
     """
     state = model_state(model)
     out = []

@@ -1,10 +1,11 @@
-"""Tests for keras_stage/models/iterators.py, on plain tf.data pipelines.
+"""Tests for keras_stage/models/call/epoch_iterators.py, on plain pipelines.
 
 The iterators a staged call hands Keras: deferred ones (made when first
 read) and the epoch views of one long-lived iterator. Here they run on
 small `range` pipelines, with no stage, so each rule (counting, epoch
 boundaries, restarts, refusals) is checked on its own; the same iterators
-behind `stage_data` and a real `fit` are tests/models/epoch_sources_test.py's.
+behind `stage_data` and a real `fit` are
+tests/models/data_adapters/epoch_sources_test.py's.
 """
 
 import threading
@@ -14,8 +15,8 @@ import pytest
 import tensorflow as tf
 
 from keras_stage.data.eager_iterated import EagerIterated
-from keras_stage.models import iterators as iterators_module
-from keras_stage.models.iterators import (
+from keras_stage.models.call import epoch_iterators as iterators_module
+from keras_stage.models.call.epoch_iterators import (
     RELEASE_THREAD,
     DeferredIterator,
     DeferredPipeline,

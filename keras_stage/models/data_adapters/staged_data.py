@@ -18,15 +18,18 @@ import tensorflow as tf
 from keras_stage import _compat
 from keras_stage.data.service import DISTRIBUTED_EPOCH
 from keras_stage.data.staging import StagedDataset
-from keras_stage.models import backends, epoch_sources
-from keras_stage.models.array_source import array_batches
-from keras_stage.models.call_costs import in_memory
-from keras_stage.models.iterators import (
+from keras_stage.models.backends import backend
+from keras_stage.models.call.epoch_iterators import (
     DeferredPipeline,
     EpochPipeline,
     LongLivedIterator,
 )
-from keras_stage.models.sources import check_source, is_python_source
+from keras_stage.models.data_adapters import epoch_sources
+from keras_stage.models.data_adapters.arrays import array_batches, in_memory
+from keras_stage.models.data_adapters.python_sources import (
+    check_source,
+    is_python_source,
+)
 
 logger = logging.getLogger("keras_stage")
 
@@ -267,7 +270,7 @@ class StagedData:
 
         Returns:
             The thread tearing down the call's long-lived iterator (see
-            `iterators.release`), or None.
+            `epoch_iterators.release`), or None.
         """
         if self.owned:
             self.staged.runner.close_gate()
@@ -336,7 +339,7 @@ class _KeptStage:
         # The `LongLivedEpochs` whose source the stage runs, or None.
         self.long_lived = long_lived
         # The thread tearing down the last call's iterator (see
-        # `iterators.release`), or None: a call reusing the stage waits
+        # `epoch_iterators.release`), or None: a call reusing the stage waits
         # for it before it opens the gate, so nothing that iterator still
         # finishes counts in the stats the new one reads.
         self.released = None
@@ -480,7 +483,7 @@ def _long_lived_epochs(
         0
         if independent
         or (phase == "train" and steps)
-        or not backends.graph_steps()
+        or not backend.graph_steps()
         else 1
     )
     source = epoch_sources.long_lived_source(
@@ -524,14 +527,14 @@ def stage_data(
     this call (a fit's `epochs - initial_epoch` for its training, its
     number of validation runs for its validation), the stage runs across
     those epochs on one iterator when that keeps every epoch's batches and
-    order as plain Keras's (see `models/iterators.py`, "Long-lived
-    epochs", and `models/epoch_sources.py`); `StagedData.long_lived` says
-    whether it does, `long_lived_refusal` why not. `steps_per_execution`:
-    the model's (it must divide an epoch's batch count). `alongside`: the
-    other data the call reads while this stage runs (the fit's validation
-    data for its training, its training data for its validation): a
-    `tf.data.Dataset` sharing a dataset with this one keeps an iterator
-    per epoch (their draws interleave as plain Keras's do).
+    order as plain Keras's (see `models/call/epoch_iterators.py`,
+    "Long-lived epochs", and `models/data_adapters/epoch_sources.py`);
+    `StagedData.long_lived` says whether it does, `long_lived_refusal` why
+    not. `steps_per_execution`: the model's (it must divide an epoch's batch
+    count). `alongside`: the other data the call reads while this stage runs
+    (the fit's validation data for its training, its training data for its
+    validation): a `tf.data.Dataset` sharing a dataset with this one keeps
+    an iterator per epoch (their draws interleave as plain Keras's do).
 
     `reads_in_python`: whether Keras reads every batch in Python, through
     `StagedData.eager_dataset` (predict; every phase on JAX), whose
@@ -732,10 +735,10 @@ def stage_data(
             stats=stats,
             consumer_records=stats is not None or reads_in_python,
             # On JAX, Keras's trainer copies each batch to the device.
-            distributed=distributed or not backends.uses_device_buffer(),
+            distributed=distributed or not backend.uses_device_buffer(),
             unpacks=True,
             reads_in_python=reads_in_python,
-            pool_start=backends.pool_start(layer.stage_options),
+            pool_start=backend.pool_start(layer.stage_options),
             **overrides,
         )
         if entry is not None:

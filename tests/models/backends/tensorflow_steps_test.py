@@ -21,7 +21,7 @@ from keras_stage.callbacks import PrefetchCallback
 from keras_stage.data import StageTimeoutError
 from keras_stage.data import runner as runner_module
 from keras_stage.layers import StagedInput
-from keras_stage.models import steps
+from keras_stage.models.backends import tensorflow_steps
 from keras_stage.models.model_state import state as model_state
 
 BATCHES = 24
@@ -38,9 +38,9 @@ def twin_calls(monkeypatch):
 
     Returns `{phase: calls}` of the twins made.
     """
-    monkeypatch.setattr(steps, "UNRECORDED_AFTER", 2)
+    monkeypatch.setattr(tensorflow_steps, "UNRECORDED_AFTER", 2)
     calls = {}
-    make = steps.make_unrecorded
+    make = tensorflow_steps.make_unrecorded
 
     def counting(model, phase):
         function = make(model, phase)
@@ -52,7 +52,7 @@ def twin_calls(monkeypatch):
 
         return counted
 
-    monkeypatch.setattr(steps, "make_unrecorded", counting)
+    monkeypatch.setattr(tensorflow_steps, "make_unrecorded", counting)
     return calls
 
 
@@ -139,7 +139,7 @@ def test_the_twin_steps_like_keras_and_ends_with_the_data(run_eagerly):
     staged.set_weights(plain.get_weights())
     for model in (plain, staged):
         model.compile(optimizer="sgd", loss="mse", run_eagerly=run_eagerly)
-    twin = steps.make_unrecorded(staged, "train")
+    twin = tensorflow_steps.make_unrecorded(staged, "train")
     data = _dataset().take(3)
     plain_iterator, twin_iterator = iter(data), iter(data)
     plain.make_train_function()
@@ -173,10 +173,11 @@ def test_a_resumed_epoch_ends_when_its_restored_batches_are_read():
     iterator = iter(tf.data.Dataset.range(10))
     reopen = lambda: reopened.append(True)  # noqa: E731
     state.pending_restores["train"] = (restored.append, 5, reopen)
-    steps.track_iterator(state, "train", iterator)
+    tensorflow_steps.track_iterator(state, "train", iterator)
     assert restored == [iterator]
     ended = [
-        steps.resumed_epoch_ended(state, "train", iterator, 2) for _ in range(4)
+        tensorflow_steps.resumed_epoch_ended(state, "train", iterator, 2)
+        for _ in range(4)
     ]
     assert ended == [False, False, False, True]  # 2 + 2 + 1 batches
     # Keras's iterator after an epoch it stepped through, made once.
@@ -185,11 +186,11 @@ def test_a_resumed_epoch_ends_when_its_restored_batches_are_read():
     # Another iterator (the next epoch's) is not counted down.
     state.resumed_left["train"] = [lambda: iterator, 0, reopen]
     other = iter(tf.data.Dataset.range(3))
-    assert not steps.resumed_epoch_ended(state, "train", other, 1)
+    assert not tensorflow_steps.resumed_epoch_ended(state, "train", other, 1)
     assert reopened == [True]
     assert "train" not in state.resumed_left
     # Unknown epoch length: nothing to count.
     state.pending_restores["train"] = (restored.append, None, reopen)
-    steps.track_iterator(state, "train", other)
-    assert not steps.resumed_epoch_ended(state, "train", other, 1)
+    tensorflow_steps.track_iterator(state, "train", other)
+    assert not tensorflow_steps.resumed_epoch_ended(state, "train", other, 1)
     assert reopened == [True]

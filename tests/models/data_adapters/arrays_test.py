@@ -1,4 +1,7 @@
-"""Tests for keras_stage/models/array_source.py: Keras's batches, gathered."""
+"""Tests for keras_stage/models/data_adapters/arrays.py.
+
+Keras's batches of in-memory arrays, gathered, and how many a call reads.
+"""
 
 import keras
 import numpy as np
@@ -7,7 +10,10 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage import _compat
-from keras_stage.models.array_source import array_batches
+from keras_stage.models.data_adapters.arrays import (
+    array_batches,
+    batch_count,
+)
 
 ROWS = 25  # 6 batches of 4 and a partial one of 1
 
@@ -138,14 +144,16 @@ def test_a_staged_fit_on_arrays_reads_the_gathered_batches(monkeypatch):
     # The stage's source is this module's dataset, and the fit trains on
     # the same data as plain Keras (same weights, shuffled).
     built = []
-    original = keras_stage.models.inputs.array_batches
+    original = keras_stage.models.data_adapters.staged_data.array_batches
 
     def spy(adapter, shuffle):
         batches = original(adapter, shuffle)
         built.append(batches)
         return batches
 
-    monkeypatch.setattr(keras_stage.models.inputs, "array_batches", spy)
+    monkeypatch.setattr(
+        keras_stage.models.data_adapters.staged_data, "array_batches", spy
+    )
     rng = np.random.default_rng(0)
     x = rng.normal(size=(40, 3)).astype("float32")
     y = rng.normal(size=(40, 1)).astype("float32")
@@ -179,7 +187,7 @@ def test_a_smart_stage_fit_on_arrays_gathers_in_the_stage(monkeypatch):
     # With a SmartStage prefix the stage stages the index batches and
     # gathers in its own map: the gathered dataset is never built, and
     # the fit trains as plain Keras does (shuffled, with validation).
-    from keras_stage.models.array_source import ArrayBatches
+    from keras_stage.models.data_adapters.arrays import ArrayBatches
 
     gathered, fused = [], []
     original, original_fn = ArrayBatches.dataset, ArrayBatches.staged_fn
@@ -227,3 +235,20 @@ def test_a_smart_stage_fit_on_arrays_gathers_in_the_stage(monkeypatch):
     assert fused == [False, False]  # the training's and the validation's
     for a, b in zip(plain.get_weights(), staged.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_batch_count_counts_the_batches_keras_makes():
+    x = {"a": np.zeros((100, 3)), "b": np.zeros((100,))}
+    assert batch_count(x, 32, None) == 4  # Keras's last batch is partial
+    assert batch_count(x, None, None) == 4  # Keras's default of 32
+    assert batch_count(np.zeros((8, 2)), 8, None) == 1
+    assert batch_count(tf.zeros((10, 2)), 4, None) == 3
+    assert batch_count(x, 32, 2) == 2  # `steps` bounds the call
+
+
+def test_batch_count_is_none_for_data_a_stage_may_overlap():
+    dataset = tf.data.Dataset.range(10).batch(2)
+    assert batch_count(dataset, None, None) is None
+    assert batch_count(dataset, None, 5) is None
+    assert batch_count((i for i in range(3)), None, None) is None
+    assert batch_count(None, None, None) is None

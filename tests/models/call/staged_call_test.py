@@ -18,7 +18,7 @@ import tensorflow as tf
 import keras_stage
 from keras_stage.callbacks import PrefetchCallback
 from keras_stage.layers import StagedInput
-from keras_stage.models.iterators import RELEASE_THREAD
+from keras_stage.models.call.epoch_iterators import RELEASE_THREAD
 from keras_stage.models.model_state import state as model_state
 from tests.helpers import stage_threads, wait_until
 
@@ -311,7 +311,7 @@ def test_a_resumed_epoch_is_counted_down_only_with_an_iterator_per_epoch(
     # the restored iterator also holds the later epochs' batches: the
     # resumed epoch runs its steps as Keras counts them.
     from keras_stage.callbacks.data_backup import DataBackup
-    from keras_stage.models.staged_call import _with_data_backup
+    from keras_stage.models.call.staged_call import _with_data_backup
 
     inputs = keras.Input((1,))
     model = keras_stage.Model(

@@ -8,13 +8,59 @@ than `from_tensor_slices(...).batch(...)`; docs/engine.md has the figures).
 So a stage over arrays reads
 the batches Keras's adapter would give, in the order it would give them
 (its own index batches), gathered from the arrays its function holds.
+`in_memory` says which data is such arrays, and `batch_count` how many
+batches a call on them reads.
 """
+
+import math
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from keras_stage import _compat
+
+# Keras's batch size when fit/evaluate/predict get arrays and none is given.
+_KERAS_DEFAULT_BATCH_SIZE = 32
+
+
+def batch_count(x, batch_size, steps):
+    """The batch count of a call on in-memory arrays, or None.
+
+    None for data whose reading a stage may overlap (a dataset, generator
+    or PyDataset) or whose length is not known.
+    """
+    if steps is not None:
+        return steps if in_memory(x) else None
+    if not in_memory(x):
+        return None
+    leaves = _leaves(x)
+    if not leaves:
+        return None
+    rows = len(leaves[0])
+    return math.ceil(rows / (batch_size or _KERAS_DEFAULT_BATCH_SIZE))
+
+
+def _leaves(x):
+    if isinstance(x, dict):
+        return [leaf for value in x.values() for leaf in _leaves(value)]
+    if isinstance(x, (list, tuple)):
+        return [leaf for value in x for leaf in _leaves(value)]
+    return [x]
+
+
+def in_memory(x):
+    """Whether `x` is arrays (NumPy, tensors) or nested lists/dicts of them."""
+    leaves = _leaves(x)
+    return bool(leaves) and all(
+        isinstance(leaf, np.ndarray) or _is_tensor(leaf) for leaf in leaves
+    )
+
+
+def _is_tensor(value):
+    # Tensors of any backend: they have a shape and a dtype and are not
+    # datasets (a tf.data.Dataset has neither).
+    return hasattr(value, "shape") and hasattr(value, "dtype")
 
 
 class ArrayBatches:

@@ -24,7 +24,7 @@ reads (an unstaged epoch iterates the same source the stage would have),
 and the staged and the whole-model steps compute the same thing. Only
 fits where that holds are switched (`epoch_switch` says which): SmartStage
 with a stateless prefix and no random staged layer, the stage's default
-exception policies and no tf.data service (`call_costs.may_skip_stage`),
+exception policies and no tf.data service (`calls.may_skip_stage`),
 an iterator per epoch or epochs on one iterator that can restart at any
 epoch (in-memory arrays, datasets that draw nothing per iterator: an
 unstaged epoch drops the stage's iterator and the next staged one starts
@@ -45,8 +45,8 @@ import time
 import keras
 
 from keras_stage.data.eager_iterated import EagerIterated
-from keras_stage.models.call_costs import may_skip_stage
-from keras_stage.models.iterators import ResolvingIterator, resolve
+from keras_stage.models.call.epoch_iterators import ResolvingIterator, resolve
+from keras_stage.models.decision.calls import may_skip_stage
 from keras_stage.models.model_state import UNSTAGED_STEPS
 from keras_stage.models.model_state import state as model_state
 
@@ -316,7 +316,7 @@ class SwitchPipeline(EagerIterated):
 
     Each iterator Keras makes asks the `EpochSwitch` for its mode: a staged
     one reads the stage; an unstaged one reads the stage's source, for the
-    whole model's step (see `steps.guard`).
+    whole model's step (see `tensorflow_steps.guard`).
     """
 
     def __init__(self, switch, staged, raw, on_unstaged=None):

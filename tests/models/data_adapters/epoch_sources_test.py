@@ -1,14 +1,16 @@
 """A stage that runs across a call's epochs on one iterator (issue 24).
 
-`stage_data(..., epochs=E)` (keras_stage/models/inputs.py) builds the
-stage over one source spanning E epochs (models/epoch_sources.py) and
-hands Keras epoch views of one real iterator (models/iterators.py). Each
-epoch must read exactly the batches, in exactly the order, plain Keras
-reads: checked here against plain Keras's own `fit` (a model recording
-every batch its steps get) and against fresh iterators of Keras's
-adapter dataset, for arrays (shuffle False/True/"batch", sample and class
-weights, seeded or not) and `tf.data` datasets (seeded reshuffling,
-`reshuffle_each_iteration=False`, `steps_per_epoch`, validation).
+`stage_data(..., epochs=E)`
+(keras_stage/models/data_adapters/staged_data.py) builds the stage over
+one source spanning E epochs (models/data_adapters/epoch_sources.py) and
+hands Keras epoch views of one real iterator
+(models/call/epoch_iterators.py). Each epoch must read exactly the
+batches, in exactly the order, plain Keras reads: checked here against
+plain Keras's own `fit` (a model recording every batch its steps get) and
+against fresh iterators of Keras's adapter dataset, for arrays (shuffle
+False/True/"batch", sample and class weights, seeded or not) and `tf.data`
+datasets (seeded reshuffling, `reshuffle_each_iteration=False`,
+`steps_per_epoch`, validation).
 """
 
 import gc
@@ -23,14 +25,14 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage import _compat
-from keras_stage.models import epoch_sources
-from keras_stage.models.inputs import StagedData, stage_data
-from keras_stage.models.iterators import (
+from keras_stage.models.call.epoch_iterators import (
     DeferredPipeline,
     EpochPipeline,
     EpochView,
     resolve,
 )
+from keras_stage.models.data_adapters import epoch_sources
+from keras_stage.models.data_adapters.staged_data import StagedData, stage_data
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -368,7 +370,7 @@ def test_arrays_start_a_new_iterator_when_the_pool_is_resized():
 
 
 def test_an_epoch_of_arrays_skipped_starts_the_next_past_it():
-    # An epoch run without the stage (models/epoch_switch.py): the stage's
+    # An epoch run without the stage (models/decision/epochs.py): the stage's
     # iterator is dropped, and the epoch after starts a new one past it.
     x, y, _ = _arrays()
     made = []
@@ -764,7 +766,7 @@ def test_a_fit_on_long_lived_stages_trains_as_plain_keras(
 ):
     # fit gives its training and validation stages the fit's epochs (4,
     # validating every epoch); each makes one real iterator for all four.
-    from keras_stage.models import adaptive
+    from keras_stage.models.decision import calls
 
     built, made = [], []
 
@@ -778,7 +780,7 @@ def test_a_fit_on_long_lived_stages_trains_as_plain_keras(
     def counting_made(self, seconds):
         made.append(self.staged.name)
 
-    monkeypatch.setattr(adaptive, "stage_data", recording_stage_data)
+    monkeypatch.setattr(calls, "stage_data", recording_stage_data)
     monkeypatch.setattr(StagedData, "_made", counting_made)
     rng = np.random.default_rng(0)
     x = rng.random((96, 4)).astype("float32")

@@ -1,13 +1,15 @@
-"""Whether a staged call can pay for its stage, from measured costs.
+"""Whether a call of a keras_stage model is staged, from measured costs.
 
-A stage saves at most the staged work of every batch but the first (the
-first batch is waited for however it is made), and costs its set-up: the
-pipeline it builds and each iterator it makes (instantiating the staged
-computation). `CallCosts` keeps both as measured on the model's earlier
-staged calls, per phase, and `stages` answers, before a call, whether
-staging it can be faster than running the whole model in Keras's own step
-(the same results either way). A call is never skipped on a guess: only
-what was measured counts, on this model or on one with the same stage
+With a `StagedInput(adaptive=True)`, a call on in-memory arrays that cannot
+repay its stage's set-up runs the whole model in Keras's step, unstaged
+(the same results either way). A stage saves at most the staged work of
+every batch but the first (the first batch is waited for however it is
+made), and costs its set-up: the pipeline it builds and each iterator it
+makes (instantiating the staged computation). This module notes what each
+staged call costs (`staged_data`, `note_work`), keeps it per phase
+(`CallCosts`), and answers before a call whether staging it can be faster
+(`stages`, `fit_stages`). A call is never skipped on a guess: only what was
+measured counts, on this model or on one with the same stage
 (`stage_signature`: a fresh model per trial pays its stage once per
 process, not once per model), and what cannot be bounded (data from a
 `tf.data.Dataset`, a generator or a `PyDataset`, whose reading the stage
@@ -17,56 +19,23 @@ are noted apart and added only for a model that has not paid them yet.
 """
 
 import collections
-import math
+import logging
+import time
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_stage.layers.staged_input import StagedInput
-from keras_stage.planner.state_access import all_layers
+from keras_stage.models.data_adapters.arrays import batch_count
+from keras_stage.models.data_adapters.staged_data import (
+    default_strategy,
+    epochs_refusal,
+    stage_data,
+)
+from keras_stage.models.model_state import state as model_state
+from keras_stage.planner.state_access import all_layers, seed_states
 
-# Keras's batch size when fit/evaluate/predict get arrays and none is given.
-_KERAS_DEFAULT_BATCH_SIZE = 32
-
-
-def array_batches(x, batch_size, steps):
-    """The batch count of a call on in-memory arrays, or None.
-
-    None for data whose reading a stage may overlap (a dataset, generator
-    or PyDataset) or whose length is not known.
-    """
-    if steps is not None:
-        return steps if in_memory(x) else None
-    if not in_memory(x):
-        return None
-    leaves = _leaves(x)
-    if not leaves:
-        return None
-    rows = len(leaves[0])
-    return math.ceil(rows / (batch_size or _KERAS_DEFAULT_BATCH_SIZE))
-
-
-def _leaves(x):
-    if isinstance(x, dict):
-        return [leaf for value in x.values() for leaf in _leaves(value)]
-    if isinstance(x, (list, tuple)):
-        return [leaf for value in x for leaf in _leaves(value)]
-    return [x]
-
-
-def in_memory(x):
-    """Whether `x` is arrays (NumPy, tensors) or nested lists/dicts of them."""
-    leaves = _leaves(x)
-    return bool(leaves) and all(
-        isinstance(leaf, np.ndarray) or _is_tensor(leaf) for leaf in leaves
-    )
-
-
-def _is_tensor(value):
-    # Tensors of any backend: they have a shape and a dtype and are not
-    # datasets (a tf.data.Dataset has neither).
-    return hasattr(value, "shape") and hasattr(value, "dtype")
+logger = logging.getLogger("keras_stage")
 
 
 def may_skip_stage(layer):
@@ -113,17 +82,17 @@ def fit_batches(
     """A fit's `((batches, epochs), (batches, runs))`.
 
     For its training and its validation: batches in all (None when not
-    from arrays, see `array_batches`), and the epochs and validation runs,
-    each making one iterator.
+    from arrays, see `arrays.batch_count`), and the epochs and validation
+    runs, each making one iterator.
     """
     epochs, first = max(epochs - initial_epoch, 0), initial_epoch
-    train = array_batches(x, batch_size, steps_per_epoch)
+    train = batch_count(x, batch_size, steps_per_epoch)
     train = None if train is None else train * epochs
     if validation_data is None:
         return (train, epochs), (None, 0)
     runs = validation_runs(first, first + epochs, validation_freq)
     val_x, _, _ = keras.utils.unpack_x_y_sample_weight(validation_data)
-    val = array_batches(
+    val = batch_count(
         val_x, validation_batch_size or batch_size, validation_steps
     )
     return (train, epochs), (None if val is None else val * runs, runs)
@@ -292,3 +261,161 @@ def shared_costs(signature):
 def forget_shared_costs():
     """Forgets every measured cost (tests start from a clean process)."""
     _SHARED.clear()
+
+
+def costs(model):
+    """The `CallCosts` of `model`'s stage, shared with models like it."""
+    state = model_state(model)
+    if state.costs is None:
+        state.costs = shared_costs(stage_signature(model, state.smart_stage))
+    return state.costs
+
+
+def _first_costs(model, phase):
+    """`(plans, traces)`: whether a staged call would plan / trace first."""
+    state = model_state(model)
+    if not state.smart_stage:
+        return False, False
+    if state.plan is None:
+        return True, True
+    split = state.split
+    return False, split is not None and not split.traced(phase == "train")
+
+
+def _random_prefix(model, phase):
+    """Whether a training call stages random layers (Dropout, noise...).
+
+    The stage draws their randomness per batch from seeds of its own (see
+    `StageSplit.number`), the step from the layers' seed generators: the
+    same model trained staged or unstaged would differ, so such calls are
+    always staged. A model with no random layer at all is not planned for
+    this.
+    """
+    state = model_state(model)
+    if phase != "train" or not state.smart_stage:
+        return False
+    if state.plan is None and not seed_states(model):
+        return False
+    split = model._stage_plan()[1]
+    return split is not None and bool(split.seed_states)
+
+
+def stages(model, layer, phase, batches, iterators=1):
+    """Whether a call of `phase` reading `batches` batches is staged.
+
+    See `CallCosts.stages`; `batches` is None when not from arrays.
+    """
+    if not may_skip_stage(layer):
+        return True
+    if batches is None or _random_prefix(model, phase):
+        return True  # never skipped (and the signature is not computed)
+    measured = costs(model)
+    first = _first_costs(model, phase)
+    if measured.stages(phase, batches, iterators, *first):
+        return True
+    logger.info(
+        "Model '%s': %s runs the whole model in Keras's step, unstaged: %s.",
+        model.name,
+        phase,
+        measured.describe(phase, batches, iterators, *first),
+    )
+    return False
+
+
+def staged_data(model, phase, *args, **kwargs):
+    """`stage_data(*args, **kwargs)`, its costs noted for `phase`."""
+    measured = costs(model)
+    split = kwargs.get("split")
+    traced = 0.0 if split is None else split.trace_seconds
+    started = time.perf_counter()
+    data = stage_data(*args, **kwargs)
+    seconds = time.perf_counter() - started
+    if split is not None and split.trace_seconds > traced:
+        # Tracing the staged layers is paid once per model, not per call:
+        # noted apart, for the first calls of models like this one.
+        measured.note_trace(phase, split.trace_seconds - traced)
+        seconds -= split.trace_seconds - traced
+    measured.note_build(phase, seconds)
+
+    def made(seconds):
+        measured.note_iterator(phase, seconds)
+
+    data.on_iterator = made
+    data.cost_phase = phase
+    snapshot = data.staged.stats.snapshot()
+    data.work_before = (snapshot["busy_seconds"], snapshot["produced"])
+    return data
+
+
+def note_work(model, data):
+    """Notes the staged work `data`'s stage did in the call ending."""
+    if data.staged.stats.closed:
+        return
+    snapshot = data.staged.stats.snapshot()
+    busy, produced = data.work_before
+    costs(model).note_work(
+        data.cost_phase,
+        snapshot["busy_seconds"] - busy,
+        snapshot["produced"] - produced,
+        has_work=data.split is not None,
+    )
+
+
+def _iterators(model, layer, phase, batches, epochs, steps, long_lived):
+    """The iterators a fit's phase makes: one if its epochs share one.
+
+    See `staged_data.stage_data(epochs=...)`; `batches` is all the epochs'.
+    """
+    if not long_lived or not batches or not epochs:
+        return epochs
+    refusal = epochs_refusal(
+        layer,
+        phase,
+        batches // epochs,
+        steps,
+        epochs,
+        model.steps_per_execution,
+        served=False,  # `may_skip_stage`: no service
+    )
+    if refusal is None and default_strategy(model.distribute_strategy):
+        return 1
+    return epochs
+
+
+def fit_stages(model, layer, x, validation_data, long_lived=True, **kwargs):
+    """Whether a fit is staged: its training or its validation can pay.
+
+    `long_lived`: whether the fit may run its epochs on one iterator.
+    """
+    (train, epochs), (val, runs) = fit_batches(x, validation_data, **kwargs)
+    if stages(
+        model,
+        layer,
+        "train",
+        train,
+        iterators=_iterators(
+            model,
+            layer,
+            "train",
+            train,
+            epochs,
+            kwargs["steps_per_epoch"],
+            long_lived,
+        ),
+    ):
+        return True
+    return validation_data is not None and stages(
+        model,
+        layer,
+        "test",
+        val,
+        iterators=_iterators(
+            model,
+            layer,
+            "test",
+            val,
+            runs,
+            kwargs["validation_steps"],
+            long_lived,
+        ),
+    )

@@ -1,4 +1,4 @@
-"""keras_stage/models/backends.py on the TensorFlow backend.
+"""keras_stage/models/backends/backend.py on the TensorFlow backend.
 
 The JAX side runs in the jax environment (tests/jax/); here: what this
 backend does, and the errors of the backends keras_stage does not stage on.
@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import keras_stage
-from keras_stage.models import backends
+from keras_stage.models.backends import backend
 
 
 def _model():
@@ -20,29 +20,29 @@ def _model():
 
 
 def test_tensorflow_runs_graph_steps_with_device_buffers():
-    assert backends.graph_steps()
-    assert backends.uses_device_buffer()
+    assert backend.graph_steps()
+    assert backend.uses_device_buffer()
 
 
-@pytest.mark.parametrize("backend", ["torch", "numpy", "openvino"])
-def test_other_backends_get_an_error_naming_the_supported_ones(backend):
+@pytest.mark.parametrize("name", ["torch", "numpy", "openvino"])
+def test_other_backends_get_an_error_naming_the_supported_ones(name):
     model = _model()
     with pytest.raises(NotImplementedError) as raised:
-        backends.check_supported(model, model.get_layer("stage"), backend)
+        backend.check_supported(model, model.get_layer("stage"), name)
     message = str(raised.value)
-    assert f"'{backend}' backend" in message
+    assert f"'{name}' backend" in message
     assert "KERAS_BACKEND=jax or KERAS_BACKEND=tensorflow" in message
 
 
 def test_tensorflow_and_jax_are_supported():
     model = _model()
-    backends.check_supported(model, model.get_layer("stage"), "tensorflow")
-    assert backends.SUPPORTED == ("tensorflow", "jax")
+    backend.check_supported(model, model.get_layer("stage"), "tensorflow")
+    assert backend.SUPPORTED == ("tensorflow", "jax")
 
 
 def test_string_arrays_are_left_to_keras_on_tensorflow():
     words = np.array(["a", "b"], dtype=object)
-    assert backends.host_arrays({"w": words})["w"] is words
+    assert backend.host_arrays({"w": words})["w"] is words
 
 
 def test_a_string_model_exports_on_tensorflow(tmp_path):
@@ -50,16 +50,16 @@ def test_a_string_model_exports_on_tensorflow(tmp_path):
     x = keras_stage.layers.StagedInput()(inputs)
     x = keras.layers.Hashing(num_bins=4)(x)
     model = keras_stage.Model(inputs, x)
-    backends.check_exportable(model)  # nothing to refuse here
+    backend.check_exportable(model)  # nothing to refuse here
     model.export(str(tmp_path / "exported"), verbose=False)
     served = tf.saved_model.load(str(tmp_path / "exported"))
     assert served.serve(tf.constant(["a"])).shape == (1,)
 
 
 def test_one_machine_strategies_count_one_worker():
-    assert backends.worker_count(tf.distribute.get_strategy()) == 1
+    assert backend.worker_count(tf.distribute.get_strategy()) == 1
     mirrored = tf.distribute.MirroredStrategy(["/cpu:0"])
-    assert backends.worker_count(mirrored) == 1
+    assert backend.worker_count(mirrored) == 1
 
 
 _TWO_WORKERS = r"""

@@ -1,10 +1,11 @@
-"""Tests for keras_stage/models/inputs.py: what `stage_data` makes of the data.
+"""Tests for keras_stage/models/data_adapters/staged_data.py.
 
-For arrays Keras's own adapter batches (so labels stay aligned) and the
-stage is built for the call; a user's `tf.data.Dataset` is staged as it
-is, and kept for later calls on it; a dataset the user staged already is
-used as it is. The epochs a stage runs on one iterator (`epochs=`) and
-every case that refuses them are tests/models/epoch_sources_test.py's.
+What `stage_data` makes of the data. For arrays Keras's own adapter
+batches (so labels stay aligned) and the stage is built for the call; a
+user's `tf.data.Dataset` is staged as it is, and kept for later calls on
+it; a dataset the user staged already is used as it is. The epochs a stage
+runs on one iterator (`epochs=`) and every case that refuses them are
+tests/models/data_adapters/epoch_sources_test.py's.
 """
 
 import logging
@@ -15,14 +16,17 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage.data.service import DISTRIBUTED_EPOCH
-from keras_stage.models.inputs import (
+from keras_stage.models.call.epoch_iterators import (
+    DeferredIterator,
+    DeferredPipeline,
+)
+from keras_stage.models.data_adapters.staged_data import (
     StagedData,
     _batch_size,
     _service_overrides,
     default_strategy,
     stage_data,
 )
-from keras_stage.models.iterators import DeferredIterator, DeferredPipeline
 
 pytestmark = pytest.mark.timeout(60)
 

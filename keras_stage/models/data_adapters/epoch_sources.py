@@ -1,11 +1,12 @@
 """One source for all the epochs of a call, in plain Keras's epoch orders.
 
-A stage that runs across epochs (see `models/iterators.py`) reads one
-dataset spanning every epoch of the call: `range(epochs).flat_map` of the
-epoch's source. Plain Keras makes a new iterator of that source every
-epoch, and some sources draw differently from a new iterator than from the
-next pass of a running one. Measured on Keras 3.15 / TF 2.21
-(tests/models/epoch_sources_test.py keeps each fact checked):
+A stage that runs across epochs (see `models/call/epoch_iterators.py`)
+reads one dataset spanning every epoch of the call:
+`range(epochs).flat_map` of the epoch's source. Plain Keras makes a new
+iterator of that source every epoch, and some sources draw differently from
+a new iterator than from the next pass of a running one. Measured on Keras
+3.15 / TF 2.21 (tests/models/data_adapters/epoch_sources_test.py keeps each
+fact checked):
 
 - State kept by a resource outlives iterators: a seeded
   `shuffle(reshuffle_each_iteration=True)` (a global seed is enough) draws

@@ -406,7 +406,8 @@ def check_source(x):
     ...     pass
     Traceback (most recent call last):
         ...
-    keras_stage.models.sources.SourceBatchError: generator 'make_batches',
+    keras_stage.models.data_adapters.python_sources.SourceBatchError:
+    generator 'make_batches',
     batch 2 (counting from 0), does not match the first batches: `x` has
     dtype float64 but the first batch's has float32. ...
     """

@@ -14,7 +14,7 @@ data (an iterator, read inside a `tf.function`):
   stage packed and run the SmartStage trunk instead of the whole model.
 
 A second backend (JAX: its steps are pure functions of the data, called
-from Python) supplies these for its own steps; `staged_call.py` and the
+from Python) supplies these for its own steps; `call/staged_call.py` and the
 model API stay as they are.
 """
 
@@ -28,7 +28,7 @@ import tensorflow as tf
 from keras_stage.data.errors import StageTimeoutError
 from keras_stage.data.runner import EndOfData, SkipElement
 from keras_stage.data.stats import StageStats
-from keras_stage.models.iterators import resolve
+from keras_stage.models.call.epoch_iterators import resolve
 from keras_stage.models.model_state import (
     FUNCTIONS,
     MAKERS,
@@ -42,7 +42,7 @@ from keras_stage.models.model_state import state as _state
 def guard(model, phase, function):
     """Wraps a compiled Keras step with the stage runner of `phase`.
 
-    An epoch of an `EpochSwitch` (models/epoch_switch.py) is timed step by
+    An epoch of an `EpochSwitch` (models/decision/epochs.py) is timed step by
     step, and an unstaged one runs the whole model's step instead.
     """
     unrecorded = UnrecordedStep(model, phase)

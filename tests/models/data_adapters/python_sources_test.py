@@ -20,7 +20,7 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage.layers import StagedInput
-from keras_stage.models.sources import (
+from keras_stage.models.data_adapters.python_sources import (
     SourceBatchError,
     SourceError,
     check_source,

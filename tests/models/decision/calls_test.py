@@ -1,0 +1,349 @@
+"""Tests for keras_stage/models/decision/calls.py: whether a call is staged.
+
+`CallCosts` decides from the costs noted on it, `stages` and `fit_stages`
+from those noted on the model (or on models with the same stage); here
+they are set by hand, so each decision is checked without timing anything.
+`staged_data` and `note_work` note those costs. Fits that skip their stage
+are tests/models/model_state_test.py's.
+"""
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_stage
+from keras_stage.layers import StagedInput
+from keras_stage.models.decision import calls
+from keras_stage.models.decision.calls import (
+    CallCosts,
+    fit_batches,
+    may_skip_stage,
+    shared_costs,
+    stage_signature,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+X = np.ones((240, 2), "float32")  # 30 batches of 8
+Y = np.ones((240, 1), "float32")
+
+
+def _measured(build=0.05, iterator=0.02, batch=0.001):
+    costs = CallCosts()
+    costs.note_build("train", build)
+    costs.note_iterator("train", iterator)
+    costs.note_work("train", batch * 10, 10, has_work=True)
+    return costs
+
+
+def test_call_costs_never_stage_one_batch():
+    assert not CallCosts().stages("predict", 1, 1)
+
+
+def test_unmeasured_or_unbounded_calls_are_staged():
+    costs = CallCosts()
+    assert costs.stages("train", 100, 1)  # nothing measured yet
+    assert costs.stages("train", None, 1)  # not arrays
+    costs.note_build("train", 0.05)
+    costs.note_iterator("train", 0.02)
+    # Timing off (op determinism): busy seconds are not measured.
+    costs.note_work("train", 0.0, 10, has_work=True)
+    assert costs.stages("train", 100, 1)
+
+
+def test_a_call_is_staged_only_when_its_work_can_repay_the_set_up():
+    costs = _measured(build=0.05, iterator=0.02, batch=0.001)
+    # 70 ms of set-up: 71 batches of 1 ms can save 70 ms, 72 can save 71.
+    assert not costs.stages("train", 71, 1)
+    assert costs.stages("train", 72, 1)
+    # Each epoch's iterator counts: 4 epochs cost 130 ms.
+    assert not costs.stages("train", 120, 4)
+    assert costs.stages("train", 140, 4)
+    assert "can save at most" in costs.describe("train", 71, 1)
+    assert "can save up to" in costs.describe("train", 72, 1)
+
+
+def test_a_stage_that_computes_nothing_on_arrays_has_nothing_to_save():
+    costs = CallCosts()
+    costs.note_build("test", 0.01)
+    costs.note_iterator("test", 0.001)
+    costs.note_work("test", 0.0, 0, has_work=False)
+    assert not costs.stages("test", 1000, 1)
+
+
+@pytest.mark.parametrize("phase", ["train", "test", "predict"])
+def test_phases_are_measured_apart(phase):
+    costs = _measured()
+    assert costs.stages(phase, 50, 1) == (phase != "train")
+
+
+def test_fit_batches_counts_epochs_and_validation_runs_as_keras_runs_them():
+    x, val = np.zeros((100, 2)), (np.zeros((40, 2)), np.zeros((40, 1)))
+    kwargs = dict(
+        batch_size=10,
+        epochs=5,
+        initial_epoch=1,
+        steps_per_epoch=None,
+        validation_steps=None,
+        validation_batch_size=None,
+        validation_freq=2,
+    )
+    # Epochs 1..4 train; epochs 2 and 4 (1-based) validate.
+    assert fit_batches(x, val, **kwargs) == ((40, 4), (8, 2))
+    assert fit_batches(x, None, **kwargs) == ((40, 4), (None, 0))
+    kwargs.update(validation_freq=[1, 5], validation_batch_size=20)
+    assert fit_batches(x, val, **kwargs) == ((40, 4), (2, 1))
+    dataset = tf.data.Dataset.range(3)
+    assert fit_batches(dataset, None, **kwargs)[0] == (None, 4)
+
+
+@pytest.mark.parametrize(
+    "options, skippable",
+    [
+        ({}, True),
+        ({"adaptive": False}, False),
+        ({"ignored_exception_types": (tf.errors.DataLossError,)}, False),
+        ({"closed_exception_types": (StopIteration,)}, False),
+        ({"service": "grpc://localhost:5050"}, False),
+    ],
+)
+def test_only_calls_whose_stage_changes_nothing_but_speed_may_skip_it(
+    options, skippable
+):
+    layer = keras_stage.layers.StagedInput(**options)
+    assert may_skip_stage(layer) is skippable
+
+
+def test_a_model_that_plans_and_traces_first_pays_for_both():
+    costs = _measured(build=0.05, iterator=0.02, batch=0.001)
+    costs.note_plan(0.1)
+    costs.note_trace("train", 0.04)
+    # 70 ms of set-up; + 100 ms of plan; + 40 ms of trace.
+    assert costs.stages("train", 100, 1)
+    assert not costs.stages("train", 100, 1, plans=True)
+    assert costs.stages("train", 200, 1, plans=True)
+    assert not costs.stages("train", 200, 1, plans=True, traces=True)
+    assert costs.stages("train", 220, 1, plans=True, traces=True)
+
+
+def _tabular(width=8, capacity=2, vocabulary=("a", "b", "c")):
+    inputs = {
+        "num": keras.Input(shape=(1,), name="num"),
+        "cat": keras.Input(shape=(1,), dtype="string", name="cat"),
+    }
+    x = keras_stage.layers.StagedInput(capacity=capacity)(inputs)
+    norm = keras.layers.Normalization()
+    norm.adapt(np.arange(10, dtype="float32").reshape(-1, 1))
+    lookup = keras.layers.StringLookup(
+        vocabulary=list(vocabulary), output_mode="one_hot"
+    )
+    features = keras.layers.Concatenate()([norm(x["num"]), lookup(x["cat"])])
+    hidden = keras.layers.Dense(width)(features)
+    return keras_stage.Model(inputs, keras.layers.Dense(1)(hidden))
+
+
+def test_models_with_the_same_stage_share_a_signature():
+    signature = stage_signature(_tabular(), True)
+    # Another model like it (new layer names), or a wider trunk: the same.
+    assert stage_signature(_tabular(), True) == signature
+    assert stage_signature(_tabular(width=16), True) == signature
+    # Other StagedInput options, smart_stage or staged state: another one.
+    assert stage_signature(_tabular(capacity=4), True) != signature
+    assert stage_signature(_tabular(), False) != signature
+    assert stage_signature(_tabular(), "longest") != signature
+    assert shared_costs(signature) is shared_costs(signature)
+    assert shared_costs(signature) is not shared_costs(
+        stage_signature(_tabular(capacity=4), True)
+    )
+
+
+def _model(middle=(), smart_stage=False, **options):
+    inputs = keras.Input(shape=(2,))
+    x = StagedInput(name="stage", **options)(inputs)
+    for layer in middle:
+        x = layer(x)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1, name="head")(x))
+    model.compile(optimizer="sgd", loss="mse", smart_stage=smart_stage)
+    return model, model.get_layer("stage")
+
+
+def _note(model, phase="train", build=0.05, iterator=0.02, batch=0.001):
+    """70 ms of set-up for one iterator, 1 ms of staged work a batch."""
+    costs = calls.costs(model)
+    costs.note_build(phase, build)
+    costs.note_iterator(phase, iterator)
+    costs.note_work(phase, batch * 10, 10, has_work=True)
+    return costs
+
+
+def _fit_kwargs(epochs=1, **overrides):
+    kwargs = dict(
+        batch_size=8,
+        epochs=epochs,
+        initial_epoch=0,
+        steps_per_epoch=None,
+        validation_steps=None,
+        validation_batch_size=None,
+        validation_freq=1,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+# -- costs ------------------------------------------------------------------
+
+
+def test_models_with_the_same_stage_share_their_costs():
+    first, _ = _model()
+    second, _ = _model()
+    other, _ = _model(capacity=3)
+    assert calls.costs(first) is calls.costs(second)
+    assert calls.costs(other) is not calls.costs(first)
+
+
+def test_compile_looks_the_costs_up_again():
+    model, _ = _model()
+    before = calls.costs(model)
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    assert calls.costs(model) is not before  # another stage signature
+
+
+# -- stages -----------------------------------------------------------------
+
+
+def test_a_call_that_cannot_repay_its_set_up_is_not_staged(caplog):
+    model, layer = _model()
+    _note(model)
+    with caplog.at_level(logging.INFO, logger="keras_stage"):
+        assert not calls.stages(model, layer, "train", 71)
+    message = caplog.records[-1].getMessage()
+    assert message.startswith(
+        f"Model '{model.name}': train runs the whole model in Keras's "
+        "step, unstaged: staging 71 batches can save at most 70.0 ms"
+    )
+    assert calls.stages(model, layer, "train", 72)
+
+
+def test_every_iterator_a_call_makes_counts():
+    model, layer = _model()
+    _note(model)
+    assert calls.stages(model, layer, "train", 100, iterators=1)
+    assert not calls.stages(model, layer, "train", 100, iterators=3)
+
+
+def test_unmeasured_phases_and_unbounded_data_are_staged():
+    model, layer = _model()
+    _note(model, phase="train")
+    assert calls.stages(model, layer, "test", 2)  # test: not measured
+    assert calls.stages(model, layer, "train", None)  # not arrays
+
+
+def test_one_batch_is_never_staged():
+    model, layer = _model()
+    assert not calls.stages(model, layer, "predict", 1)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"adaptive": False},
+        {"ignored_exception_types": (tf.errors.InvalidArgumentError,)},
+        {
+            "closed_exception_types": (
+                tf.errors.OutOfRangeError,
+                tf.errors.DataLossError,
+            )
+        },
+    ],
+    ids=["adaptive_false", "ignored", "closed"],
+)
+def test_calls_whose_stage_changes_more_than_speed_are_always_staged(
+    options,
+):
+    model, layer = _model(**options)
+    _note(model)
+    assert calls.stages(model, layer, "predict", 1)
+    assert calls.stages(model, layer, "train", 2)
+
+
+def test_a_model_not_yet_planned_pays_its_plan_and_trace_too():
+    model, layer = _model([keras.layers.Rescaling(0.5)], smart_stage=True)
+    costs = _note(model)
+    costs.note_plan(0.02)
+    costs.note_trace("train", 0.01)
+    # 70 ms of stage, 20 of plan, 10 of trace: 101 batches save 100 ms.
+    assert not calls.stages(model, layer, "train", 101)
+    assert calls.stages(model, layer, "train", 102)
+    model.get_stage_plan()  # planned now, but not traced
+    assert calls.stages(model, layer, "train", 82)
+    assert not calls.stages(model, layer, "train", 81)
+
+
+def test_without_smart_stage_no_plan_or_trace_is_added():
+    model, layer = _model()
+    costs = _note(model)
+    costs.note_plan(1.0)
+    costs.note_trace("train", 1.0)
+    assert calls.stages(model, layer, "train", 72)
+
+
+def test_training_that_stages_random_layers_is_always_staged():
+    model, layer = _model([keras.layers.Dropout(0.5)], smart_stage=True)
+    for phase in ("train", "test"):
+        _note(model, phase=phase, build=10.0)
+    assert calls.stages(model, layer, "train", 30)
+    # Evaluation runs random layers as identities: it may be skipped.
+    assert not calls.stages(model, layer, "test", 30)
+
+
+# -- fit_stages -------------------------------------------------------------
+
+
+def test_a_fit_whose_epochs_share_one_iterator_pays_one_set_up():
+    model, layer = _model()
+    _note(model)  # 3 epochs of 30 batches: 89 ms to save
+    kwargs = _fit_kwargs(epochs=3)
+    assert calls.fit_stages(model, layer, X, None, **kwargs)
+    # An iterator per epoch: 50 + 3 * 20 = 110 ms of set-up.
+    assert not calls.fit_stages(
+        model, layer, X, None, long_lived=False, **kwargs
+    )
+
+
+def test_a_fit_is_staged_when_only_its_validation_can_pay():
+    model, layer = _model()
+    _note(model, phase="train", build=10.0)
+    _note(model, phase="test", build=0.0, iterator=0.0)
+    kwargs = _fit_kwargs()
+    assert not calls.fit_stages(model, layer, X, None, **kwargs)
+    assert calls.fit_stages(model, layer, X, (X, Y), **kwargs)
+
+
+def test_a_fit_on_a_dataset_is_always_staged():
+    model, layer = _model()
+    _note(model, build=10.0)
+    dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(8)
+    assert calls.fit_stages(model, layer, dataset, None, **_fit_kwargs())
+
+
+# -- noting costs -------------------------------------------------------------
+
+
+def test_staged_data_and_note_work_note_what_a_staged_call_costs():
+    model, layer = _model()
+    data = calls.staged_data(model, "test", layer, "test", X, Y, batch_size=8)
+    costs = calls.costs(model).phase("test")
+    assert costs.build_seconds > 0 and costs.iterator_seconds is None
+    assert data.cost_phase == "test"
+    assert data.work_before == (0.0, 0)
+    batches = list(data.pipeline)  # Keras's read of one epoch
+    assert len(batches) == 30
+    assert costs.iterator_seconds > 0
+    calls.note_work(model, data)
+    # No SmartStage prefix: the stage of arrays computes nothing.
+    assert costs.batch_seconds == 0.0
+    assert costs.measured()
+    data.end_call()
