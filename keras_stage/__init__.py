@@ -5,7 +5,18 @@ Three lines make a Keras model's input run ahead of training: a
 `keras_stage.callbacks.PrefetchCallback` in `fit` (added for you when
 omitted), and `keras_stage.Model`/`Sequential` in place of Keras's.
 `keras_stage.data.stage` is the Keras-free engine underneath.
+
+`import keras_stage.data` loads the engine alone, for a custom TensorFlow
+loop: no module of keras_stage that needs Keras. The names that do
+(`Model`, `Sequential`, `StagePlan`, `callbacks`, `layers`) load on their
+first use, which also registers keras_stage's layers and models with
+Keras's serialization. A script that only loads a saved model imports
+them first: `import keras_stage.models` (or uses any of those names)
+before `keras.saving.load_model`.
 """
+
+import importlib
+import typing
 
 try:
     import tensorflow as _tf  # noqa: F401
@@ -18,15 +29,27 @@ except ImportError as e:
         '`pip install -e ".[tensorflow-cpu]"` in the keras_stage checkout.'
     ) from e
 
-from keras_stage import callbacks as callbacks
 from keras_stage import data as data
-from keras_stage import layers as layers
 from keras_stage.data.devices import configure_streams as configure_streams
-from keras_stage.models import Model as Model
-from keras_stage.models import Sequential as Sequential
-from keras_stage.planner import StagePlan as StagePlan
+
+if typing.TYPE_CHECKING:  # what `__getattr__` loads, for tools that read
+    from keras_stage import callbacks as callbacks
+    from keras_stage import layers as layers
+    from keras_stage.models import Model as Model
+    from keras_stage.models import Sequential as Sequential
+    from keras_stage.planner import StagePlan as StagePlan
 
 __version__ = "0.1.0"
+
+# Each name that needs Keras, and the module that defines it. Resolved by
+# `__getattr__` (PEP 562), so that importing the engine loads no Keras.
+_KERAS_NAMES = {
+    "Model": "keras_stage.models",
+    "Sequential": "keras_stage.models",
+    "StagePlan": "keras_stage.planner",
+    "callbacks": "keras_stage.callbacks",
+    "layers": "keras_stage.layers",
+}
 
 __all__ = [
     "Model",
@@ -37,3 +60,22 @@ __all__ = [
     "data",
     "layers",
 ]
+
+
+def _load_keras_names():
+    for name, module in _KERAS_NAMES.items():
+        imported = importlib.import_module(module)
+        globals()[name] = (
+            imported if module.endswith(f".{name}") else getattr(imported, name)
+        )
+
+
+def __getattr__(name):
+    if name in _KERAS_NAMES:
+        _load_keras_names()
+        return globals()[name]
+    raise AttributeError(f"module 'keras_stage' has no attribute '{name}'")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_KERAS_NAMES))

@@ -37,3 +37,98 @@ def test_missing_tensorflow_names_the_fix():
     setup.read(ROOT / "setup.cfg")
     assert "tensorflow-cpu" in setup["options.extras_require"]
     assert "keras-stage[" not in out
+
+
+# keras_stage's modules that need Keras. (`_compat` is shared: it imports
+# Keras only inside the functions that need it.)
+_KERAS_HALF = (
+    "keras_stage.callbacks",
+    "keras_stage.layers",
+    "keras_stage.models",
+    "keras_stage.planner",
+)
+
+
+@pytest.mark.timeout(120)
+def test_the_engine_imports_and_runs_without_keras():
+    # Keras blocked: TensorFlow then skips its own eager import of Keras's
+    # optimizers, so only keras_stage could bring Keras in, and must not.
+    code = (
+        "import sys; sys.modules['keras'] = None\n"
+        "import tensorflow as tf\n"
+        "import keras_stage.data\n"
+        "staged = keras_stage.data.stage(\n"
+        "    tf.data.Dataset.range(6).batch(2), lambda x: x * 2, capacity=2)\n"
+        "print([int(v) for batch in staged for v in batch])\n"
+        "staged.close()\n"
+        f"print(sorted(m for m in {_KERAS_HALF!r} if m in sys.modules))\n"
+    )
+    out = printed_in_fresh_python(code).splitlines()
+    assert out[-2] == "[0, 2, 4, 6, 8, 10]"
+    assert out[-1] == "[]"
+
+
+@pytest.mark.timeout(120)
+def test_importing_the_engine_loads_none_of_the_keras_half():
+    # Keras installed (TensorFlow itself imports part of it): keras_stage
+    # loads none of its own modules that need it.
+    code = (
+        "import sys\n"
+        "import keras_stage.data\n"
+        f"print(sorted(m for m in {_KERAS_HALF!r} if m in sys.modules))\n"
+        "print(sorted(m for m in sys.modules if m.startswith('keras_stage.')"
+        " and not m.startswith(('keras_stage.data', 'keras_stage._compat'))))\n"
+    )
+    assert printed_in_fresh_python(code).splitlines()[-2:] == ["[]", "[]"]
+
+
+@pytest.mark.timeout(120)
+def test_import_keras_stage_gives_the_whole_package():
+    code = (
+        "import keras_stage\n"
+        "print(keras_stage.Model.__module__, keras_stage.Sequential.__name__)\n"
+        "print(keras_stage.layers.StagedInput.__name__,"
+        " keras_stage.callbacks.PrefetchCallback.__name__,"
+        " keras_stage.StagePlan.__name__)\n"
+        "print(sorted(set(keras_stage.__all__) - set(dir(keras_stage))))\n"
+        "from keras_stage import Model, layers\n"
+        "print(Model is keras_stage.models.Model)\n"
+    )
+    assert printed_in_fresh_python(code).splitlines()[-4:] == [
+        "keras_stage.models.model Sequential",
+        "StagedInput PrefetchCallback StagePlan",
+        "[]",
+        "True",
+    ]
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    import keras_stage
+
+    with pytest.raises(AttributeError, match="no attribute 'Modle'"):
+        keras_stage.Modle  # noqa: B018
+
+
+@pytest.mark.timeout(180)
+def test_a_saved_model_loads_after_importing_keras_stage_models(tmp_path):
+    # What the package docstring tells a script that only loads a model.
+    path = tmp_path / "model.keras"
+    code = (
+        "import keras, numpy as np\n"
+        "import keras_stage\n"
+        "inputs = keras.Input((2,))\n"
+        "x = keras_stage.layers.StagedInput()(inputs)\n"
+        "model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))\n"
+        "model.compile(loss='mse', smart_stage=True)\n"
+        f"model.save({str(path)!r})\n"
+    )
+    printed_in_fresh_python(code)
+    code = (
+        "import keras\n"
+        "import keras_stage.models\n"
+        f"model = keras.saving.load_model({str(path)!r})\n"
+        "print(type(model).__module__, model.layers[1].__class__.__name__)\n"
+    )
+    assert printed_in_fresh_python(code).splitlines()[-1] == (
+        "keras_stage.models.model StagedInput"
+    )
