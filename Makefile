@@ -6,6 +6,15 @@ VENV ?= .venv
 VENV_IO ?= .venv-io
 VENV_JAX ?= .venv-jax
 PYTEST_ARGS ?=
+# pytest-xdist worker processes for the suites. Three on 2 cores keep both
+# busy while tests wait on threads, subprocesses and sleeps (measured: the
+# default suite's wall time with 2 and 3 workers is in CONTRIBUTING.md);
+# PYTEST_WORKERS=0 runs the tests in one process.
+PYTEST_WORKERS ?= 3
+XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist worksteal)
+# The long sweeps keep each file in one worker: a module's fixtures (the
+# benchmark harness's smoke run) then run once.
+XDIST_LONG = $(if $(filter 0,$(PYTEST_WORKERS)),,-n 2 --dist loadfile)
 DEMO_ARGS ?=
 
 LINT_PATHS := keras_stage tests examples benchmarks
@@ -22,16 +31,19 @@ JAX_REQS := requirements/jax.txt requirements/jax-constraints.txt
 # Quieten TensorFlow's C++ logging for test/demo runs.
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: help venv venv-io venv-jax test test-io test-jax demo lint docs clean
+.PHONY: help venv venv-io venv-jax test test-long test-io test-jax test-all \
+	demo lint docs clean
 
 help:
 	@echo "Targets:"
 	@echo "  venv      build $(VENV) (primary: tensorflow-cpu 2.21, keras 3)"
 	@echo "  venv-io   build $(VENV_IO) (tensorflow-cpu 2.16 + tensorflow-io)"
 	@echo "  venv-jax  build $(VENV_JAX) (tensorflow-cpu 2.21 + jax[cpu])"
-	@echo "  test      run pytest in $(VENV)        (PYTEST_ARGS=...)"
-	@echo "  test-io   run pytest in $(VENV_IO) with KERAS_STAGE_ENV=io"
+	@echo "  test      the default suite in $(VENV), long sweeps left out (PYTEST_ARGS=...)"
+	@echo "  test-long the long sweeps (random kills, soak, fail-over, fuzzing, benchmark runs)"
+	@echo "  test-io   the whole suite in $(VENV_IO) with KERAS_STAGE_ENV=io"
 	@echo "  test-jax  run pytest tests/jax in $(VENV_JAX), KERAS_BACKEND=jax"
+	@echo "  test-all  everything CI runs: test, test-long, test-io, test-jax"
 	@echo "  demo      run examples.demo in $(VENV) (DEMO_ARGS=...)"
 	@echo "  lint      ruff check + ruff format --check"
 	@echo "  docs      build the documentation site into site/ (warnings fail)"
@@ -64,15 +76,28 @@ venv-io: $(VENV_IO)/.done
 
 venv-jax: $(VENV_JAX)/.done
 
+# What guards every change: the public API, the staged call, SmartStage's
+# plan and equality with plain Keras, the engine's policies, the docs'
+# examples. Tests marked `long` (pyproject.toml) run in test-long.
 test: venv
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m "not long" $(XDIST) $(PYTEST_ARGS)
 
+test-long: venv
+	$(VENV)/bin/python -m pytest -m long $(XDIST_LONG) $(PYTEST_ARGS)
+
+# The whole suite on the second TensorFlow: the default tests, then the
+# long sweeps.
 test-io: venv-io
-	KERAS_STAGE_ENV=io $(VENV_IO)/bin/python -m pytest $(PYTEST_ARGS)
+	KERAS_STAGE_ENV=io $(VENV_IO)/bin/python -m pytest -m "not long" \
+		$(XDIST) $(PYTEST_ARGS)
+	KERAS_STAGE_ENV=io $(VENV_IO)/bin/python -m pytest -m long \
+		$(XDIST_LONG) $(PYTEST_ARGS)
 
 # Only tests/jax: the rest of the suite is TensorFlow-backend.
 test-jax: venv-jax
 	KERAS_BACKEND=jax $(VENV_JAX)/bin/python -m pytest tests/jax $(PYTEST_ARGS)
+
+test-all: test test-long test-io test-jax
 
 demo: venv
 	$(VENV)/bin/python -m examples.demo $(DEMO_ARGS)

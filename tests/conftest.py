@@ -45,12 +45,26 @@ def _close_stages_the_test_left_open():
             staged.close(timeout=5.0)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # The watchdog's stacks travel with the test's report: under
+    # pytest-xdist (`make test`) the test ran in a worker process, and
+    # only its reports reach the process that prints the summary.
+    outcome = yield
+    report = outcome.get_result()
+    while HANG_REPORTS:
+        report.user_properties.append(("hang_report", HANG_REPORTS.pop(0)))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter):
     # Last in the output, so a CI log cut in the middle still shows it.
-    for report in HANG_REPORTS:
-        terminalreporter.write_sep("=", "hang watchdog")
-        terminalreporter.write_line(report)
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for key, text in getattr(report, "user_properties", ()):
+                if key == "hang_report":
+                    terminalreporter.write_sep("=", "hang watchdog")
+                    terminalreporter.write_line(text)
 
 
 @pytest.fixture

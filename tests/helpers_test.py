@@ -89,3 +89,33 @@ def test_wait_until_gives_the_false_value_after_its_deadline():
     started = time.monotonic()
     assert wait_until(lambda: [], timeout=0.2) == []
     assert time.monotonic() - started >= 0.2
+
+
+@pytest.mark.long
+@pytest.mark.timeout(240)
+def test_a_hang_report_reaches_the_summary_from_an_xdist_worker(tmp_path):
+    # `make test` runs the suite in pytest-xdist workers: the report a
+    # test's watchdog takes there must still end the run's output.
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    (tmp_path / "hang_test.py").write_text(
+        "from tests.helpers import record_hang\n"
+        "def test_hangs():\n"
+        "    record_hang('the worker test')\n"
+        "    raise AssertionError('hung')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-n", "1"]
+        + ["-p", "no:cacheprovider", "--rootdir", str(tmp_path)]
+        + ["-o", "addopts=", str(tmp_path / "hang_test.py")],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    tail = done.stdout[done.stdout.rindex("hang watchdog") :]
+    assert "the worker test: threads when the watchdog fired" in tail

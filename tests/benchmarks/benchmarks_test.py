@@ -111,6 +111,7 @@ def _close(a, b):
     return math.isclose(a, b, rel_tol=1e-9)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_every_workload_and_mode_runs_and_writes_files(smoke_run):
@@ -131,6 +132,7 @@ def test_every_workload_and_mode_runs_and_writes_files(smoke_run):
         assert list(section["modes"]) == list(MODE_ORDER)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_results_schema(smoke_run):
@@ -191,6 +193,7 @@ def test_results_schema(smoke_run):
         assert tuned["capacity"] == verdict["suggested_capacity"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ratios_are_consistent_with_the_repetitions(smoke_run):
@@ -282,6 +285,7 @@ def test_ratios_are_consistent_with_the_repetitions(smoke_run):
         assert check["steps_paired_value"] == staged[f"steps_paired_{key}"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_table_shows_every_workload(smoke_run):
@@ -517,6 +521,7 @@ def test_cli_rejects_staged_options_that_are_not_a_json_object(bad, capsys):
     assert "--staged-options" in capsys.readouterr().err
 
 
+@pytest.mark.long
 def test_staged_options_reach_the_staged_modes(smoke_run):
     _, results, _, _ = smoke_run
     assert results["config"]["staged_options"] == {"device": "cpu"}
@@ -525,6 +530,7 @@ def test_staged_options_reach_the_staged_modes(smoke_run):
             assert "device='cpu'" in section["modes"][name]["description"]
 
 
+@pytest.mark.long
 def test_remote_read_option(smoke_run, capsys):
     _, results, _, _ = smoke_run
     assert results["config"]["remote_read"] == "tf"
@@ -600,6 +606,7 @@ def _compare_briefly(module, monkeypatch, capsys):
     return capsys.readouterr().out.splitlines()
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_thread_pool_comparison_runs(monkeypatch, capsys):
@@ -620,6 +627,7 @@ def test_thread_pool_comparison_runs(monkeypatch, capsys):
     assert all(float(value) > 0 for row in rows.values() for value in row)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_remote_pipelines_comparison_runs(capsys):
@@ -758,6 +766,7 @@ def test_default_repetitions_scale_with_the_workload(monkeypatch):
     assert asked == dict.fromkeys(names, 2)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_criteo_overlap_comparison_runs(monkeypatch, capsys):
@@ -801,6 +810,7 @@ def test_criteo_overlap_comparison_runs(monkeypatch, capsys):
     assert all(float(value) > 0 for row in rows.values() for value in row)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_regimes_time_every_regime_and_mode(tmp_path, capsys):
@@ -836,6 +846,7 @@ def test_regimes_time_every_regime_and_mode(tmp_path, capsys):
     assert len(results["targets"]) == len(regimes.MODELS) * len(regimes.REGIMES)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_regimes_control_mode_is_a_second_plain_model(tmp_path, capsys):

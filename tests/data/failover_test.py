@@ -18,6 +18,9 @@ from keras_stage.data.service import LocalService
 from tests.helpers import result_of_script
 from tests.op_determinism import op_determinism
 
+# Service fail-over: a long sweep (`make test-long`).
+pytestmark = pytest.mark.long
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 _PRELUDE = """

@@ -193,6 +193,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 def test_a_worker_stopped_mid_epoch_ends_in_a_clear_error_not_a_hang():
     # Measured on TF 2.21: the surviving worker's elements keep coming,
@@ -306,6 +307,7 @@ def _stop(process):
     process.stdout.close()
 
 
+@pytest.mark.long
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", ["distributed_epoch", "parallel_epochs"])
 def test_a_fault_tolerant_dispatcher_restarted_mid_epoch_goes_on(

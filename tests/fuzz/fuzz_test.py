@@ -329,6 +329,7 @@ def _order_may_change(options):
     )
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", sorted(SOURCES))
 @settings(

@@ -28,7 +28,11 @@ import pytest
 
 from tests.helpers import write_script
 
-pytestmark = [pytest.mark.reliability, pytest.mark.timeout(1200)]
+pytestmark = [
+    pytest.mark.reliability,
+    pytest.mark.long,
+    pytest.mark.timeout(1200),
+]
 
 NUM_EXAMPLES = 96
 BATCH = 4

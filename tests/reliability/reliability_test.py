@@ -643,6 +643,7 @@ def _resources():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_soak_200_cycles_on_one_model_grow_nothing():
     model = _model(name="soak")

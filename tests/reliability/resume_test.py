@@ -171,11 +171,11 @@ def _committed_ids_per_epoch(log_path):
 @pytest.mark.parametrize(
     "deterministic,smart_stage,source",
     [
-        (True, True, "dataset"),
-        (False, True, "dataset"),
-        (True, False, "dataset"),
-        (True, True, "arrays"),
-        (True, True, "arrays-shuffled"),
+        pytest.param(True, True, "dataset", marks=pytest.mark.long),
+        pytest.param(False, True, "dataset", marks=pytest.mark.long),
+        pytest.param(True, False, "dataset", marks=pytest.mark.long),
+        pytest.param(True, True, "arrays", marks=pytest.mark.long),
+        pytest.param(True, True, "arrays-shuffled", marks=pytest.mark.long),
     ],
     ids=[
         "deterministic",
@@ -330,10 +330,12 @@ print("done")
 @pytest.mark.parametrize(
     "source, kill_at",
     [
-        ("arrays", "1,13"),
+        # The default suite keeps one kill and resume (`make test`); the
+        # other kill points are a long sweep (`make test-long`).
+        pytest.param("arrays", "1,13", marks=pytest.mark.long),
         ("dataset", "1,13"),
-        ("arrays", "val:1,2"),
-        ("dataset", "val:1,2"),
+        pytest.param("arrays", "val:1,2", marks=pytest.mark.long),
+        pytest.param("dataset", "val:1,2", marks=pytest.mark.long),
     ],
     ids=[
         "arrays",

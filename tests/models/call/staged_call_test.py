@@ -95,6 +95,7 @@ def _cycle(model, callbacks=()):
     model.predict(X, batch_size=4, verbose=0)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(180)
 def test_fifteen_cycles_leave_no_thread_behind():
     model = _staged_model()
