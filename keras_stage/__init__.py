@@ -6,16 +6,16 @@ Three lines make a Keras model's input run ahead of training: a
 omitted), and `keras_stage.Model`/`Sequential` in place of Keras's.
 `keras_stage.data.stage` is the Keras-free engine underneath.
 
-`import keras_stage.data` loads the engine alone, for a custom TensorFlow
-loop: no module of keras_stage that needs Keras. The names that do
-(`Model`, `Sequential`, `StagePlan`, `callbacks`, `layers`) load on their
-first use, which also registers keras_stage's layers and models with
-Keras's serialization. A script that only loads a saved model imports
-them first: `import keras_stage.models` (or uses any of those names)
-before `keras.saving.load_model`.
+`import keras_stage` loads the whole package, and registers its layers
+and models with Keras's serialization (`keras.saving.load_model` finds
+them). `import keras_stage.data` loads the engine alone, for a custom
+TensorFlow loop: no module of keras_stage that needs Keras. After it, the
+names that need Keras (`Model`, `Sequential`, `StagePlan`, `callbacks`,
+`layers`) load on their first use.
 """
 
 import importlib
+import sys
 import typing
 
 try:
@@ -41,8 +41,9 @@ if typing.TYPE_CHECKING:  # what `__getattr__` loads, for tools that read
 
 __version__ = "0.1.0"
 
-# Each name that needs Keras, and the module that defines it. Resolved by
-# `__getattr__` (PEP 562), so that importing the engine loads no Keras.
+# Each name that needs Keras, and the module that defines it: loaded with
+# the package, or by `__getattr__` (PEP 562) after an import of the engine
+# alone.
 _KERAS_NAMES = {
     "Model": "keras_stage.models",
     "Sequential": "keras_stage.models",
@@ -79,3 +80,29 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(set(globals()) | set(_KERAS_NAMES))
+
+
+def _imported_for_the_engine_alone():
+    """Whether this import is Python's first step of `import keras_stage.data`.
+
+    Python imports a package before the submodule asked for, and runs this
+    file without saying which: the import system's frames do, one
+    `importlib._bootstrap._find_and_load(name, ...)` per module under
+    import, the requested one outside this package's own. CPython's
+    internals, unavoidable here; `tests/import_test.py` checks both imports
+    in fresh processes and fails loudly if they change.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_find_and_load":
+            name = frame.f_locals.get("name")
+            if isinstance(name, str) and name != __name__:
+                return name == "keras_stage.data" or name.startswith(
+                    "keras_stage.data."
+                )
+        frame = frame.f_back
+    return False
+
+
+if not _imported_for_the_engine_alone():
+    _load_keras_names()

@@ -85,7 +85,9 @@ def test_importing_the_engine_loads_none_of_the_keras_half():
 @pytest.mark.timeout(120)
 def test_import_keras_stage_gives_the_whole_package():
     code = (
+        "import sys\n"
         "import keras_stage\n"
+        f"print(sorted(m for m in {_KERAS_HALF!r} if m not in sys.modules))\n"
         "print(keras_stage.Model.__module__, keras_stage.Sequential.__name__)\n"
         "print(keras_stage.layers.StagedInput.__name__,"
         " keras_stage.callbacks.PrefetchCallback.__name__,"
@@ -94,11 +96,26 @@ def test_import_keras_stage_gives_the_whole_package():
         "from keras_stage import Model, layers\n"
         "print(Model is keras_stage.models.Model)\n"
     )
-    assert printed_in_fresh_python(code).splitlines()[-4:] == [
+    assert printed_in_fresh_python(code).splitlines()[-5:] == [
+        "[]",
         "keras_stage.models.model Sequential",
         "StagedInput PrefetchCallback StagePlan",
         "[]",
         "True",
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_after_the_engine_alone_the_keras_names_load_on_first_use():
+    code = (
+        "import keras_stage.data\n"
+        "import keras_stage\n"
+        "print(keras_stage.Model.__module__)\n"
+        "print(keras_stage.layers.StagedInput.__name__)\n"
+    )
+    assert printed_in_fresh_python(code).splitlines()[-2:] == [
+        "keras_stage.models.model",
+        "StagedInput",
     ]
 
 
@@ -110,8 +127,9 @@ def test_an_unknown_name_is_an_attribute_error():
 
 
 @pytest.mark.timeout(180)
-def test_a_saved_model_loads_after_importing_keras_stage_models(tmp_path):
-    # What the package docstring tells a script that only loads a model.
+def test_a_saved_model_loads_in_a_script_that_imports_keras_stage(tmp_path):
+    # A serving script: `import keras_stage` registers the classes that
+    # `load_model` looks up; the script uses no keras_stage name itself.
     path = tmp_path / "model.keras"
     code = (
         "import keras, numpy as np\n"
@@ -125,7 +143,7 @@ def test_a_saved_model_loads_after_importing_keras_stage_models(tmp_path):
     printed_in_fresh_python(code)
     code = (
         "import keras\n"
-        "import keras_stage.models\n"
+        "import keras_stage  # noqa: F401\n"
         f"model = keras.saving.load_model({str(path)!r})\n"
         "print(type(model).__module__, model.layers[1].__class__.__name__)\n"
     )
