@@ -354,7 +354,12 @@ class StagingMixin:
         backend.check_strategy(self)
         graph = backend.graph_steps()
         call = StagedCall(
-            self, layer, ("train", "test"), callbacks, steps_per_epoch
+            self,
+            layer,
+            ("train", "test"),
+            callbacks,
+            steps_per_epoch,
+            verbose=verbose,
         )
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = (
@@ -468,7 +473,7 @@ class StagingMixin:
             return unstaged()
         backend.check_supported(self, layer)
         # Made first: its callbacks are checked whichever way the call runs.
-        call = StagedCall(self, layer, ("test",), callbacks)
+        call = StagedCall(self, layer, ("test",), callbacks, verbose=verbose)
         if backend.graph_steps() and not calls.stages(
             self, layer, "test", batch_count(x, batch_size, steps)
         ):
@@ -511,7 +516,7 @@ class StagingMixin:
             return unstaged()
         backend.check_supported(self, layer)
         # Made first: its callbacks are checked whichever way the call runs.
-        call = StagedCall(self, layer, ("predict",), callbacks)
+        call = StagedCall(self, layer, ("predict",), callbacks, verbose=verbose)
         if backend.graph_steps() and not calls.stages(
             self, layer, "predict", batch_count(x, batch_size, steps)
         ):

@@ -10,6 +10,7 @@ unstaged none.
 
 import copy
 import logging
+import re
 import threading
 import time
 
@@ -226,6 +227,31 @@ def test_it_leaves_keras_free_to_dispatch_batch_ends_asynchronously():
         assert getattr(PrefetchCallback, hook) is getattr(
             keras.callbacks.Callback, hook
         ), hook
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("given_bar", [False, True])
+def test_the_verdict_prints_on_its_own_line_after_the_progress_line(
+    capsys, given_bar
+):
+    # As Keras's own callbacks print: never inside the epoch's progress
+    # line, here with a progress bar Keras adds or one the user passes.
+    callbacks = [PrefetchCallback(verbose=1)]
+    if given_bar:
+        callbacks.append(keras.callbacks.ProgbarLogger())
+    _model(name="console").fit(
+        _dataset(), epochs=2, verbose=1, shuffle=False, callbacks=callbacks
+    )
+    lines = capsys.readouterr().out.splitlines()
+    verdicts = [
+        i for i, line in enumerate(lines) if "Stage 'console_train'" in line
+    ]
+    assert len(verdicts) == 2, lines
+    for i in verdicts:
+        assert lines[i].startswith("Stage 'console_train': "), lines[i]
+        # The line before is the epoch's finished progress line.
+        assert "step" in lines[i - 1] and "loss" in lines[i - 1], lines
+    assert lines[0] == "Epoch 1/2", lines
 
 
 @pytest.mark.timeout(60)
@@ -605,6 +631,16 @@ def test_verdict_of_an_epoch_bound_by_the_staged_computation():
             "ms. Use num_threads >= 4 (now 2) and capacity ~3 (now 4)."
         ),
     }
+
+
+def test_verdict_figures_below_a_millisecond_show_in_microseconds():
+    # Per batch: 0.008 s / 20 = 400 us of staged computation, 200 us over
+    # the 2 threads; printed in ms to one decimal they read as 0.0 and 0.2.
+    options = StageOptions(capacity=4, num_threads=2, name="s")
+    message = verdict(_stats(busy_seconds=0.008), options)["message"]
+    assert "per batch: 400 us of staged computation" in message
+    assert "could deliver one every 200 us" in message
+    assert not re.search(r"(?<![\d.])0\.0 ms", message), message
 
 
 def test_verdict_of_a_fixed_pool_names_no_pool_sizes():

@@ -58,6 +58,8 @@ class StagedCall:
         phases: The phases the call runs: `("train", "test")` for fit,
             `("test",)` for evaluate, `("predict",)` for predict.
         callbacks: The user's callbacks (a list, or None).
+        steps_per_epoch: The fit's `steps_per_epoch`, or None.
+        verbose: The call's `verbose`: whether Keras shows a progress bar.
 
     Attributes:
         split: The SmartStage split whose prefix the call's stages run, or
@@ -65,13 +67,23 @@ class StagedCall:
             never needs it).
     """
 
-    def __init__(self, model, layer, phases, callbacks, steps_per_epoch=None):
+    def __init__(
+        self,
+        model,
+        layer,
+        phases,
+        callbacks,
+        steps_per_epoch=None,
+        verbose="auto",
+    ):
         self.model = model
         self.layer = layer
         self.split = None
         self.phases = tuple(phases)
         self.user_callbacks = callbacks
-        self.callbacks, self.prefetch = _with_prefetch_callback(callbacks)
+        self.callbacks, self.prefetch = _with_prefetch_callback(
+            callbacks, progbar=verbose != 0
+        )
         # Per phase: the `StagedData` Keras iterates (its split is the one
         # the phase's step runs; see also `_reopen`).
         self._fed = {}
@@ -553,8 +565,15 @@ def _with_data_backup(
     return out
 
 
-def _with_prefetch_callback(callbacks):
-    """The callback list with a PrefetchCallback first, and that callback."""
+def _with_prefetch_callback(callbacks, progbar=False):
+    """The callback list with a PrefetchCallback first, and that callback.
+
+    Only Keras's progress bar goes before it (`progbar`: the call shows
+    one), so that what the PrefetchCallback prints at an epoch's end
+    follows the epoch's progress line instead of landing inside it. Keras
+    appends the bar it adds after the callbacks it is given, and uses the
+    one it is given instead.
+    """
     if isinstance(callbacks, keras.callbacks.CallbackList):
         raise TypeError(
             "A keras_stage model needs `callbacks` as a list, not a "
@@ -569,5 +588,14 @@ def _with_prefetch_callback(callbacks):
             f"{len(found)}. One callback reports the model's stage."
         )
     prefetch = found[0] if found else PrefetchCallback()
-    others = [cb for cb in callbacks if cb is not prefetch]
-    return [prefetch] + others, prefetch
+    bars = [
+        cb for cb in callbacks if isinstance(cb, keras.callbacks.ProgbarLogger)
+    ]
+    if progbar and not bars:
+        bars = [keras.callbacks.ProgbarLogger()]
+    others = [
+        cb
+        for cb in callbacks
+        if cb is not prefetch and not any(cb is bar for bar in bars)
+    ]
+    return bars + [prefetch] + others, prefetch
