@@ -9,6 +9,7 @@ imported inside the functions that need it, so the Keras-free engine
 """
 
 import importlib
+import warnings
 
 # Keras releases whose private symbols below were checked.
 TESTED_KERAS = ("3.15",)
@@ -72,6 +73,10 @@ def inline_map(dataset, fn, name):
     )
 
 
+# What `get_data_adapter` warned again, for the warnings filters' "once".
+_REWARNED = {}
+
+
 def get_data_adapter(**kwargs):
     """Keras's own converter of fit/evaluate/predict inputs to tf.data.
 
@@ -80,7 +85,25 @@ def get_data_adapter(**kwargs):
     class weights) before staging it; Keras has no public API for this.
     """
     get = _keras_private("keras.src.trainers.data_adapters", "get_data_adapter")
-    return get(**kwargs)
+    # Keras warns for its caller (stacklevel=2), which here is this line: a
+    # Keras warning (a `shuffle=True` it ignores) would read as a
+    # keras_stage bug. It is given again from the Keras function that gives
+    # it; any other warning keeps its own location.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        adapter = get(**kwargs)
+    for caught_warning in caught:
+        if caught_warning.filename == __file__:
+            where = get.__code__.co_filename, get.__code__.co_firstlineno
+        else:
+            where = caught_warning.filename, caught_warning.lineno
+        warnings.warn_explicit(
+            caught_warning.message,
+            caught_warning.category,
+            *where,
+            registry=_REWARNED,  # the "once per location" of a plain warn
+        )
+    return adapter
 
 
 def array_adapter_inputs(adapter):

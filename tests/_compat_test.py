@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import keras_stage
 from keras_stage import _compat
 from keras_stage.data import stage
 from keras_stage.models.model import _functional_init_arguments
@@ -140,6 +141,40 @@ def test_get_data_adapter_gives_what_keras_stage_uses(kwargs, num_batches):
     assert isinstance(dataset, tf.data.Dataset)
     assert len(list(dataset)) == (num_batches or 3)
     adapter.on_epoch_end()
+
+
+def test_a_keras_warning_names_keras_not_keras_stage():
+    # Keras warns for its caller (stacklevel=2): through the wrapper the
+    # location would be keras_stage's own line.
+    dataset = tf.data.Dataset.from_tensor_slices(np.zeros((4, 2))).batch(2)
+    with pytest.warns(UserWarning, match="`shuffle=True` was passed") as got:
+        _compat.get_data_adapter(
+            x=dataset,
+            y=None,
+            sample_weight=None,
+            batch_size=None,
+            steps_per_epoch=None,
+            shuffle=True,
+            class_weight=None,
+        )
+    (warning,) = got
+    assert "keras_stage" not in warning.filename, warning.filename
+    assert warning.filename.endswith(
+        os.path.join("keras", "src", "trainers", "data_adapters", "__init__.py")
+    ), warning.filename
+
+
+def test_a_staged_fit_gives_keras_s_shuffle_warning_from_keras():
+    inputs = keras.Input((2,))
+    x = keras_stage.layers.StagedInput()(inputs)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(loss="mse")
+    data = tf.data.Dataset.from_tensor_slices(
+        (np.zeros((4, 2)), np.zeros((4, 1)))
+    ).batch(2)
+    with pytest.warns(UserWarning, match="`shuffle=True` was passed") as got:
+        model.fit(data, verbose=0)  # fit's default shuffle=True, as plain's
+    assert [w.filename for w in got if "keras_stage" in w.filename] == []
 
 
 def test_get_data_adapter_shuffles_with_the_global_seed():
