@@ -634,6 +634,22 @@ def epoch_statistics(before, after, seconds, options):
     }
 
 
+def _duration(seconds):
+    """`seconds` in the unit that shows it: s, ms, or us below a millisecond.
+
+    A verdict's per-batch figures of a fast step are fractions of a
+    millisecond; printed in ms to one decimal they would read as 0.0.
+
+    >>> _duration(0.0213), _duration(0.00042), _duration(1.5)
+    ('21.3 ms', '420 us', '1.50 s')
+    """
+    if seconds >= 1.0:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds * 1e6:.0f} us"
+
+
 def verdict(stats, options, pool_size=None):
     """The bottleneck verdict of one epoch, by DeepRec's rules of thumb.
 
@@ -683,9 +699,9 @@ def verdict(stats, options, pool_size=None):
     )
     name = options.name
     timing = (
-        f"per batch: {prepare * 1e3:.1f} ms of staged computation (per "
-        f"thread), {compute * 1e3:.1f} ms to train; the stage delivered one "
-        f"every {pace * 1e3:.1f} ms"
+        f"per batch: {_duration(prepare)} of staged computation (per "
+        f"thread), {_duration(compute)} to train; the stage delivered one "
+        f"every {_duration(pace)}"
     )
     waited = (
         f"the training step waited {stats['wait_ratio']:.0%} of the epoch "
@@ -696,7 +712,7 @@ def verdict(stats, options, pool_size=None):
             f"Stage '{name}': input-bound, {waited}; {timing}. The pipeline "
             "before the stage is the bottleneck (the stage pulls from it one "
             f"batch at a time, and its {threads} threads could deliver one "
-            f"every {prepare / threads * 1e3:.1f} ms): parallelize its maps "
+            f"every {_duration(prepare / threads)}): parallelize its maps "
             "(num_parallel_calls) and "
             "reads (interleave), or make that work the stage's own "
             "computation so the stage's threads run it: as layers of the "
@@ -754,7 +770,7 @@ def _untimed_verdict(stats, options, pool_size):
         unmeasured.append("the staged computation")
     message = (
         f"Stage '{options.name}': {waited}; per batch, the stage delivered "
-        f"one every {pace * 1e3:.1f} ms and its buffer was "
+        f"one every {_duration(pace)} and its buffer was "
         f"{stats['buffer_fill']:.0%} full. Op determinism is on, and "
         f"TensorFlow forbids the clock that times {' and '.join(unmeasured)}"
         ": no advice on num_threads or capacity."

@@ -517,14 +517,15 @@ class StageRunner:
             return False
         return self._ready.take(args[0], elements)
 
-    def take_report(self, iterator, values):
+    def take_report(self, iterator, values, called=None):
         """Takes the report a call of `iterator` returned with its outputs.
 
-        See `StageStats.take_report`; its count of unconsumed elements
+        See `StageStats.take_report` (`called`: when the call began, if its
+        reported fetch was its first); its count of unconsumed elements
         tells the next call whether its elements are ready
         (`ReadyElements.note`).
         """
-        unconsumed = self.stats.take_report(values)
+        unconsumed = self.stats.take_report(values, called)
         if self._ready is None:
             return
         self._ready.note(iterator, unconsumed)

@@ -484,7 +484,7 @@ class StageStats:
 
     # -- Python side ---------------------------------------------------------
 
-    def take_report(self, values):
+    def take_report(self, values, called=None):
         """Accumulates a step's `report`; returns its unconsumed count.
 
         The same arithmetic as `accumulate` (`_fetch_figures`), on Python
@@ -492,6 +492,13 @@ class StageStats:
 
         Args:
             values: The report's values, a sequence of floats.
+            called: When the consumer's call that made the fetch began
+                (`time.time()`), if the fetch was the call's first; None
+                otherwise. The fetch is then timed from the call, not from
+                the previous step's end: the gap between the two (Python,
+                callbacks) is not waiting, and a fetch that found its
+                batch ready most often followed a long gap, so a baseline
+                learnt from the gaps would take real waits for overhead.
 
         Returns:
             The elements ready and not consumed once the step was done
@@ -499,13 +506,14 @@ class StageStats:
             elements only grow and only the consumer consumes them.
         """
         if len(values) == _REPORT_SIZE:
-            self._take_fetch(values)
+            self._take_fetch(values, called)
         return self._ready(values[-_SLOTS:])
 
-    def _take_fetch(self, values):
+    def _take_fetch(self, values, called):
         marked = values[_REPORT_MARK]
         counters = values[_REPORT_COUNTERS : _REPORT_COUNTERS + _SLOTS]
-        took = values[_REPORT_ARRIVED] - abs(marked)
+        began = abs(marked) if called is None else max(abs(marked), called)
+        took = values[_REPORT_ARRIVED] - began
         with self._lock:
             unconsumed = self._unconsumed(counters) - counters[_ORPHANS]
             buffered = max(unconsumed - 1.0, 0.0)

@@ -103,6 +103,31 @@ def test_reported_fetches_add_up_like_fetches_recorded_in_the_graph():
     assert reported._baseline == pytest.approx(in_graph._counters.numpy()[6])
 
 
+def test_a_fetch_timed_from_its_call_leaves_out_the_gap_before_it():
+    # An input-bound stage: a batch is ready only after a long gap between
+    # steps (callbacks, a slow dispatch), when the stage caught up. Timed
+    # from the previous step's end, that ready fetch teaches the baseline
+    # the gap, and every real wait after it looks like overhead; timed from
+    # its call, the baseline is the call's own dispatch.
+    def run(with_call):
+        stats = StageStats("from_call" if with_call else "from_step_end")
+        fetches = [
+            # (previous step end, call start, arrival, other ready batches)
+            (100.0, 100.300, 100.301, 1),  # ready, after a 0.3 s gap
+            (101.0, 101.002, 101.022, 0),  # waited 20 ms
+            (102.0, 102.002, 102.022, 0),  # waited 20 ms
+        ]
+        for marked, called, arrived, ready in fetches:
+            counters = counters_with(stats, ready + 1)
+            stats._counters.assign(counters)
+            values = [marked, arrived, *counters, *counters]
+            stats.take_report(values, called if with_call else None)
+        return stats.snapshot()["wait_seconds"]
+
+    assert run(with_call=True) == pytest.approx(2 * 0.019, abs=1e-6)
+    assert run(with_call=False) == 0.0  # the 0.3 s gap hid both waits
+
+
 def test_a_report_of_counters_only_gives_the_count():
     stats = StageStats("count_only")
     counters = counters_with(stats, 5)

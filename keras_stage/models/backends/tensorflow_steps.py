@@ -71,6 +71,9 @@ def guard(model, phase, function):
         ):
             raise StopIteration
         while True:
+            # A call of one step reports its one fetch, which the call's
+            # start bounds (see `StageStats.take_report`).
+            called = time.time() if model.steps_per_execution == 1 else None
             try:
                 outputs, report = reported(
                     runner.call(
@@ -84,7 +87,7 @@ def guard(model, phase, function):
                 if report is not None:
                     values = report.numpy().tolist()
                     unrecorded.reported(values)
-                    runner.take_report(iterator, values)
+                    runner.take_report(iterator, values, called)
                 return outputs
             except SkipElement:
                 continue
