@@ -550,9 +550,9 @@ def test_step_reports_reach_the_stage_and_never_the_logs(
     reports = []
     original = StageRunner.take_report
 
-    def counting(self, iterator, values):
+    def counting(self, iterator, values, called=None):
         reports.append((self.name, len(values)))
-        return original(self, iterator, values)
+        return original(self, iterator, values, called)
 
     monkeypatch.setattr(StageRunner, "take_report", counting)
     staged = functional_twins[1]
