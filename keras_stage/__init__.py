@@ -32,7 +32,9 @@ except ImportError as e:
 from keras_stage import data as data
 from keras_stage.data.devices import configure_streams as configure_streams
 
-if typing.TYPE_CHECKING:  # what `__getattr__` loads, for tools that read
+# The names `_load_keras_names` binds, for tools that read the source (the
+# docs' griffe, type checkers) rather than run it.
+if typing.TYPE_CHECKING:
     from keras_stage import callbacks as callbacks
     from keras_stage import layers as layers
     from keras_stage.models import Model as Model
