@@ -11,10 +11,12 @@ PYTEST_ARGS ?=
 # default suite's wall time with 2 and 3 workers is in CONTRIBUTING.md);
 # PYTEST_WORKERS=0 runs the tests in one process.
 PYTEST_WORKERS ?= 3
-XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist worksteal)
+# $(call xdist,ARGS): the pytest-xdist ARGS, or none with PYTEST_WORKERS=0.
+xdist = $(if $(filter 0,$(PYTEST_WORKERS)),,$(1))
+XDIST = $(call xdist,-n $(PYTEST_WORKERS) --dist worksteal)
 # The long sweeps keep each file in one worker: a module's fixtures (the
 # benchmark harness's smoke run) then run once.
-XDIST_LONG = $(if $(filter 0,$(PYTEST_WORKERS)),,-n 2 --dist loadfile)
+XDIST_LONG = $(call xdist,-n 2 --dist loadfile)
 DEMO_ARGS ?=
 
 LINT_PATHS := keras_stage tests examples benchmarks

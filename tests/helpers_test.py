@@ -1,6 +1,9 @@
 """The test helpers that wait for other threads and report on hangs."""
 
 import gc
+import pathlib
+import subprocess
+import sys
 import threading
 import time
 
@@ -96,10 +99,6 @@ def test_wait_until_gives_the_false_value_after_its_deadline():
 def test_a_hang_report_reaches_the_summary_from_an_xdist_worker(tmp_path):
     # `make test` runs the suite in pytest-xdist workers: the report a
     # test's watchdog takes there must still end the run's output.
-    import pathlib
-    import subprocess
-    import sys
-
     root = pathlib.Path(__file__).resolve().parent.parent
     (tmp_path / "hang_test.py").write_text(
         "from tests.helpers import record_hang\n"
