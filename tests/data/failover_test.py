@@ -131,7 +131,10 @@ x = np.concatenate([x, np.zeros_like(x)], axis=1)
 inputs = keras.Input((2,))
 staged = keras_stage.layers.StagedInput(
     service=target, processing_mode={mode!r}, capacity=2, timeout=60,
-    worker_timeout=3,
+    # Well above a loaded CI's pauses: a later epoch's survivor may pause
+    # for seconds when other tests share the 2 cores, and a pause this
+    # long would end its epoch as if its worker were lost.
+    worker_timeout=10,
 )(inputs)
 # A staged computation slow enough for the kill to land mid-epoch.
 prefix = keras.layers.Lambda(lambda t: t + 0 * tf.reduce_sum(
@@ -225,7 +228,7 @@ def test_a_killed_worker_ends_a_parallel_epoch_with_its_copy_counted():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["distributed_epoch", "parallel_epochs"])
 def test_a_fit_goes_on_after_a_killed_worker_and_logs_each_epochs_loss(mode):
-    history, _ = _run(_FIT, mode)
+    history, log = _run(_FIT, mode)
     copies = 2 if mode == "parallel_epochs" else 1
     assert len(history["loss"]) == 3  # every epoch ran
     assert all(np.isfinite(history["loss"]))
@@ -242,7 +245,7 @@ def test_a_fit_goes_on_after_a_killed_worker_and_logs_each_epochs_loss(mode):
     # (4000 = 125 full batches of 32: none here).
     for d, n in zip(delivered[1:], lost[1:], strict=True):
         assert d + n == 4000
-        assert n == 0
+        assert n == 0, (history, log[-4000:])
 
 
 def test_healthy_epochs_lose_nothing_and_end_by_themselves():
