@@ -5,6 +5,10 @@ PY ?= python3
 VENV ?= .venv
 VENV_IO ?= .venv-io
 VENV_JAX ?= .venv-jax
+# The demo's own environment: only what `python -m examples.demo` imports
+# (TensorFlow, Keras, NumPy), so a first `make demo` does not install the
+# test, lint, docs and benchmark tools of $(VENV).
+VENV_DEMO ?= .venv-demo
 PYTEST_ARGS ?=
 # pytest-xdist worker processes for the suites. Three on 2 cores keep both
 # busy while tests wait on threads, subprocesses and sleeps (measured: the
@@ -24,6 +28,7 @@ LINT_PATHS := keras_stage tests examples benchmarks
 PRIMARY_REQS := requirements/primary.txt requirements/primary-constraints.txt
 IO_REQS := requirements/io.txt requirements/io-constraints.txt
 JAX_REQS := requirements/jax.txt requirements/jax-constraints.txt
+DEMO_REQS := requirements/demo.txt requirements/demo-constraints.txt
 
 # The venv markers depend only on the requirement files and setup.cfg (not
 # pyproject.toml, whose pytest/ruff config edits must not trigger reinstalls).
@@ -33,20 +38,21 @@ JAX_REQS := requirements/jax.txt requirements/jax-constraints.txt
 # Quieten TensorFlow's C++ logging for test/demo runs.
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: help venv venv-io venv-jax test test-long test-io test-jax test-all \
-	demo lint docs clean
+.PHONY: help venv venv-io venv-jax venv-demo test test-long test-io \
+	test-jax test-all demo lint docs clean
 
 help:
 	@echo "Targets:"
 	@echo "  venv      build $(VENV) (primary: tensorflow-cpu 2.21, keras 3)"
 	@echo "  venv-io   build $(VENV_IO) (tensorflow-cpu 2.16 + tensorflow-io)"
 	@echo "  venv-jax  build $(VENV_JAX) (tensorflow-cpu 2.21 + jax[cpu])"
+	@echo "  venv-demo build $(VENV_DEMO) (tensorflow-cpu 2.21, keras 3, numpy: what the demo imports)"
 	@echo "  test      the default suite in $(VENV), long sweeps left out (PYTEST_ARGS=...)"
 	@echo "  test-long the long sweeps (random kills, soak, fail-over, fuzzing, benchmark runs)"
 	@echo "  test-io   the whole suite in $(VENV_IO) with KERAS_STAGE_ENV=io"
 	@echo "  test-jax  run pytest tests/jax in $(VENV_JAX), KERAS_BACKEND=jax"
 	@echo "  test-all  everything CI runs: test, test-long, test-io, test-jax"
-	@echo "  demo      run examples.demo in $(VENV) (DEMO_ARGS=...)"
+	@echo "  demo      run examples.demo in $(VENV_DEMO) (DEMO_ARGS=...)"
 	@echo "  lint      ruff check + ruff format --check"
 	@echo "  docs      build the documentation site into site/ (warnings fail)"
 	@echo "  clean     remove venvs, build artefacts and caches"
@@ -72,11 +78,20 @@ $(VENV_JAX)/.done: $(JAX_REQS) setup.cfg
 	$(VENV_JAX)/bin/python -m pip install -e . --no-deps
 	touch $@
 
+$(VENV_DEMO)/.done: $(DEMO_REQS) setup.cfg
+	test -x $(VENV_DEMO)/bin/python || $(PY) -m venv $(VENV_DEMO)
+	$(VENV_DEMO)/bin/python -m pip install -r requirements/demo.txt \
+		-c requirements/demo-constraints.txt
+	$(VENV_DEMO)/bin/python -m pip install -e . --no-deps
+	touch $@
+
 venv: $(VENV)/.done
 
 venv-io: $(VENV_IO)/.done
 
 venv-jax: $(VENV_JAX)/.done
+
+venv-demo: $(VENV_DEMO)/.done
 
 # What guards every change: the public API, the staged call, SmartStage's
 # plan and equality with plain Keras, the engine's policies, the docs'
@@ -101,8 +116,8 @@ test-jax: venv-jax
 
 test-all: test test-long test-io test-jax
 
-demo: venv
-	$(VENV)/bin/python -m examples.demo $(DEMO_ARGS)
+demo: venv-demo
+	$(VENV_DEMO)/bin/python -m examples.demo $(DEMO_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check $(LINT_PATHS)
@@ -114,8 +129,8 @@ docs: venv
 	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf $(VENV) $(VENV_IO) $(VENV_JAX) build dist site .eggs *.egg-info \
-		.pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VENV_IO) $(VENV_JAX) $(VENV_DEMO) build dist site \
+		.eggs *.egg-info .pytest_cache .ruff_cache .hypothesis
 	find . -path ./.git -prune -o -type d -name __pycache__ -print0 \
 		| xargs -0 rm -rf
 

@@ -251,10 +251,17 @@ class StagedMode(FitMode):
     def extras(self, history):
         logs = history.history
         verdict = self.prefetch.verdict or {}
+
+        def last(key, kind):
+            # A fit the package ran unstaged (it could not repay its stage,
+            # see keras_stage/models/decision/calls.py) logs no stage keys.
+            return kind(logs[key][-1]) if key in logs else None
+
         return {
-            "stage_wait_ratio": float(logs["stage_wait_ratio"][-1]),
-            "stage_buffer_fill": float(logs["stage_buffer_fill"][-1]),
-            "stage_skipped": int(logs["stage_skipped"][-1]),
+            "stage_wait_ratio": last("stage_wait_ratio", float),
+            "stage_buffer_fill": last("stage_buffer_fill", float),
+            "stage_skipped": last("stage_skipped", int),
+            "unstaged": "stage_skipped" not in logs,
             "verdict": {k: verdict.get(k) for k in _VERDICT_KEYS},
         }
 

@@ -105,8 +105,17 @@ def _notes(name, mode):
             f"capacity={settings['capacity']}"
         )
     if name.startswith("staged") and mode.get("reps"):
-        waits = sorted(r["stage_wait_ratio"] for r in mode["reps"])
-        notes.append(f"wait {waits[len(waits) // 2]:.2f}")
+        waits = sorted(
+            r["stage_wait_ratio"]
+            for r in mode["reps"]
+            if r.get("stage_wait_ratio") is not None
+        )
+        if waits:
+            notes.append(f"wait {waits[len(waits) // 2]:.2f}")
+        unstaged = sum(1 for r in mode["reps"] if r.get("unstaged"))
+        if unstaged:
+            # Calls the package ran without their stage (decision/calls.py).
+            notes.append(f"{unstaged} unstaged")
         pools = sorted(
             {
                 r["verdict"].get("thread_pool_size")

@@ -189,8 +189,9 @@ class PrefetchCallback(keras.callbacks.Callback):
         verdict: The latest training epoch's verdict, a dict with
             `input_bound`, `source_bound`, `wait_ratio`, `buffer_fill`,
             the per-batch seconds (`source_seconds_per_batch`,
-            `delivery_seconds_per_batch`, `prepare_seconds_per_batch`,
-            `train_seconds_per_batch`), `suggested_num_threads`,
+            `delivery_seconds_per_batch`, `prepare_seconds_per_batch`
+            (None for a stage with no staged computation, which only
+            buffers), `train_seconds_per_batch`), `suggested_num_threads`,
             `suggested_capacity`, `thread_pool_size` and
             `next_thread_pool_size` (the threads of the pool the epoch ran
             on and of the next epoch's, for a stage whose pool is resized;
@@ -239,9 +240,9 @@ class PrefetchCallback(keras.callbacks.Callback):
         self._train_time = None
         self._train_cpu = None
         self._snapshot = None
-        # The first epoch of a fit: its first step traces (see
-        # `on_train_batch_begin`).
-        self._tracing_epoch = False
+        # Whether the epoch's first step is still to pass: its figures
+        # start after it (see `on_train_batch_begin`).
+        self._starting_epoch = False
         self._first_step_begun = False
         self._after_first_step = None
 
@@ -288,23 +289,26 @@ class PrefetchCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.verdict = None
-        self._tracing_epoch = True
+        self._starting_epoch = True
         self._first_step_begun = False
         self._warn_without_stage()
 
     def on_train_batch_begin(self, batch, logs=None):
-        if not self._tracing_epoch or self._snapshot is None:
+        if not self._starting_epoch or self._snapshot is None:
             return
-        # The fit's first step also traces the step function, which takes
-        # far longer than a step: the first epoch's figures start after it
-        # (here, as the second step begins), or its verdict would blame the
-        # input for tracing. Not in a batch-end hook: a callback with one
+        # An epoch's first step pays what starting the epoch costs (the
+        # fit's first traces the step function; a later one may build the
+        # pipeline of a resized pool when its iterator is made), far more
+        # than a step: every epoch's figures start after it (here, as the
+        # second step begins), as its first fetch's wait is not counted
+        # either, or the verdict would count that start as training or
+        # blame the input for it. Not in a batch-end hook: a callback with one
         # makes Keras run every batch end in the training loop's thread
         # (no async dispatch on JAX), each waiting for its step's logs.
         if not self._first_step_begun:
             self._first_step_begun = True
             return
-        self._tracing_epoch = False
+        self._starting_epoch = False
         binding = self._bindings.get("train")
         if binding is not None:
             self._after_first_step = (_snapshot(binding.staged), time.time())
@@ -315,6 +319,8 @@ class PrefetchCallback(keras.callbacks.Callback):
             return
         binding.begin_epoch()
         self._snapshot = _snapshot(binding.staged)
+        self._starting_epoch = True  # see `on_train_batch_begin`
+        self._first_step_begun = False
         self._epoch_start = time.time()
         self._train_time = None
         self._train_cpu = None
@@ -421,13 +427,23 @@ class PrefetchCallback(keras.callbacks.Callback):
         stats = epoch_statistics(
             before, now, ended - started, binding.staged.stage_options
         )
+        if before is not self._snapshot:
+            _producer_rates_of_the_epoch(
+                stats,
+                epoch_statistics(
+                    self._snapshot,
+                    now,
+                    ended - self._epoch_start,
+                    binding.staged.stage_options,
+                ),
+            )
         # Skips are the epoch's, first step included.
         stats["skipped"] = now["skipped"] - self._snapshot["skipped"]
         _log_service_epoch(binding, logs)
         self._snapshot = None
         self._epoch_start = None
         self._after_first_step = None
-        self._tracing_epoch = False
+        self._starting_epoch = False
         switch = binding.switch
         if switch is not None:
             unstaged = switch.last_unstaged
@@ -448,7 +464,8 @@ class PrefetchCallback(keras.callbacks.Callback):
             # a progress bar shows like a diverged loss).
             if stats["wait_ratio"] is not None:
                 logs["stage_wait_ratio"] = stats["wait_ratio"]
-            logs["stage_buffer_fill"] = stats["buffer_fill"]
+            if stats["buffer_fill"] is not None:
+                logs["stage_buffer_fill"] = stats["buffer_fill"]
             logs["stage_skipped"] = stats["skipped"]
         pool = binding.staged.thread_pool
         pool_size = None if pool is None else pool.size
@@ -628,10 +645,35 @@ def epoch_statistics(before, after, seconds, options):
         ),
         # Share of the machine's cores this process used (None: unknown).
         "cpu_load": cpu_load,
+        # None: not measured (under op determinism the pipeline counts
+        # nothing, see `StageStats.count_nothing`).
         "buffer_fill": (
-            min(1.0, buffered / (consumed * capacity)) if consumed else 0.0
+            None
+            if math.isnan(buffered)
+            else min(1.0, buffered / (consumed * capacity))
+            if consumed
+            else 0.0
         ),
     }
+
+
+def _producer_rates_of_the_epoch(window, epoch):
+    """Gives `window`'s statistics the stage's rates over the whole epoch.
+
+    The consumer's figures (its wait, the batches it took, the time) are
+    those after the epoch's first step (see `on_train_batch_begin`); the
+    stage may have finished most of the epoch's elements by then (its
+    buffer filled while the first step ran), so its own figures are taken
+    per element over the whole epoch and counted for the batches taken in
+    the window: each of them was produced.
+    """
+    if epoch["produced"] <= 0:
+        return
+    window["produced"] = window["consumed"]
+    if epoch["busy_seconds"] is not None:
+        window["busy_seconds"] = (
+            epoch["busy_seconds"] / epoch["produced"] * window["produced"]
+        )
 
 
 def _duration(seconds):
@@ -664,7 +706,10 @@ def verdict(stats, options, pool_size=None):
     Input-bound runs are told which of the two to fix. `pool_size`: the
     threads of the pool the epoch ran on, if the stage's pool is resized
     between epochs. An epoch whose wait or staged computation was not
-    timed (None) gets `_untimed_verdict`.
+    timed (None) gets `_untimed_verdict`. A stage with no staged
+    computation (no `fn`, no SmartStage prefix: it only buffers) has no
+    busy time: its verdict says so, and its `prepare_seconds_per_batch`
+    is None rather than a 0 that reads as a measurement.
     """
     if stats["wait_seconds"] is None or stats["busy_seconds"] is None:
         return _untimed_verdict(stats, options, pool_size)
@@ -698,21 +743,31 @@ def verdict(stats, options, pool_size=None):
         pace >= _SOURCE_BOUND_FACTOR * prepare / threads
     )
     name = options.name
+    computes = _computes(stats)
+    staged_work = (
+        f"{_duration(prepare)} of staged computation (per thread)"
+        if computes
+        else _NO_STAGED_COMPUTATION
+    )
     timing = (
-        f"per batch: {_duration(prepare)} of staged computation (per "
-        f"thread), {_duration(compute)} to train; the stage delivered one "
-        f"every {_duration(pace)}"
+        f"per batch: {staged_work}, {_duration(compute)} to train; the "
+        f"stage delivered one every {_duration(pace)}"
     )
     waited = (
         f"the training step waited {stats['wait_ratio']:.0%} of the epoch "
         "for data"
     )
     if source_bound:
+        threads_could = (
+            f"its {threads} threads could deliver one every "
+            f"{_duration(prepare / threads)}"
+            if computes
+            else f"it has no computation of its own for its {threads} threads"
+        )
         message = (
             f"Stage '{name}': input-bound, {waited}; {timing}. The pipeline "
             "before the stage is the bottleneck (the stage pulls from it one "
-            f"batch at a time, and its {threads} threads could deliver one "
-            f"every {_duration(prepare / threads)}): parallelize its maps "
+            f"batch at a time, and {threads_could}): parallelize its maps "
             "(num_parallel_calls) and "
             "reads (interleave), or make that work the stage's own "
             "computation so the stage's threads run it: as layers of the "
@@ -740,11 +795,29 @@ def verdict(stats, options, pool_size=None):
         # The source's time per batch when it is the bottleneck, else None.
         source_seconds_per_batch=pace if source_bound else None,
         delivery_seconds_per_batch=pace,
-        prepare_seconds_per_batch=prepare,
+        prepare_seconds_per_batch=prepare if computes else None,
         train_seconds_per_batch=compute,
         suggested_num_threads=needed_threads,
         suggested_capacity=capacity,
     )
+
+
+# What a verdict says in place of the staged computation's time, for a
+# stage that has none to time.
+_NO_STAGED_COMPUTATION = "no staged computation (the stage only buffers)"
+
+
+def _computes(stats):
+    """Whether the epoch's stage ran a staged computation of its own.
+
+    Only a stage with a computation (an `fn`, a SmartStage prefix) times
+    its elements: one that only buffers adds no busy time (see
+    `StageStats.count_produced`), so its epoch's busy seconds are 0. The
+    stage does not say which it is; a computation too short to move the
+    clock (microseconds) in a whole epoch reads the same, and is as good
+    as none for the verdict's advice.
+    """
+    return stats["busy_seconds"] is not None and stats["busy_seconds"] > 0
 
 
 def _untimed_verdict(stats, options, pool_size):
@@ -768,12 +841,26 @@ def _untimed_verdict(stats, options, pool_size):
         )
     if prepare is None:
         unmeasured.append("the staged computation")
+    elif not _computes(stats):
+        prepare = None
+        waited += f"; {_NO_STAGED_COMPUTATION}"
+    fill = stats["buffer_fill"]
+    if fill is None:
+        # A counter in its pipeline would make tf.data run the stage one
+        # batch at a time under op determinism (`StageStats.count_nothing`).
+        held = "its buffer's fill was not counted"
+    else:
+        held = f"its buffer was {fill:.0%} full"
+    clock = (
+        f", and TensorFlow forbids the clock that times "
+        f"{' and '.join(unmeasured)}"
+        if unmeasured
+        else ""
+    )
     message = (
         f"Stage '{options.name}': {waited}; per batch, the stage delivered "
-        f"one every {_duration(pace)} and its buffer was "
-        f"{stats['buffer_fill']:.0%} full. Op determinism is on, and "
-        f"TensorFlow forbids the clock that times {' and '.join(unmeasured)}"
-        ": no advice on num_threads or capacity."
+        f"one every {_duration(pace)} and {held}. Op determinism is on"
+        f"{clock}: no advice on num_threads or capacity."
     )
     return _verdict_record(
         stats,

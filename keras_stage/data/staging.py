@@ -29,7 +29,7 @@ from keras_stage.data.packing import Packer
 from keras_stage.data.pool import StagePool
 from keras_stage.data.runner import EndOfData, SkipElement, StageRunner
 from keras_stage.data.service import distribute
-from keras_stage.data.stats import StageStats
+from keras_stage.data.stats import StageStats, op_determinism_enabled
 
 _name_counter = itertools.count()
 # Live stages, so a test or a callback can check that none left a thread.
@@ -172,8 +172,23 @@ def _build_pipeline(
     unpacked = type(dataset.element_spec) is tuple
     staged_fn = None if fn is None else on_host(fn)
 
+    # Under op determinism, tf.data's `make_deterministic` rewrite runs
+    # every map of a pipeline one element at a time, and empties every
+    # prefetch buffer, once any function of the pipeline holds a stateful
+    # op outside its short allow-list (a variable's read or update is
+    # not on it). So the stage's pipeline then holds none of its own: no
+    # counters, no gate, no fetch records (`StageStats.count_nothing`).
+    # The consumer counts its fetches in its step or on the host, and the
+    # stage's own figures (elements finished, buffer fill, busy time) are
+    # reported as not measured.
+    bare = op_determinism_enabled()
+    if bare:
+        stats.count_nothing(computes=fn is not None)
+
     def produce(*args):
         element = args if unpacked else args[0]
+        if bare:
+            return element if staged_fn is None else staged_fn(element)
         if staged_fn is None:
             # tf.data runs a function's stateful ops whether or not the
             # element depends on them.
@@ -212,7 +227,7 @@ def _build_pipeline(
     # wait on the source (`runner.ReadyElements`). The busy time and the
     # finished count stay in the map, where the computation ran: the
     # verdict and the buffer fill read them.
-    count_after = fn is not None and options.deterministic
+    count_after = fn is not None and options.deterministic and not bare
 
     # No timestamp is taken before each pull from the source: that needs a
     # zip with a dataset of markers, work on the path of every element that
@@ -221,6 +236,8 @@ def _build_pipeline(
     def staged(parallel):
         """The stage's work, `parallel` elements at once."""
         if fn is None:
+            if bare:
+                return dataset  # nothing to compute, nothing to count
             # With nothing to compute, workers have nothing to overlap: the
             # counter runs in the buffer's own thread, op by op, and no
             # element waits for a hand-off to a worker thread.
@@ -303,6 +320,9 @@ def _build_pipeline(
             tf.data.Dataset.zip((markers, buffered)), consume, f"{name}_fetch"
         )
 
+    if bare:
+        # The fetch records are variable updates too (see `bare`).
+        measured = False
     device = placement.device
     if device is None:
         lean = produced.prefetch(capacity, name=f"{name}_buffer")

@@ -161,8 +161,8 @@ def op_determinism_enabled():
 NO_CLOCK_NOTE = (
     "Op determinism is on: TensorFlow forbids in-graph clocks then, so "
     "keras_stage counts batches and buffer fill but does not time its "
-    "stages (no stage_wait_ratio in the logs), and tf.data runs each stage "
-    "one batch at a time without its buffer (its counters are stateful ops)."
+    "stages (no stage_wait_ratio in the logs). The stages still run in "
+    "parallel: their counters run after the parallel map."
 )
 _no_clock_noted = False
 _no_clock_lock = threading.Lock()
@@ -240,6 +240,29 @@ class StageStats:
         # Whether the consumer timed its fetches on the host
         # (`record_host_fetch`).
         self._host_waits = False
+        # Whether the pipeline counts its elements (see `count_nothing`).
+        self._pipeline_counts = True
+
+    def count_nothing(self, computes=True):
+        """Notes that the stage's pipeline holds no counter (op determinism).
+
+        Under op determinism a stateful op in any function of a pipeline
+        makes tf.data run the whole pipeline one element at a time with no
+        buffer (see `staging._build_pipeline`), so a stage built then counts
+        nothing in its pipeline: `snapshot` reports the elements it
+        finished as those consumed, and its buffer fill as not measured
+        (NaN); the buffer is not known to hold anything. `computes`: whether
+        the stage has work of its own, whose busy time is then not measured
+        either (a stage that computes nothing is known to spend none).
+        """
+        self._pipeline_counts = False
+        if computes:
+            self._busy_timed = False
+
+    @property
+    def pipeline_counts(self):
+        """Whether the stage's pipeline counts its elements."""
+        return self._pipeline_counts
 
     # -- graph side: called inside tf.data functions -------------------------
 
@@ -635,6 +658,8 @@ class StageStats:
         return int(counters[_PRODUCED] - counters[_CONSUMED]) - self._taken
 
     def _ready(self, counters):
+        if not self._pipeline_counts:
+            return 0  # nothing is known to be buffered
         return int(counters[_READY] - counters[_CONSUMED]) - self._taken
 
     @property
@@ -691,9 +716,12 @@ class StageStats:
             counters = self._counters.numpy()
             wait_timed = self._wait_timed is not False or self._host_waits
         busy_timed = self._busy_timed is not False
+        consumed = int(counters[_CONSUMED]) + taken
+        counts = self._pipeline_counts
         return {
-            "produced": int(counters[_PRODUCED]),
-            "consumed": int(counters[_CONSUMED]) + taken,
+            # Uncounted: at least every consumed element was finished.
+            "produced": int(counters[_PRODUCED]) if counts else consumed,
+            "consumed": consumed,
             "skipped": skipped,
             "skipped_messages": messages,
             "wait_seconds": (
@@ -702,8 +730,12 @@ class StageStats:
             "busy_seconds": (
                 float(counters[_BUSY]) if busy_timed else math.nan
             ),
-            "buffered_sum": int(counters[_BUFFERED] + buffered),
-            "buffered_peak": int(max(self._peak.numpy(), peak)),
+            "buffered_sum": (
+                int(counters[_BUFFERED] + buffered) if counts else math.nan
+            ),
+            "buffered_peak": (
+                int(max(self._peak.numpy(), peak)) if counts else 0
+            ),
             "time": time.time(),
         }
 

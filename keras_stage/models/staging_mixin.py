@@ -26,7 +26,6 @@ from keras_stage import _compat
 from keras_stage.layers.staged_input import StagedInput
 from keras_stage.models.backends import backend, tensorflow_steps
 from keras_stage.models.call.staged_call import StagedCall
-from keras_stage.models.data_adapters.arrays import batch_count
 from keras_stage.models.decision import calls
 from keras_stage.models.decision.calls import validation_runs
 from keras_stage.models.model_state import state as _state
@@ -475,7 +474,7 @@ class StagingMixin:
         # Made first: its callbacks are checked whichever way the call runs.
         call = StagedCall(self, layer, ("test",), callbacks, verbose=verbose)
         if backend.graph_steps() and not calls.stages(
-            self, layer, "test", batch_count(x, batch_size, steps)
+            self, layer, "test", calls.call_batches(x, batch_size, steps)
         ):
             return call.run_unstaged(unstaged)
         call.split = self._stage_split()
@@ -518,7 +517,7 @@ class StagingMixin:
         # Made first: its callbacks are checked whichever way the call runs.
         call = StagedCall(self, layer, ("predict",), callbacks, verbose=verbose)
         if backend.graph_steps() and not calls.stages(
-            self, layer, "predict", batch_count(x, batch_size, steps)
+            self, layer, "predict", calls.call_batches(x, batch_size, steps)
         ):
             return call.run_unstaged(unstaged)
         call.split = self._stage_split()

@@ -129,7 +129,7 @@ def _shares_safely(layer):
     Keras variables as constants when it is traced. That is right for the
     fixed state of Keras's preprocessing layers (an adapted mean, a
     vocabulary), which is rebuilt as new objects when adapted again (see
-    `_state_objects`); another layer's variables may change.
+    `_state_slots`); another layer's variables may change.
     """
     if not getattr(layer, "variables", None):
         return True
@@ -567,32 +567,48 @@ def _input_name(name, taken):
     return candidate
 
 
-def _state_objects(model):
-    """The tensors and TF resources the layers of `model` hold directly.
+def _state_slots(model):
+    """Where the layers of `model` hold tensors and TF resources directly.
 
     A trace captures these by identity: Keras's preprocessing layers swap
-    them for new ones when re-adapted (variables are assigned in place).
+    them for new ones when re-adapted, or when `set_weights` or a load
+    sets their vocabulary (variables are assigned in place). Returns
+    `(layer, attribute, value)` triples: `_slots_hold` checks them again
+    without walking every attribute of every layer, which on each staged
+    call would cost what plain Keras's call does not (`keras.ops.is_tensor`
+    is a `typing.Protocol` check).
     """
     found = []
     for layer in all_layers(model):
-        for value in vars(layer).values():
-            # keras.ops.is_tensor: another backend's arrays (JAX's), which
-            # a tf.data trace reads as constants.
-            if isinstance(
-                value,
-                (tf.Tensor, tf.saved_model.experimental.TrackableResource),
-            ) or (
-                not isinstance(value, keras.Variable)
-                and keras.ops.is_tensor(value)
-            ):
-                found.append(value)
+        for name, value in vars(layer).items():
+            if _is_state(type(value), value):
+                found.append((layer, name, value))
     return found
 
 
-def _same_objects(before, now):
-    return len(before) == len(now) and all(
-        a is b for a, b in zip(before, now, strict=True)
-    )
+# Whether a value of each type is state a trace captures (see
+# `_state_slots`): decided once per type, as every check below depends on
+# the type alone.
+_STATE_TYPES = {}
+
+
+def _is_state(kind, value):
+    known = _STATE_TYPES.get(kind)
+    if known is None:
+        # keras.ops.is_tensor: another backend's arrays (JAX's), which a
+        # tf.data trace reads as constants.
+        known = isinstance(
+            value, (tf.Tensor, tf.saved_model.experimental.TrackableResource)
+        ) or (
+            not isinstance(value, keras.Variable) and keras.ops.is_tensor(value)
+        )
+        _STATE_TYPES[kind] = known
+    return known
+
+
+def _slots_hold(slots):
+    """Whether every slot of `_state_slots` still holds the same object."""
+    return all(vars(layer).get(name) is value for layer, name, value in slots)
 
 
 class StageSplit:
@@ -718,10 +734,10 @@ class StageSplit:
         re-adapted builds a new table; Normalization a new mean tensor),
         which a trace would otherwise keep.
         """
-        state = _state_objects(self.prefix)
         cached = self._stage_fns.get(bool(training))
-        if cached is not None and _same_objects(cached[0], state):
+        if cached is not None and _slots_hold(cached[0]):
             return cached[1]
+        state = _state_slots(self.prefix)
         # Without autograph, as Keras traces its own steps: layer calls
         # are Python over tensors, and autograph's conversion of every
         # layer call is most of a trace's time.

@@ -5,6 +5,7 @@ for a couple of steps, the files it writes, the JSON schema, and that the
 ratios are computed consistently from the repetitions.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -822,12 +823,18 @@ def test_regimes_time_every_regime_and_mode(tmp_path, capsys):
     assert all(staged.close(timeout=1.0) for staged in live_stages())
     with open(tmp_path / "smoke.json") as f:
         results = json.load(f)
+    assert results["schema_version"] == regimes.SCHEMA_VERSION
     assert results["config"]["rounds"] == 1
+    assert results["config"]["feed"] == "arrays"
+    assert results["config"]["determinism"] is False
     assert results["environment"]["git_commit"]
-    assert list(results["models"]) == list(regimes.MODELS)
+    assert list(results["models"]) == list(regimes.DEFAULT_MODELS)
     table = capsys.readouterr().out
-    for model in results["models"].values():
-        assert list(model["regimes"]) == list(regimes.REGIMES)
+    for name, model in results["models"].items():
+        spec = regimes.MODELS[name]
+        assert model["batch_size"] == spec.batch_size == 32
+        assert model["sizes"] == dataclasses.asdict(regimes.TINY)
+        assert list(model["regimes"]) == list(spec.regimes)
         for name, regime in model["regimes"].items():
             assert name in table
             assert list(regime["modes"]) == list(regimes.MODES)
@@ -843,7 +850,12 @@ def test_regimes_time_every_regime_and_mode(tmp_path, capsys):
             check = regime["target"]
             assert check["value"] == ratios["staged/plain"]["seconds"]
             assert check["met"] == (check["value"] <= check["bound"])
-    assert len(results["targets"]) == len(regimes.MODELS) * len(regimes.REGIMES)
+            # No control, no noise to judge by.
+            assert check["control_distance"] is None
+            assert check["met_within_noise"] is None
+    assert len(results["targets"]) == sum(
+        len(regimes.MODELS[name].regimes) for name in regimes.DEFAULT_MODELS
+    )
 
 
 @pytest.mark.long
@@ -863,8 +875,227 @@ def test_regimes_control_mode_is_a_second_plain_model(tmp_path, capsys):
         regimes.PlainMode
     )
     control = regime["paired_ratios"][f"{regimes.CONTROL}/plain"]
-    assert regime["target"]["control"] == control["seconds"] > 0
-    assert f"({regimes.CONTROL}/plain, steps)" in capsys.readouterr().out
+    check = regime["target"]
+    assert check["control"] == control["seconds"] > 0
+    assert check["control_distance"] == abs(control["seconds"] - 1)
+    assert check["met_within_noise"] == (
+        check["value"] <= check["bound"] + check["control_distance"]
+    )
+    table = capsys.readouterr().out
+    assert f"{regimes.CONTROL}/plain" in table
+    assert f"(noise {check['control_distance']:.3f}: " in table
+
+
+@pytest.mark.long
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_regimes_feed_datasets_to_the_criteo_and_featurespace_models(
+    tmp_path, capsys
+):
+    from benchmarks import regimes
+
+    argv = ["--tiny", "--rounds", "1", "--feed", "dataset", "--control"]
+    argv += ["--models", "criteo,featurespace", "--name", "dataset"]
+    argv += ["--regimes", "validation,fit_2_epochs,featurespace_fit"]
+    assert regimes.main([*argv, "--out", str(tmp_path)]) == 0
+    assert all(staged.close(timeout=1.0) for staged in live_stages())
+    with open(tmp_path / "dataset.json") as f:
+        results = json.load(f)
+    assert results["config"]["feed"] == "dataset"
+    assert results["models"]["criteo"]["batch_size"] == 128
+    assert results["models"]["featurespace"]["batch_size"] == 32
+    for model in results["models"].values():
+        assert list(model["regimes"]) == [
+            "validation",
+            "fit_2_epochs",
+            "featurespace_fit",
+        ]
+        # The preprocessing is staged, the trunk is not.
+        assert model["staged_plan"]["staged_layers"]
+        assert model["staged_plan"]["trunk_layers"]
+        for regime in model["regimes"].values():
+            assert len({m["steps"] for m in regime["modes"].values()}) == 1
+        two_epochs = model["regimes"]["fit_2_epochs"]
+        staged_expert = two_epochs["paired_ratios"]["staged/expert"]
+        check = two_epochs["expert_target"]
+        assert check["bound"] == 1.10
+        assert check["value"] == staged_expert["seconds"] > 0
+        assert check["control_distance"] is not None
+        assert "expert_target" not in model["regimes"]["validation"]
+    ratios = {
+        (t["model"], t["regime"], t["ratio"][:13]) for t in results["targets"]
+    }
+    assert ("criteo", "fit_2_epochs", "staged/expert") in ratios
+    assert len(results["targets"]) == 2 * (3 + 1)
+    table = capsys.readouterr().out
+    assert "feed: dataset" in table
+    assert "target on staged/expert <= 1.10" in table
+
+
+@pytest.mark.long
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_regimes_tuner_search_times_a_keras_tuner_search(tmp_path, capsys):
+    pytest.importorskip("keras_tuner")
+    from benchmarks import regimes
+
+    argv = ["--tiny", "--rounds", "1", "--feed", "dataset", "--name", "tuner"]
+    argv += ["--models", "tabular", "--regimes", "tuner_search"]
+    assert regimes.main([*argv, "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "tuner.json") as f:
+        results = json.load(f)
+    regime = results["models"]["tabular"]["regimes"]["tuner_search"]
+    assert regime["target"]["bound"] == 1.10
+    # Every trial's batches reached the step clock, in every mode: the
+    # tuner's copies of the callbacks add to it.
+    sizes = regimes.TINY
+    steps = sizes.tuner_trials * sizes.tuner_epochs
+    steps *= sizes.tuner_batches + sizes.val_batches
+    assert {m["steps"] for m in regime["modes"].values()} == {steps}
+
+
+@pytest.mark.long
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_regimes_determinism_runs_under_op_determinism(tmp_path, capsys):
+    from benchmarks import regimes
+    from tests.op_determinism import enabled, op_determinism
+
+    argv = ["--tiny", "--rounds", "1", "--feed", "dataset", "--determinism"]
+    argv += ["--models", "criteo", "--regimes", "fit_2_epochs"]
+    argv += ["--modes", "plain,staged", "--name", "determinism"]
+    # The context turns determinism off again for the tests after this one.
+    with op_determinism(note_again=False):
+        assert regimes.main([*argv, "--out", str(tmp_path)]) == 0
+        assert enabled()
+    with open(tmp_path / "determinism.json") as f:
+        results = json.load(f)
+    assert results["config"]["determinism"] is True
+    regime = results["models"]["criteo"]["regimes"]["fit_2_epochs"]
+    # No expert mode, no staged/expert ratio to check.
+    assert "expert_target" not in regime
+    assert "op determinism on" in capsys.readouterr().out
+
+
+class _Recorder:
+    """A model's `fit`/`evaluate`/`predict` that record what they get."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, method):
+        return lambda **kwargs: self.calls.append((method, kwargs))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "regime", ["validation", "fit_epochs1_x4", "evaluate_x3", "predict8_x10"]
+)
+def test_regimes_dataset_feed_passes_one_dataset_to_every_call(regime):
+    import tensorflow as tf
+
+    from benchmarks import regimes
+
+    spec = regimes.MODELS["tabular"]
+    data = regimes.make_data(spec, regimes.TINY, regimes.REGIMES[regime].parts)
+    mode = regimes.PlainMode(spec, data, feed="dataset")
+    mode.model = _Recorder()
+    regimes.REGIMES[regime].run(mode, regimes.StepClock(), regimes.TINY)
+    calls = mode.model.calls
+    assert len(calls) >= 1
+    assert len({id(kwargs["x"]) for _, kwargs in calls}) == 1
+    for method, kwargs in calls:
+        assert isinstance(kwargs["x"], tf.data.Dataset)
+        assert "y" not in kwargs and "batch_size" not in kwargs
+        if method == "fit":
+            # The dataset shuffles itself; Keras would warn of shuffle=True.
+            assert kwargs["shuffle"] is False
+    if regime == "validation":
+        ((_, kwargs),) = calls
+        assert isinstance(kwargs["validation_data"], tf.data.Dataset)
+        assert kwargs["epochs"] == regimes.TINY.val_epochs
+    # Batches of the model's batch size; predict's 8 examples in one.
+    first = next(iter(calls[0][1]["x"]))
+    labels = first["cp"] if regime == "predict8_x10" else first[1]
+    assert labels.shape[0] == (
+        regimes.TINY.predict_examples
+        if regime == "predict8_x10"
+        else spec.batch_size
+    )
+
+
+def test_regimes_targets_strict_and_within_noise():
+    from benchmarks import regimes
+
+    met = regimes.check("staged/plain", 1.05, 1.08, control=0.95)
+    assert met["control_distance"] == pytest.approx(0.05)
+    assert (met["met"], met["met_within_noise"]) == (False, True)
+    missed = regimes.check("staged/plain", 1.05, 1.12, control=1.03)
+    assert (missed["met"], missed["met_within_noise"]) == (False, False)
+    alone = regimes.check("staged/plain", 1.05, 1.0, control=None)
+    assert (alone["met"], alone["met_within_noise"]) == (True, None)
+    # On datasets every warm regime is held to 1.05, tabular included.
+    assert regimes.target("tabular", "validation", "dataset") == 1.05
+    assert regimes.target("tabular", "predict8_x10", "dataset") == 1.5
+    assert regimes.target("criteo", "fresh_model", "dataset") == 1.10
+    assert regimes.target("tabular", "tuner_search", "dataset") == 1.10
+    assert regimes.target("featurespace", "featurespace_fit", "dataset") == 1.05
+    assert regimes.REGIMES["fit_2_epochs"].expert_bound == 1.10
+
+
+@pytest.mark.timeout(60)
+def test_regimes_skip_the_tuner_search_without_keras_tuner(monkeypatch):
+    from benchmarks import regimes
+
+    def missing():
+        return "keras_tuner is not importable (test)"
+
+    tuner = dataclasses.replace(
+        regimes.REGIMES["tuner_search"], missing=missing
+    )
+    monkeypatch.setitem(regimes.REGIMES, "tuner_search", tuner)
+    lines = []
+    out = regimes.run_model(
+        regimes.MODELS["dense"],
+        ["tuner_search"],
+        ("plain",),
+        1,
+        regimes.TINY,
+        log=lines.append,
+    )
+    assert out["regimes"] == {}
+    assert out["skipped"] == {"tuner_search": missing()}
+    assert lines == [f"dense tuner_search: skipped, {missing()}"]
+    assert "requirements/bench-extra.txt" in regimes.KERAS_TUNER_INSTALL
+
+
+@pytest.mark.timeout(60)
+def test_regimes_heart_table_has_the_keras_io_columns():
+    from benchmarks import regimes
+    from benchmarks.workloads import heart
+
+    x, y = heart.make_heart_data(heart.TRAIN_ROWS, seed=0)
+    assert (heart.TRAIN_ROWS, heart.VAL_ROWS) == (242, 61)
+    assert list(x) == sorted(heart.feature_space().features)
+    assert len(x) == 13 and y.dtype == "int64" and set(y) == {0, 1}
+    assert x["thal"].dtype == object and x["oldpeak"].dtype == "float64"
+    assert all(
+        x[name].dtype == "int64"
+        for name in x
+        if name not in {"thal", "oldpeak"}
+    )
+    # Each table holds every categorical value: the example's lookups have
+    # no out-of-vocabulary index.
+    small, _ = heart.make_heart_data(8, seed=1)
+    assert set(small["thal"]) == set(heart.THAL)
+    assert set(small["cp"]) == set(range(5))
+    data = regimes.make_data(
+        regimes.MODELS["featurespace"],
+        regimes.Sizes(),
+        ("example_train", "example_val"),
+    )
+    assert len(data["example_train"][1]) == 242
+    assert len(data["example_val"][1]) == 61
 
 
 def test_regimes_cli_and_targets(capsys):
@@ -875,11 +1106,24 @@ def test_regimes_cli_and_targets(capsys):
     assert "long_epochs" in capsys.readouterr().err
     args = regimes.parse_args(["--quick", "--models", "dense"])
     assert (args.rounds, args.models, args.name) == (2, ["dense"], "regimes")
-    assert args.regimes == list(regimes.REGIMES)
+    # Each model's own regimes, arrays, no determinism: earlier runs' flags.
+    assert (args.regimes, args.feed, args.determinism) == (
+        None,
+        "arrays",
+        False,
+    )
+    args = regimes.parse_args(["--feed", "dataset", "--determinism"])
+    assert (args.feed, args.determinism) == ("dataset", True)
+    assert args.models == list(regimes.DEFAULT_MODELS)
+    with pytest.raises(SystemExit):
+        regimes.parse_args(["--feed", "generator"])
     assert regimes.target("dense", "short_epochs") == 1.05
     assert regimes.target("tabular", "short_epochs") == 1.0
     assert regimes.target("tabular", "fresh_model") == 1.10
     assert regimes.target("dense", "predict8_x10") == 1.5
+    assert regimes.MODELS["criteo"].batch_size == 128
+    assert regimes.MODELS["criteo"].sizes.val_train_batches == 40
+    assert regimes.MODELS["criteo"].sizes.val_epochs == 3
 
 
 # -- the history table and the charts (no benchmark runs) -------------------

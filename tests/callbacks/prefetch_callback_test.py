@@ -60,9 +60,11 @@ class SlowLayer(keras.layers.Layer):
         return _sleepy(x)
 
 
-def _model(slow_trunk=False, name="bench"):
+def _model(slow_trunk=False, name="bench", **staged_input):
     inputs = keras.Input(shape=(2,))
-    x = StagedInput(capacity=1, num_threads=1, name=name)(inputs)
+    x = StagedInput(capacity=1, num_threads=1, name=name, **staged_input)(
+        inputs
+    )
     if slow_trunk:
         x = SlowLayer()(x)
     model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
@@ -129,10 +131,12 @@ def test_slow_source_waits_more_and_is_called_input_bound(capsys):
     # so instead of asking for more stage threads.
     assert slow_cb.verdict["source_bound"] is True
     assert "The pipeline before the stage is the bottleneck" in slow_out
-    assert (
-        slow_cb.verdict["source_seconds_per_batch"]
-        > (slow_cb.verdict["prepare_seconds_per_batch"])
-    )
+    # The stage computes nothing (a StagedInput without smart_stage): the
+    # source's time is all there is, and no staged computation is reported
+    # as a measured 0.
+    assert slow_cb.verdict["source_seconds_per_batch"] > 0
+    assert slow_cb.verdict["prepare_seconds_per_batch"] is None
+    assert "no staged computation (the stage only buffers)" in slow_out
     for cb in (slow_cb, fast_cb):
         assert cb.verdict["epoch"] == 1
         assert cb.verdict["suggested_num_threads"] >= 1
@@ -767,6 +771,119 @@ def test_verdict_of_an_epoch_without_batches():
     assert "compute-bound" in result["message"]
 
 
+def test_a_stage_that_only_buffers_reports_no_staged_computation():
+    # No `fn` and no SmartStage prefix: the stage times nothing, and its
+    # epoch's busy seconds are 0. The verdict says why there is no figure
+    # instead of printing "0 us of staged computation".
+    options = StageOptions(capacity=4, num_threads=2, name="s")
+    result = verdict(_stats(busy_seconds=0.0), options)
+    assert result["input_bound"] is True
+    assert result["source_bound"] is True
+    # Every key is kept; the figure not measured is None.
+    assert set(result) == set(verdict(_stats(), options))
+    assert result["prepare_seconds_per_batch"] is None
+    assert result["source_seconds_per_batch"] == 0.4
+    assert result["message"] == (
+        "Stage 's': input-bound, the training step waited 25% of the epoch "
+        "for data; per batch: no staged computation (the stage only "
+        "buffers), 300.0 ms to train; the stage delivered one every 400.0 "
+        "ms. The pipeline before the stage is the bottleneck (the stage "
+        "pulls from it one batch at a time, and it has no computation of "
+        "its own for its 2 threads): parallelize its maps "
+        "(num_parallel_calls) and reads (interleave), or make that work the "
+        "stage's own computation so the stage's threads run it: as layers "
+        "of the model with compile(smart_stage=True), or as the `fn` of "
+        "keras_stage.data.stage."
+    )
+
+    kept_up = verdict(
+        _stats(wait_seconds=0.0, wait_ratio=0.0, busy_seconds=0.0), options
+    )
+    assert kept_up["input_bound"] is False
+    assert kept_up["prepare_seconds_per_batch"] is None
+    assert kept_up["message"] == (
+        "Stage 's': compute-bound, the training step waited 0% of the epoch "
+        "for data; per batch: no staged computation (the stage only "
+        "buffers), 400.0 ms to train; the stage delivered one every 400.0 "
+        "ms. The input keeps up; num_threads=1 would be enough (now 2)."
+    )
+    for message in (result["message"], kept_up["message"]):
+        assert not re.search(r"(?<![\d.])0(\.0)? (us|ms)", message), message
+
+
+def test_an_untimed_stage_that_only_buffers_reports_no_staged_computation():
+    # Under op determinism the wait is not measured; a stage with nothing
+    # to compute still has no staged computation to report.
+    options = StageOptions(capacity=4, num_threads=2, name="s")
+    result = verdict(
+        _stats(wait_seconds=None, wait_ratio=None, busy_seconds=0.0), options
+    )
+    assert result["prepare_seconds_per_batch"] is None
+    assert result["input_bound"] is None
+    assert result["message"].startswith(
+        "Stage 's': the training step's wait for data was not measured; no "
+        "staged computation (the stage only buffers); per batch, the stage "
+        "delivered one every 400.0 ms"
+    )
+    assert "the clock that times the wait:" in result["message"]
+
+
+def _string_and_number_model(smart_stage, name):
+    """A string column looked up, a number normalized, a small trunk."""
+    words = keras.Input(shape=(), dtype="string", name="word")
+    number = keras.Input(shape=(1,), name="number")
+    staged = StagedInput(name=name)([words, number])
+    ids = keras.layers.StringLookup(vocabulary=["a", "b", "c"])(staged[0])
+    scaled = keras.layers.Normalization(mean=0.5, variance=0.25)(staged[1])
+    x = keras.layers.Concatenate()([keras.layers.Embedding(5, 4)(ids), scaled])
+    model = keras_stage.Model([words, number], keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse", smart_stage=smart_stage)
+    return model
+
+
+def _string_and_number_data():
+    words = np.array(["a", "b", "c", "d"] * 24, dtype=object)
+    number = np.linspace(0.0, 1.0, 96, dtype="float32").reshape(-1, 1)
+    return {"word": words, "number": number}, np.ones((96, 1), "float32")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("data", ["arrays", "dataset"])
+def test_the_verdict_reports_staged_layers_work_and_a_buffer_s_none(
+    data, capsys
+):
+    # SmartStage stages the lookup and the normalization: their time is
+    # measured (on arrays the batches are gathered in the stage's own map).
+    # Without smart_stage the same stage only buffers: no figure at all.
+    x, y = _string_and_number_data()
+    if data == "dataset":
+        x = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+        y = None
+    for smart_stage in (True, False):
+        callback = PrefetchCallback(verbose=1)
+        model = _string_and_number_model(smart_stage, f"words_{smart_stage}")
+        model.fit(
+            x,
+            y,
+            batch_size=None if y is None else 8,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=[callback],
+        )
+        out = capsys.readouterr().out
+        prepare = callback.verdict["prepare_seconds_per_batch"]
+        if smart_stage:
+            assert "lookup" in " ".join(model.get_stage_plan().staged_layers)
+            assert prepare is not None and prepare > 0, callback.verdict
+            assert "of staged computation (per thread)" in out
+            assert "no staged computation" not in out
+        else:
+            assert prepare is None, callback.verdict
+            assert out.count("no staged computation") == 2, out
+            assert "of staged computation (per thread)" not in out
+
+
 # -- where the consumer's side is counted ------------------------------------
 
 
@@ -781,7 +898,9 @@ class _Attached(PrefetchCallback):
 
 @pytest.mark.timeout(120)
 def test_keras_steps_count_every_fetch_in_the_step_not_in_the_pipeline():
-    model = _model(name="in_step")
+    # adaptive=False: the later fit, short and on data in memory, would
+    # otherwise run unstaged (decision/calls.py) and count nothing.
+    model = _model(name="in_step", adaptive=False)
     cb = _Attached()
     model.fit(
         _dataset(),
@@ -812,7 +931,7 @@ def test_keras_steps_count_every_fetch_in_the_step_not_in_the_pipeline():
 
 @pytest.mark.timeout(120)
 def test_closed_step_stats_are_replaced_and_the_step_retraced():
-    model = _model(name="reopened")
+    model = _model(name="reopened", adaptive=False)  # both fits staged
     cb = _Attached()
     model.fit(_dataset(), epochs=1, verbose=0, shuffle=False, callbacks=[cb])
     first = cb.seen["train"].stats
@@ -834,9 +953,22 @@ def _tiny_staged_model():
     return model
 
 
+def _tiny_smart_staged_model():
+    # A stageable layer, so that the stage has a computation to time; and
+    # adaptive=False, so that every epoch of this short fit is staged.
+    inputs = keras.Input(shape=(2,))
+    x = StagedInput(capacity=2, num_threads=1, name="tb", adaptive=False)(
+        inputs
+    )
+    x = keras.layers.Normalization(mean=0.0, variance=1.0)(x)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    return model
+
+
 @pytest.mark.timeout(120)
 def test_log_dir_writes_the_stage_figures_per_epoch(tmp_path):
-    model = _tiny_staged_model()
+    model = _tiny_smart_staged_model()
     callback = PrefetchCallback(log_dir=tmp_path)
     history = model.fit(
         np.ones((16, 2)),
@@ -861,6 +993,25 @@ def test_log_dir_writes_the_stage_figures_per_epoch(tmp_path):
     written = [value for _, value in scalars["stage/wait_ratio"]]
     assert written == pytest.approx(history["stage_wait_ratio"])
     assert [v for _, v in scalars["stage/skipped"]] == [0.0, 0.0, 0.0]
+    assert all(v > 0 for _, v in scalars["stage/prepare_ms_per_batch"])
+
+
+@pytest.mark.timeout(120)
+def test_log_dir_leaves_out_the_staged_computation_of_a_buffer(tmp_path):
+    # A stage with nothing to compute has no preparation time: the tag is
+    # left out, not written as 0; every other figure is written.
+    _tiny_staged_model().fit(
+        np.ones((16, 2)),
+        np.ones((16, 1)),
+        batch_size=4,
+        epochs=2,
+        verbose=0,
+        callbacks=[PrefetchCallback(log_dir=tmp_path)],
+    )
+    scalars = tensorboard_scalars(tmp_path / "stage")
+    assert "stage/prepare_ms_per_batch" not in scalars
+    for name in ("wait_ratio", "train_ms_per_batch", "delivery_ms_per_batch"):
+        assert [step for step, _ in scalars[f"stage/{name}"]] == [0, 1]
 
 
 @pytest.mark.timeout(120)

@@ -137,6 +137,10 @@ def test_a_slow_step_after_its_fetch_never_times_out(determinism):
     def record(element):
         return stats.record_fetch(element, accumulate=True)[2]
 
+    # Traced first: a trace slower than the timeout on a loaded machine
+    # would be a wait before the fetch, which this test is not about.
+    record.get_concrete_function(tf.constant(1.0))
+
     def step():
         record(tf.constant(1.0))
         time.sleep(1.2)  # the training step, well past the timeout
@@ -166,3 +170,74 @@ def test_a_stage_built_before_determinism_says_to_build_it_again():
         again = stage(_lines(), _parse, capacity=2, num_threads=1)
         assert len(list(again)) == 6
     assert staged.close() and again.close()
+
+
+# The stateful ops tf.data's `make_deterministic` rewrite lets a pipeline
+# hold and still run in parallel and buffered under op determinism
+# (tensorflow/core/grappler/optimizers/data/make_deterministic.cc: dataset
+# sources, legacy random ops, Print and Assert); function calls and
+# control flow are judged by what they call.
+_ALLOWED_STATEFUL = {
+    "TensorSliceDataset",
+    "RangeDataset",
+    "TextLineDataset",
+    "TFRecordDataset",
+    "FixedLengthRecordDataset",
+    "Print",
+    "PrintV2",
+    "Assert",
+    "StatefulPartitionedCall",
+    "_Arg",
+    "_Retval",
+    "If",
+    "StatelessIf",
+    "While",
+    "StatelessWhile",
+}
+
+
+def _stateful_ops(dataset):
+    """The stateful ops in `dataset`'s graph outside the allow-list."""
+    from tensorflow.core.framework import graph_pb2
+    from tensorflow.python.framework import op_def_registry
+
+    graph = graph_pb2.GraphDef()
+    graph.ParseFromString(dataset._as_serialized_graph().numpy())
+    nodes = list(graph.node)
+    for function in graph.library.function:
+        nodes.extend(function.node_def)
+    found = set()
+    for node in nodes:
+        op_def = op_def_registry.get(node.op)
+        if op_def is None or not op_def.is_stateful:
+            continue
+        if node.op.endswith("Dataset") or node.op.endswith("DatasetV2"):
+            continue  # dataset ops are judged by their functions
+        if node.op not in _ALLOWED_STATEFUL:
+            found.add(node.op)
+    return found
+
+
+@pytest.mark.parametrize("fn", [None, _parse])
+def test_a_stage_built_under_determinism_stays_parallel_and_buffered(
+    determinism, fn
+):
+    # tf.data turns every parallel map of a pipeline sequential, and
+    # empties every buffer, once any function of it holds another stateful
+    # op (a counter's variable update): the stage's pipeline holds none.
+    staged = stage(_lines(), fn, capacity=2, num_threads=2, name="bare")
+    for pipeline in (staged, staged.pipeline, staged.lean_pipeline):
+        assert _stateful_ops(pipeline) == set()
+    # What it delivers is still counted (on the host, as it is fetched).
+    assert len(list(staged)) == 6
+    snapshot = staged.stats.snapshot()
+    assert snapshot["consumed"] == snapshot["produced"] == 6
+    assert math.isnan(snapshot["buffered_sum"])
+    assert staged.close()
+
+
+def test_without_determinism_the_counters_are_in_the_pipeline():
+    # The check above would catch them: they are there without it.
+    staged = stage(_lines(), _parse, capacity=2, num_threads=2, name="full")
+    assert "AssignAddVariableOp" in _stateful_ops(staged.lean_pipeline)
+    assert staged.close()

@@ -92,11 +92,18 @@ class SourceFacts:
             the next iterator reads: it holds a dataset that draws from a
             resource when an iterator starts (a `shuffle` or `random`
             dataset's seed generator), or it cannot be told (`refusal`).
+        kinds: The class names of the datasets it is built on.
+        runs_functions: Whether any of them runs a traced function of its
+            own (a map, a filter, an interleave).
         refusal: Why it cannot run long-lived at all, or None.
     """
 
     def __init__(self):
         self.objects = set()
+        # The class names of the datasets it is built on, and whether any
+        # of them runs a function of its own (a map, a filter...).
+        self.kinds = set()
+        self.runs_functions = False
         self.kernel_seeded = False
         self.resource_seeded = False
         self.refusal = None
@@ -136,6 +143,7 @@ def _inspect(dataset):
         if id(current) in facts.objects:
             continue
         facts.objects.add(id(current))
+        facts.kinds.add(type(current).__name__)
         if _DRAWING_DATASETS.search(type(current).__name__):
             facts.resource_seeded = True
         if type(current).__name__ in _OPAQUE_DATASETS:
@@ -150,6 +158,7 @@ def _inspect(dataset):
             )
             continue
         stack.extend(inputs)
+        facts.runs_functions = facts.runs_functions or bool(functions)
         for function in functions:
             _inspect_function(function, facts)
     return facts

@@ -18,6 +18,7 @@ import tensorflow as tf
 from keras_stage import _compat
 from keras_stage.data.service import DISTRIBUTED_EPOCH
 from keras_stage.data.staging import StagedDataset
+from keras_stage.data.stats import op_determinism_enabled
 from keras_stage.models.backends import backend
 from keras_stage.models.call.epoch_iterators import (
     DeferredPipeline,
@@ -467,7 +468,10 @@ def _long_lived_epochs(
                 )
     start = None
     independent = arrays is not None or not facts.iterator_draws
-    if independent:
+    # Not under op determinism: a variable read in the pipeline would make
+    # tf.data run all of it one element at a time (see
+    # `staging._build_pipeline`); its epochs then run on from the first.
+    if independent and not op_determinism_enabled():
         # Epochs of arrays, or of a dataset that draws nothing per
         # iterator, depend on no earlier iterator: an iterator can start
         # at any of them (see `LongLivedIterator`).

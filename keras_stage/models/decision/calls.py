@@ -1,7 +1,8 @@
 """Whether a call of a keras_stage model is staged, from measured costs.
 
-With a `StagedInput(adaptive=True)`, a call on in-memory arrays that cannot
-repay its stage's set-up runs the whole model in Keras's step, unstaged
+With a `StagedInput(adaptive=True)`, a call on in-memory data (arrays, or
+a `tf.data.Dataset` of tensors in memory) that cannot repay its stage's
+set-up runs the whole model in Keras's step, unstaged
 (the same results either way). A stage saves at most the staged work of
 every batch but the first (the first batch is waited for however it is
 made), and costs its set-up: the pipeline it builds and each iterator it
@@ -11,11 +12,12 @@ staged call costs (`staged_data`, `note_work`), keeps it per phase
 (`stages`, `fit_stages`). A call is never skipped on a guess: only what was
 measured counts, on this model or on one with the same stage
 (`stage_signature`: a fresh model per trial pays its stage once per
-process, not once per model), and what cannot be bounded (data from a
-`tf.data.Dataset`, a generator or a `PyDataset`, whose reading the stage
-also overlaps) is always staged. A model's first staged call also pays
-its SmartStage plan and the trace of its prefix, once per model: those
-are noted apart and added only for a model that has not paid them yet.
+process, not once per model), and what cannot be bounded (a dataset
+that maps or reads files, a generator or a `PyDataset`, whose reading the
+stage also overlaps; a dataset of unknown length) is always staged. A
+model's first staged call also pays its SmartStage plan and the trace of
+its prefix, once per model: those are noted apart and added only for a
+model that has not paid them yet.
 """
 
 import collections
@@ -26,6 +28,7 @@ import keras
 import tensorflow as tf
 
 from keras_stage.layers.staged_input import StagedInput
+from keras_stage.models.data_adapters import datasets
 from keras_stage.models.data_adapters.arrays import batch_count
 from keras_stage.models.data_adapters.staged_data import (
     default_strategy,
@@ -55,6 +58,18 @@ def may_skip_stage(layer):
     )
 
 
+def call_batches(x, batch_size, steps):
+    """The batches a call reads from in-memory data, or None.
+
+    In-memory arrays, or a `tf.data.Dataset` of tensors in memory (see
+    `datasets.batch_count`): data whose reading a stage cannot overlap.
+    None for anything else (always staged).
+    """
+    if isinstance(x, tf.data.Dataset):
+        return datasets.batch_count(x, steps)
+    return batch_count(x, batch_size, steps)
+
+
 def validation_runs(initial_epoch, epochs, validation_freq):
     """How many of a fit's epochs run validation (as Keras's fit decides)."""
     return sum(
@@ -82,17 +97,17 @@ def fit_batches(
     """A fit's `((batches, epochs), (batches, runs))`.
 
     For its training and its validation: batches in all (None when not
-    from arrays, see `arrays.batch_count`), and the epochs and validation
-    runs, each making one iterator.
+    from in-memory data, see `call_batches`), and the epochs and
+    validation runs, each making one iterator.
     """
     epochs, first = max(epochs - initial_epoch, 0), initial_epoch
-    train = batch_count(x, batch_size, steps_per_epoch)
+    train = call_batches(x, batch_size, steps_per_epoch)
     train = None if train is None else train * epochs
     if validation_data is None:
         return (train, epochs), (None, 0)
     runs = validation_runs(first, first + epochs, validation_freq)
     val_x, _, _ = keras.utils.unpack_x_y_sample_weight(validation_data)
-    val = batch_count(
+    val = call_batches(
         val_x, validation_batch_size or batch_size, validation_steps
     )
     return (train, epochs), (None if val is None else val * runs, runs)
@@ -169,8 +184,9 @@ class CallCosts:
     def stages(self, phase, batches, iterators, plans=False, traces=False):
         """Whether a call of `batches` batches in all should be staged.
 
-        `batches`: the batches it reads from in-memory arrays, or None
-        when it reads something else (always staged). `iterators`: the
+        `batches`: the batches it reads from in-memory data (see
+        `call_batches`), or None when it reads something else (always
+        staged). `iterators`: the
         iterators it makes (one per epoch). `plans` / `traces`: whether
         the call would also plan the model's SmartStage / trace its
         prefix for the phase (a model's first staged calls).
@@ -183,7 +199,11 @@ class CallCosts:
 
     def _decide(self, phase, batches, iterators, plans, traces):
         if batches is None:
-            return True, "its data is not in-memory arrays"
+            return True, (
+                "its data is read by a pipeline the stage overlaps (a "
+                "dataset that maps or reads files, a generator) or its "
+                "length is unknown"
+            )
         if batches <= 1:
             return False, "a call of one batch has nothing to overlap"
         costs = self.phase(phase)
@@ -303,7 +323,8 @@ def _random_prefix(model, phase):
 def stages(model, layer, phase, batches, iterators=1):
     """Whether a call of `phase` reading `batches` batches is staged.
 
-    See `CallCosts.stages`; `batches` is None when not from arrays.
+    See `CallCosts.stages`; `batches` is None when not from in-memory
+    data (`call_batches`).
     """
     if not may_skip_stage(layer):
         return True

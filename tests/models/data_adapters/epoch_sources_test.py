@@ -337,10 +337,10 @@ def test_an_epoch_of_arrays_left_early_restarts_at_the_next():
     assert len(made) == 2  # a new iterator, at the second epoch
 
 
-def _words_model():
+def _words_model(**staged_input):
     words = [f"w{i}" for i in range(7)]
     inputs = keras.Input(shape=(), dtype="string")
-    x = keras_stage.layers.StagedInput()(inputs)
+    x = keras_stage.layers.StagedInput(**staged_input)(inputs)
     x = keras.layers.StringLookup(vocabulary=words, name="lookup")(x)
     x = keras.layers.Embedding(9, 4, name="emb")(x)
     model = keras_stage.Model(inputs, keras.layers.Dense(1, name="head")(x))
@@ -514,8 +514,10 @@ class _StuckTeardown(_Teardown):
 def test_a_kept_stage_waits_for_the_last_iterators_teardown():
     # A call that runs a kept stage again opens its gate: what the last
     # call's iterator still finished must be gone by then, or it would
-    # count in the stats the new iterator reads.
-    staged, _, _ = _words_model()
+    # count in the stats the new iterator reads. (adaptive=False: these
+    # short fits on data in memory would otherwise run unstaged once
+    # measured, and keep no stage.)
+    staged, _, _ = _words_model(adaptive=False)
     words = np.array([f"w{i % 7}" for i in range(32)], dtype=object)
     labels = np.zeros((32, 1), "float32")
     ds = tf.data.Dataset.from_tensor_slices((words, labels)).batch(8)

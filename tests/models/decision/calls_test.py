@@ -96,8 +96,12 @@ def test_fit_batches_counts_epochs_and_validation_runs_as_keras_runs_them():
     assert fit_batches(x, None, **kwargs) == ((40, 4), (None, 0))
     kwargs.update(validation_freq=[1, 5], validation_batch_size=20)
     assert fit_batches(x, val, **kwargs) == ((40, 4), (2, 1))
+    # A dataset of tensors in memory counts as arrays do: 3 batches an
+    # epoch. One that maps may read anything (always staged): None.
     dataset = tf.data.Dataset.range(3)
-    assert fit_batches(dataset, None, **kwargs)[0] == (None, 4)
+    assert fit_batches(dataset, None, **kwargs)[0] == (12, 4)
+    mapped = dataset.map(lambda x: x + 1)
+    assert fit_batches(mapped, None, **kwargs)[0] == (None, 4)
 
 
 @pytest.mark.parametrize(
@@ -322,11 +326,24 @@ def test_a_fit_is_staged_when_only_its_validation_can_pay():
     assert calls.fit_stages(model, layer, X, (X, Y), **kwargs)
 
 
-def test_a_fit_on_a_dataset_is_always_staged():
+def test_a_fit_on_a_dataset_that_maps_is_always_staged():
     model, layer = _model()
     _note(model, build=10.0)
     dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(8)
-    assert calls.fit_stages(model, layer, dataset, None, **_fit_kwargs())
+    mapped = dataset.map(lambda x, y: (x * 2, y))
+    assert calls.fit_stages(model, layer, mapped, None, **_fit_kwargs())
+
+
+def test_a_fit_on_a_dataset_in_memory_is_decided_as_arrays_are():
+    # Slicing and batching tensors in memory: nothing for the stage to
+    # overlap but its staged work, which cannot repay a 10 s set-up.
+    model, layer = _model()
+    _note(model, build=10.0)
+    dataset = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(8).batch(8)
+    assert not calls.fit_stages(model, layer, dataset, None, **_fit_kwargs())
+    # Unknown length (a filter runs a function, too): staged.
+    kept = dataset.unbatch().filter(lambda x, y: True).batch(8)
+    assert calls.fit_stages(model, layer, kept, None, **_fit_kwargs())
 
 
 # -- noting costs -------------------------------------------------------------
