@@ -270,7 +270,15 @@ class StagedMode(FitMode):
 
         Run after the warm-up, so the verdict is not skewed by tracing.
         """
-        self.fit_once()
+        # Staged whatever the call decision says (a short calibration fit
+        # on data in memory may otherwise run unstaged, with no verdict):
+        # the verdict of a staged epoch is what is read here.
+        adaptive = self.staged_input.adaptive
+        self.staged_input.adaptive = False
+        try:
+            self.fit_once()
+        finally:
+            self.staged_input.adaptive = adaptive
         verdict = self.prefetch.verdict
         if verdict is None:
             raise RuntimeError(f"{self.name}: the callback gave no verdict")

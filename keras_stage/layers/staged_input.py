@@ -73,19 +73,22 @@ class StagedInput(keras.layers.Layer):
 
     Args:
         {stage_options}
-        adaptive: Stage a fit/evaluate/predict call on in-memory arrays
-            only when it can pay: a call too short to repay its stage's
-            set-up (one batch, or less staged work in all than the set-up
-            measured on the model's earlier staged calls) runs the whole
-            model in Keras's own step instead, with the same results.
+        adaptive: Stage a fit/evaluate/predict call on in-memory data
+            (arrays, or a `tf.data.Dataset` of tensors in memory that runs
+            no function of its own) only when it can pay: a call too short
+            to repay its stage's set-up (one batch, or less staged work in
+            all than the set-up measured on the model's earlier staged
+            calls) runs the whole model in Keras's own step instead, with
+            the same results.
             Within a SmartStage fit, an epoch whose step did not wait for
             input is followed by one run with the whole model in the step,
             and the faster of the two runs the remaining epochs (see
             `keras_stage.models.decision.epochs`). `False` stages every call
             and every epoch. Calls with exception policies
             (`ignored_exception_types`, other `closed_exception_types`) or
-            a `service` are always staged, and so are calls on datasets,
-            generators or PyDatasets (their epochs may be switched).
+            a `service` are always staged, and so are calls on other
+            datasets, generators or PyDatasets (their epochs may be
+            switched).
             Defaults to `True`.
         **kwargs: Base layer arguments (`name`, ...).
 
