@@ -28,7 +28,11 @@ SIZES = {"full": (None, 5), "quick": (6, 1)}
 
 def _wrapped(text, indent="    "):
     return textwrap.fill(
-        text, width=79, initial_indent=indent, subsequent_indent=indent
+        text,
+        width=79,
+        initial_indent=indent,
+        subsequent_indent=indent,
+        break_on_hyphens=False,
     )
 
 
@@ -91,7 +95,19 @@ def report(result, log=print):
         log(f"    {mode:8s} {median:8.1f} {spread:>15s} {median / plain:8.2f}x")
     verdict = result["verdict"] or {}
     log("  PrefetchCallback verdict of the last staged epoch:")
-    log(_wrapped(verdict.get("message", "(none)")))
+    unstaged = sum(
+        1 for r in result["runs"].get("staged", []) if r.get("unstaged")
+    )
+    none = "(none)"
+    if unstaged:
+        # keras_stage measured that these short fits cannot repay their
+        # stage (models/decision/calls.py), and ran them at plain's cost.
+        none = (
+            f"(none: {unstaged} of the staged model's timed fits ran "
+            "unstaged, the whole model in Keras's step: their stage's "
+            "measured costs said it could not repay its set-up)"
+        )
+    log(_wrapped(verdict.get("message", none), indent="    "))
 
 
 def main(argv=None, log=print):
