@@ -240,6 +240,10 @@ class ReadyElements:
         Counts them as taken if so. The first call of each iterator is
         never ready (see the class docstring).
         """
+        if not self.stats.pipeline_counts:
+            # Nothing counts ready elements (op determinism): no count to
+            # read between steps.
+            return False
         if not self._follow(iterator) or self._left_behind is None:
             return False
         if self._ready < elements:
