@@ -97,7 +97,8 @@ KERAS_TUNER_INSTALL = (
 TIMED = (
     "One measurement is the whole sequence of calls of a regime (model "
     "building included for fresh_model and tuner_search), timed with "
-    "time.perf_counter; steps_seconds is the sum over every batch of those "
+    "time.perf_counter (cpu_seconds: the process's time.process_time over "
+    "the same window); steps_seconds is the sum over every batch of those "
     "calls (train, validation, evaluate and predict batches) of "
     "on_*_batch_begin to on_*_batch_end. One untimed pass of each regime "
     "per mode first (none for fresh_model and tuner_search). Modes in a "
@@ -974,13 +975,18 @@ def make_data(spec, sizes, parts=None):
 def measure(regime, mode, sizes):
     """One timed pass of `regime` in `mode`, then an untimed collection."""
     clock = StepClock()
+    cpu_started = time.process_time()
     started = time.perf_counter()
     regime.run(mode, clock, sizes)
     seconds = time.perf_counter() - started
+    cpu_seconds = time.process_time() - cpu_started
     started = time.perf_counter()
     gc.collect()
     return {
         "seconds": seconds,
+        # The process's CPU time (every thread: the steps, tf.data's
+        # threads, the stage's): less bent by other jobs than wall time.
+        "cpu_seconds": cpu_seconds,
         "steps_seconds": clock.seconds,
         "steps": clock.steps,
         "gc_seconds": time.perf_counter() - started,
@@ -1041,6 +1047,7 @@ def summarize_regime(
         name: {
             "seconds_median": _median(mode_records, "seconds"),
             "steps_seconds_median": _median(mode_records, "steps_seconds"),
+            "cpu_seconds_median": _median(mode_records, "cpu_seconds"),
             "steps": mode_records[0]["steps"],
             "rounds": mode_records,
         }
@@ -1050,6 +1057,7 @@ def summarize_regime(
         f"{name}/plain": {
             "seconds": _paired(records, name, "seconds"),
             "steps_seconds": _paired(records, name, "steps_seconds"),
+            "cpu_seconds": _paired(records, name, "cpu_seconds"),
         }
         for name in records
         if name != "plain"
@@ -1061,7 +1069,7 @@ def summarize_regime(
     if versus_expert:
         ratios["staged/expert"] = {
             key: _paired(records, "staged", key, "expert")
-            for key in ("seconds", "steps_seconds")
+            for key in ("seconds", "steps_seconds", "cpu_seconds")
         }
     control = ratios.get(f"{CONTROL}/plain", {}).get("seconds")
     out = {
@@ -1284,7 +1292,7 @@ def format_table(results):
 
             def ratio(name, key, ratios=ratios):
                 pair = ratios.get(f"{name}/plain")
-                return None if pair is None else pair[key]
+                return None if pair is None else pair.get(key)
 
             lines.append(
                 f"{regime:16}"
@@ -1306,6 +1314,16 @@ def format_table(results):
                 )
                 + f"  {_verdict(result['target'])}"
             )
+            cpu = ratio("staged", "cpu_seconds") if "staged" in modes else None
+            if cpu is not None:
+                lines.append(
+                    f"{'':16} CPU time: staged/plain {cpu:.3f}"
+                    + (
+                        f", {CONTROL}/plain {ratio(CONTROL, 'cpu_seconds'):.3f}"
+                        if control
+                        else ""
+                    )
+                )
             if "expert_target" in result:
                 pair = ratios["staged/expert"]
                 lines.append(

@@ -67,6 +67,10 @@ class StagingState:
         # Per phase: the stage its last call built over a user's dataset
         # and what it was built for (see `staged_data.stage_data(kept=...)`).
         self.stages = {}
+        # Per phase: the list the compiled step appends its host time per
+        # batch to while a call times its steps (see `decision.calls
+        # .note_steps`).
+        self.step_clocks = {}
         # Per phase: what a fit's trial of its epochs without the stage
         # found, when the stage paid (see `decision.epochs`).
         self.switch_verdicts = {}

@@ -21,6 +21,7 @@ import keras_stage
 from keras_stage.callbacks import PrefetchCallback
 from keras_stage.data.stats import NO_CLOCK_NOTE
 from keras_stage.layers import StagedInput
+from keras_stage.models.decision import calls
 from tests.helpers import tensorboard_scalars
 from tests.op_determinism import op_determinism
 
@@ -273,3 +274,50 @@ def test_an_unstaged_call_after_a_staged_one_runs_under_determinism():
         history = model.fit(X, Y, batch_size=BATCH, epochs=2, verbose=0)
         assert "stage_wait_ratio" not in history.history  # unstaged
         assert np.isfinite(history.history["loss"]).all()
+
+
+def test_calls_on_data_in_memory_are_decided_from_host_timed_steps(
+    determinism, caplog
+):
+    # Under op determinism the stage's pipeline times nothing (a clock or a
+    # counter in it would make tf.data run it one batch at a time), so the
+    # host times the steps: a first staged call, then one unstaged call
+    # times the whole model's step, and later calls weigh the two. Every
+    # call trains exactly as plain Keras does.
+    stage = dict(STAGE, adaptive=True, name="timed")
+
+    def build(model_class):
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input(shape=(), dtype="string", name="word")
+        x = StagedInput(**stage)(inputs)
+        ids = keras.layers.StringLookup(vocabulary=VOCABULARY)(x)
+        x = keras.layers.Embedding(len(VOCABULARY) + 1, 4)(ids)
+        return model_class(inputs, keras.layers.Dense(1, name="head")(x))
+
+    staged, plain = _twins(build, smart_stage=True)
+    costs = calls.costs(staged).phase("train")
+    caplog.set_level(logging.INFO, logger="keras_stage")
+    prefetch = _RecordingPrefetch()
+    for round_ in range(3):
+        for model in (staged, plain):
+            _seeded(
+                model.fit,
+                _data(WORDS, Y, shuffle=True),
+                epochs=2,
+                callbacks=[prefetch] if model is staged else [],
+            )
+        _assert_same_weights(staged, plain)
+        if round_ == 0:
+            # Staged (nothing measured yet), its steps timed on the host.
+            assert prefetch.phases == ["train"]
+            assert costs.batch_seconds is None
+            assert costs.staged_step_seconds > 0
+            assert costs.unstaged_step_seconds is None
+        elif round_ == 1:
+            # The trial: unstaged, its whole-model steps timed.
+            assert prefetch.phases == ["train"]
+            assert "under op determinism" in caplog.text
+            assert costs.unstaged_step_seconds > 0
+    # Decided from the two: measured, and no second trial.
+    assert costs.measured() and not costs.trial_due()
+    assert caplog.text.count("under op determinism the stage's") == 1

@@ -43,11 +43,24 @@ def guard(model, phase, function):
     """Wraps a compiled Keras step with the stage runner of `phase`.
 
     An epoch of an `EpochSwitch` (models/decision/epochs.py) is timed step by
-    step, and an unstaged one runs the whole model's step instead.
+    step, and an unstaged one runs the whole model's step instead; a call
+    whose steps the host times (`StagingState.step_clocks`) is too.
     """
     unrecorded = UnrecordedStep(model, phase)
 
     def guarded(iterator):
+        clock = _state(model).step_clocks.get(phase)
+        if clock is None:
+            return switched(iterator)
+        # Timed on the host for `decision.calls` (op determinism).
+        started = time.perf_counter()
+        outputs = switched(iterator)
+        clock.append(
+            (time.perf_counter() - started) / model.steps_per_execution
+        )
+        return outputs
+
+    def switched(iterator):
         if getattr(iterator, "unstaged", None) is None:
             return staged(iterator)
         real = iterator.resolve()

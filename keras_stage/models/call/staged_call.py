@@ -160,6 +160,7 @@ class StagedCall:
                 state.runners.get(phase),
                 state.recording.get(phase),
                 state.placements.get(phase),
+                state.step_clocks.get(phase),
             )
         self._fed[phase] = data
         self.prefetch.attach(
@@ -174,6 +175,10 @@ class StagedCall:
         if phase == "predict":
             return
         state.runners[phase] = data.staged.runner
+        if data.step_clock is not None:
+            state.step_clocks[phase] = data.step_clock
+        else:
+            state.step_clocks.pop(phase, None)
         if data.in_step:
             state.recording[phase] = data.staged.stats
         else:
@@ -252,9 +257,15 @@ class StagedCall:
         The whole model runs in Keras's step (see `decision/calls.py`); the
         call's `PrefetchCallback` reports nothing and is closed.
         """
+        clocks = {
+            phase: []
+            for phase in calls.timed_unstaged_phases(self.model, self.phases)
+        }
         try:
-            with _unstaged_steps(self.model, self.phases):
-                return keras_call()
+            with _unstaged_steps(self.model, self.phases, clocks):
+                result = keras_call()
+            calls.note_unstaged_steps(self.model, clocks)
+            return result
         finally:
             self.prefetch.close()
 
@@ -270,10 +281,12 @@ class StagedCall:
         """Ends the call's stages and gives an outer call its bindings back."""
         state = self._state
         try:
-            for phase, (runner, recording, placement) in self._outer.items():
+            for phase, outer_bindings in self._outer.items():
+                runner, recording, placement, clock = outer_bindings
                 for bindings, outer in (
                     (state.runners, runner),
                     (state.recording, recording),
+                    (state.step_clocks, clock),
                 ):
                     if outer is None:
                         bindings.pop(phase, None)
@@ -363,29 +376,37 @@ def _staged_steps(model, phases, splits):
 
 
 @contextlib.contextmanager
-def _unstaged_steps(model, phases):
+def _unstaged_steps(model, phases, clocks=None):
     """Runs a call that skips its stage, with steps traced for that alone.
 
     They run the whole model and record nothing: a stage-only call (no
     split) records its fetches in Keras's own compiled step, which an
-    unstaged call must not run. Puts the outer call's steps, runner and
-    recording back afterwards (an evaluate from a callback of a fit).
+    unstaged call must not run. Puts the outer call's steps, runner,
+    recording and step clocks back afterwards (an evaluate from a callback
+    of a fit). `clocks`: per phase, a list its steps' host times go to.
     """
     state = model_state(model)
     saved = {}
+    clocks = clocks or {}
     with contextlib.ExitStack() as stack:
         for phase in phases:
             attr = FUNCTIONS[phase]
             saved[phase] = (getattr(model, attr, None), state.active.get(phase))
             stack.enter_context(
-                set_aside(phase, state.runners, state.recording)
+                set_aside(
+                    phase, state.runners, state.recording, state.step_clocks
+                )
             )
+            if phase in clocks:
+                state.step_clocks[phase] = clocks[phase]
             unstaged = state.staged_functions.get((phase, UNSTAGED_STEPS))
             setattr(model, attr, unstaged)
             state.active[phase] = None
         try:
             yield
         finally:
+            for phase in clocks:
+                state.step_clocks.pop(phase, None)
             for phase in phases:
                 attr = FUNCTIONS[phase]
                 state.staged_functions[(phase, UNSTAGED_STEPS)] = getattr(

@@ -184,6 +184,10 @@ class StagedData:
         # the phase they are noted for, and the work counters at the start.
         self.cost_phase = None
         self.work_before = None
+        # The host times of the step's calls (seconds per batch), kept
+        # where the pipeline cannot time the staged work (see
+        # `CallCosts.note_steps`), or None.
+        self.step_clock = None
 
     @property
     def source(self):

@@ -22,6 +22,7 @@ model that has not paid them yet.
 
 import collections
 import logging
+import statistics
 import time
 
 import keras
@@ -39,6 +40,12 @@ from keras_stage.models.model_state import state as model_state
 from keras_stage.planner.state_access import all_layers, seed_states
 
 logger = logging.getLogger("keras_stage")
+
+# The fewest warm steps (after a call's first) whose median is noted.
+MIN_TIMED_STEPS = 4
+# The phases whose compiled steps the host can time (`tensorflow_steps.guard`
+# wraps them; predict's batches are read in Python).
+TIMED_PHASES = ("train", "test")
 
 
 def may_skip_stage(layer):
@@ -126,17 +133,52 @@ class PhaseCosts:
         # Seconds a model's first staged call of the phase spends tracing
         # its staged prefix (0 without a SmartStage split).
         self.trace_seconds = 0.0
+        # The median warm step of the phase's last staged and unstaged
+        # calls, timed on the host, per batch: what a stage saves a step
+        # when its pipeline cannot time its work (op determinism).
+        self.staged_step_seconds = None
+        self.unstaged_step_seconds = None
+
+    def batch_saving(self):
+        """What staging saves per batch at most, in seconds, or None.
+
+        The staged work per batch, or, where the pipeline could not time
+        it, what the host measured: the whole model's step less the staged
+        step (which includes its waits for the stage).
+        """
+        if self.batch_seconds is not None:
+            return self.batch_seconds
+        if self.staged_step_seconds is None:
+            return None
+        if self.unstaged_step_seconds is None:
+            return None
+        return max(self.unstaged_step_seconds - self.staged_step_seconds, 0.0)
 
     def measured(self):
         return (
             self.build_seconds is not None
             and self.iterator_seconds is not None
-            and self.batch_seconds is not None
+            and self.batch_saving() is not None
+        )
+
+    def trial_due(self):
+        """Whether the next call should run unstaged to time its steps.
+
+        Only where the staged work was not timed in the pipeline and a
+        staged call's steps were timed on the host: one unstaged call of
+        the phase then gives the other side of the comparison.
+        """
+        return (
+            self.build_seconds is not None
+            and self.iterator_seconds is not None
+            and self.batch_seconds is None
+            and self.staged_step_seconds is not None
+            and self.unstaged_step_seconds is None
         )
 
     def saving(self, batches):
         """The most staging `batches` batches can save, in seconds."""
-        return max(batches - 1, 0) * self.batch_seconds
+        return max(batches - 1, 0) * self.batch_saving()
 
     def cost(self, iterators):
         """What a call making `iterators` iterators pays for its stage."""
@@ -181,6 +223,23 @@ class CallCosts:
         elif produced > 0 and busy_seconds > 0:
             costs.batch_seconds = busy_seconds / produced
 
+    def note_steps(self, phase, seconds, staged):
+        """Notes the host-timed steps of a call, seconds per batch each.
+
+        `staged`: whether the call ran its stage. The first step (which
+        makes the iterator and may trace) is left out; too few to tell
+        note nothing.
+        """
+        warm = list(seconds)[1:]
+        if len(warm) < MIN_TIMED_STEPS:
+            return
+        median = statistics.median(warm)
+        costs = self.phase(phase)
+        if staged:
+            costs.staged_step_seconds = median
+        else:
+            costs.unstaged_step_seconds = median
+
     def stages(self, phase, batches, iterators, plans=False, traces=False):
         """Whether a call of `batches` batches in all should be staged.
 
@@ -208,6 +267,12 @@ class CallCosts:
             return False, "a call of one batch has nothing to overlap"
         costs = self.phase(phase)
         if not costs.measured():
+            if costs.trial_due():
+                return False, (
+                    "under op determinism the stage's pipeline cannot time "
+                    "its work, so this call times the whole model's steps "
+                    "once, to weigh them against the staged steps"
+                )
             return True, "nothing is measured on a model with this stage yet"
         set_up = costs.cost(iterators)
         if plans:
@@ -363,8 +428,17 @@ def staged_data(model, phase, *args, **kwargs):
 
     data.on_iterator = made
     data.cost_phase = phase
-    snapshot = data.staged.stats.snapshot()
+    stats = data.staged.stats
+    snapshot = stats.snapshot()
     data.work_before = (snapshot["busy_seconds"], snapshot["produced"])
+    if (
+        not stats.pipeline_counts
+        and split is not None
+        and phase in TIMED_PHASES
+    ):
+        # Op determinism: the pipeline times nothing, the host times the
+        # steps (`note_steps`).
+        data.step_clock = []
     return data
 
 
@@ -374,12 +448,37 @@ def note_work(model, data):
         return
     snapshot = data.staged.stats.snapshot()
     busy, produced = data.work_before
-    costs(model).note_work(
+    measured = costs(model)
+    measured.note_work(
         data.cost_phase,
         snapshot["busy_seconds"] - busy,
         snapshot["produced"] - produced,
         has_work=data.split is not None,
     )
+    if data.step_clock is not None:
+        measured.note_steps(data.cost_phase, data.step_clock, staged=True)
+
+
+def timed_unstaged_phases(model, phases):
+    """The phases of an unstaged call whose steps the host should time.
+
+    Those of `TIMED_PHASES` whose staged calls timed their steps and
+    whose unstaged step is not known yet (see `PhaseCosts.trial_due`).
+    """
+    state = model_state(model)
+    if state.costs is None:
+        return ()
+    return tuple(
+        phase
+        for phase in phases
+        if phase in TIMED_PHASES and state.costs.phase(phase).trial_due()
+    )
+
+
+def note_unstaged_steps(model, clocks):
+    """Notes the host-timed steps of an unstaged call, per phase."""
+    for phase, seconds in clocks.items():
+        costs(model).note_steps(phase, seconds, staged=False)
 
 
 def _iterators(model, layer, phase, batches, epochs, steps, long_lived):

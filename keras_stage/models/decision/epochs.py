@@ -9,7 +9,8 @@ the step's figures tell which, so a fit that may gain measures it:
 
 1. its first epochs run staged; once one has been measured warm (after
    the adaptive pool's first resize, if it has one) and its step waited
-   for input at most `TRIAL_WAIT_RATIO` of the time,
+   for input at most `TRIAL_WAIT_RATIO` of the time (or, under op
+   determinism, where the step's wait is not measured, whatever it was),
 2. the next epoch runs the whole model in Keras's step (the trial), if
    tracing that step (once per model) costs at most `TRACE_SHARE` of the
    epochs left after it,
@@ -202,10 +203,12 @@ class EpochSwitch:
             return STAGED
         last = staged[-1]
         left = self.epochs - len(self._clocks)
-        ratio = last.wait_ratio if last.timed else None
+        # Under op determinism the wait is not measured (None): the trial
+        # then tells alone whether the stage pays.
+        ratio = last.wait_ratio
         if (
-            ratio is None
-            or ratio > TRIAL_WAIT_RATIO
+            not last.timed
+            or (ratio is not None and ratio > TRIAL_WAIT_RATIO)
             or left < 2
             or self._trace_outweighs(staged, last, left - 1)
         ):

@@ -54,6 +54,43 @@ def test_unmeasured_or_unbounded_calls_are_staged():
     assert costs.stages("train", 100, 1)
 
 
+def test_untimed_staged_work_is_weighed_from_host_timed_steps():
+    # Op determinism: the pipeline times nothing, the host times the steps.
+    costs = CallCosts()
+    costs.note_build("train", 0.05)
+    costs.note_iterator("train", 0.02)
+    costs.note_work("train", float("nan"), 10, has_work=True)
+    assert not costs.phase("train").trial_due()  # no staged step timed yet
+    # The first step (iterator, trace) is left out; too few say nothing.
+    costs.note_steps("train", [1.0, 0.004, 0.004, 0.004], staged=True)
+    assert costs.phase("train").staged_step_seconds is None
+    costs.note_steps("train", [1.0] + [0.004] * 5, staged=True)
+    assert costs.phase("train").staged_step_seconds == 0.004
+    # A staged call timed: the next one runs unstaged, once, to time the
+    # whole model's step.
+    assert costs.phase("train").trial_due()
+    assert not costs.stages("train", 100, 1)
+    assert "op determinism" in costs.describe("train", 100, 1)
+    assert costs.stages("test", 100, 1)  # other phases: nothing measured
+    # 1 ms saved a batch against 70 ms of set-up, as for timed work.
+    costs.note_steps("train", [2.0] + [0.005] * 5, staged=False)
+    assert not costs.phase("train").trial_due()
+    assert costs.phase("train").batch_saving() == pytest.approx(0.001)
+    assert not costs.stages("train", 71, 1)
+    assert costs.stages("train", 72, 1)
+    # A whole model's step faster than the staged one: nothing to save.
+    costs.note_steps("train", [2.0] + [0.003] * 5, staged=False)
+    assert costs.phase("train").batch_saving() == 0.0
+    assert not costs.stages("train", 10_000, 1)
+
+
+def test_timed_work_wins_over_host_timed_steps():
+    costs = _measured(batch=0.002)
+    costs.note_steps("train", [1.0] + [0.004] * 5, staged=True)
+    assert not costs.phase("train").trial_due()
+    assert costs.phase("train").batch_saving() == 0.002
+
+
 def test_a_call_is_staged_only_when_its_work_can_repay_the_set_up():
     costs = _measured(build=0.05, iterator=0.02, batch=0.001)
     # 70 ms of set-up: 71 batches of 1 ms can save 70 ms, 72 can save 71.

@@ -209,7 +209,7 @@ def test_steps_per_execution_and_an_unstaged_evaluate_after(unstaged_wins):
     )
 
 
-def test_under_op_determinism_no_trial_and_the_same_weights(unstaged_wins):
+def test_under_op_determinism_the_trial_decides_alone(unstaged_wins):
     from tests.op_determinism import op_determinism
 
     plain, staged = _models()
@@ -218,9 +218,24 @@ def test_under_op_determinism_no_trial_and_the_same_weights(unstaged_wins):
         history = _fit(
             staged, callbacks=[keras_stage.callbacks.PrefetchCallback()]
         )
-    # The stage's wait is not measured: whether the step waits for input
-    # is unknown, and no epoch is tried without the stage.
-    assert history.history["stage_unstaged"] == [0] * 6
+    # The stage's wait is not measured (no clock in the step): the trial's
+    # host-timed steps decide alone, with the same weights as plain.
+    assert history.history["stage_unstaged"] == [0, 0, 1, 1, 1, 1]
+    _assert_same(plain, staged, expected, history)
+
+
+def test_under_op_determinism_a_stage_that_pays_keeps_its_epochs(
+    monkeypatch,
+):
+    from tests.op_determinism import op_determinism
+
+    monkeypatch.setattr(epoch_switch, "TRACE_SHARE", float("inf"))
+    monkeypatch.setattr(epoch_switch, "MARGIN", 1.0)  # the stage wins
+    plain, staged = _models()
+    with op_determinism():
+        expected = _fit(plain)
+        history = _fit(staged)
+    assert history.history["stage_unstaged"] == [0, 0, 1, 0, 0, 0]
     _assert_same(plain, staged, expected, history)
 
 
