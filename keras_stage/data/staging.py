@@ -105,6 +105,18 @@ def _is_host(device):
     )
 
 
+def graph_ready(fn):
+    """Whether `fn` needs no AutoGraph conversion by the stage's map.
+
+    A `tf.function` applies its own; keras_stage marks its own Python
+    wrappers of one (`keras_stage_graph_ready`). A user's plain Python
+    function is converted, as `tf.data.Dataset.map` converts it.
+    """
+    return isinstance(fn, tf.types.experimental.PolymorphicFunction) or getattr(
+        fn, "keras_stage_graph_ready", False
+    )
+
+
 def on_host(fn):
     """`fn` with its ops pinned to the host CPU.
 
@@ -203,6 +215,14 @@ def _build_pipeline(
         with tf.control_dependencies(tf.nest.flatten(out, True)):
             stats.count_produced(started, gate, ready=not count_after)
         return out
+
+    if fn is None or graph_ready(fn):
+        # tf.data's map converts its function with AutoGraph, and with it
+        # every function it calls: the stats' methods hold no control flow
+        # on tensors, and converting them would cost each pipeline build
+        # more than tracing the staged layers. A user's `fn` is converted
+        # with them, as `Dataset.map` would convert it alone.
+        produce = tf.autograph.experimental.do_not_convert(produce)
 
     if options.service is not None:
         # The workers run the source and `fn`; this process counts what

@@ -87,6 +87,8 @@ def guard(model, phase, function):
             # A call of one step reports its one fetch, which the call's
             # start bounds (see `StageStats.take_report`).
             called = time.time() if model.steps_per_execution == 1 else None
+            first = not unrecorded.first_call_noted
+            started = time.perf_counter()
             try:
                 outputs, report = reported(
                     runner.call(
@@ -97,6 +99,8 @@ def guard(model, phase, function):
                         ready_fn=unrecorded.get(),
                     )
                 )
+                if first:
+                    unrecorded.note_first_call(time.perf_counter() - started)
                 if report is not None:
                     values = report.numpy().tolist()
                     unrecorded.reported(values)
@@ -216,10 +220,16 @@ def resumed_epoch_ended(state, phase, iterator, batches):
 
 
 # Calls of a guarded step that report their fetch before it makes the
-# step's unrecorded twin: a second trace costs as much as the first and
-# saves each step only the recording's small share, so it pays for itself
-# only over many steps.
+# step's unrecorded twin, at the least: a second trace costs as much as the
+# first and saves each step only the recording's small share, so it pays
+# for itself only over many steps.
 UNRECORDED_AFTER = 100
+# What the recording adds to a step, in seconds: an estimate of the two
+# eager ops the twin saves (docs/benchmarks.md measures the recording). The
+# twin is made once the steps recorded would have paid its trace at this
+# rate (rent or buy: the recording a short call pays is at most about what
+# the trace it avoids would cost, and at most twice that over a long one).
+RECORDING_SECONDS = 50e-6
 
 
 class UnrecordedStep:
@@ -242,6 +252,21 @@ class UnrecordedStep:
         self._phase = phase
         self._reports = 0  # full reports (see `StageStats.report`) seen
         self._function = None
+        # The recorded calls after which the twin is made (see
+        # `note_first_call`).
+        self._after = UNRECORDED_AFTER
+        self.first_call_noted = False
+
+    def note_first_call(self, seconds):
+        """Notes how long the recorded step's first call took.
+
+        That call traced the step (and made its iterator, and waited for
+        the first batch): the twin's trace costs about as much, so it is
+        made only after as many recorded calls as would cost that much
+        (`RECORDING_SECONDS`).
+        """
+        self.first_call_noted = True
+        self._after = max(UNRECORDED_AFTER, int(seconds / RECORDING_SECONDS))
 
     def reported(self, values):
         """Notes a report the recorded step returned."""
@@ -253,7 +278,7 @@ class UnrecordedStep:
         model = self._model()
         if (
             model is None
-            or self._reports < UNRECORDED_AFTER
+            or self._reports < self._after
             or model.steps_per_execution != 1
             or self._phase not in _state(model).recording
         ):

@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_stage import _compat
+from keras_stage.data.staging import graph_ready
 
 # Keras's batch size when fit/evaluate/predict get arrays and none is given.
 _KERAS_DEFAULT_BATCH_SIZE = 32
@@ -122,6 +123,9 @@ class ArrayBatches:
                 (ordinal, batch if isinstance(batch, tuple) else (batch,))
             )
 
+        # The gather holds no control flow: a stage needs to convert this
+        # only to convert `fn` (see `staging.graph_ready`).
+        gathered.keras_stage_graph_ready = graph_ready(fn)
         return gathered
 
 

@@ -39,6 +39,8 @@ def twin_calls(monkeypatch):
     Returns `{phase: calls}` of the twins made.
     """
     monkeypatch.setattr(tensorflow_steps, "UNRECORDED_AFTER", 2)
+    # Whatever the first call's trace cost.
+    monkeypatch.setattr(tensorflow_steps, "RECORDING_SECONDS", float("inf"))
     calls = {}
     make = tensorflow_steps.make_unrecorded
 
@@ -103,6 +105,33 @@ def test_unrecorded_steps_train_like_keras_and_count_every_batch(twin_calls):
         stats = model_state(staged).step_stats[phase]
         assert stats.snapshot()["consumed"] == 2 * BATCHES, phase
     assert all(0.0 <= r <= 1.0 for r in staged_history["stage_wait_ratio"])
+
+
+@pytest.mark.timeout(120)
+def test_a_short_fit_does_not_trace_a_twin_it_cannot_repay(
+    twin_calls, monkeypatch
+):
+    # The twin saves each step the recording (RECORDING_SECONDS) and costs
+    # a trace, about what the step's first call took: it is made only after
+    # as many recorded steps as would cost that trace.
+    monkeypatch.setattr(tensorflow_steps, "RECORDING_SECONDS", 50e-6)
+    model = _model(staged=True, name="short")
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(
+        _dataset(),
+        validation_data=_dataset(),
+        epochs=2,
+        verbose=0,
+        shuffle=False,
+    )
+    assert twin_calls == {}
+    # The threshold follows the first call's time.
+    step = tensorflow_steps.UnrecordedStep(model, "train")
+    step.note_first_call(1.0)
+    assert step.first_call_noted
+    assert step._after == 20_000
+    step.note_first_call(0.0)
+    assert step._after == tensorflow_steps.UNRECORDED_AFTER
 
 
 @pytest.mark.timeout(60)
