@@ -71,6 +71,12 @@ class StagingState:
         # batch to while a call times its steps (see `decision.calls
         # .note_steps`).
         self.step_clocks = {}
+        # Per phase: how long the first call of its staged step took (it
+        # traced the step), about what tracing the whole model's step
+        # costs; and what calls kept staged so far to spare that trace
+        # cost beyond an unstaged run (see `decision.calls.stages`).
+        self.step_trace_seconds = {}
+        self.trace_rent = {}
         # Per phase: what a fit's trial of its epochs without the stage
         # found, when the stage paid (see `decision.epochs`).
         self.switch_verdicts = {}

@@ -100,7 +100,9 @@ def guard(model, phase, function):
                     )
                 )
                 if first:
-                    unrecorded.note_first_call(time.perf_counter() - started)
+                    seconds = time.perf_counter() - started
+                    unrecorded.note_first_call(seconds)
+                    state.step_trace_seconds[phase] = seconds
                 if report is not None:
                     values = report.numpy().tolist()
                     unrecorded.reported(values)

@@ -36,6 +36,7 @@ from keras_stage.models.data_adapters.staged_data import (
     epochs_refusal,
     stage_data,
 )
+from keras_stage.models.model_state import UNSTAGED_STEPS
 from keras_stage.models.model_state import state as model_state
 from keras_stage.planner.state_access import all_layers, seed_states
 
@@ -43,6 +44,9 @@ logger = logging.getLogger("keras_stage")
 
 # The fewest warm steps (after a call's first) whose median is noted.
 MIN_TIMED_STEPS = 4
+# Whether calls that would run unstaged stay staged while that spares the
+# whole model's trace (`_spares_trace`).
+SPARE_TRACES = True
 # The phases whose compiled steps the host can time (`tensorflow_steps.guard`
 # wraps them; predict's batches are read in Python).
 TIMED_PHASES = ("train", "test")
@@ -256,6 +260,19 @@ class CallCosts:
         """Why `stages` decided as it did, in a sentence."""
         return self._decide(phase, batches, iterators, plans, traces)[1]
 
+    def excess(self, phase, batches, iterators, plans=False, traces=False):
+        """What staging a call costs beyond what it saves, in seconds (>= 0).
+
+        Only for a measured phase (see `stages`).
+        """
+        costs = self.phase(phase)
+        set_up = costs.cost(iterators)
+        if plans:
+            set_up += self.plan_seconds
+        if traces:
+            set_up += costs.trace_seconds
+        return max(set_up - costs.saving(batches), 0.0)
+
     def _decide(self, phase, batches, iterators, plans, traces):
         if batches is None:
             return True, (
@@ -399,6 +416,8 @@ def stages(model, layer, phase, batches, iterators=1):
     first = _first_costs(model, phase)
     if measured.stages(phase, batches, iterators, *first):
         return True
+    if _spares_trace(model, phase, measured, batches, iterators, first):
+        return True
     logger.info(
         "Model '%s': %s runs the whole model in Keras's step, unstaged: %s.",
         model.name,
@@ -406,6 +425,46 @@ def stages(model, layer, phase, batches, iterators=1):
         measured.describe(phase, batches, iterators, *first),
     )
     return False
+
+
+def _spares_trace(model, phase, measured, batches, iterators, first):
+    """Whether a call that would run unstaged stays staged to spare a trace.
+
+    The first unstaged call of a phase traces the whole model's step,
+    about what the staged step's first call took (it traced the trunk's),
+    which can cost more than many calls' stages. Rent or buy: calls stay
+    staged while what staging them cost beyond their saving adds up to
+    less than that trace, then the next pays it; short calls in a loop
+    then pay at most about twice what the better of the two would have.
+    """
+    if not SPARE_TRACES or batches <= 1:
+        return False  # one batch is never staged
+    if not measured.phase(phase).measured():
+        return False  # a trial (op determinism) times the whole model
+    state = model_state(model)
+    if state.staged_functions.get((phase, UNSTAGED_STEPS)) is not None:
+        return False  # traced already
+    trace = state.step_trace_seconds.get(phase)
+    if trace is None:
+        return False
+    rent = state.trace_rent.get(phase, 0.0)
+    excess = measured.excess(phase, batches, iterators, *first)
+    if rent + excess >= trace:
+        return False
+    state.trace_rent[phase] = rent + excess
+    logger.info(
+        "Model '%s': %s stays staged: running the whole model in Keras's "
+        "step would first trace it (about %.0f ms, as the staged step's "
+        "first call took), more than staging this call costs beyond its "
+        "saving (%.1f ms, %.1f ms so far); it runs unstaged once staying "
+        "staged has cost as much.",
+        model.name,
+        phase,
+        1000 * trace,
+        1000 * excess,
+        1000 * (rent + excess),
+    )
+    return True
 
 
 def staged_data(model, phase, *args, **kwargs):
