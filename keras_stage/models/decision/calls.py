@@ -260,19 +260,6 @@ class CallCosts:
         """Why `stages` decided as it did, in a sentence."""
         return self._decide(phase, batches, iterators, plans, traces)[1]
 
-    def excess(self, phase, batches, iterators, plans=False, traces=False):
-        """What staging a call costs beyond what it saves, in seconds (>= 0).
-
-        Only for a measured phase (see `stages`).
-        """
-        costs = self.phase(phase)
-        set_up = costs.cost(iterators)
-        if plans:
-            set_up += self.plan_seconds
-        if traces:
-            set_up += costs.trace_seconds
-        return max(set_up - costs.saving(batches), 0.0)
-
     def _decide(self, phase, batches, iterators, plans, traces):
         if batches is None:
             return True, (
@@ -432,10 +419,11 @@ def _spares_trace(model, phase, measured, batches, iterators, first):
 
     The first unstaged call of a phase traces the whole model's step,
     about what the staged step's first call took (it traced the trunk's),
-    which can cost more than many calls' stages. Rent or buy: calls stay
-    staged while what staging them cost beyond their saving adds up to
-    less than that trace, then the next pays it; short calls in a loop
-    then pay at most about twice what the better of the two would have.
+    which can cost more than many short calls take in all. Rent or buy:
+    calls stay staged while the calls kept staged for it have taken less
+    time in all than that trace, then the next one runs unstaged and pays
+    it. A whole call's time bounds what staging it cost, so short calls in
+    a loop lose at most about that trace to the choice.
     """
     if not SPARE_TRACES or batches <= 1:
         return False  # one batch is never staged
@@ -448,23 +436,34 @@ def _spares_trace(model, phase, measured, batches, iterators, first):
     if trace is None:
         return False
     rent = state.trace_rent.get(phase, 0.0)
-    excess = measured.excess(phase, batches, iterators, *first)
-    if rent + excess >= trace:
+    if rent >= trace:
         return False
-    state.trace_rent[phase] = rent + excess
+    # The call's time is added when it ends (`note_rent`).
+    state.renting[phase] = time.perf_counter()
     logger.info(
         "Model '%s': %s stays staged: running the whole model in Keras's "
         "step would first trace it (about %.0f ms, as the staged step's "
-        "first call took), more than staging this call costs beyond its "
-        "saving (%.1f ms, %.1f ms so far); it runs unstaged once staying "
-        "staged has cost as much.",
+        "first call took), longer than the %.0f ms the calls kept staged "
+        "for it took so far (%s); it runs unstaged once they have taken as "
+        "long.",
         model.name,
         phase,
         1000 * trace,
-        1000 * excess,
-        1000 * (rent + excess),
+        1000 * rent,
+        measured.describe(phase, batches, iterators, *first),
     )
     return True
+
+
+def note_rent(model):
+    """Adds the ending call's time to each phase it stayed staged for."""
+    state = model_state(model)
+    now = time.perf_counter()
+    for phase, started in state.renting.items():
+        state.trace_rent[phase] = state.trace_rent.get(phase, 0.0) + (
+            now - started
+        )
+    state.renting.clear()
 
 
 def staged_data(model, phase, *args, **kwargs):

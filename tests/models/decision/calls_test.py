@@ -84,15 +84,6 @@ def test_untimed_staged_work_is_weighed_from_host_timed_steps():
     assert not costs.stages("train", 10_000, 1)
 
 
-def test_excess_is_what_staging_costs_beyond_its_saving():
-    costs = _measured(build=0.05, iterator=0.02, batch=0.001)
-    # 70 ms of set-up against 10 ms saved on 11 batches.
-    assert costs.excess("train", 11, 1) == pytest.approx(0.06)
-    assert costs.excess("train", 1000, 1) == 0.0  # it pays
-    costs.note_plan(0.5)
-    assert costs.excess("train", 11, 1, plans=True) == pytest.approx(0.56)
-
-
 def test_timed_work_wins_over_host_timed_steps():
     costs = _measured(batch=0.002)
     costs.note_steps("train", [1.0] + [0.004] * 5, staged=True)
