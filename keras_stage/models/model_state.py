@@ -71,14 +71,6 @@ class StagingState:
         # batch to while a call times its steps (see `decision.calls
         # .note_steps`).
         self.step_clocks = {}
-        # Per phase: how long the first call of its staged step took (it
-        # traced the step), about what tracing the whole model's step
-        # costs; how long the calls kept staged so far to spare that trace
-        # took; and when the running call kept staged for it started (see
-        # `decision.calls.stages`).
-        self.step_trace_seconds = {}
-        self.trace_rent = {}
-        self.renting = {}
         # Per phase: what a fit's trial of its epochs without the stage
         # found, when the stage paid (see `decision.epochs`).
         self.switch_verdicts = {}

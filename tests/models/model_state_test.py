@@ -14,7 +14,6 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage.models.call.epoch_iterators import DeferredPipeline, resolve
-from keras_stage.models.decision import calls
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -87,16 +86,7 @@ def test_compile_drops_what_the_model_kept():
     assert model._stage_plan()[1] is not before
 
 
-@pytest.fixture
-def no_trace_spared(monkeypatch):
-    """Calls that cannot repay their stage run unstaged at once, whatever
-    tracing the whole model's step costs (see the rent-or-buy test)."""
-    monkeypatch.setattr(calls, "SPARE_TRACES", False)
-
-
-def test_calls_too_short_to_pay_run_unstaged_with_the_same_results(
-    caplog, no_trace_spared
-):
+def test_calls_too_short_to_pay_run_unstaged_with_the_same_results(caplog):
     plain = _model(staged=False)
     staged = _model(adaptive=True)
     staged.set_weights(plain.get_weights())
@@ -170,42 +160,7 @@ def test_deferred_pipeline_makes_an_iterator_only_when_read():
     assert pipeline.element_spec == tf.data.Dataset.range(3).element_spec
 
 
-def test_short_calls_stay_staged_while_that_spares_the_whole_models_trace(
-    caplog,
-):
-    # Rent or buy: the first unstaged call traces the whole model's step
-    # (about what the staged step's first call took); calls stay staged
-    # while what that costs them adds up to less.
-    plain = _model(staged=False)
-    staged = _model(adaptive=True)
-    staged.set_weights(plain.get_weights())
-    state = staged._keras_stage_state
-
-    def fit_both():
-        for model in (plain, staged):
-            history = model.fit(
-                WORDS, LABELS, batch_size=16, epochs=1, verbose=0
-            )
-        for a, b in zip(plain.get_weights(), staged.get_weights(), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-        return "stage_wait_ratio" in history.history
-
-    assert fit_both()  # nothing measured: staged
-    assert state.step_trace_seconds["train"] > 0  # its first call, timed
-    state.step_trace_seconds["train"] = 1e9  # a trace no call outweighs
-    with caplog.at_level(logging.INFO, logger="keras_stage"):
-        assert fit_both()
-    assert "train stays staged: running the whole model" in caplog.text
-    assert state.trace_rent["train"] > 0
-    state.step_trace_seconds["train"] = 0.0  # now the trace is worth it
-    assert not fit_both()
-    assert state.staged_functions[("train", "unstaged")] is not None
-    # Traced: later short calls run unstaged, nothing more to spare.
-    state.step_trace_seconds["train"] = 1e9
-    assert not fit_both()
-
-
-def test_an_unstaged_call_records_nothing_in_the_stage(no_trace_spared):
+def test_an_unstaged_call_records_nothing_in_the_stage():
     inputs = keras.Input(shape=(2,))
     x = keras_stage.layers.StagedInput()(inputs)
     model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))

@@ -100,9 +100,7 @@ def guard(model, phase, function):
                     )
                 )
                 if first:
-                    seconds = time.perf_counter() - started
-                    unrecorded.note_first_call(seconds)
-                    state.step_trace_seconds[phase] = seconds
+                    unrecorded.note_first_call(time.perf_counter() - started)
                 if report is not None:
                     values = report.numpy().tolist()
                     unrecorded.reported(values)

@@ -306,7 +306,6 @@ class StagedCall:
                     if data.owned:
                         calls.note_work(self.model, data)
                     data.end_call()
-                calls.note_rent(self.model)
             finally:
                 self.prefetch.close()
 

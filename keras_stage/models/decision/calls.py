@@ -36,7 +36,6 @@ from keras_stage.models.data_adapters.staged_data import (
     epochs_refusal,
     stage_data,
 )
-from keras_stage.models.model_state import UNSTAGED_STEPS
 from keras_stage.models.model_state import state as model_state
 from keras_stage.planner.state_access import all_layers, seed_states
 
@@ -44,9 +43,6 @@ logger = logging.getLogger("keras_stage")
 
 # The fewest warm steps (after a call's first) whose median is noted.
 MIN_TIMED_STEPS = 4
-# Whether calls that would run unstaged stay staged while that spares the
-# whole model's trace (`_spares_trace`).
-SPARE_TRACES = True
 # The phases whose compiled steps the host can time (`tensorflow_steps.guard`
 # wraps them; predict's batches are read in Python).
 TIMED_PHASES = ("train", "test")
@@ -403,8 +399,6 @@ def stages(model, layer, phase, batches, iterators=1):
     first = _first_costs(model, phase)
     if measured.stages(phase, batches, iterators, *first):
         return True
-    if _spares_trace(model, phase, measured, batches, iterators, first):
-        return True
     logger.info(
         "Model '%s': %s runs the whole model in Keras's step, unstaged: %s.",
         model.name,
@@ -412,58 +406,6 @@ def stages(model, layer, phase, batches, iterators=1):
         measured.describe(phase, batches, iterators, *first),
     )
     return False
-
-
-def _spares_trace(model, phase, measured, batches, iterators, first):
-    """Whether a call that would run unstaged stays staged to spare a trace.
-
-    The first unstaged call of a phase traces the whole model's step,
-    about what the staged step's first call took (it traced the trunk's),
-    which can cost more than many short calls take in all. Rent or buy:
-    calls stay staged while the calls kept staged for it have taken less
-    time in all than that trace, then the next one runs unstaged and pays
-    it. A whole call's time bounds what staging it cost, so short calls in
-    a loop lose at most about that trace to the choice.
-    """
-    if not SPARE_TRACES or batches <= 1:
-        return False  # one batch is never staged
-    if not measured.phase(phase).measured():
-        return False  # a trial (op determinism) times the whole model
-    state = model_state(model)
-    if state.staged_functions.get((phase, UNSTAGED_STEPS)) is not None:
-        return False  # traced already
-    trace = state.step_trace_seconds.get(phase)
-    if trace is None:
-        return False
-    rent = state.trace_rent.get(phase, 0.0)
-    if rent >= trace:
-        return False
-    # The call's time is added when it ends (`note_rent`).
-    state.renting[phase] = time.perf_counter()
-    logger.info(
-        "Model '%s': %s stays staged: running the whole model in Keras's "
-        "step would first trace it (about %.0f ms, as the staged step's "
-        "first call took), longer than the %.0f ms the calls kept staged "
-        "for it took so far (%s); it runs unstaged once they have taken as "
-        "long.",
-        model.name,
-        phase,
-        1000 * trace,
-        1000 * rent,
-        measured.describe(phase, batches, iterators, *first),
-    )
-    return True
-
-
-def note_rent(model):
-    """Adds the ending call's time to each phase it stayed staged for."""
-    state = model_state(model)
-    now = time.perf_counter()
-    for phase, started in state.renting.items():
-        state.trace_rent[phase] = state.trace_rent.get(phase, 0.0) + (
-            now - started
-        )
-    state.renting.clear()
 
 
 def staged_data(model, phase, *args, **kwargs):
