@@ -443,6 +443,20 @@ def print_callback_report(modes):
     for mode in modes:
         if mode.prefetch is None:
             continue
+        if "stage_wait_ratio" not in mode.history:
+            # Decided from measured costs (see docs/smart-stage.md, "Calls
+            # that skip their stage"): the fit ran the whole model.
+            print(f"  {mode.label}:")
+            print(
+                wrapped(
+                    "its last timed fit ran unstaged, the whole model in "
+                    "Keras's step (a call that times the whole model's "
+                    "steps once, or one the stage cannot repay), so it has "
+                    "no stage figures; StagedInput(adaptive=False) stages "
+                    "every fit."
+                )
+            )
+            continue
         ratio = mode.history["stage_wait_ratio"][-1]
         fill = mode.history["stage_buffer_fill"][-1]
         skipped = mode.history["stage_skipped"][-1]

@@ -100,12 +100,13 @@ def report(result, log=print):
     )
     none = "(none)"
     if unstaged:
-        # keras_stage measured that these short fits cannot repay their
-        # stage (models/decision/calls.py), and ran them at plain's cost.
+        # Decided from measured costs (models/decision/calls.py): a fit
+        # that times the whole model's steps once, or one whose stage
+        # cannot repay its set-up, runs at plain's cost.
         none = (
             f"(none: {unstaged} of the staged model's timed fits ran "
-            "unstaged, the whole model in Keras's step: their stage's "
-            "measured costs said it could not repay its set-up)"
+            "unstaged, the whole model in Keras's step, as decided from "
+            "measured costs)"
         )
     log(_wrapped(verdict.get("message", none), indent="    "))
 

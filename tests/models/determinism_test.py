@@ -316,8 +316,8 @@ def test_calls_on_data_in_memory_are_decided_from_host_timed_steps(
         elif round_ == 1:
             # The trial: unstaged, its whole-model steps timed.
             assert prefetch.phases == ["train"]
-            assert "under op determinism" in caplog.text
+            assert "times the whole model's steps once" in caplog.text
             assert costs.unstaged_step_seconds > 0
     # Decided from the two: measured, and no second trial.
     assert costs.measured() and not costs.trial_due()
-    assert caplog.text.count("under op determinism the stage's") == 1
+    assert caplog.text.count("times the whole model's steps once") == 1

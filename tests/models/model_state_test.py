@@ -189,7 +189,9 @@ def test_a_fresh_model_decides_from_what_models_like_it_measured(caplog):
     with caplog.at_level(logging.INFO, logger="keras_stage"):
         history = fresh.fit(WORDS, LABELS, batch_size=16, epochs=2, verbose=0)
     plain.fit(WORDS, LABELS, batch_size=16, epochs=2, verbose=0)
-    assert "measured on a model with this stage" in caplog.text
+    # (The first model's staged steps were timed, so this one times the
+    # whole model's steps, once for every model like it.)
+    assert "times the whole model's steps once" in caplog.text
     assert "stage_wait_ratio" not in history.history
     # ...so it ran unstaged: nothing planned, the same weights as plain.
     assert fresh._keras_stage_state.plan is None
@@ -197,6 +199,14 @@ def test_a_fresh_model_decides_from_what_models_like_it_measured(caplog):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     # The stage plan is there when asked for.
     assert fresh.get_stage_plan().staged_layers
+    # A third model decides from both kinds of steps timed.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="keras_stage"):
+        history = _model().fit(
+            WORDS, LABELS, batch_size=16, epochs=2, verbose=0
+        )
+    assert "measured on a model with this stage" in caplog.text
+    assert "stage_wait_ratio" not in history.history
 
 
 def test_a_model_with_another_stage_measures_its_own_costs():

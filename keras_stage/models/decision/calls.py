@@ -142,17 +142,27 @@ class PhaseCosts:
     def batch_saving(self):
         """What staging saves per batch at most, in seconds, or None.
 
-        The staged work per batch, or, where the pipeline could not time
-        it, what the host measured: the whole model's step less the staged
-        step (which includes its waits for the stage).
+        The staged work per batch bounds it; what the host measured once
+        both kinds of steps were timed bounds it too: the whole model's
+        step less the staged step (which includes its waits for the
+        stage). On cores the trunk keeps busy, the stage's threads take
+        them from the trunk, and that saving can be none at all.
         """
-        if self.batch_seconds is not None:
-            return self.batch_seconds
-        if self.staged_step_seconds is None:
-            return None
-        if self.unstaged_step_seconds is None:
-            return None
-        return max(self.unstaged_step_seconds - self.staged_step_seconds, 0.0)
+        steps = None
+        if (
+            self.staged_step_seconds is not None
+            and self.unstaged_step_seconds is not None
+        ):
+            steps = max(
+                self.unstaged_step_seconds - self.staged_step_seconds, 0.0
+            )
+        if self.batch_seconds is None:
+            return steps
+        return (
+            self.batch_seconds
+            if steps is None
+            else min(steps, self.batch_seconds)
+        )
 
     def measured(self):
         return (
@@ -164,14 +174,12 @@ class PhaseCosts:
     def trial_due(self):
         """Whether the next call should run unstaged to time its steps.
 
-        Only where the staged work was not timed in the pipeline and a
-        staged call's steps were timed on the host: one unstaged call of
-        the phase then gives the other side of the comparison.
+        Once a staged call's steps were timed on the host, one unstaged
+        call of the phase gives the other side of the comparison.
         """
         return (
             self.build_seconds is not None
             and self.iterator_seconds is not None
-            and self.batch_seconds is None
             and self.staged_step_seconds is not None
             and self.unstaged_step_seconds is None
         )
@@ -266,13 +274,13 @@ class CallCosts:
         if batches <= 1:
             return False, "a call of one batch has nothing to overlap"
         costs = self.phase(phase)
+        if costs.trial_due():
+            return False, (
+                "this call times the whole model's steps once, to weigh "
+                "them against the staged steps (what the stage saves a step "
+                "on this machine's cores)"
+            )
         if not costs.measured():
-            if costs.trial_due():
-                return False, (
-                    "under op determinism the stage's pipeline cannot time "
-                    "its work, so this call times the whole model's steps "
-                    "once, to weigh them against the staged steps"
-                )
             return True, "nothing is measured on a model with this stage yet"
         set_up = costs.cost(iterators)
         if plans:
@@ -428,16 +436,11 @@ def staged_data(model, phase, *args, **kwargs):
 
     data.on_iterator = made
     data.cost_phase = phase
-    stats = data.staged.stats
-    snapshot = stats.snapshot()
+    snapshot = data.staged.stats.snapshot()
     data.work_before = (snapshot["busy_seconds"], snapshot["produced"])
-    if (
-        not stats.pipeline_counts
-        and split is not None
-        and phase in TIMED_PHASES
-    ):
-        # Op determinism: the pipeline times nothing, the host times the
-        # steps (`note_steps`).
+    if split is not None and phase in TIMED_PHASES:
+        # The host times the steps (`note_steps`): what a staged step
+        # costs beside the whole model's.
         data.step_clock = []
     return data
 
