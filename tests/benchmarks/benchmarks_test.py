@@ -1345,3 +1345,24 @@ def test_importing_the_jax_benchmark_leaves_the_backend_alone():
 
     assert os.environ.get("KERAS_BACKEND") == before
     assert jax_backend.MODE_CLASSES
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+def test_first_calls_times_every_call_of_each_mode_in_its_own_process():
+    from benchmarks import first_calls
+
+    logged = []
+    results = first_calls.run(1, "tabular", log=logged.append)
+    assert len(logged) == len(first_calls.MODES)
+    for mode in first_calls.MODES:
+        (seconds,) = results["runs"][mode]
+        assert set(seconds) == {*first_calls.CALLS, "total"}
+        assert all(value > 0 for value in seconds.values())
+        assert seconds["total"] == pytest.approx(
+            sum(seconds[name] for name in first_calls.CALLS)
+        )
+    fit = results["summary"]["fit"]
+    assert fit["paired"]["staged/plain"] == pytest.approx(
+        results["runs"]["staged"][0]["fit"] / results["runs"]["plain"][0]["fit"]
+    )
