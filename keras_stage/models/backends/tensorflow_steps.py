@@ -50,9 +50,10 @@ def guard(model, phase, function):
 
     def guarded(iterator):
         clock = _state(model).step_clocks.get(phase)
-        if clock is None:
+        if clock is None or len(clock) >= TIMED_STEPS_KEPT:
             return switched(iterator)
-        # Timed on the host for `decision.calls` (op determinism).
+        # Timed on the host for `decision.calls`: what a staged step costs
+        # beside the whole model's.
         started = time.perf_counter()
         outputs = switched(iterator)
         clock.append(
@@ -219,6 +220,9 @@ def resumed_epoch_ended(state, phase, iterator, batches):
     return False
 
 
+# The step calls of one call the host times (see `guard`): their median is
+# what `decision.calls` keeps, and a long fit need not hold them all.
+TIMED_STEPS_KEPT = 1024
 # Calls of a guarded step that report their fetch before it makes the
 # step's unrecorded twin, at the least: a second trace costs as much as the
 # first and saves each step only the recording's small share, so it pays

@@ -184,8 +184,8 @@ class StagedData:
         # the phase they are noted for, and the work counters at the start.
         self.cost_phase = None
         self.work_before = None
-        # The host times of the step's calls (seconds per batch), kept
-        # where the pipeline cannot time the staged work (see
+        # The host times of the step's calls (seconds per batch) for a
+        # SmartStage call of the train or test phase (see
         # `CallCosts.note_steps`), or None.
         self.step_clock = None
 

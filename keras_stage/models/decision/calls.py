@@ -9,7 +9,13 @@ made), and costs its set-up: the pipeline it builds and each iterator it
 makes (instantiating the staged computation). This module notes what each
 staged call costs (`staged_data`, `note_work`), keeps it per phase
 (`CallCosts`), and answers before a call whether staging it can be faster
-(`stages`, `fit_stages`). A call is never skipped on a guess: only what was
+(`stages`, `fit_stages`). The staged work per batch only bounds the saving
+(on cores the trunk keeps busy, the stage's threads take them from it), so
+the host also times the steps of SmartStage calls: after a phase's first
+staged call, its next one runs unstaged once (the trial) and both kinds of
+steps are weighed (`PhaseCosts.batch_saving`). Under op determinism, where
+the pipeline cannot time the staged work, those steps alone decide.
+A call is never skipped on a guess: only what was
 measured counts, on this model or on one with the same stage
 (`stage_signature`: a fresh model per trial pays its stage once per
 process, not once per model), and what cannot be bounded (a dataset
@@ -133,9 +139,9 @@ class PhaseCosts:
         # Seconds a model's first staged call of the phase spends tracing
         # its staged prefix (0 without a SmartStage split).
         self.trace_seconds = 0.0
-        # The median warm step of the phase's last staged and unstaged
-        # calls, timed on the host, per batch: what a stage saves a step
-        # when its pipeline cannot time its work (op determinism).
+        # The median warm step of the phase's last staged call and of its
+        # unstaged trial, timed on the host, per batch: what the stage
+        # saved a step (`batch_saving`).
         self.staged_step_seconds = None
         self.unstaged_step_seconds = None
 

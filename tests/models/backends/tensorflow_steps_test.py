@@ -22,6 +22,7 @@ from keras_stage.data import StageTimeoutError
 from keras_stage.data import runner as runner_module
 from keras_stage.layers import StagedInput
 from keras_stage.models.backends import tensorflow_steps
+from keras_stage.models.decision import calls
 from keras_stage.models.model_state import state as model_state
 
 BATCHES = 24
@@ -223,3 +224,30 @@ def test_a_resumed_epoch_ends_when_its_restored_batches_are_read():
     tensorflow_steps.track_iterator(state, "train", other)
     assert not tensorflow_steps.resumed_epoch_ended(state, "train", other, 1)
     assert reopened == [True]
+
+
+@pytest.mark.timeout(120)
+def test_a_call_times_at_most_a_bounded_number_of_steps(monkeypatch):
+    # The host times a SmartStage call's steps for `decision.calls`, which
+    # keeps their median: a long fit holds no more than TIMED_STEPS_KEPT.
+    monkeypatch.setattr(tensorflow_steps, "TIMED_STEPS_KEPT", 5)
+    noted = []
+    note_steps = calls.CallCosts.note_steps
+
+    def recording(self, phase, seconds, staged):
+        noted.append((phase, len(seconds), staged))
+        return note_steps(self, phase, seconds, staged)
+
+    monkeypatch.setattr(calls.CallCosts, "note_steps", recording)
+    words = np.array(
+        [f"w{i % 5}" for i in range(BATCHES * BATCH_SIZE)], dtype=object
+    )
+    inputs = keras.Input(shape=(), dtype="string")
+    x = StagedInput(adaptive=False, name="timed")(inputs)
+    x = keras.layers.StringLookup(vocabulary=["w0", "w1", "w2"])(x)
+    x = keras.layers.Embedding(4, 2)(x)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    model.fit(words, Y, batch_size=BATCH_SIZE, epochs=2, verbose=0)
+    assert noted == [("train", 5, True)]
+    assert calls.costs(model).phase("train").staged_step_seconds > 0
