@@ -272,6 +272,25 @@ def dataset_functions(dataset):
         return None
 
 
+def dataset_seeded(dataset):
+    """Whether a drawing dataset (`shuffle`, `random`) has a fixed seed.
+
+    tf.data keeps the op seeds its `random_seed.get_seed` chose in
+    `_seed` and `_seed2`: both 0 when neither the dataset nor the global
+    seed was set, and each iterator then draws a random seed of its own
+    (its orders cannot be replayed by anyone). True when they cannot be
+    read (a fixed seed is the safe guess).
+    """
+    try:
+        seeds = (dataset._seed, dataset._seed2)
+    except AttributeError:
+        return True
+    try:
+        return any(int(seed) != 0 for seed in seeds)
+    except (TypeError, ValueError):
+        return True
+
+
 def service_server_port(server):
     """The port a tf.data service `DispatchServer` or `WorkerServer` took.
 

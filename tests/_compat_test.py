@@ -471,3 +471,20 @@ def test_backup_files_are_the_files_backup_and_restore_writes(tmp_path):
     )
     with open(metadata) as f:
         assert json.load(f) == {"epoch": 0, "batch": 0}  # saved at batch 0
+
+
+def test_dataset_seeded_tells_a_fixed_seed_from_none():
+    # tf.data keeps the op seeds `random_seed.get_seed` chose on a drawing
+    # dataset: both 0 when no seed was set, which the free passes across
+    # calls rely on (see `epoch_sources.SourceFacts.free_passes`).
+    tf.random.set_seed(None)  # the suite's own global seed
+    base = tf.data.Dataset.range(8)
+    assert not _compat.dataset_seeded(base.shuffle(8)), UPDATE.format(
+        "dataset_seeded"
+    )
+    assert _compat.dataset_seeded(base.shuffle(8, seed=3))
+    assert _compat.dataset_seeded(tf.data.Dataset.random(seed=1))
+    assert not _compat.dataset_seeded(tf.data.Dataset.random())
+    tf.random.set_seed(5)
+    assert _compat.dataset_seeded(base.shuffle(8))  # the global seed
+    assert _compat.dataset_seeded(object())  # cannot tell: seeded

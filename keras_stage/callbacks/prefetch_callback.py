@@ -81,6 +81,7 @@ class _Binding:
         long_lived=False,
         switch=None,
         pool_shrinks=True,
+        carried=False,
     ):
         self.phase = phase
         self.staged = staged
@@ -93,6 +94,9 @@ class _Binding:
         # Whether the stage runs the call's epochs on one iterator: what
         # it holds when a later epoch begins is that epoch's.
         self.long_lived = long_lived
+        # Whether it reads on from the iterator an earlier call left: what
+        # it holds when the first epoch begins is that epoch's too.
+        self.carried = carried
         self.epochs_begun = 0
         self.in_epoch = False
         # Skips counted before this epoch: the stage's counter is cumulative.
@@ -110,9 +114,9 @@ class _Binding:
                 after_unstaged = (
                     self.switch is not None and self.switch.last_unstaged
                 )
+                held = self.long_lived and (self.epochs_begun or self.carried)
                 self.staged.stats.mark_request(
-                    orphan=not (self.long_lived and self.epochs_begun)
-                    or after_unstaged
+                    orphan=not held or after_unstaged
                 )
             self.epochs_begun += 1
             self.skipped_before = self.staged.stats.snapshot()["skipped"]
@@ -256,6 +260,7 @@ class PrefetchCallback(keras.callbacks.Callback):
         long_lived=False,
         switch=None,
         pool_shrinks=True,
+        carried=False,
     ):
         """Registers the stage feeding `phase` ("train", "test", "predict").
 
@@ -263,11 +268,12 @@ class PrefetchCallback(keras.callbacks.Callback):
         iterator. `switch`: the fit's `EpochSwitch`, if its epochs may run
         without the stage. `pool_shrinks`: whether the verdict may shrink
         an adaptive pool after an epoch, or only grow it (see
-        `keras_stage.data.pool`). Called by `keras_stage.Model`; users do
-        not need it.
+        `keras_stage.data.pool`). `carried`: whether that iterator was
+        left by an earlier call, its buffer filled for this call's first
+        epoch. Called by `keras_stage.Model`; users do not need it.
         """
         self._bindings[phase] = _Binding(
-            phase, staged, adapter, long_lived, switch, pool_shrinks
+            phase, staged, adapter, long_lived, switch, pool_shrinks, carried
         )
 
     def close(self, timeout=5.0):

@@ -111,6 +111,8 @@ class StagingMixin:
         state.smart_stage = smart_stage
         state.plan = state.split = None
         state.staged_functions.clear()
+        for entry in state.stages.values():
+            entry.retire()  # its iterator, if it outlived its call
         state.stages.clear()
         state.switch_verdicts.clear()
         state.announced = False
@@ -474,7 +476,11 @@ class StagingMixin:
         # Made first: its callbacks are checked whichever way the call runs.
         call = StagedCall(self, layer, ("test",), callbacks, verbose=verbose)
         if backend.graph_steps() and not calls.stages(
-            self, layer, "test", calls.call_batches(x, batch_size, steps)
+            self,
+            layer,
+            "test",
+            calls.call_batches(x, batch_size, steps),
+            iterators=calls.iterators_made(self, "test", x),
         ):
             return call.run_unstaged(unstaged)
         call.split = self._stage_split()
@@ -487,6 +493,10 @@ class StagingMixin:
                 sample_weight,
                 batch_size=batch_size,
                 steps=steps,
+                # One epoch; on a kept stage its iterator may run on into
+                # the next evaluate (see `epoch_iterators`).
+                epochs=1,
+                steps_per_execution=self.steps_per_execution,
             )
             return call.run(
                 super().evaluate,

@@ -919,11 +919,16 @@ def test_keras_steps_count_every_fetch_in_the_step_not_in_the_pipeline():
     assert b"in_step_train_fetch" not in lean_graph
     assert b"in_step_train_fetch" not in train._as_serialized_graph().numpy()
     assert train.pipeline is train.lean_pipeline
-    # Every batch of both epochs, counted exactly once, in the step.
+    # Every batch of both epochs, counted exactly once, in the step. Its
+    # dataset draws nothing, so the stage's iterator runs on into the next
+    # call on it (see epoch_iterators.py, "Across calls"): what it made
+    # past the call waits in its buffer, for that call.
     snap = train.stats.snapshot()
-    assert snap["consumed"] == snap["produced"] == 2 * NUM_BATCHES
+    assert snap["consumed"] == 2 * NUM_BATCHES
+    assert 0 <= snap["produced"] - snap["consumed"] <= NUM_BATCHES
     assert val.stats.snapshot()["consumed"] == 2 * NUM_BATCHES
-    # The stats outlive the call: the traced step records in them again.
+    # A new dataset object: a new stage. The stats outlive the call: the
+    # traced step records in them again.
     model.fit(_dataset(), epochs=1, verbose=0, shuffle=False, callbacks=[cb])
     assert cb.seen["train"].stats is train.stats
     assert train.stats.snapshot()["consumed"] == 3 * NUM_BATCHES

@@ -423,3 +423,125 @@ def test_a_fit_on_a_dataset_that_draws_nothing_makes_one_iterator():
     # epoch, made when Keras makes them (two an epoch: at its end and at
     # the next one's start).
     assert made == ["train"] * 6
+
+
+# -- one iterator across calls ------------------------------------------------
+
+
+def test_a_users_loop_on_one_dataset_makes_one_iterator_per_stage():
+    plain = _model(staged=False)
+    staged = _model(adaptive=False)
+    staged.set_weights(plain.get_weights())
+    for model in (plain, staged):
+        ds, val = _dataset(), _dataset(count=32)
+        logs = []
+        for _ in range(3):
+            history = model.fit(
+                ds, epochs=1, validation_data=val, shuffle=False, verbose=0
+            )
+            logs.append(history.history["val_loss"])
+            logs.append(model.evaluate(val, verbose=0))
+        model.logs = logs
+    for a, b in zip(plain.get_weights(), staged.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        np.hstack(plain.logs), np.hstack(staged.logs), rtol=1e-6
+    )
+    # Each stage ran on one iterator across the calls; the training one may
+    # have started again after an epoch its switch ran without it.
+    kept = staged._keras_stage_state.stages
+    assert kept["val"]._shared.iterators_made == 1
+    assert kept["test"]._shared.iterators_made == 1
+    assert kept["train"]._shared.iterators_made <= 2
+    assert all(entry.carries() for entry in kept.values())
+
+
+class _Shift(keras.layers.Layer):
+    """Adds a variable that training leaves alone: a stageable layer."""
+
+    def build(self, input_shape):
+        self.shift = self.add_weight(
+            shape=(), initializer="zeros", trainable=False
+        )
+
+    def call(self, x):
+        return x + self.shift
+
+
+def test_a_staged_variable_changed_between_calls_is_not_read_stale():
+    # The kept iterator filled its buffer with the next call's batches,
+    # computed with the variable's old value: that buffer must go.
+    xs = np.arange(48, dtype="float32").reshape(16, 3)
+    ds = tf.data.Dataset.from_tensor_slices((xs, np.zeros((16, 1)))).batch(4)
+    results = []
+    for staged in (False, True):
+        inputs = keras.Input(shape=(3,))
+        x = inputs
+        if staged:
+            x = keras_stage.layers.StagedInput(adaptive=False)(inputs)
+        x = _Shift(name="shift")(x)
+        outputs = keras.layers.Dense(1, kernel_initializer="ones")(x)
+        model = (keras_stage.Model if staged else keras.Model)(inputs, outputs)
+        if staged:
+            model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+            assert "shift" in model._stage_plan()[0].staged_layers
+        else:
+            model.compile(optimizer="sgd", loss="mse")
+        losses = [model.evaluate(ds, verbose=0)]
+        model.get_layer("shift").shift.assign(5.0)
+        losses.append(model.evaluate(ds, verbose=0))
+        losses.append(model.evaluate(ds, verbose=0))
+        results.append(losses)
+    assert results[0][0] != results[0][1]
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-6)
+
+
+_EXITS_SCRIPT = """
+import time
+import numpy as np, tensorflow as tf, keras, keras_stage
+
+def read(t):
+    time.sleep(0.02)  # a remote read: the GIL is released and taken again
+    return t
+
+class Slow(keras.layers.Layer):
+    def call(self, x):
+        y = tf.py_function(read, [x], tf.float32)
+        y.set_shape(x.shape)
+        return y
+
+inputs = keras.Input(shape=(2,))
+x = keras_stage.layers.StagedInput(adaptive=False, capacity=2)(inputs)
+model = keras_stage.Model(inputs, keras.layers.Dense(1)(Slow()(x)))
+model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+ds = tf.data.Dataset.from_tensor_slices(
+    (np.ones((64, 2), "float32"), np.ones((64, 1), "float32"))
+).batch(4)
+model.fit(ds, epochs=1, verbose=0)
+assert model._keras_stage_state.stages["train"].carries()
+if {drop}:
+    del model
+    import gc
+    gc.collect()
+print("ended")
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("drop", [False, True])
+def test_an_iterator_running_on_with_python_lets_the_process_exit(drop):
+    # The kept iterator's map calls Python (a py_function); torn down in
+    # the thread that drops it, or by the interpreter's exit, it could wait
+    # for that Python while holding the interpreter lock.
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _EXITS_SCRIPT.format(drop=drop)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ended" in done.stdout

@@ -40,6 +40,19 @@ an iterator per epoch (`stage_data` refuses them the long-lived mode).
 were read: on a thread of its own (`release`), as its teardown can block,
 and with the stage's gate closed first, so nothing it still finishes counts.
 
+Across calls
+------------
+
+A stage a model keeps for its later calls on the same dataset (see
+`staged_data.stage_data(kept=...)`) over a source whose passes are free
+(`SourceFacts.free_passes`: every pass reads what plain Keras's fresh
+iterator would) keeps its one real iterator too: its source repeats for as
+long as it is read (`epochs=None`), the call's end only detaches it
+(`detach`), and the next call's views read on from the next pass. Between
+the calls its buffer fills with the next call's first batches. A call that
+left an epoch early, or a change of the staged layers' variables in between
+(`StagedData.end_call` compares them), starts a new real iterator instead.
+
 The batches a long-lived stage holds when an epoch begins are that
 epoch's, not left behind by a dropped iterator: a consumer that marks each
 epoch's start in the stage's stats (`StageStats.mark_request`, which counts
@@ -163,6 +176,26 @@ def release(held):
     return thread
 
 
+# The long-lived iterators that outlived a call (see "Across calls").
+_running_on = weakref.WeakSet()
+
+
+def _release_box(box):
+    """Finalizer of a `LongLivedIterator` that ran on: `release(box)`."""
+    if box and box[0] is not None:
+        release(box)
+
+
+@atexit.register
+def _close_running_on():
+    # Registered after `_finish_releases`, so run before it (atexit runs
+    # last-registered first): the iterators that ran on past their calls
+    # are torn down on release threads, which that then waits for, while
+    # the interpreter can still run the Python a staged map calls.
+    for shared in list(_running_on):
+        shared.close()
+
+
 def resolve(iterator):
     """`iterator`, or the real iterator a deferred or epoch view stands for.
 
@@ -181,6 +214,8 @@ class LongLivedIterator:
         pipeline: The long-lived pipeline (`epochs` epochs of `batches`).
         batches: The batches of one epoch.
         epochs: The epochs it spans: Keras may read fewer, never more.
+            None: as many as Keras reads (a source of free passes, which
+            a new iterator can start at any epoch).
         made: `made(seconds)`, told how long each real iterator took.
         steps_per_execution: The batches each call of the compiled step
             reads (the model's `steps_per_execution`; it divides
@@ -205,17 +240,30 @@ class LongLivedIterator:
     ):
         self._pipeline = pipeline
         self.batches = int(batches)
-        self.epochs = int(epochs)
+        self.epochs = None if epochs is None else int(epochs)
         self.steps_per_execution = int(steps_per_execution)
-        self._made = made
+        self.made = made
         self._start = start
+        # Whether a new iterator can start at any epoch: every pass of a
+        # source of free passes (`epochs=None`) is a first one.
+        self.restartable = start is not None or epochs is None
         self._pool = pool
         self._name = name
-        self._iterator = None
+        # The real iterator, in a list a finalizer can hand to `release`.
+        self._box = [None]
         self._pool_size = None  # the pool size it was made on
         self._view = None  # the view Keras reads now
         self.read_batches = 0  # batches Keras took (or was skipped past)
         self.closed = False
+        self.iterators_made = 0
+
+    @property
+    def _iterator(self):
+        return self._box[0]
+
+    @_iterator.setter
+    def _iterator(self, iterator):
+        self._box[0] = iterator
 
     @property
     def epoch(self):
@@ -241,13 +289,13 @@ class LongLivedIterator:
         if left:
             # Keras left the last epoch early (plain Keras would drop that
             # iterator): the next starts where a fresh one would.
-            if self._start is not None:
+            if self.restartable:
                 self._iterator = None  # the next is made at the next epoch
             else:
                 for _ in range(left):
                     next(self._iterator)
             self.read_batches += left
-        if self.epoch >= self.epochs:
+        if self.epochs is not None and self.epoch >= self.epochs:
             raise RuntimeError(
                 f"Stage '{self._name}' was built for {self.epochs} epochs "
                 "on one iterator, and Keras began one more: the caller of "
@@ -256,7 +304,7 @@ class LongLivedIterator:
             )
         if (
             self._iterator is not None
-            and self._start is not None
+            and self.restartable
             and self._pool is not None
             and self._pool.size != self._pool_size
         ):
@@ -273,13 +321,13 @@ class LongLivedIterator:
         (`start`): the real iterator is dropped (nothing of it runs on),
         and the epoch after starts a new one past the skipped epoch.
         """
-        if self._start is None:
+        if not self.restartable:
             raise RuntimeError(
                 f"Stage '{self._name}': an epoch of a long-lived source that "
                 "cannot start at any epoch cannot be skipped."
             )
         self.read_batches += -self.read_batches % self.batches  # its end
-        if self.epoch >= self.epochs:
+        if self.epochs is not None and self.epoch >= self.epochs:
             raise RuntimeError(
                 f"Stage '{self._name}' was built for {self.epochs} epochs "
                 "on one iterator, and Keras began one more."
@@ -295,7 +343,35 @@ class LongLivedIterator:
         self._pool_size = None if self._pool is None else self._pool.size
         started = time.perf_counter()
         self._iterator = iter(self._pipeline)
-        self._made(time.perf_counter() - started)
+        self.iterators_made += 1
+        self.made(time.perf_counter() - started)
+
+    @property
+    def carries(self):
+        """Whether its iterator runs on into a next epoch, read from its start.
+
+        So what it holds belongs to the epoch a later call reads first.
+        """
+        return (
+            not self.closed
+            and self._iterator is not None
+            and self.read_batches % self.batches == 0
+        )
+
+    def detach(self):
+        """Ends a call without dropping the iterator (see "Across calls").
+
+        The next view read begins an epoch: the next pass, or a new
+        iterator if the call left its epoch early. From now on the real
+        iterator is never deleted in the thread that drops this object
+        (its teardown can wait on a thread running the staged Python, a
+        `tf.py_function`, that waits for the interpreter lock), and is
+        dropped before the interpreter exits (`_close_running_on`).
+        """
+        self._view = None
+        if self not in _running_on:
+            _running_on.add(self)
+            weakref.finalize(self, _release_box, self._box)
 
     def close(self):
         """Drops the real iterator; nothing of it runs any more.
@@ -308,6 +384,7 @@ class LongLivedIterator:
             The thread that drops it.
         """
         self.closed = True
+        _running_on.discard(self)
         held, self._iterator = [self._iterator], None
         self._view = None
         return release(held)

@@ -170,6 +170,7 @@ class StagedCall:
             long_lived=data.long_lived,
             switch=data.switch,
             pool_shrinks=backend.pool_shrinks(),
+            carried=data.carried,
         )
         bind_placement(self.model, phase, data.staged.placement)
         if phase == "predict":

@@ -95,6 +95,8 @@ class SourceFacts:
         kinds: The class names of the datasets it is built on.
         runs_functions: Whether any of them runs a traced function of its
             own (a map, a filter, an interleave).
+        seeded_draws: Whether a dataset that draws per iterator has a
+            fixed seed (its orders follow the iterators made before).
         refusal: Why it cannot run long-lived at all, or None.
     """
 
@@ -106,11 +108,28 @@ class SourceFacts:
         self.runs_functions = False
         self.kernel_seeded = False
         self.resource_seeded = False
+        self.seeded_draws = False
         self.refusal = None
 
     @property
     def iterator_draws(self):
         return self.resource_seeded or self.refusal is not None
+
+    @property
+    def free_passes(self):
+        """Whether any pass of one iterator stands for a fresh iterator's.
+
+        Every pass reads what plain Keras's fresh iterator reads (nothing
+        drawn), or an order nobody can replay (a `shuffle` with no seed,
+        neither its own nor the global one), whatever iterators were made
+        before: so one iterator can run on across calls and start again
+        at any pass (see `long_lived_source(epochs=None)`).
+        """
+        return (
+            self.refusal is None
+            and not self.kernel_seeded
+            and not self.seeded_draws
+        )
 
     def refuse(self, reason):
         if self.refusal is None:
@@ -146,6 +165,8 @@ def _inspect(dataset):
         facts.kinds.add(type(current).__name__)
         if _DRAWING_DATASETS.search(type(current).__name__):
             facts.resource_seeded = True
+            if _compat.dataset_seeded(current):
+                facts.seeded_draws = True
         if type(current).__name__ in _OPAQUE_DATASETS:
             facts.refuse("it is built on a dataset whose content is hidden")
             continue
@@ -221,7 +242,8 @@ def long_lived_source(dataset, epochs, replay=False, opens=0, start=None):
 
     Args:
         dataset: One epoch's source.
-        epochs: The passes.
+        epochs: The passes, or None for as many as are read (a source
+            whose passes are free, see `SourceFacts.free_passes`).
         replay: Whether every pass replays the first (a source whose
             kernels draw the same in every fresh iterator, see the module
             docstring); the first is kept in memory.
@@ -235,6 +257,8 @@ def long_lived_source(dataset, epochs, replay=False, opens=0, start=None):
     Returns:
         The long-lived dataset, with `dataset`'s options.
     """
+    if epochs is None:
+        return dataset.repeat().with_options(dataset.options())
     epoch = dataset.cache() if replay else dataset
     if opens:
         epoch = epoch.concatenate(_opened(epoch))

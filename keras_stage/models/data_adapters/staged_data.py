@@ -178,6 +178,10 @@ class StagedData:
         self.switch = None
         # Why `stage_data(epochs=...)` kept an iterator per epoch, or None.
         self.long_lived_refusal = None
+        # Whether the call reads on from the iterator an earlier call left
+        # (see `epoch_iterators`, "Across calls"): what the stage holds
+        # when the call begins is its first epoch's.
+        self.carried = False
         # Told the seconds each iterator of `pipeline` took to make.
         self.on_iterator = None
         # Set by a consumer that notes the stage's costs (see CallCosts):
@@ -237,6 +241,12 @@ class StagedData:
 
     def _epochs(self, pipeline):
         """The `EpochPipeline` of the call's one iterator of `pipeline`."""
+        spans = self.kept is not None and self.kept.spans_calls
+        if self._shared is None and spans:
+            # The iterator an earlier call on this kept stage left.
+            self._shared = self.kept.iterator(pipeline)
+            if self._shared is not None:
+                self._shared.made = self._made
         if self._shared is None:
             plan = self._long_lived
             self._shared = LongLivedIterator(
@@ -249,6 +259,8 @@ class StagedData:
                 pool=self.staged.thread_pool,
                 name=self.staged.name,
             )
+            if spans:
+                self.kept.keep_iterator(pipeline, self._shared)
         return EpochPipeline(self._shared, pipeline)
 
     def _made(self, seconds):
@@ -264,7 +276,9 @@ class StagedData:
     @property
     def epochs_restartable(self):
         """Whether any epoch can start on a new iterator (see `start`)."""
-        return self._long_lived is None or self._long_lived.start is not None
+        plan = self._long_lived
+        # A source of free passes (`epochs` None) can start at any.
+        return plan is None or plan.start is not None or plan.epochs is None
 
     def end_call(self):
         """Drops what iterators of a stage built for the ended call still make.
@@ -277,15 +291,26 @@ class StagedData:
             The thread tearing down the call's long-lived iterator (see
             `epoch_iterators.release`), or None.
         """
+        kept = self.kept
+        values = None
+        if kept is not None and kept.spans_calls and kept.keeps_running():
+            values = _variable_values(self.split)
+        if values is not None:
+            # Its iterator runs on into the next call (see
+            # `epoch_iterators`, "Across calls"): its elements are that
+            # call's, counted in the stats the two calls share.
+            kept.end_call(values)
+            return None
         if self.owned:
             self.staged.runner.close_gate()
         released = None
         if self._shared is not None:
             # Its epochs not read yet run no further.
             released = self._shared.close()
-        if self.kept is not None:
-            self.kept.released = released
-            self.kept.in_use = False
+        if kept is not None:
+            kept.drop_iterator()
+            kept.released = released
+            kept.in_use = False
         return released
 
     @property
@@ -343,6 +368,14 @@ class _KeptStage:
         )
         # The `LongLivedEpochs` whose source the stage runs, or None.
         self.long_lived = long_lived
+        # Whether its one iterator outlives calls (`epochs` None: see
+        # `epoch_iterators`, "Across calls"): that iterator, the pipeline
+        # it iterates, and the staged layers' variables' values when the
+        # last call ended (None: none to compare, or not taken).
+        self.spans_calls = long_lived is not None and long_lived.epochs is None
+        self._shared = None
+        self._shared_pipeline = None
+        self._variables = None
         # The thread tearing down the last call's iterator (see
         # `epoch_iterators.release`), or None: a call reusing the stage waits
         # for it before it opens the gate, so nothing that iterator still
@@ -351,10 +384,106 @@ class _KeptStage:
         self.staged = None
         self.in_use = False
 
-    def same(self, other):
-        return self.values == other.values and all(
+    def same(self, other, split=None):
+        """Whether `other`, wanted by a new call, is this stage.
+
+        With a kept iterator, also whether the staged layers' variables
+        still hold what they held when the last call ended: its buffer
+        was computed with those values.
+        """
+        if self.values != other.values or not all(
             a is b for a, b in zip(self.objects, other.objects, strict=True)
-        )
+        ):
+            return False
+        if self._variables is None or not self.keeps_running():
+            return True
+        return _same_values(self._variables, _variable_values(split))
+
+    def iterator(self, pipeline):
+        """The iterator an earlier call left over `pipeline`, or None."""
+        if self._shared is not None and self._shared_pipeline is pipeline:
+            return self._shared
+        return None
+
+    def keep_iterator(self, pipeline, shared):
+        """Keeps `shared`, the one iterator of `pipeline`, across calls."""
+        self.drop_iterator()
+        self._shared, self._shared_pipeline = shared, pipeline
+
+    def keeps_running(self):
+        """Whether the kept iterator runs on into a next call's epoch."""
+        return self._shared is not None and self._shared.carries
+
+    def carries(self):
+        """Whether a call reusing this stage reads on from its iterator."""
+        return self.spans_calls and self.keeps_running()
+
+    def end_call(self, values):
+        """Ends a call whose iterator runs on (see `keeps_running`).
+
+        `values`: the staged layers' variables' values now.
+        """
+        self._shared.detach()
+        self._variables = values
+        self.in_use = False
+
+    def drop_iterator(self):
+        """Drops the kept iterator, if any (torn down on another thread)."""
+        shared, self._shared = self._shared, None
+        self._shared_pipeline, self._variables = None, None
+        if shared is not None and not shared.closed:
+            self.released = shared.close()
+
+    def retire(self):
+        """Ends this stage for good: a new one replaces it."""
+        if self._shared is not None and self.staged is not None:
+            # Nothing its iterator still finishes counts in the stats the
+            # next stage shares.
+            self.staged.runner.close_gate()
+        self.drop_iterator()
+
+
+# A kept iterator runs on across calls only when the staged layers'
+# variables are this small in all: a call compares their values with those
+# of the last call's end (a buffer computed with other values is dropped).
+VARIABLES_COMPARED_BYTES = 2**20
+
+
+def _variables_of(split):
+    """The variables of `split`'s staged layers (kept per split), or None.
+
+    None when they are over `VARIABLES_COMPARED_BYTES` in all.
+    """
+    if split is None:
+        return ()
+    cached = _split_variables.get(split, False)
+    if cached is not False:
+        return cached
+    variables = tuple(split.prefix.variables)
+    size = sum(epoch_sources.nbytes([v]) or 0 for v in variables)
+    found = None if size > VARIABLES_COMPARED_BYTES else variables
+    _split_variables[split] = found
+    return found
+
+
+_split_variables = weakref.WeakKeyDictionary()
+
+
+def _variable_values(split):
+    """The values of `split`'s staged layers' variables (see above)."""
+    variables = _variables_of(split)
+    if variables is None:
+        return None
+    return tuple(keras.ops.convert_to_numpy(v) for v in variables)
+
+
+def _same_values(before, now):
+    if before is None or now is None or len(before) != len(now):
+        return False
+    return all(
+        a.shape == b.shape and (a == b).all()
+        for a, b in zip(before, now, strict=True)
+    )
 
 
 class LongLivedEpochs:
@@ -377,6 +506,43 @@ class LongLivedEpochs:
         self.source = source
 
 
+def _keeps(kept, x, served, distributed, class_weight, split):
+    """Whether `stage_data(kept=kept)` keeps its stage over `x` for later
+    calls (see there)."""
+    return (
+        kept is not None
+        and isinstance(x, tf.data.Dataset)
+        and not served
+        and not distributed
+        and class_weight is None
+        and (split is None or not split.seed_states)
+    )
+
+
+def _draws_per_iterator(dataset, spans_calls):
+    """Whether a new iterator of `dataset` cannot start at any epoch.
+
+    A source of free passes on an iterator that outlives calls can.
+    """
+    facts = epoch_sources.inspect_source(dataset)
+    return facts.iterator_draws and not (spans_calls and facts.free_passes)
+
+
+def carries(kept, role, x):
+    """Whether a call of `role` on `x` would read on from a kept iterator.
+
+    See `epoch_iterators`, "Across calls": such a call makes no iterator
+    of the stage's pipeline. `kept`: the model's kept stages, or None.
+    """
+    entry = None if kept is None else kept.get(role)
+    return (
+        entry is not None
+        and not entry.in_use
+        and entry.objects[1] is x
+        and entry.carries()
+    )
+
+
 def default_strategy(strategy):
     """Whether Keras iterates with the default strategy (no distribution).
 
@@ -390,16 +556,25 @@ def default_strategy(strategy):
 
 
 def epochs_refusal(
-    layer, phase, num_batches, steps, epochs, steps_per_execution, served
+    layer,
+    phase,
+    num_batches,
+    steps,
+    epochs,
+    steps_per_execution,
+    served,
+    spans_calls=False,
 ):
     """Why Keras's reads of the call's epochs cannot share one iterator.
 
     None when Keras reads exactly `num_batches` batches from each iterator
     it reads, in whole calls of the compiled step, and nothing past them
     (see `EpochIterator`: with a known batch count it stops by count).
+    `spans_calls`: whether the iterator may outlive the call (then one
+    epoch is enough).
     """
     options = layer.stage_options
-    if epochs < 2:
+    if epochs < 2 and not spans_calls:
         return "the call reads one epoch"
     if phase == "predict":
         return "predict reads one epoch"
@@ -435,17 +610,29 @@ def _long_lived_epochs(
     epochs,
     steps_per_execution,
     alongside,
+    spans_calls=False,
 ):
     """`(LongLivedEpochs, None)`, or `(None, why not)`, for a safe stage.
 
     `arrays`: the in-memory data (x, y and the sample weights) when `x`
     is arrays, else None. See `epoch_sources` for the orders kept.
+    `spans_calls`: whether the iterator may outlive the call, for a source
+    of free passes (`SourceFacts.free_passes`).
     """
     if arrays is None and not isinstance(x, tf.data.Dataset):
         return None, "the data is not in-memory arrays or a tf.data.Dataset"
     facts = epoch_sources.inspect_source(dataset)
     if facts.refusal is not None:
         return None, f"its source cannot be read ahead: {facts.refusal}"
+    if spans_calls and facts.free_passes:
+        # Any pass stands for a fresh iterator's: one iterator for as
+        # many epochs as this call and later ones read.
+        source = epoch_sources.long_lived_source(dataset, None)
+        return LongLivedEpochs(
+            None, num_batches, steps_per_execution, None, source
+        ), None
+    if epochs < 2:
+        return None, "the call reads one epoch"
     replay = False
     if facts.kernel_seeded:
         if arrays is None:
@@ -639,6 +826,18 @@ def stage_data(
     distributed = strategy is not None and strategy.num_replicas_in_sync > 1
     source = dataset  # one epoch of what the stage stages
     long_lived, refusal = None, None
+    # Whether a kept stage's iterator may outlive the call (see
+    # `epoch_iterators`, "Across calls"): a user's dataset the stage is
+    # kept for, read whole by compiled steps (with `steps`, Keras's
+    # epochs end where the data does, not where a repeat would).
+    spans_calls = (
+        epochs is not None
+        and steps is None
+        and _keeps(kept, x, served, distributed, class_weight, split)
+        and phase != "predict"
+        and not reads_in_python
+        and backend.graph_steps()
+    )
     if epochs is not None:
         refusal = epochs_refusal(
             layer,
@@ -648,6 +847,7 @@ def stage_data(
             int(epochs),
             int(steps_per_execution),
             served,
+            spans_calls=spans_calls,
         )
         if refusal is None and not default_strategy(strategy):
             refusal = "Keras distributes the data with a tf.distribute strategy"
@@ -660,7 +860,7 @@ def stage_data(
             and split is not None
             and layer.stage_options.adaptive_pool
             and not in_memory(x)
-            and epoch_sources.inspect_source(dataset).iterator_draws
+            and _draws_per_iterator(dataset, spans_calls)
         ):
             # A resized pool runs only in a new iterator; epochs of arrays,
             # or of a dataset that draws nothing per iterator, can start
@@ -683,6 +883,7 @@ def stage_data(
                 int(epochs),
                 int(steps_per_execution),
                 alongside,
+                spans_calls=spans_calls,
             )
         if long_lived is not None:
             dataset = long_lived.source
@@ -705,24 +906,19 @@ def stage_data(
             # Each batch once, in full batches again: the count is known.
             overrides["cardinality"] = num_batches
     entry = None
-    if (
-        kept is not None
-        and isinstance(x, tf.data.Dataset)
-        and not served
-        and not distributed
-        and class_weight is None
-        and (split is None or not split.seed_states)
-    ):
+    if _keeps(kept, x, served, distributed, class_weight, split):
         entry = _KeptStage(layer, phase, x, num_batches, fn, stats, long_lived)
         earlier = kept.get(phase)
         if earlier is not None and earlier.in_use:
             entry = None  # a call nested in the one running it: its own
         elif (
             earlier is not None
-            and earlier.same(entry)
+            and earlier.same(entry, split)
             and not earlier.staged.stats.closed  # by a timeout: it ended
         ):
             entry = earlier
+        elif earlier is not None:
+            earlier.retire()  # this call's stage replaces it
     if entry is not None and entry.released is not None:
         entry.released.join(TEARDOWN_WAIT_SECONDS)
         if entry.released.is_alive():
@@ -731,10 +927,12 @@ def stage_data(
             entry = None
         else:
             entry.released = None
+    carried = False
     if entry is not None and entry.staged is not None:
         staged = entry.staged
         staged.runner.open_gate()
         long_lived = entry.long_lived  # what `staged` was built on
+        carried = entry.carries()
     else:
         staged = layer.stage(
             dataset,
@@ -758,7 +956,9 @@ def stage_data(
         logger.debug(
             "%s: %s",
             staged.name,
-            f"{int(epochs)} epochs on one iterator"
+            "its epochs on one iterator, run on across calls"
+            if long_lived is not None and long_lived.epochs is None
+            else f"{int(epochs)} epochs on one iterator"
             if long_lived is not None
             else f"an iterator per epoch: {refusal}",
         )
@@ -780,6 +980,7 @@ def stage_data(
     )
     data.long_lived_refusal = refusal
     data.kept = entry
+    data.carried = carried
     # Index batches when fused: the gathered ones are built if read.
     data.source = (
         functools.partial(batches.dataset, source) if fused else source

@@ -38,6 +38,7 @@ from keras_stage.layers.staged_input import StagedInput
 from keras_stage.models.data_adapters import datasets
 from keras_stage.models.data_adapters.arrays import batch_count
 from keras_stage.models.data_adapters.staged_data import (
+    carries,
     default_strategy,
     epochs_refusal,
     stage_data,
@@ -490,13 +491,26 @@ def note_unstaged_steps(model, clocks):
         costs(model).note_steps(phase, seconds, staged=False)
 
 
-def _iterators(model, layer, phase, batches, epochs, steps, long_lived):
+def iterators_made(model, role, x, default=1):
+    """The iterators of its stage a call of `role` on `x` makes.
+
+    None (0) when it reads on from the one an earlier call left (see
+    `staged_data.carries`); else `default`.
+    """
+    return 0 if carries(model_state(model).stages, role, x) else default
+
+
+def _iterators(model, layer, role, x, batches, epochs, steps, long_lived):
     """The iterators a fit's phase makes: one if its epochs share one.
 
     See `staged_data.stage_data(epochs=...)`; `batches` is all the epochs'.
+    `role`: the stage's ("train" or "val"); `x`: the data it reads.
     """
     if not long_lived or not batches or not epochs:
         return epochs
+    if not iterators_made(model, role, x):
+        return 0
+    phase = "train" if role == "train" else "test"
     refusal = epochs_refusal(
         layer,
         phase,
@@ -526,6 +540,7 @@ def fit_stages(model, layer, x, validation_data, long_lived=True, **kwargs):
             model,
             layer,
             "train",
+            x,
             train,
             epochs,
             kwargs["steps_per_epoch"],
@@ -541,7 +556,8 @@ def fit_stages(model, layer, x, validation_data, long_lived=True, **kwargs):
         iterators=_iterators(
             model,
             layer,
-            "test",
+            "val",
+            keras.utils.unpack_x_y_sample_weight(validation_data)[0],
             val,
             runs,
             kwargs["validation_steps"],

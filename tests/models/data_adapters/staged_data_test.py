@@ -251,3 +251,83 @@ def test_only_the_default_strategy_iterates_through_python():
     assert not default_strategy(strategy)
     with strategy.scope():
         assert not default_strategy(tf.distribute.get_strategy())
+
+
+# -- one iterator across calls ----------------------------------------------
+
+
+def _read(data):
+    """One epoch as Keras reads it: its view, resolved by the step."""
+    view = iter(data.pipeline)
+    return [
+        view.get_next()[1].numpy().tolist()
+        for _ in range(data.adapter.num_batches)
+    ]
+
+
+def test_calls_on_a_kept_stage_read_on_from_one_iterator():
+    layer, dataset, kept = _layer(), _dataset(), {}
+    made = []
+    for _ in range(3):
+        data = stage_data(layer, "test", dataset, epochs=1, kept=kept)
+        data.on_iterator = made.append
+        assert data.long_lived and data.kept.spans_calls
+        assert data.carried is bool(made)  # the first call makes it
+        assert _read(data) == _labels(dataset)
+        assert data.end_call() is None  # nothing torn down
+        assert data.kept.carries() and not data.kept.in_use
+    assert len(made) == 1
+
+
+def test_an_unseeded_shuffle_runs_on_with_every_example_once_an_epoch():
+    layer, kept = _layer(), {}
+    tf.random.set_seed(None)  # no global seed: the shuffle has none
+    dataset = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(10).batch(4)
+    orders = []
+    for _ in range(3):
+        data = stage_data(layer, "train", dataset, epochs=2, kept=kept)
+        assert data.kept.spans_calls
+        for _ in range(2):
+            epoch = sum(_read(data), [])
+            assert sorted(epoch) == Y.tolist()
+            orders.append(epoch)
+        data.end_call()
+    assert kept["train"]._shared.iterators_made == 1
+    assert len({tuple(order) for order in orders}) > 1  # reshuffled
+
+
+def test_a_seeded_shuffle_ends_its_iterator_with_the_call():
+    # Its orders follow the iterators plain Keras makes: not run on.
+    layer, kept = _layer(), {}
+    data = stage_data(
+        layer, "train", _dataset(shuffle=True), epochs=2, kept=kept
+    )
+    assert data.long_lived and not data.kept.spans_calls
+    data.end_call()
+    assert not data.kept.carries()
+
+
+def test_a_call_that_leaves_its_epoch_early_is_not_run_on():
+    layer, dataset, kept = _layer(), _dataset(), {}
+    first = stage_data(layer, "test", dataset, epochs=1, kept=kept)
+    view = iter(first.pipeline)
+    view.get_next()  # one batch of three: the call ends early
+    assert first.end_call() is not None  # its iterator torn down
+    assert not first.kept.carries()
+    second = stage_data(layer, "test", dataset, epochs=1, kept=kept)
+    assert second.staged is first.staged and not second.carried
+    assert _read(second) == _labels(dataset)  # from its start again
+    second.end_call()
+
+
+def test_another_dataset_retires_the_kept_iterator():
+    layer, kept = _layer(), {}
+    first = stage_data(layer, "test", _dataset(), epochs=1, kept=kept)
+    _read(first)
+    first.end_call()
+    shared = first.kept._shared
+    assert not shared.closed
+    other = stage_data(layer, "test", _dataset(), epochs=1, kept=kept)
+    assert shared.closed and kept["test"] is other.kept
+    assert not first.staged.runner._gate.numpy()  # counts nothing more
+    other.end_call()
