@@ -181,9 +181,11 @@ _running_on = weakref.WeakSet()
 
 
 def _release_box(box):
-    """Finalizer of a `LongLivedIterator` that ran on: `release(box)`."""
-    if box and box[0] is not None:
-        release(box)
+    """Finalizer of a `LongLivedIterator` that ran on: its iterator dropped
+    on a release thread (the box stays, for a still live owner at exit)."""
+    if box[0] is not None:
+        held, box[0] = [box[0]], None
+        release(held)
 
 
 @atexit.register
