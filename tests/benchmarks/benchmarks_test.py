@@ -1366,3 +1366,21 @@ def test_first_calls_times_every_call_of_each_mode_in_its_own_process():
     assert fit["paired"]["staged/plain"] == pytest.approx(
         results["runs"]["staged"][0]["fit"] / results["runs"]["plain"][0]["fit"]
     )
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+def test_across_calls_times_each_call_of_both_modes():
+    from benchmarks import across_calls
+
+    logged = []
+    results = across_calls.run("tabular", 4, log=logged.append)
+    assert len(logged) == 1 and "every call staged" in logged[0]
+    for mode in ("plain", "staged"):
+        assert len(results[mode]) == 4
+        assert all(value > 0 for value in results[mode])
+    summary = results["summary"]
+    warm = across_calls.WARM_UP
+    assert summary["staged_ms"] == pytest.approx(
+        1000 * statistics.median(results["staged"][warm:])
+    )

@@ -1,0 +1,89 @@
+"""Calls on one dataset object: what a stage kept across calls costs.
+
+`python -m benchmarks.across_calls [--models tabular,criteo] [--calls N]
+[--name NAME]` calls `evaluate` N times on the same `tf.data.Dataset`
+object (a notebook's evaluate, a validation set passed to every fit),
+with the model's `StagedInput(adaptive=False)`, so that every call is
+staged (not decided away by `decision/calls.py`), beside a plain model in
+the same process, alternating. It measures what a staged call costs once
+its stage is kept: since the iterator runs on across calls (see
+`keras_stage/models/call/epoch_iterators.py`, "Across calls"), a call
+after the second makes no iterator of the staged computation. Medians
+leave the first two calls of each mode out (the stage's build and the
+call that builds it again over its repeating source). Results:
+`benchmarks/results/across_calls/<name>.json`.
+"""
+
+import argparse
+import json
+import pathlib
+import statistics
+import time
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "across_calls"
+# Calls left out of the medians: the first staged call builds the stage;
+# the second reads on from it.
+WARM_UP = 2
+
+
+def run(model_name, calls, log=print):
+    """`{"plain": [s...], "staged": [s...], "summary": {...}}` of evaluate."""
+    import tensorflow as tf
+
+    import keras_stage
+    from benchmarks import regimes
+
+    spec = regimes.MODELS[model_name]
+    data = regimes.make_data(spec, regimes.Sizes(), {"eval"})
+    modes = [
+        regimes.MODE_CLASSES[name](spec, data, "dataset")
+        for name in ("plain", "staged")
+    ]
+    for mode in modes:
+        mode.build()
+    for layer in modes[1].model.layers:
+        if isinstance(layer, keras_stage.layers.StagedInput):
+            # Every call staged: the cost measured is the stage's.
+            layer.adaptive = False
+    clock = regimes.StepClock()
+    tf.random.set_seed(None)
+    feeds = {mode.name: mode.feed("eval") for mode in modes}
+    seconds = {mode.name: [] for mode in modes}
+    for _ in range(calls):
+        for mode in modes:
+            started = time.perf_counter()
+            mode.call("evaluate", clock, feeds[mode.name])
+            seconds[mode.name].append(time.perf_counter() - started)
+    warm = {name: values[WARM_UP:] for name, values in seconds.items()}
+    paired = [s / p for p, s in zip(warm["plain"], warm["staged"], strict=True)]
+    summary = {
+        "plain_ms": 1000 * statistics.median(warm["plain"]),
+        "staged_ms": 1000 * statistics.median(warm["staged"]),
+        "paired_staged/plain": statistics.median(paired),
+    }
+    log(
+        f"{model_name}: evaluate x{calls} on one dataset, every call staged: "
+        f"plain {summary['plain_ms']:.1f} ms, staged "
+        f"{summary['staged_ms']:.1f} ms a call; paired staged/plain "
+        f"{summary['paired_staged/plain']:.3f}"
+    )
+    return {**seconds, "summary": summary}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="tabular,criteo")
+    parser.add_argument("--calls", type=int, default=12)
+    parser.add_argument("--name", default="latest")
+    args = parser.parse_args(argv)
+    if args.calls <= WARM_UP:
+        parser.error(f"--calls must be over {WARM_UP}: got {args.calls}")
+    results = {name: run(name, args.calls) for name in args.models.split(",")}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{args.name}.json"
+    path.write_text(json.dumps(results, indent=2))
+    print(f"Wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
