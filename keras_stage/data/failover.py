@@ -22,7 +22,8 @@ them. In `"distributed_epoch"` mode with a source of known size, the
 reads end by themselves once they hold every row (a count in the
 pipeline, no wait); in `"parallel_epochs"` mode each worker's stream ends
 with a mark, and once every stream that started has ended, a consumer
-that waits 1 s ends the epoch.
+that waits 5 s ends the epoch (losing the trainer's re-formed last partial
+batch, if any: it waits for the service's end).
 
 The ledger counts, in the pipeline, what the service delivered each
 epoch, so what was lost or repeated is reported exactly:
@@ -64,8 +65,11 @@ _NOTHING, _FINISHED, _END, _STOP = 0, 1, 2, 3
 _DATA = _NOTHING
 # Seconds a consumer waits in an epoch that has all its elements (see
 # `_complete`) before the stage ends it: the service's own end comes first
-# when no worker was lost.
-_COMPLETE_WAIT = 1.0
+# when no worker was lost, but on a loaded machine it can come seconds
+# after the workers' last elements, and an epoch the stage ends loses the
+# trainer's re-formed last batch, which waits for that end (the stage's end
+# is an error, not the stream's end).
+_COMPLETE_WAIT = 5.0
 # Tokens of ended iterators kept (those dropped mid-epoch never finish).
 _MAX_TOKENS = 64
 # Text of the end marker's error (an InvalidArgumentError from its fetch).

@@ -57,10 +57,13 @@ def _per_epoch(ids):
 @pytest.fixture(scope="module")
 def service():
     # The dispatcher deems a worker lost after 4 missed heartbeats, and a
-    # parallel_epochs epoch ends without the elements it held. With the
-    # default 0.5 s heartbeat, a worker starved of the 2 cores by the
-    # suite's other processes for 2 s lost a batch; losing workers is
-    # what tests/data/failover_test.py tests, not these fits.
+    # parallel_epochs epoch ends without the elements it held: a slower
+    # heartbeat keeps a worker starved of the 2 cores by the suite's other
+    # processes from being lost; losing workers is what
+    # tests/data/failover_test.py tests, not these fits. (The batch these
+    # fits once lost under load was the re-formed last one, dropped when
+    # the stage ended an epoch whose streams had all ended but whose
+    # service end came late: see `failover._COMPLETE_WAIT`.)
     with LocalService(num_workers=2, heartbeat_ms=1500) as running:
         yield running
 
