@@ -293,7 +293,7 @@ class StagedData:
         """
         kept = self.kept
         values = None
-        if kept is not None and kept.spans_calls and kept.keeps_running():
+        if kept is not None and kept.carries():
             values = _variable_values(self.split)
         if values is not None:
             # Its iterator runs on into the next call (see
