@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 
 from keras_stage.data.options import usable_cpus
+from keras_stage.data.pipeline_model import SAMPLE_FETCHES
 from keras_stage.layers.staged_input import StagedInput, warn_not_staged
 
 logger = logging.getLogger("keras_stage")
@@ -142,10 +143,12 @@ class PrefetchCallback(keras.callbacks.Callback):
     Each epoch it adds to the logs:
 
     - `stage_wait_ratio`: fraction of the epoch's training time spent
-      waiting for input (0..1). Near 0: the stage keeps up. Absent when
-      the wait was not measured: under op determinism
-      (`tf.config.experimental.enable_op_determinism`) TensorFlow forbids
-      the in-graph clock that times it.
+      waiting for input (0..1). Near 0: the stage keeps up. Under op
+      determinism (`tf.config.experimental.enable_op_determinism`), which
+      forbids the in-graph clock that times it, it is read from tf.data's
+      own model of the stage's iterator (the gaps between the step's
+      fetches); absent when that cannot be read either (a dataset whose
+      options turn tf.data's autotuning off).
     - `stage_buffer_fill`: mean fill of the stage buffer when the training
       step asked for a batch (0..1). Near 1: batches were waiting.
     - `stage_skipped`: batches skipped this epoch by
@@ -202,7 +205,7 @@ class PrefetchCallback(keras.callbacks.Callback):
             else None), `staged` (False for an epoch run without the
             stage), `message` and `epoch`; `None` until the first
             epoch of a `fit` ends. Figures that need a timing the epoch
-            could not take (under op determinism) are None, and so are
+            could not take (see `stage_wait_ratio`) are None, and so are
             `input_bound` and the suggestions built on them.
 
     Example:
@@ -249,6 +252,8 @@ class PrefetchCallback(keras.callbacks.Callback):
         self._starting_epoch = False
         self._first_step_begun = False
         self._after_first_step = None
+        # The batch of the train stage's last sample (see `_samples_due`).
+        self._sampled_batch = 0
 
     # -- wiring, called by the staged model ---------------------------------
 
@@ -300,6 +305,10 @@ class PrefetchCallback(keras.callbacks.Callback):
         self._warn_without_stage()
 
     def on_train_batch_begin(self, batch, logs=None):
+        if self._samples_due(batch):
+            # Op determinism: figures read from tf.data's model, which
+            # keeps the gaps of a window of fetches (`pipeline_model`).
+            self._bindings["train"].staged.stats.sample()
         if not self._starting_epoch or self._snapshot is None:
             return
         # An epoch's first step pays what starting the epoch costs (the
@@ -318,6 +327,16 @@ class PrefetchCallback(keras.callbacks.Callback):
         binding = self._bindings.get("train")
         if binding is not None:
             self._after_first_step = (_snapshot(binding.staged), time.time())
+
+    def _samples_due(self, batch):
+        """Whether the train stage's figures are due a sample now."""
+        binding = self._bindings.get("train")
+        if binding is None or not binding.staged.stats.samples:
+            return False
+        if 0 <= batch - self._sampled_batch < SAMPLE_FETCHES:
+            return False
+        self._sampled_batch = batch
+        return True
 
     def on_epoch_begin(self, epoch, logs=None):
         binding = self._bindings.get("train")
@@ -827,7 +846,8 @@ def _computes(stats):
 
 
 def _untimed_verdict(stats, options, pool_size):
-    """The verdict of an epoch the stage could not time (op determinism).
+    """The verdict of an epoch the stage could not time (op determinism,
+    with tf.data's model of the iterator unreadable).
 
     The rules of thumb need both the step's wait and the staged
     computation's time; without either, the verdict says what was

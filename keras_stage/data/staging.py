@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from keras_stage import _compat
 from keras_stage.data.devices import resolve_device, stream_device
+from keras_stage.data.eager_iterated import EagerIterated
 from keras_stage.data.failover import ServiceLedger
 from keras_stage.data.options import (
     AUTO,
@@ -26,6 +27,7 @@ from keras_stage.data.options import (
     document_options,
 )
 from keras_stage.data.packing import Packer
+from keras_stage.data.pipeline_model import SAMPLE_FETCHES
 from keras_stage.data.pool import StagePool
 from keras_stage.data.runner import EndOfData, SkipElement, StageRunner
 from keras_stage.data.service import distribute
@@ -191,11 +193,9 @@ def _build_pipeline(
     # not on it). So the stage's pipeline then holds none of its own: no
     # counters, no gate, no fetch records (`StageStats.count_nothing`).
     # The consumer counts its fetches in its step or on the host, and the
-    # stage's own figures (elements finished, buffer fill, busy time) are
-    # reported as not measured.
+    # stage's own figures (its wait, buffer fill, busy time) are read from
+    # tf.data's model of each iterator (`_Watched`, `pipeline_model`).
     bare = op_determinism_enabled()
-    if bare:
-        stats.count_nothing(computes=fn is not None)
 
     def produce(*args):
         element = args if unpacked else args[0]
@@ -294,6 +294,12 @@ def _build_pipeline(
     # Packing (for a device buffer) is a copy, not the stage's work: it
     # runs after the adaptive pool, on the pipeline's own.
     packer = placement.packer_for(produced.element_spec)
+    if bare:
+        # Measured on the host from tf.data's own model of the iterator
+        # (`pipeline_model`): the packing map runs above the stage's.
+        stats.count_nothing(
+            computes=fn is not None, maps_above=int(packer is not None)
+        )
     if packer is not None:
         produced = produced.map(
             on_host(packer.pack),
@@ -340,10 +346,18 @@ def _build_pipeline(
             tf.data.Dataset.zip((markers, buffered)), consume, f"{name}_fetch"
         )
 
-    if bare:
-        # The fetch records are variable updates too (see `bare`).
-        measured = False
     device = placement.device
+    to_device = tf.data.experimental.prefetch_to_device
+    size = None if capacity == tf.data.AUTOTUNE else capacity
+    if bare:
+        # The fetch records are variable updates too (see `bare`); each
+        # eager iterator is watched instead (`StageStats.watch`).
+        if device is None:
+            lean = produced.prefetch(capacity, name=f"{name}_buffer")
+        else:
+            lean = produced.apply(to_device(device, size))
+        watched = _Watched(lean, stats)
+        return watched, watched
     if device is None:
         lean = produced.prefetch(capacity, name=f"{name}_buffer")
         return lean, measure(lean) if measured else lean
@@ -351,13 +365,29 @@ def _build_pipeline(
     # the consumer (the copy overlaps the step). It must end the pipeline,
     # so a consumer counting in the pipeline measures the host side of the
     # copy, with one element in flight to the device.
-    to_device = tf.data.experimental.prefetch_to_device
-    size = None if capacity == tf.data.AUTOTUNE else capacity
     lean = produced.apply(to_device(device, size))
     if not measured:
         return lean, lean
     host = produced.prefetch(capacity, name=f"{name}_buffer")
     return lean, measure(host).apply(to_device(device, 1))
+
+
+class _Watched(EagerIterated):
+    """A stage's pipeline whose eager iterators its stats watch.
+
+    Under op determinism the pipeline holds no counter: the stats read
+    each iterator's figures from tf.data's model of it instead
+    (`StageStats.watch`).
+    """
+
+    def __init__(self, base, stats):
+        self._stats = stats
+        super().__init__(base)
+
+    def eager_iter(self):
+        iterator = iter(self._base)
+        self._stats.watch(iterator)
+        return iterator
 
 
 def _stage_pool(fn, options, stats, start=None):
@@ -556,23 +586,30 @@ class StageIterator:
         # its own helper thread).
         self._fetch = functools.partial(_timed_fetch, staged.stats)
         self._iterator = iter(staged.lean_pipeline)
+        self._fetches = 0
 
     def __iter__(self):
         return self
 
     def __next__(self):
+        stats = self._staged.stats
         while True:
             try:
-                return self._runner.call(
+                element = self._runner.call(
                     self._fetch,
                     self._iterator,
                     elements=1,
                     ready_fn=next,
                     host_timed=True,
                 )
+                self._fetches += 1
+                if stats.samples and self._fetches % SAMPLE_FETCHES == 0:
+                    stats.sample()  # op determinism: see `count_nothing`
+                return element
             except SkipElement:
                 continue
             except EndOfData:
+                stats.sample()  # the iterator's last figures
                 ledger = self._staged.service_ledger
                 if ledger is not None:
                     ledger.settle()

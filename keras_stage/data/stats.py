@@ -23,9 +23,11 @@ reach Python) runs it in its graph (`accumulate`). Both run the one
 definition, `_fetch_figures`.
 
 Under op determinism (`tf.config.experimental.enable_op_determinism`)
-TensorFlow refuses to run `tf.timestamp`: graphs built then count elements
-and buffer fill without a clock, and `snapshot` reports the seconds they
-could not time as NaN (see `clock_allowed`).
+TensorFlow refuses to run `tf.timestamp`: steps built then count their
+fetches without a clock, a pipeline built then holds no counter at all
+(`count_nothing`), and `snapshot` reads what it could not count from
+tf.data's own model of the stage's iterators (`pipeline_model`), or
+reports it as NaN where that model cannot be read (see `clock_allowed`).
 """
 
 import logging
@@ -34,6 +36,8 @@ import threading
 import time
 
 import tensorflow as tf
+
+from keras_stage.data.pipeline_model import PipelineModel
 
 logger = logging.getLogger("keras_stage")
 
@@ -160,9 +164,9 @@ def op_determinism_enabled():
 # The note `_note_no_clock` logs, once per process.
 NO_CLOCK_NOTE = (
     "Op determinism is on: TensorFlow forbids in-graph clocks then, so "
-    "keras_stage counts batches and buffer fill but does not time its "
-    "stages (no stage_wait_ratio in the logs). The stages still run in "
-    "parallel: their counters run after the parallel map."
+    "keras_stage reads its stages' waits, buffer fill and staged work from "
+    "tf.data's own model of their iterators, sampled between steps. The "
+    "stages still run in parallel: their pipelines hold no counter."
 )
 _no_clock_noted = False
 _no_clock_lock = threading.Lock()
@@ -242,22 +246,51 @@ class StageStats:
         self._host_waits = False
         # Whether the pipeline counts its elements (see `count_nothing`).
         self._pipeline_counts = True
+        # tf.data's model of the watched iterators, when it does not.
+        self._host_model = None
 
-    def count_nothing(self, computes=True):
+    def count_nothing(self, computes=True, maps_above=0):
         """Notes that the stage's pipeline holds no counter (op determinism).
 
         Under op determinism a stateful op in any function of a pipeline
         makes tf.data run the whole pipeline one element at a time with no
         buffer (see `staging._build_pipeline`), so a stage built then counts
         nothing in its pipeline: `snapshot` reports the elements it
-        finished as those consumed, and its buffer fill as not measured
-        (NaN); the buffer is not known to hold anything. `computes`: whether
-        the stage has work of its own, whose busy time is then not measured
-        either (a stage that computes nothing is known to spend none).
+        finished as those consumed, and reads the consumer's wait, the
+        stage's busy time and its buffer's fill from tf.data's own model
+        of each iterator `watch`ed (`PipelineModel`), or reports them as
+        not measured (NaN) where that model cannot be read. `computes`:
+        whether the stage has work of its own (a stage that computes
+        nothing is known to spend no time on it). `maps_above`: the maps
+        between the stage's buffer and its own (see `PipelineModel`).
         """
         self._pipeline_counts = False
         if computes:
             self._busy_timed = False
+        if self._host_model is None:
+            self._host_model = PipelineModel(
+                maps_above=maps_above if computes else None
+            )
+
+    def watch(self, iterator):
+        """Reads `iterator`'s figures from now on (see `count_nothing`)."""
+        if self._host_model is not None:
+            self._host_model.watch(iterator)
+
+    def sample(self):
+        """Reads the watched iterator's figures now (see `count_nothing`).
+
+        A consumer calls it between steps, every
+        `pipeline_model.SAMPLE_FETCHES` fetches or more often; `snapshot`
+        calls it too.
+        """
+        if self._host_model is not None:
+            self._host_model.sample()
+
+    @property
+    def samples(self):
+        """Whether figures are read from the watched iterators (`sample`)."""
+        return self._host_model is not None
 
     @property
     def pipeline_counts(self):
@@ -706,6 +739,11 @@ class StageStats:
         traced could not time them (see `clock_allowed`): not measured,
         which a difference of two snapshots keeps.
         """
+        model = self._host_model
+        if model is not None:
+            model.sample()
+            now = time.time()
+            measures = model.measures
         with self._lock:
             skipped = self.skipped
             messages = list(self.skipped_messages)
@@ -718,24 +756,29 @@ class StageStats:
         busy_timed = self._busy_timed is not False
         consumed = int(counters[_CONSUMED]) + taken
         counts = self._pipeline_counts
+        wait = float(counters[_WAIT]) + wait if wait_timed else math.nan
+        busy = float(counters[_BUSY]) if busy_timed else math.nan
+        buffered_sum = (
+            int(counters[_BUFFERED] + buffered) if counts else math.nan
+        )
+        peak = int(max(self._peak.numpy(), peak)) if counts else 0
+        if model is not None and measures:
+            # Counted nothing in the graph: tf.data's model measured them.
+            if not wait_timed:
+                wait = model.wait_seconds(now)
+            if not busy_timed:
+                busy = model.busy_seconds
+            buffered_sum, peak = model.buffered_sum, model.buffered_peak
         return {
             # Uncounted: at least every consumed element was finished.
             "produced": int(counters[_PRODUCED]) if counts else consumed,
             "consumed": consumed,
             "skipped": skipped,
             "skipped_messages": messages,
-            "wait_seconds": (
-                float(counters[_WAIT]) + wait if wait_timed else math.nan
-            ),
-            "busy_seconds": (
-                float(counters[_BUSY]) if busy_timed else math.nan
-            ),
-            "buffered_sum": (
-                int(counters[_BUFFERED] + buffered) if counts else math.nan
-            ),
-            "buffered_peak": (
-                int(max(self._peak.numpy(), peak)) if counts else 0
-            ),
+            "wait_seconds": wait,
+            "busy_seconds": busy,
+            "buffered_sum": buffered_sum,
+            "buffered_peak": peak,
             "time": time.time(),
         }
 

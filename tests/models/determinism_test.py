@@ -11,6 +11,7 @@ says what it could not.
 """
 
 import logging
+import time
 
 import keras
 import numpy as np
@@ -39,7 +40,6 @@ X = _rng.normal(size=(N, 4)).astype("float32")
 Y = _rng.normal(size=(N, 1)).astype("float32")
 WORDS = np.array([f"w{i % 9}" for i in range(N)], dtype=object)
 VOCABULARY = [f"w{i}" for i in range(6)]  # w6-w8 are out of vocabulary
-UNMEASURED = "the training step's wait for data was not measured"
 
 
 @pytest.fixture
@@ -181,38 +181,110 @@ def test_fit_evaluate_predict_equal_plain_keras(determinism, case, caplog):
     assert len(notes) == 1
 
 
-def test_prefetch_callback_logs_what_it_measured_and_no_wait(
-    determinism, capsys
-):
+def test_prefetch_callback_logs_what_tf_data_measured(determinism, capsys):
     staged, _ = _twins(_dense)
     callback = PrefetchCallback(verbose=1)
     history = _seeded(
         staged.fit, _data(X, Y), epochs=2, callbacks=[callback]
     ).history
-    # Measured without a clock or a counter in the pipeline: skips.
+    # No clock or counter in the pipeline (either would make tf.data run it
+    # one batch at a time): the wait and the buffer's fill are read from
+    # tf.data's own model of the stage's iterator.
     assert history["stage_skipped"] == [0, 0]
-    # The wait needs a clock, the buffer's fill a counter in the pipeline
-    # (which would make tf.data run it one batch at a time): left out, not
-    # reported as a measured 0.0.
+    for key in ("stage_wait_ratio", "stage_buffer_fill"):
+        assert len(history[key]) == 2, key
+        assert all(0.0 <= value <= 1.0 for value in history[key]), key
+    verdict = callback.verdict
+    assert verdict["epoch"] == 1
+    assert verdict["wait_ratio"] == history["stage_wait_ratio"][-1]
+    assert verdict["buffer_fill"] == history["stage_buffer_fill"][-1]
+    assert verdict["input_bound"] in (True, False)
+    assert verdict["train_seconds_per_batch"] > 0.0
+    assert verdict["delivery_seconds_per_batch"] > 0.0
+    # A stage that only buffers: no staged computation, as without
+    # determinism.
+    assert verdict["prepare_seconds_per_batch"] is None
+    assert verdict["suggested_num_threads"] >= 1
+    printed = capsys.readouterr().out
+    assert printed.count("Stage 'stage_train': ") == 2
+    assert "not measured" not in printed
+    assert "Op determinism is on" not in printed
+
+
+def test_without_tf_data_s_model_the_wait_is_said_not_measured(
+    determinism, capsys
+):
+    # A dataset whose options turn autotuning off: tf.data keeps no model
+    # of its iterators, so nothing measures the wait or the buffer's fill.
+    staged, _ = _twins(_dense)
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    callback = PrefetchCallback(verbose=1)
+    history = _seeded(
+        staged.fit,
+        _data(X, Y).with_options(options),
+        epochs=2,
+        callbacks=[callback],
+    ).history
+    assert history["stage_skipped"] == [0, 0]
+    # Left out, not reported as a measured 0.0.
     assert "stage_wait_ratio" not in history
     assert "stage_buffer_fill" not in history
     verdict = callback.verdict
-    assert verdict["epoch"] == 1
     assert verdict["wait_ratio"] is None
+    assert verdict["buffer_fill"] is None
     assert verdict["input_bound"] is None
     assert verdict["suggested_num_threads"] is None
-    assert verdict["suggested_capacity"] is None
     assert verdict["delivery_seconds_per_batch"] > 0.0
-    assert verdict["message"].startswith(f"Stage 'stage_train': {UNMEASURED}")
-    assert "Op determinism is on" in verdict["message"]
+    unmeasured = "the training step's wait for data was not measured"
+    assert verdict["message"].startswith(f"Stage 'stage_train': {unmeasured}")
     assert "no advice on num_threads or capacity" in verdict["message"]
     assert "its buffer's fill was not counted" in verdict["message"]
-    assert verdict["buffer_fill"] is None
-    printed = capsys.readouterr().out
-    assert printed.count(UNMEASURED) == 2
+    assert capsys.readouterr().out.count(unmeasured) == 2
 
 
-def test_tensorboard_gets_the_measured_figures_only(determinism, tmp_path):
+def _sleepy(x):
+    def sleep(value):
+        time.sleep(0.02)
+        return value
+
+    return tf.ensure_shape(tf.py_function(sleep, [x], tf.float32), x.shape)
+
+
+class _SlowTrunk(keras.layers.Layer):
+    def call(self, x):
+        return _sleepy(x)
+
+
+def test_the_verdict_tells_a_slow_source_from_a_slow_step(determinism):
+    # The wait comes from the gaps tf.data measures between the step's
+    # fetches: a source that sleeps 20 ms a batch is waited for, a step
+    # that sleeps 20 ms is not.
+    def fit(slow_source):
+        inputs = keras.Input(shape=(4,))
+        x = StagedInput(capacity=2, num_threads=1, adaptive=False)(inputs)
+        if not slow_source:
+            x = _SlowTrunk()(x)
+        model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+        model.compile(optimizer="sgd", loss="mse")
+        data = tf.data.Dataset.from_tensor_slices((X, Y)).batch(2)
+        if slow_source:
+            data = data.map(lambda a, b: (_sleepy(a), b))
+        callback = PrefetchCallback()
+        model.fit(
+            data, epochs=2, shuffle=False, verbose=0, callbacks=[callback]
+        )
+        return callback.verdict
+
+    slow, fast = fit(slow_source=True), fit(slow_source=False)
+    why = f"slow source: {slow}; slow step: {fast}"
+    assert slow["input_bound"] is True, why
+    assert slow["source_bound"] is True, why
+    assert fast["input_bound"] is False, why
+    assert slow["wait_ratio"] > fast["wait_ratio"], why
+
+
+def test_tensorboard_gets_what_tf_data_measured(determinism, tmp_path):
     staged, _ = _twins(_dense)
     history = _seeded(
         staged.fit,
@@ -224,20 +296,26 @@ def test_tensorboard_gets_the_measured_figures_only(determinism, tmp_path):
         ],
     ).history
     written = tensorboard_scalars(tmp_path / "stage_logs" / "stage")
-    # A stage with nothing to compute has no preparation time to write, and
-    # under op determinism its buffer is not counted: both left out, as the
-    # verdict leaves them out, not written as 0.
+    # A stage with nothing to compute has no preparation time to write: left
+    # out, as the verdict leaves it out, not written as 0.
     assert sorted(written) == [
+        "stage/buffer_fill",
         "stage/delivery_ms_per_batch",
         "stage/skipped",
+        "stage/suggested_capacity",
+        "stage/suggested_num_threads",
+        "stage/train_ms_per_batch",
+        "stage/wait_ratio",
     ]
     for values in written.values():
         assert [step for step, _ in values] == [0, 1]
     assert [v for _, v in written["stage/skipped"]] == history["stage_skipped"]
+    assert [v for _, v in written["stage/wait_ratio"]] == pytest.approx(
+        history["stage_wait_ratio"]
+    )
     keras_written = tensorboard_scalars(tmp_path / "keras" / "train")
-    assert "epoch_stage_buffer_fill" not in keras_written
-    assert "epoch_stage_skipped" in keras_written
-    assert "epoch_stage_wait_ratio" not in keras_written
+    for key in ("buffer_fill", "skipped", "wait_ratio"):
+        assert f"epoch_stage_{key}" in keras_written
 
 
 def test_a_model_fit_before_determinism_trains_after_it():
@@ -280,10 +358,11 @@ def test_calls_on_data_in_memory_are_decided_from_host_timed_steps(
     determinism, caplog
 ):
     # Under op determinism the stage's pipeline times nothing (a clock or a
-    # counter in it would make tf.data run it one batch at a time), so the
-    # host times the steps: a first staged call, then one unstaged call
-    # times the whole model's step, and later calls weigh the two. Every
-    # call trains exactly as plain Keras does.
+    # counter in it would make tf.data run it one batch at a time): the
+    # host times the steps and reads the staged work from tf.data's model.
+    # A first staged call, then one unstaged call times the whole model's
+    # step, and later calls weigh the two. Every call trains exactly as
+    # plain Keras does.
     stage = dict(STAGE, adaptive=True, name="timed")
 
     def build(model_class):
@@ -308,9 +387,10 @@ def test_calls_on_data_in_memory_are_decided_from_host_timed_steps(
             )
         _assert_same_weights(staged, plain)
         if round_ == 0:
-            # Staged (nothing measured yet), its steps timed on the host.
+            # Staged (nothing measured yet), its steps timed on the host,
+            # its staged work by tf.data's model of its iterators.
             assert prefetch.phases == ["train"]
-            assert costs.batch_seconds is None
+            assert costs.batch_seconds > 0
             assert costs.staged_step_seconds > 0
             assert costs.unstaged_step_seconds is None
         elif round_ == 1:

@@ -13,8 +13,9 @@ staged call costs (`staged_data`, `note_work`), keeps it per phase
 (on cores the trunk keeps busy, the stage's threads take them from it), so
 the host also times the steps of SmartStage calls: after a phase's first
 staged call, its next one runs unstaged once (the trial) and both kinds of
-steps are weighed (`PhaseCosts.batch_saving`). Under op determinism, where
-the pipeline cannot time the staged work, those steps alone decide.
+steps are weighed (`PhaseCosts.batch_saving`). Under op determinism the
+staged work is read from tf.data's own model of the stage's iterators
+(`data.pipeline_model`); where that cannot be read, the steps alone decide.
 A call is never skipped on a guess: only what was
 measured counts, on this model or on one with the same stage
 (`stage_signature`: a fresh model per trial pays its stage once per
@@ -135,7 +136,8 @@ class PhaseCosts:
         self.build_seconds = None
         self.iterator_seconds = None
         # Seconds of staged work per batch; None when not measured (no
-        # staged computation, or timing off under op determinism).
+        # staged computation, or under op determinism a pipeline whose
+        # tf.data model could not be read).
         self.batch_seconds = None
         # Seconds a model's first staged call of the phase spends tracing
         # its staged prefix (0 without a SmartStage split).

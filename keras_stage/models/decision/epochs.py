@@ -9,8 +9,9 @@ the step's figures tell which, so a fit that may gain measures it:
 
 1. its first epochs run staged; once one has been measured warm (after
    the adaptive pool's first resize, if it has one) and its step waited
-   for input at most `TRIAL_WAIT_RATIO` of the time (or, under op
-   determinism, where the step's wait is not measured, whatever it was),
+   for input at most `TRIAL_WAIT_RATIO` of the time (or whatever it was,
+   when the wait could not be measured: under op determinism, a pipeline
+   whose tf.data model cannot be read, see `data.pipeline_model`),
 2. the next epoch runs the whole model in Keras's step (the trial), if
    tracing that step (once per model) costs at most `TRACE_SHARE` of the
    epochs left after it,
@@ -203,7 +204,7 @@ class EpochSwitch:
             return STAGED
         last = staged[-1]
         left = self.epochs - len(self._clocks)
-        # Under op determinism the wait is not measured (None): the trial
+        # A wait not measured (None, see the module docstring): the trial
         # then tells alone whether the stage pays.
         ratio = last.wait_ratio
         if (

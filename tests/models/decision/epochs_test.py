@@ -218,19 +218,33 @@ def test_under_op_determinism_the_trial_decides_alone(unstaged_wins):
         history = _fit(
             staged, callbacks=[keras_stage.callbacks.PrefetchCallback()]
         )
-    # The stage's wait is not measured (no clock in the step): the trial's
-    # host-timed steps decide alone, with the same weights as plain.
+    # No clock in the step or the pipeline: the trial's host-timed steps
+    # decide, with the same weights as plain.
     assert history.history["stage_unstaged"] == [0, 0, 1, 1, 1, 1]
     _assert_same(plain, staged, expected, history)
 
 
+def test_under_op_determinism_a_step_that_waits_is_not_tried(monkeypatch):
+    # The wait is read from tf.data's model of the stage's iterator (see
+    # `data.pipeline_model`): measured, so it still rules out the trial.
+    from tests.op_determinism import op_determinism
+
+    monkeypatch.setattr(epoch_switch, "TRIAL_WAIT_RATIO", -1.0)
+    monkeypatch.setattr(epoch_switch, "MARGIN", -1e9)
+    plain, staged = _models()
+    with op_determinism():
+        expected = _fit(plain)
+        history = _fit(staged)
+    assert history.history["stage_unstaged"] == [0] * 6
+    assert all(0.0 <= r <= 1.0 for r in history.history["stage_wait_ratio"])
+    _assert_same(plain, staged, expected, history)
+
+
 def test_under_op_determinism_a_stage_that_pays_keeps_its_epochs(
-    monkeypatch,
+    staged_wins,
 ):
     from tests.op_determinism import op_determinism
 
-    monkeypatch.setattr(epoch_switch, "TRACE_SHARE", float("inf"))
-    monkeypatch.setattr(epoch_switch, "MARGIN", 1.0)  # the stage wins
     plain, staged = _models()
     with op_determinism():
         expected = _fit(plain)

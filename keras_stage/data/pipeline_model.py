@@ -1,0 +1,172 @@
+"""A stage's figures read on the host from tf.data's own model of its iterator.
+
+tf.data's autotuner keeps a model of every iterator it runs: per dataset
+node, the elements it produced, the time it spent on them and the
+elements its buffer holds, and, at the iterator, the gaps between the
+consumer's fetches (the consumer's time between two `GetNext` calls, for
+the last 100 fetches). `tf.raw_ops.IteratorGetModelProto` returns it,
+read between steps with no op in the pipeline.
+
+That is what a stage measures under op determinism, where its pipeline
+holds no counter or clock (`StageStats.count_nothing`: either would make
+tf.data run it one batch at a time): the consumer's wait is the time it
+did not spend between its fetches (`wait_seconds`), the staged map's time
+its busy time, the buffer's count its fill. `PipelineModel.sample` is
+called between steps, at most `SAMPLE_FETCHES` fetches apart, so no gap
+is missed; an epoch's figures are the difference of two `totals`.
+"""
+
+import time
+import weakref
+
+import tensorflow as tf
+from tensorflow.core.framework import model_pb2
+
+from keras_stage import _compat
+
+# tf.data keeps the gaps of an iterator's last 100 fetches
+# (`Model::RecordIteratorGapTime`; 100 on TF 2.16 and 2.21).
+GAP_WINDOW = 100
+# How many fetches apart a consumer samples, at most: well within the gap
+# window, and often enough for the buffer's count (an instant's) to
+# average over an epoch. A sample costs about a tenth of a small step.
+SAMPLE_FETCHES = 10
+
+# The node of the stage's buffer (`Dataset.prefetch`), and those of a map.
+_BUFFER = "Prefetch"
+_MAPS = ("ParallelMapV2", "ParallelMap", "Map", "MapDataset")
+
+
+def read_model(iterator):
+    """tf.data's model of `iterator` (a `ModelProto`), or None.
+
+    None for an iterator tf.data keeps no model of (autotuning off in the
+    dataset's options), one already deleted, or any other iterator.
+    """
+    resource = _compat.iterator_resource(iterator)
+    if resource is None:
+        return None
+    try:
+        serialized = tf.raw_ops.IteratorGetModelProto(iterator=resource)
+    except (tf.errors.OpError, TypeError, ValueError):
+        return None
+    model = model_pb2.ModelProto()
+    model.ParseFromString(serialized.numpy())
+    return model if model.nodes else None
+
+
+def _chain(model):
+    """The model's nodes from the consumer's end, first inputs down."""
+    nodes, key = [], model.output
+    while key in model.nodes and len(nodes) < 64:
+        node = model.nodes[key]
+        nodes.append(node)
+        if not node.inputs:
+            break
+        key = node.inputs[0]
+    return nodes
+
+
+def stage_nodes(model, maps_above):
+    """The stage's buffer node and the node of its map (None: not found).
+
+    The buffer is the first `Prefetch` from the consumer's end (what a
+    stage's pipeline ends with); the stage's map is the map below it,
+    after `maps_above` maps that run after the stage's work (packing).
+    """
+    chain = _chain(model)
+    for i, node in enumerate(chain):
+        if node.name == _BUFFER:
+            below = chain[i + 1 :]
+            if len(below) > maps_above and all(
+                n.name in _MAPS for n in below[: maps_above + 1]
+            ):
+                return node, below[maps_above]
+            return node, None
+    return None, None
+
+
+class PipelineModel:
+    """Running totals of a stage's figures, sampled from tf.data's model.
+
+    Args:
+        maps_above: Maps between the stage's buffer and its own map (the
+            device packing); `None`: the stage has no map (nothing to
+            compute), so its busy time is 0.
+    """
+
+    def __init__(self, maps_above=0):
+        self.maps_above = maps_above
+        self._iterator = None  # a weak reference: never keep it running
+        self._started = time.time()
+        self._last = None  # (fetches, map ns) at the last sample
+        self._sampled = None  # when the last sample that saw fetches ran
+        self.fetches = 0
+        self.gap_seconds = 0.0
+        self.busy_seconds = 0.0
+        self.buffered_sum = 0.0
+        self.buffered_peak = 0
+        # False once a sample found no model of the stage (autotuning
+        # off in the dataset's options, say): its figures are then unknown.
+        self.measures = True
+
+    def watch(self, iterator):
+        """Samples `iterator` from now on (the consumer's newest)."""
+        self.sample()  # what the one it replaces fetched
+        try:
+            self._iterator = weakref.ref(iterator)
+        except TypeError:
+            self._iterator = None
+        self._last = None
+
+    def sample(self):
+        """Adds what the watched iterator did since the last sample."""
+        iterator = None if self._iterator is None else self._iterator()
+        if iterator is None:
+            return
+        now = time.time()
+        model = read_model(iterator)
+        buffer, stage_map = (None, None)
+        if model is not None:
+            buffer, stage_map = stage_nodes(model, self.maps_above or 0)
+        if self.maps_above is None:
+            stage_map = None  # nothing of the stage's own to time
+        elif buffer is not None and stage_map is None:
+            buffer = None  # not the stage's pipeline as built
+        if buffer is None:
+            self.measures = False
+            return
+        fetches = model.nodes[model.output].num_elements
+        map_ns = stage_map.processing_time if stage_map is not None else 0
+        last_fetches, last_ns = self._last or (0, 0)
+        new = fetches - last_fetches
+        self._last = (fetches, map_ns)
+        since, self._sampled = self._sampled, now
+        if new <= 0:
+            return
+        gaps = list(model.gap_times)[-new:]
+        gap = sum(gaps) / 1e6
+        # An iterator's first fetch has no gap; more missing ones are past
+        # the fetches tf.data keeps: as long as those it kept.
+        if gaps and len(gaps) < new - 1:
+            gap *= new / len(gaps)
+        # The new fetches all began after the last sample: a gap that began
+        # before it (the first fetch of an epoch after validation, say)
+        # counts only from there.
+        if since is not None:
+            gap = min(gap, now - since)
+        self.fetches += new
+        self.gap_seconds += gap
+        self.busy_seconds += (map_ns - last_ns) / 1e9
+        held = buffer.buffered_elements
+        self.buffered_sum += held * new
+        self.buffered_peak = max(self.buffered_peak, held)
+
+    def wait_seconds(self, now):
+        """The consumer's time not spent between its fetches, so far.
+
+        Over an epoch, the time from its last fetch to its end (its last
+        step) counts, and the first fetch's gap began before the epoch (in
+        the step before): the two about cancel.
+        """
+        return now - self._started - self.gap_seconds
