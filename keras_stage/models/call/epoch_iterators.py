@@ -198,6 +198,16 @@ def _close_running_on():
         shared.close()
 
 
+def restarts_anywhere(start, epochs):
+    """Whether a long-lived source's epochs can start on a new iterator.
+
+    `start`: its first-epoch variable (see `long_lived_source`), or None;
+    `epochs` None: a source of free passes, every pass of which is a
+    first one.
+    """
+    return start is not None or epochs is None
+
+
 def resolve(iterator):
     """`iterator`, or the real iterator a deferred or epoch view stands for.
 
@@ -246,9 +256,8 @@ class LongLivedIterator:
         self.steps_per_execution = int(steps_per_execution)
         self.made = made
         self._start = start
-        # Whether a new iterator can start at any epoch: every pass of a
-        # source of free passes (`epochs=None`) is a first one.
-        self.restartable = start is not None or epochs is None
+        # Whether a new iterator can start at any epoch.
+        self.restartable = restarts_anywhere(start, epochs)
         self._pool = pool
         self._name = name
         # The real iterator, in a list a finalizer can hand to `release`.

@@ -24,6 +24,7 @@ from keras_stage.models.call.epoch_iterators import (
     DeferredPipeline,
     EpochPipeline,
     LongLivedIterator,
+    restarts_anywhere,
 )
 from keras_stage.models.data_adapters import epoch_sources
 from keras_stage.models.data_adapters.arrays import array_batches, in_memory
@@ -277,8 +278,7 @@ class StagedData:
     def epochs_restartable(self):
         """Whether any epoch can start on a new iterator (see `start`)."""
         plan = self._long_lived
-        # A source of free passes (`epochs` None) can start at any.
-        return plan is None or plan.start is not None or plan.epochs is None
+        return plan is None or restarts_anywhere(plan.start, plan.epochs)
 
     def end_call(self):
         """Drops what iterators of a stage built for the ended call still make.
