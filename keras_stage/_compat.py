@@ -322,13 +322,3 @@ def backup_files(backup):
     Keras's write or fell between it and `DataBackup`'s.
     """
     return backup._weights_path, backup._training_metadata_path
-
-
-def iterator_resource(iterator):
-    """The resource handle of an eager tf.data iterator, or None.
-
-    `tf.raw_ops.IteratorGetModelProto` (tf.data's own measurements of an
-    iterator, see `data/pipeline_model.py`) takes the handle, which an
-    `OwnedIterator` keeps only in `_iterator_resource`.
-    """
-    return getattr(iterator, "_iterator_resource", None)

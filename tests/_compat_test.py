@@ -488,15 +488,3 @@ def test_dataset_seeded_tells_a_fixed_seed_from_none():
     tf.random.set_seed(5)
     assert _compat.dataset_seeded(base.shuffle(8))  # the global seed
     assert _compat.dataset_seeded(object())  # cannot tell: seeded
-
-
-def test_iterator_resource_is_what_tf_data_s_model_reads():
-    # `pipeline_model.read_model` hands it to IteratorGetModelProto: under
-    # op determinism the stage's figures come from there.
-    iterator = iter(tf.data.Dataset.range(8).prefetch(2))
-    next(iterator)
-    resource = _compat.iterator_resource(iterator)
-    assert resource is not None, UPDATE.format("iterator_resource")
-    proto = tf.raw_ops.IteratorGetModelProto(iterator=resource)
-    assert proto.numpy(), UPDATE.format("iterator_resource")
-    assert _compat.iterator_resource(object()) is None

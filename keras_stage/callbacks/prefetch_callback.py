@@ -148,7 +148,7 @@ class PrefetchCallback(keras.callbacks.Callback):
       forbids the in-graph clock that times it, it is read from tf.data's
       own model of the stage's iterator (the gaps between the step's
       fetches); absent when that cannot be read either (a dataset whose
-      options turn tf.data's autotuning off).
+      options turn tf.data's autotuning off, or TensorFlow 2.16).
     - `stage_buffer_fill`: mean fill of the stage buffer when the training
       step asked for a batch (0..1). Near 1: batches were waiting.
     - `stage_skipped`: batches skipped this epoch by

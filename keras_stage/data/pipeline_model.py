@@ -4,8 +4,9 @@ tf.data's autotuner keeps a model of every iterator it runs: per dataset
 node, the elements it produced, the time it spent on them and the
 elements its buffer holds, and, at the iterator, the gaps between the
 consumer's fetches (the consumer's time between two `GetNext` calls, for
-the last 100 fetches). `tf.raw_ops.IteratorGetModelProto` returns it,
-read between steps with no op in the pipeline.
+the last 100 fetches). `tf.data.experimental.get_model_proto` returns it
+(TensorFlow 2.17 and later), read between steps with no op in the
+pipeline.
 
 That is what a stage measures under op determinism, where its pipeline
 holds no counter or clock (`StageStats.count_nothing`: either would make
@@ -13,16 +14,19 @@ tf.data run it one batch at a time): the consumer's wait is the time it
 did not spend between its fetches (`wait_seconds`), the staged map's time
 its busy time, the buffer's count its fill. `PipelineModel.sample` is
 called between steps, at most `SAMPLE_FETCHES` fetches apart, so no gap
-is missed; an epoch's figures are the difference of two `totals`.
+is missed. On TensorFlow without it (2.16), nothing is read and those
+figures stay not measured, as a dataset whose options turn autotuning off
+leaves them.
 """
 
 import time
 import weakref
 
 import tensorflow as tf
-from tensorflow.core.framework import model_pb2
 
-from keras_stage import _compat
+# tf.data's reader of an iterator's model; TensorFlow 2.16 has none.
+_get_model_proto = getattr(tf.data.experimental, "get_model_proto", None)
+AVAILABLE = _get_model_proto is not None
 
 # tf.data keeps the gaps of an iterator's last 100 fetches
 # (`Model::RecordIteratorGapTime`; 100 on TF 2.16 and 2.21).
@@ -41,17 +45,15 @@ def read_model(iterator):
     """tf.data's model of `iterator` (a `ModelProto`), or None.
 
     None for an iterator tf.data keeps no model of (autotuning off in the
-    dataset's options), one already deleted, or any other iterator.
+    dataset's options), anything but a tf.data iterator, or a TensorFlow
+    that cannot read it (`AVAILABLE`).
     """
-    resource = _compat.iterator_resource(iterator)
-    if resource is None:
+    if not AVAILABLE:
         return None
     try:
-        serialized = tf.raw_ops.IteratorGetModelProto(iterator=resource)
+        model = _get_model_proto(iterator)
     except (tf.errors.OpError, TypeError, ValueError):
         return None
-    model = model_pb2.ModelProto()
-    model.ParseFromString(serialized.numpy())
     return model if model.nodes else None
 
 
@@ -108,7 +110,7 @@ class PipelineModel:
         self.buffered_peak = 0
         # False once a sample found no model of the stage (autotuning
         # off in the dataset's options, say): its figures are then unknown.
-        self.measures = True
+        self.measures = AVAILABLE
 
     def watch(self, iterator):
         """Samples `iterator` from now on (the consumer's newest)."""

@@ -37,6 +37,7 @@ import time
 
 import tensorflow as tf
 
+from keras_stage.data import pipeline_model
 from keras_stage.data.pipeline_model import PipelineModel
 
 logger = logging.getLogger("keras_stage")
@@ -167,6 +168,13 @@ NO_CLOCK_NOTE = (
     "keras_stage reads its stages' waits, buffer fill and staged work from "
     "tf.data's own model of their iterators, sampled between steps. The "
     "stages still run in parallel: their pipelines hold no counter."
+    if pipeline_model.AVAILABLE
+    else "Op determinism is on: TensorFlow forbids in-graph clocks then, "
+    "and this TensorFlow cannot read tf.data's model of an iterator "
+    "(tf.data.experimental.get_model_proto, TensorFlow 2.17+), so "
+    "keras_stage counts batches but does not time its stages or count "
+    "their buffers (no stage_wait_ratio in the logs). The stages still run "
+    "in parallel: their pipelines hold no counter."
 )
 _no_clock_noted = False
 _no_clock_lock = threading.Lock()

@@ -73,7 +73,10 @@ def test_eager_stage_runs_counts_and_times_fetches_on_the_host(
     # timed the staged computation (the pipeline has no clock).
     assert math.isfinite(snapshot["wait_seconds"])
     assert snapshot["wait_seconds"] > 0.0
-    assert snapshot["busy_seconds"] > 0.0
+    if pipeline_model.AVAILABLE:
+        assert snapshot["busy_seconds"] > 0.0
+    else:  # TensorFlow 2.16: not measured
+        assert math.isnan(snapshot["busy_seconds"])
     assert staged.close()
 
 
@@ -239,6 +242,10 @@ def test_a_stage_built_under_determinism_stays_parallel_and_buffered(
     assert len(list(staged)) == 6
     snapshot = staged.stats.snapshot()
     assert snapshot["consumed"] == snapshot["produced"] == 6
+    if not pipeline_model.AVAILABLE:  # TensorFlow 2.16: not measured
+        assert math.isnan(snapshot["buffered_sum"])
+        assert staged.close()
+        return
     assert 0 <= snapshot["buffered_sum"] <= 6 * 2
     # tf.data's own view of the pipeline it runs: the buffer holds 2, the
     # map runs 2 elements at once.

@@ -8,7 +8,7 @@ import tensorflow as tf
 from keras_stage.data import pipeline_model, stage
 from keras_stage.data.pipeline_model import PipelineModel, read_model
 from keras_stage.data.stats import StageStats
-from tests.op_determinism import op_determinism
+from tests.op_determinism import needs_tf_data_model, op_determinism
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,6 +33,14 @@ def _pipeline(fn=None, packs=False, source=None):
     return data.prefetch(3)
 
 
+@needs_tf_data_model
+def test_tf_data_s_model_is_readable_on_tensorflow_2_17_and_later():
+    # Not a silent skip of the tests below on a TensorFlow that has it.
+    major, minor = (int(v) for v in tf.__version__.split(".")[:2])
+    assert pipeline_model.AVAILABLE == ((major, minor) >= (2, 17))
+
+
+@needs_tf_data_model
 def test_the_consumer_s_gaps_make_its_time_and_the_rest_its_wait():
     model = PipelineModel()
     iterator = iter(_pipeline(lambda x: x * 2))
@@ -51,6 +59,7 @@ def test_the_consumer_s_gaps_make_its_time_and_the_rest_its_wait():
     assert model.wait_seconds(time.time()) < 0.5 * elapsed
 
 
+@needs_tf_data_model
 def test_a_slow_staged_map_is_waited_for_and_timed():
     model = PipelineModel()
     iterator = iter(_pipeline(_sleepy))
@@ -66,6 +75,7 @@ def test_a_slow_staged_map_is_waited_for_and_timed():
     assert 0 <= model.buffered_peak <= 3
 
 
+@needs_tf_data_model
 def test_samples_further_apart_than_tf_data_s_window_are_scaled():
     model = PipelineModel()
     iterator = iter(_pipeline(lambda x: x * 2))
@@ -77,6 +87,7 @@ def test_samples_further_apart_than_tf_data_s_window_are_scaled():
     assert model.gap_seconds > 0
 
 
+@needs_tf_data_model
 def test_a_new_iterator_is_sampled_from_its_start_and_the_old_one_to_its_end():
     model = PipelineModel()
     first = iter(_pipeline(lambda x: x * 2))
@@ -91,6 +102,7 @@ def test_a_new_iterator_is_sampled_from_its_start_and_the_old_one_to_its_end():
     assert model.fetches == 12
 
 
+@needs_tf_data_model
 def test_packing_above_the_stage_s_map_is_skipped():
     iterator = iter(_pipeline(_sleepy, packs=True))
     next(iterator)
@@ -123,7 +135,7 @@ def test_no_model_without_autotuning():
     model.sample()
     assert read_model(iterator) is None
     assert not model.measures
-    assert read_model(object()) is None
+    assert read_model(object()) is None  # not a tf.data iterator
 
 
 def test_the_model_never_keeps_a_dropped_iterator_running():
@@ -136,6 +148,7 @@ def test_the_model_never_keeps_a_dropped_iterator_running():
     assert model.fetches == 0
 
 
+@needs_tf_data_model
 def test_stats_under_determinism_snapshot_what_tf_data_measured():
     # A stage built under op determinism holds no counter: its snapshot's
     # wait, busy time and buffer fill come from tf.data's model.
