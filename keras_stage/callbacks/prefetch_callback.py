@@ -326,6 +326,9 @@ class PrefetchCallback(keras.callbacks.Callback):
         self._starting_epoch = False
         binding = self._bindings.get("train")
         if binding is not None:
+            # Between two steps, not at an epoch's end (see
+            # `PipelineModel.sample`): a sample before the snapshot's.
+            binding.staged.stats.sample()
             self._after_first_step = (_snapshot(binding.staged), time.time())
 
     def _samples_due(self, batch):

@@ -19,6 +19,8 @@ figures stay not measured, as a dataset whose options turn autotuning off
 leaves them.
 """
 
+import collections
+import statistics
 import time
 import weakref
 
@@ -35,6 +37,8 @@ GAP_WINDOW = 100
 # window, and often enough for the buffer's count (an instant's) to
 # average over an epoch. A sample costs about a tenth of a small step.
 SAMPLE_FETCHES = 10
+# The recent samples of a ready buffer whose fetch time is the baseline.
+READY_SAMPLES = 20
 
 # The node of the stage's buffer (`Dataset.prefetch`), and those of a map.
 _BUFFER = "Prefetch"
@@ -100,11 +104,18 @@ class PipelineModel:
     def __init__(self, maps_above=0):
         self.maps_above = maps_above
         self._iterator = None  # a weak reference: never keep it running
-        self._started = time.time()
-        self._last = None  # (fetches, map ns) at the last sample
-        self._sampled = None  # when the last sample that saw fetches ran
+        self._last = None  # (fetches, map ns, held) at the last sample
+        self._sampled = None  # when the last sample ran
+        # The time from the last fetch to the last sample, estimated.
+        self._tail = 0.0
+        # Per-fetch time outside the gaps of recent samples that found the
+        # buffer holding elements at both ends (see `sample`).
+        self._ready = collections.deque(maxlen=READY_SAMPLES)
+        # Per-fetch time outside the gaps of recent samples between steps.
+        self._fetching = collections.deque(maxlen=READY_SAMPLES)
         self.fetches = 0
         self.gap_seconds = 0.0
+        self.wait_seconds = 0.0
         self.busy_seconds = 0.0
         self.buffered_sum = 0.0
         self.buffered_peak = 0
@@ -114,15 +125,23 @@ class PipelineModel:
 
     def watch(self, iterator):
         """Samples `iterator` from now on (the consumer's newest)."""
-        self.sample()  # what the one it replaces fetched
+        self.sample(boundary=True)  # what the one it replaces fetched
         try:
             self._iterator = weakref.ref(iterator)
         except TypeError:
             self._iterator = None
         self._last = None
+        self._tail = 0.0  # a first fetch has no gap to hold the last tail
 
-    def sample(self):
-        """Adds what the watched iterator did since the last sample."""
+    def sample(self, boundary=False):
+        """Adds what the watched iterator did since the last sample.
+
+        Args:
+            boundary: Whether the consumer samples at an epoch's boundary
+                (its end, or a new iterator's start), not between two
+                steps: the time since its last fetch is then not one
+                step's but the epoch's end too (metrics, callbacks).
+        """
         iterator = None if self._iterator is None else self._iterator()
         if iterator is None:
             return
@@ -140,9 +159,10 @@ class PipelineModel:
             return
         fetches = model.nodes[model.output].num_elements
         map_ns = stage_map.processing_time if stage_map is not None else 0
-        last_fetches, last_ns = self._last or (0, 0)
+        held = buffer.buffered_elements
+        last_fetches, last_ns, last_held = self._last or (0, 0, held)
         new = fetches - last_fetches
-        self._last = (fetches, map_ns)
+        self._last = (fetches, map_ns, held)
         since, self._sampled = self._sampled, now
         if new <= 0:
             return
@@ -152,23 +172,46 @@ class PipelineModel:
         # the fetches tf.data keeps: as long as those it kept.
         if gaps and len(gaps) < new - 1:
             gap *= new / len(gaps)
-        # The new fetches all began after the last sample: a gap that began
-        # before it (the first fetch of an epoch after validation, say)
-        # counts only from there.
+        tail = self._tail
+        self._tail = statistics.median(gaps) / 1e6 if gaps else 0.0
         if since is not None:
+            # The new fetches all began after the last sample: a gap that
+            # began before it (the first fetch of an epoch after
+            # validation, say) counts only from there.
             gap = min(gap, now - since)
+            self._add_wait(
+                now - since, gap, tail, new, boundary, last_held, held
+            )
         self.fetches += new
         self.gap_seconds += gap
         self.busy_seconds += (map_ns - last_ns) / 1e9
-        held = buffer.buffered_elements
-        self.buffered_sum += held * new
-        self.buffered_peak = max(self.buffered_peak, held)
+        # The fetches since the last sample saw the buffer as it was then:
+        # one now at the end of an iterator's data sees it emptied by the
+        # end, not by a stage that fell behind.
+        self.buffered_sum += last_held * new
+        self.buffered_peak = max(self.buffered_peak, held, last_held)
 
-    def wait_seconds(self, now):
-        """The consumer's time not spent between its fetches, so far.
-
-        Over an epoch, the time from its last fetch to its end (its last
-        step) counts, and the first fetch's gap began before the epoch (in
-        the step before): the two about cancel.
-        """
-        return now - self._started - self.gap_seconds
+    def _add_wait(self, interval, gap, tail, new, boundary, last_held, held):
+        """Adds the wait of `new` fetches made in `interval` seconds."""
+        # The rest of the interval the consumer spent in its fetches, but
+        # for the time since its last fetch (in the next fetch's gap: a
+        # usual gap between steps), plus that of the last interval (in the
+        # first gap here).
+        fetching = max(0.0, interval - gap + tail - self._tail)
+        if boundary and self._fetching:
+            # The time since the last fetch is unknown: the interval's
+            # fetches took what recent ones usually did, the rest is the
+            # tail.
+            rest = fetching + self._tail
+            fetching = min(rest, new * statistics.median(self._fetching))
+            self._tail = rest - fetching
+        elif not boundary:
+            self._fetching.append(fetching / new)
+            if last_held > 0 and held > 0:
+                self._ready.append(fetching / new)
+        # A fetch of a ready element takes some time too (the dequeue, a
+        # copy), which is not waiting for the stage: learnt from the
+        # samples whose buffer held elements at both ends, as the clock's
+        # baseline is (`StageStats`), and taken off.
+        ready = statistics.median(self._ready) if self._ready else 0.0
+        self.wait_seconds += max(0.0, fetching - new * ready)

@@ -749,8 +749,7 @@ class StageStats:
         """
         model = self._host_model
         if model is not None:
-            model.sample()
-            now = time.time()
+            model.sample(boundary=True)
             measures = model.measures
         with self._lock:
             skipped = self.skipped
@@ -773,7 +772,7 @@ class StageStats:
         if model is not None and measures:
             # Counted nothing in the graph: tf.data's model measured them.
             if not wait_timed:
-                wait = model.wait_seconds(now)
+                wait = model.wait_seconds
             if not busy_timed:
                 busy = model.busy_seconds
             buffered_sum, peak = model.buffered_sum, model.buffered_peak
