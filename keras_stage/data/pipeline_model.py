@@ -31,7 +31,7 @@ _get_model_proto = getattr(tf.data.experimental, "get_model_proto", None)
 AVAILABLE = _get_model_proto is not None
 
 # tf.data keeps the gaps of an iterator's last 100 fetches
-# (`Model::RecordIteratorGapTime`; 100 on TF 2.16 and 2.21).
+# (`Model::RecordIteratorGapTime`; 100 on TF 2.21, measured).
 GAP_WINDOW = 100
 # How many fetches apart a consumer samples, at most: well within the gap
 # window, and often enough for the buffer's count (an instant's) to

@@ -1384,3 +1384,22 @@ def test_across_calls_times_each_call_of_both_modes():
     assert summary["staged_ms"] == pytest.approx(
         1000 * statistics.median(results["staged"][warm:])
     )
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+def test_determinism_verdict_compares_both_ways_of_measuring(tmp_path):
+    from benchmarks import determinism_verdict
+
+    determinism_verdict.RESULTS = tmp_path
+    determinism_verdict.main(
+        ["--rounds", "1", "--workloads", "slow_step", "--name", "t"]
+    )
+    runs = json.loads((tmp_path / "t.json").read_text())["slow_step"]
+    for key in ("clock", "determinism"):
+        [verdict] = runs[key]
+        # A step that sleeps 20 ms a batch: compute-bound either way.
+        assert verdict["input_bound"] is False, (key, verdict)
+        assert verdict["train_seconds_per_batch"] >= 0.02, (key, verdict)
+        assert 0.0 <= verdict["wait_ratio"] <= 1.0
+
