@@ -1402,4 +1402,3 @@ def test_determinism_verdict_compares_both_ways_of_measuring(tmp_path):
         assert verdict["input_bound"] is False, (key, verdict)
         assert verdict["train_seconds_per_batch"] >= 0.02, (key, verdict)
         assert 0.0 <= verdict["wait_ratio"] <= 1.0
-
