@@ -38,7 +38,6 @@ import time
 import tensorflow as tf
 
 from keras_stage.data import pipeline_model
-from keras_stage.data.pipeline_model import PipelineModel
 
 logger = logging.getLogger("keras_stage")
 
@@ -276,7 +275,7 @@ class StageStats:
         if computes:
             self._busy_timed = False
         if self._host_model is None:
-            self._host_model = PipelineModel(
+            self._host_model = pipeline_model.PipelineModel(
                 maps_above=maps_above if computes else None
             )
 
