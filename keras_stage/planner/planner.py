@@ -663,8 +663,9 @@ class StageSplit:
         self.trunk = keras.Model(
             trunk_inputs, outputs, name=f"{graph.name}_trunk"
         )
-        # Counts the elements entering the stage (across epochs and fits),
-        # so each gets its own random seeds whatever thread runs it.
+        # Counts the elements entering a training stage (across epochs
+        # and fits), so each gets its own random seeds whatever thread
+        # runs it.
         self._ordinal = (
             tf.Variable(0, dtype=tf.int64, trainable=False)
             if self.seed_states
@@ -691,12 +692,23 @@ class StageSplit:
         """
         return self._ordinal
 
-    def number(self, dataset):
+    def number(self, dataset, writes=True):
         """Tags each element with its ordinal, in order, if seeds need it.
 
         A sequential scan before the stage: the ordinal follows the data
         order, not the order the stage's threads happen to run in, and
-        goes on across iterators (epochs, calls) through `ordinal`.
+        goes on across iterators (epochs, calls) through `ordinal`. Only
+        a training stage's elements are numbered (`stage_fn(training=
+        True)` takes them so): no other call draws the staged seeds.
+
+        Args:
+            dataset: What the stage stages.
+            writes: Whether each element's ordinal is written to `ordinal`
+                as it is numbered. False for an iterator that runs on
+                across epochs and calls (`LongLivedIterator`): it reads
+                ahead of what Keras took, by as much as its threads got
+                to, so it sets `ordinal` itself, to the count Keras took,
+                and its scan only reads it as it starts.
         """
         if self._ordinal is None:
             return dataset
@@ -715,6 +727,8 @@ class StageSplit:
             # that would make the source's iterator, and a reshuffling
             # source's seed draw, wait for the first element.)
             n = tf.cond(started, lambda: last, ordinal.read_value) + 1
+            if not writes:
+                return (True, n), (n, element)
             updates = [ordinal.assign(n), unnumbered.assign(False)]
             with tf.control_dependencies(updates):
                 return (True, n), (tf.identity(n), element)
@@ -763,8 +777,12 @@ class StageSplit:
         """
         return bool(training) in self._stage_fns
 
+    def numbers(self, training):
+        """Whether a stage of this `training` flag stages `number`ed data."""
+        return self._ordinal is not None and bool(training)
+
     def _element_fn(self, training):
-        numbered = self._ordinal is not None
+        numbered = self.numbers(training)
 
         def fn(element):
             ordinal = None
@@ -776,7 +794,7 @@ class StageSplit:
                 x, rest = element[0], tuple(element[1:])
             else:
                 x, rest = element, None
-            if numbered and training:
+            if numbered:
                 with self._seeded(ordinal):
                     cut = self._run_prefix(x, training)
             else:

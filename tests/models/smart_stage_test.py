@@ -377,6 +377,61 @@ def test_staged_random_layers_train_deterministically():
         np.testing.assert_array_equal(a, b)
 
 
+def _noisy_fit(model, data, epochs, **kwargs):
+    keras.utils.set_random_seed(FIT_SEED)
+    return model.fit(data, epochs=epochs, verbose=0, shuffle=False, **kwargs)
+
+
+def _noisy_data():
+    return tf.data.Dataset.from_tensor_slices((X, Y)).batch(5)
+
+
+def test_staged_random_layers_number_one_iterator_as_one_per_epoch(tmp_path):
+    # Long-lived, the fit's one iterator reads ahead of Keras: the elements
+    # still get the ordinals an iterator per epoch gives them, and the
+    # count Keras took is what the next iterator numbers on from.
+    batches = -(-N // 5)
+    long_lived = _noisy_model()
+    _noisy_fit(long_lived, _noisy_data(), 3)
+    kept = long_lived._keras_stage_state.stages["train"]
+    assert kept.long_lived is not None  # the epochs ran on one iterator
+    split = long_lived._keras_stage_state.split
+    assert int(split.ordinal.numpy()) == 3 * batches
+    per_epoch = _noisy_model()
+    # BackupAndRestore checkpoints each epoch's iterator: one per epoch.
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    _noisy_fit(per_epoch, _noisy_data(), 3, callbacks=[backup])
+    assert per_epoch._keras_stage_state.stages["train"].long_lived is None
+    for a, b in zip(
+        long_lived.get_weights(), per_epoch.get_weights(), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_staged_random_layers_keep_their_stage_across_calls():
+    # A user's loop of fit(epochs=1) on one dataset reuses the stage and
+    # its iterator, and draws what one fit of as many epochs draws; a fit
+    # on another dataset object then numbers on from the batches taken.
+    batches = -(-N // 5)
+    data, other = _noisy_data(), _noisy_data()
+    looped = _noisy_model()
+    for call in range(1, 4):
+        _noisy_fit(looped, data, 1)
+        split = looped._keras_stage_state.split
+        assert int(split.ordinal.numpy()) == call * batches
+        looped.evaluate(data, verbose=0)  # evaluation draws no number
+        assert int(split.ordinal.numpy()) == call * batches
+    kept = looped._keras_stage_state.stages["train"]
+    assert kept.carries()  # its iterator runs on into the next call
+    assert kept._shared.iterators_made == 1
+    _noisy_fit(looped, other, 1)
+    once = _noisy_model()
+    _noisy_fit(once, data, 3)
+    _noisy_fit(once, other, 1)
+    for a, b in zip(looped.get_weights(), once.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_without_staged_input_stages_from_the_inputs_and_says_so(caplog):
     def build():
         keras.utils.set_random_seed(3)

@@ -235,6 +235,13 @@ class LongLivedIterator:
         start: The source's first-epoch variable (see
             `long_lived_source`) if its epochs are independent of one
             another, so an iterator can start at any of them; else None.
+        ordinal: The staged random layers' count of numbered elements
+            (`StageSplit.ordinal`), when the pipeline numbers them without
+            writing it (`StageSplit.number(writes=False)`), else None. Its
+            iterator reads ahead of Keras by as much as its threads got
+            to, so the count is kept here, from what Keras took: the next
+            element a new iterator numbers is the one after those, as
+            with an iterator per epoch read to its end.
         pool: The stage's `StagePool`, or None.
         name: The stage's name, for messages.
     """
@@ -247,6 +254,7 @@ class LongLivedIterator:
         made,
         steps_per_execution=1,
         start=None,
+        ordinal=None,
         pool=None,
         name="stage",
     ):
@@ -260,6 +268,9 @@ class LongLivedIterator:
         self.restartable = restarts_anywhere(start, epochs)
         self._pool = pool
         self._name = name
+        self._ordinal = ordinal
+        # `ordinal`'s value less the batches read when first made.
+        self._ordinal_origin = None
         # The real iterator, in a list a finalizer can hand to `release`.
         self._box = [None]
         self._pool_size = None  # the pool size it was made on
@@ -351,6 +362,11 @@ class LongLivedIterator:
         self._iterator = None  # the one it replaces goes first
         if self._start is not None:
             self._start.assign(self.epoch)
+        if self._ordinal is not None:
+            if self._ordinal_origin is None:
+                value = int(self._ordinal.numpy())
+                self._ordinal_origin = value - self.read_batches
+            self._count_taken()  # what the new iterator numbers on from
         self._pool_size = None if self._pool is None else self._pool.size
         started = time.perf_counter()
         self._iterator = iter(self._pipeline)
@@ -369,6 +385,11 @@ class LongLivedIterator:
             and self.read_batches % self.batches == 0
         )
 
+    def _count_taken(self):
+        """Sets `ordinal` to the elements Keras took (see the Args)."""
+        if self._ordinal_origin is not None:
+            self._ordinal.assign(self._ordinal_origin + self.read_batches)
+
     def detach(self):
         """Ends a call without dropping the iterator (see "Across calls").
 
@@ -380,6 +401,7 @@ class LongLivedIterator:
         dropped before the interpreter exits (`_close_running_on`).
         """
         self._view = None
+        self._count_taken()
         if self not in _running_on:
             _running_on.add(self)
             weakref.finalize(self, _release_box, self._box)
@@ -395,6 +417,7 @@ class LongLivedIterator:
             The thread that drops it.
         """
         self.closed = True
+        self._count_taken()
         _running_on.discard(self)
         held, self._iterator = [self._iterator], None
         self._view = None

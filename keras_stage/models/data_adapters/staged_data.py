@@ -257,6 +257,7 @@ class StagedData:
                 self._made,
                 steps_per_execution=plan.steps_per_execution,
                 start=plan.start,
+                ordinal=plan.ordinal,
                 pool=self.staged.thread_pool,
                 name=self.staged.name,
             )
@@ -496,6 +497,8 @@ class LongLivedEpochs:
         start: The source's first-epoch variable when its epochs can start
             on a new iterator (see `LongLivedIterator`), else None.
         source: The long-lived source.
+        ordinal: The staged random layers' count of numbered elements
+            (`StageSplit.ordinal`) when the stage numbers them, else None.
     """
 
     def __init__(self, epochs, batches, steps_per_execution, start, source):
@@ -504,6 +507,7 @@ class LongLivedEpochs:
         self.steps_per_execution = steps_per_execution
         self.start = start
         self.source = source
+        self.ordinal = None
 
 
 def _keeps(kept, x, served, distributed, class_weight, split):
@@ -515,7 +519,6 @@ def _keeps(kept, x, served, distributed, class_weight, split):
         and not served
         and not distributed
         and class_weight is None
-        and (split is None or not split.seed_states)
     )
 
 
@@ -851,10 +854,6 @@ def stage_data(
         )
         if refusal is None and not default_strategy(strategy):
             refusal = "Keras distributes the data with a tf.distribute strategy"
-        if refusal is None and split is not None and split.seed_states:
-            # The ordinals `split.number` gives would follow the reads
-            # ahead, interleaved with the validation stage's.
-            refusal = "the staged layers draw random numbers per element"
         if (
             refusal is None
             and split is not None
@@ -889,11 +888,15 @@ def stage_data(
             dataset = long_lived.source
     fn = None
     element_spec = batches.element_spec if fused else dataset.element_spec
+    # Whether the staged random layers' draws are numbered (`split.number`).
+    numbered = split is not None and split.numbers(phase == "train")
+    if numbered and long_lived is not None:
+        # Its one iterator reads ahead of Keras: it keeps the count itself.
+        long_lived.ordinal = split.ordinal
     if split is not None:
-        dataset = split.number(dataset)
         fn = split.stage_fn(training=phase == "train")
         if fused:
-            fn = batches.staged_fn(fn, numbered=split.ordinal is not None)
+            fn = batches.staged_fn(fn, numbered=numbered)
     if served:
         mode = overrides.get(
             "processing_mode", layer.stage_options.processing_mode
@@ -934,6 +937,9 @@ def stage_data(
         long_lived = entry.long_lived  # what `staged` was built on
         carried = entry.carries()
     else:
+        if numbered:
+            # Only for a new stage: `number`'s scan is traced as it is made.
+            dataset = split.number(dataset, writes=long_lived is None)
         staged = layer.stage(
             dataset,
             fn=fn,

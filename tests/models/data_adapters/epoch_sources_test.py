@@ -15,7 +15,6 @@ datasets (seeded reshuffling, `reshuffle_each_iteration=False`,
 
 import gc
 import time
-import types
 import weakref
 
 import keras
@@ -634,7 +633,6 @@ class _Batches(keras.utils.PyDataset):
         ("shared_with_validation", "same datasets"),
         ("big_seeded_arrays", "MiB"),
         ("strategy", "strategy"),
-        ("random_staged_layers", "random numbers"),
         ("max_steps_per_epoch", "max_steps_per_epoch"),
     ],
 )
@@ -682,16 +680,6 @@ def test_unsafe_cases_keep_an_iterator_per_epoch(case, expected, monkeypatch):
         kwargs["shuffle"] = True
     elif case == "strategy":
         kwargs["strategy"] = tf.distribute.OneDeviceStrategy("/cpu:0")
-    elif case == "random_staged_layers":
-        # A `StageSplit`'s interface: the staged computation is the
-        # identity here (a stage over arrays gathers the rows before it).
-        kwargs["split"] = types.SimpleNamespace(
-            seed_states=[object()],
-            ordinal=None,
-            number=lambda ds: ds,
-            stage_fn=lambda training: lambda element: element,
-            plan=types.SimpleNamespace(staged_layers=()),
-        )
     elif case == "max_steps_per_epoch":
         monkeypatch.setattr(keras.config, "max_steps_per_epoch", lambda: 2)
     made = []
