@@ -329,6 +329,36 @@ def test_a_kept_stage_trains_as_plain_on_a_reshuffled_dataset():
     _loop_as_plain(epochs=2, shuffle_seed=5)
 
 
+# Keras warns of `shuffle=True` (its default) with a dataset.
+_QUIET = {"shuffle": False, "verbose": 0}
+
+
+def test_a_kept_stage_weighs_the_batches_with_the_calls_class_weight():
+    # Keras weighs the batches in a map over the user's dataset: the same
+    # weights run the kept stage again; other weights get a stage of
+    # their own, and both train as plain Keras.
+    plain = _model(staged=False)
+    staged = _model(adaptive=False)
+    staged.set_weights(plain.get_weights())
+    labels = (LABELS > 0.5).astype("float32")
+    kept = []
+    for model in (plain, staged):
+        ds = tf.data.Dataset.from_tensor_slices((WORDS, labels)).batch(16)
+        weights = {0: 1.0, 1: 3.0}
+        for _ in range(2):
+            model.fit(ds, epochs=2, class_weight=weights, **_QUIET)
+            if model is staged:
+                kept.append(model._keras_stage_state.stages["train"])
+        weights[1] = 0.5  # the user's dict, changed in place
+        model.fit(ds, epochs=2, class_weight=weights, **_QUIET)
+        if model is staged:
+            kept.append(model._keras_stage_state.stages["train"])
+    assert kept[0] is kept[1]
+    assert kept[2] is not kept[1]
+    for a, b in zip(plain.get_weights(), staged.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_a_readapted_layer_gets_a_new_kept_stage():
     model = _model(adaptive=False)
     ds = _dataset()

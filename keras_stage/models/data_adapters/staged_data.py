@@ -357,7 +357,17 @@ class _KeptStage:
     its own.
     """
 
-    def __init__(self, layer, phase, source, batches, fn, stats, long_lived):
+    def __init__(
+        self,
+        layer,
+        phase,
+        source,
+        batches,
+        fn,
+        stats,
+        long_lived,
+        class_weight=None,
+    ):
         self.objects = (layer, source, fn, stats)
         self.values = (
             phase,
@@ -366,6 +376,12 @@ class _KeptStage:
             None
             if long_lived is None
             else (long_lived.epochs, long_lived.steps_per_execution),
+            # Keras weighs the batches in its dataset (a map over the
+            # user's): a stage built with other weights is not this one.
+            # Copied, as a user may change the dict between calls.
+            None
+            if class_weight is None
+            else repr(sorted(dict(class_weight).items())),
         )
         # The `LongLivedEpochs` whose source the stage runs, or None.
         self.long_lived = long_lived
@@ -510,7 +526,7 @@ class LongLivedEpochs:
         self.ordinal = None
 
 
-def _keeps(kept, x, served, distributed, class_weight, split):
+def _keeps(kept, x, served, distributed):
     """Whether `stage_data(kept=kept)` keeps its stage over `x` for later
     calls (see there)."""
     return (
@@ -518,7 +534,6 @@ def _keeps(kept, x, served, distributed, class_weight, split):
         and isinstance(x, tf.data.Dataset)
         and not served
         and not distributed
-        and class_weight is None
     )
 
 
@@ -744,9 +759,8 @@ def stage_data(
     once and run again by later calls on the same dataset object with the
     same options, staged computation, batch count, stats and epochs on one
     iterator (a new pipeline of the same dataset would only trace the same
-    functions again); each role keeps its latest. Not on the tf.data
-    service, a strategy's replicas, with class weights (Keras maps the
-    dataset anew) or random staged layers (numbered per call).
+    functions again) and class weights; each role keeps its latest. Not on
+    the tf.data service or a strategy's replicas.
     """
     if isinstance(x, StagedDataset):
         # Already staged by the user with keras_stage.data.stage.
@@ -836,7 +850,7 @@ def stage_data(
     spans_calls = (
         epochs is not None
         and steps is None
-        and _keeps(kept, x, served, distributed, class_weight, split)
+        and _keeps(kept, x, served, distributed)
         and phase != "predict"
         and not reads_in_python
         and backend.graph_steps()
@@ -909,8 +923,17 @@ def stage_data(
             # Each batch once, in full batches again: the count is known.
             overrides["cardinality"] = num_batches
     entry = None
-    if _keeps(kept, x, served, distributed, class_weight, split):
-        entry = _KeptStage(layer, phase, x, num_batches, fn, stats, long_lived)
+    if _keeps(kept, x, served, distributed):
+        entry = _KeptStage(
+            layer,
+            phase,
+            x,
+            num_batches,
+            fn,
+            stats,
+            long_lived,
+            class_weight=class_weight,
+        )
         earlier = kept.get(phase)
         if earlier is not None and earlier.in_use:
             entry = None  # a call nested in the one running it: its own
