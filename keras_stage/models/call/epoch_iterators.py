@@ -278,6 +278,8 @@ class LongLivedIterator:
         self.read_batches = 0  # batches Keras took (or was skipped past)
         self.closed = False
         self.iterators_made = 0
+        # The `EpochPipeline` of each pipeline read through this iterator.
+        self._epoch_pipelines = {}
 
     @property
     def _iterator(self):
@@ -286,6 +288,19 @@ class LongLivedIterator:
     @_iterator.setter
     def _iterator(self, iterator):
         self._box[0] = iterator
+
+    def epoch_pipeline(self, pipeline):
+        """The `EpochPipeline` Keras reads `pipeline`'s epochs through.
+
+        Built once: a later call reading on from this iterator builds no
+        dataset (its `take` and cardinality ops cost a call's worth of
+        eager ops).
+        """
+        held = self._epoch_pipelines.get(id(pipeline))
+        if held is None or held[0] is not pipeline:
+            held = (pipeline, EpochPipeline(self, pipeline))
+            self._epoch_pipelines[id(pipeline)] = held
+        return held[1]
 
     @property
     def epoch(self):

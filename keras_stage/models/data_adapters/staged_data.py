@@ -22,7 +22,6 @@ from keras_stage.data.stats import op_determinism_enabled
 from keras_stage.models.backends import backend
 from keras_stage.models.call.epoch_iterators import (
     DeferredPipeline,
-    EpochPipeline,
     LongLivedIterator,
     restarts_anywhere,
 )
@@ -263,7 +262,7 @@ class StagedData:
             )
             if spans:
                 self.kept.keep_iterator(pipeline, self._shared)
-        return EpochPipeline(self._shared, pipeline)
+        return self._shared.epoch_pipeline(pipeline)
 
     def _made(self, seconds):
         if self.on_iterator is not None:
@@ -467,18 +466,21 @@ VARIABLES_COMPARED_BYTES = 2**20
 
 
 def _variables_of(split):
-    """The variables of `split`'s staged layers (kept per split), or None.
+    """`(variables, read)` of `split`'s staged layers (kept per split).
 
-    None when they are over `VARIABLES_COMPARED_BYTES` in all.
+    `read()` returns their values as NumPy arrays. None when they are over
+    `VARIABLES_COMPARED_BYTES` in all.
     """
     if split is None:
-        return ()
+        return (), tuple
     cached = _split_variables.get(split, False)
     if cached is not False:
         return cached
     variables = tuple(split.prefix.variables)
     size = sum(epoch_sources.nbytes([v]) or 0 for v in variables)
-    found = None if size > VARIABLES_COMPARED_BYTES else variables
+    found = None
+    if size <= VARIABLES_COMPARED_BYTES:
+        found = variables, _reader(variables)
     _split_variables[split] = found
     return found
 
@@ -486,12 +488,25 @@ def _variables_of(split):
 _split_variables = weakref.WeakKeyDictionary()
 
 
+def _reader(variables):
+    """A function returning `variables`' values as NumPy arrays.
+
+    On TensorFlow one traced call reads them all: read one by one, each
+    costs a few eager ops, twice a call (a kept iterator's call compares
+    them as it begins and notes them as it ends).
+    """
+    if keras.backend.backend() != "tensorflow" or not variables:
+        return lambda: tuple(keras.ops.convert_to_numpy(v) for v in variables)
+    read_all = tf.function(
+        lambda: [tf.identity(v.value) for v in variables], autograph=False
+    )
+    return lambda: tuple(value.numpy() for value in read_all())
+
+
 def _variable_values(split):
     """The values of `split`'s staged layers' variables (see above)."""
-    variables = _variables_of(split)
-    if variables is None:
-        return None
-    return tuple(keras.ops.convert_to_numpy(v) for v in variables)
+    found = _variables_of(split)
+    return None if found is None else found[1]()
 
 
 def _same_values(before, now):
@@ -512,7 +527,8 @@ class LongLivedEpochs:
         steps_per_execution: The batches of one call of the compiled step.
         start: The source's first-epoch variable when its epochs can start
             on a new iterator (see `LongLivedIterator`), else None.
-        source: The long-lived source.
+        source: The long-lived source (built when first read: a call
+            reusing a kept stage reads the one it was built on).
         ordinal: The staged random layers' count of numbered elements
             (`StageSplit.ordinal`) when the stage numbers them, else None.
     """
@@ -522,8 +538,14 @@ class LongLivedEpochs:
         self.batches = batches
         self.steps_per_execution = steps_per_execution
         self.start = start
-        self.source = source
+        self._source = source  # or a function building it
         self.ordinal = None
+
+    @property
+    def source(self):
+        if callable(self._source):
+            self._source = self._source()
+        return self._source
 
 
 def _keeps(kept, x, served, distributed):
@@ -645,9 +667,12 @@ def _long_lived_epochs(
     if spans_calls and facts.free_passes:
         # Any pass stands for a fresh iterator's: one iterator for as
         # many epochs as this call and later ones read.
-        source = epoch_sources.long_lived_source(dataset, None)
         return LongLivedEpochs(
-            None, num_batches, steps_per_execution, None, source
+            None,
+            num_batches,
+            steps_per_execution,
+            None,
+            functools.partial(epoch_sources.long_lived_source, dataset, None),
         ), None
     if epochs < 2:
         return None, "the call reads one epoch"
@@ -699,8 +724,13 @@ def _long_lived_epochs(
         or not backend.graph_steps()
         else 1
     )
-    source = epoch_sources.long_lived_source(
-        dataset, epochs, replay=replay, opens=opens, start=start
+    source = functools.partial(
+        epoch_sources.long_lived_source,
+        dataset,
+        epochs,
+        replay=replay,
+        opens=opens,
+        start=start,
     )
     plan = LongLivedEpochs(
         epochs, num_batches, steps_per_execution, start, source
@@ -898,9 +928,8 @@ def stage_data(
                 alongside,
                 spans_calls=spans_calls,
             )
-        if long_lived is not None:
-            dataset = long_lived.source
     fn = None
+    # The long-lived source's too: it repeats, replays or flat-maps passes.
     element_spec = batches.element_spec if fused else dataset.element_spec
     # Whether the staged random layers' draws are numbered (`split.number`).
     numbered = split is not None and split.numbers(phase == "train")
@@ -960,6 +989,8 @@ def stage_data(
         long_lived = entry.long_lived  # what `staged` was built on
         carried = entry.carries()
     else:
+        if long_lived is not None:
+            dataset = long_lived.source
         if numbered:
             # Only for a new stage: `number`'s scan is traced as it is made.
             dataset = split.number(dataset, writes=long_lived is None)
