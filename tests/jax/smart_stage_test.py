@@ -8,6 +8,7 @@ weights after several epochs, with and without shuffling.
 """
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -523,6 +524,32 @@ def test_staged_augmentation_trains_deterministically_and_serves_unaugmented():
     np.testing.assert_allclose(
         predictions[1], np.asarray(model(IMAGES, training=False)), rtol=1e-5
     )
+
+
+def test_staged_augmentation_on_one_iterator_numbers_as_per_call(caplog):
+    # A fit's epochs on one iterator read ahead of Keras; they still draw
+    # what three one-epoch fits (an iterator each) draw.
+    labels = np.linspace(0, 1, 16)[:, None]
+    weights = []
+    for epochs, calls in ((3, 1), (1, 3)):
+        keras.utils.set_random_seed(7)
+        model = _augmenting_model()
+        with caplog.at_level(logging.DEBUG, logger="keras_stage"):
+            for _ in range(calls):
+                model.fit(
+                    IMAGES,
+                    labels,
+                    batch_size=4,
+                    epochs=epochs,
+                    shuffle=False,
+                    verbose=0,
+                )
+        split = model._keras_stage_state.split
+        assert int(split.ordinal.numpy()) == 12  # 4 batches x 3 epochs
+        weights.append(model.get_weights())
+    assert any("3 epochs on one iterator" in m for m in caplog.messages)
+    for a, b in zip(*weights, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def _word_model(sequential=False):
