@@ -83,6 +83,7 @@ class _Binding:
         switch=None,
         pool_shrinks=True,
         carried=False,
+        call_reason=None,
     ):
         self.phase = phase
         self.staged = staged
@@ -98,6 +99,9 @@ class _Binding:
         # Whether it reads on from the iterator an earlier call left: what
         # it holds when the first epoch begins is that epoch's too.
         self.carried = carried
+        # Why the model staged the call, a sentence, or None (decided by
+        # no measure: a stage of the user's, or not a keras_stage model).
+        self.call_reason = call_reason
         self.epochs_begun = 0
         self.in_epoch = False
         # Skips counted before this epoch: the stage's counter is cumulative.
@@ -266,6 +270,7 @@ class PrefetchCallback(keras.callbacks.Callback):
         switch=None,
         pool_shrinks=True,
         carried=False,
+        call_reason=None,
     ):
         """Registers the stage feeding `phase` ("train", "test", "predict").
 
@@ -275,10 +280,18 @@ class PrefetchCallback(keras.callbacks.Callback):
         an adaptive pool after an epoch, or only grow it (see
         `keras_stage.data.pool`). `carried`: whether that iterator was
         left by an earlier call, its buffer filled for this call's first
-        epoch. Called by `keras_stage.Model`; users do not need it.
+        epoch. `call_reason`: why the model staged the call (the verdict's
+        `call`). Called by `keras_stage.Model`; users do not need it.
         """
         self._bindings[phase] = _Binding(
-            phase, staged, adapter, long_lived, switch, pool_shrinks, carried
+            phase,
+            staged,
+            adapter,
+            long_lived,
+            switch,
+            pool_shrinks,
+            carried,
+            call_reason,
         )
 
     def close(self, timeout=5.0):
@@ -505,6 +518,7 @@ class PrefetchCallback(keras.callbacks.Callback):
         if pool is not None and self.verdict["input_bound"] is not None:
             self._adapt_pool(pool, self.verdict, binding.pool_shrinks)
         self.verdict["staged"] = True
+        self._add_call_reason(binding)
         self._add_switch_report(switch)
         self._write_summaries(epoch, stats, self.verdict)
         if self.verbose:
@@ -539,11 +553,21 @@ class PrefetchCallback(keras.callbacks.Callback):
             "next_thread_pool_size": None,
             "staged": False,
         }
+        self._add_call_reason(binding)
         self._add_switch_report(switch)
         if self.verbose:
             print(self.verdict["message"])
         else:
             logger.debug(self.verdict["message"])
+
+    def _add_call_reason(self, binding):
+        """Says why the call was staged: in the verdict's `call`, and in the
+        message of the call's first epoch."""
+        self.verdict["call"] = binding.call_reason
+        if binding.call_reason is not None and binding.epochs_begun == 1:
+            self.verdict["message"] += (
+                f" The call is staged: {binding.call_reason}."
+            )
 
     def _add_switch_report(self, switch):
         """Adds the switch's decision to the verdict, the epoch it is made."""

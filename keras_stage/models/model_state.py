@@ -77,6 +77,9 @@ class StagingState:
         # Set, in the thread tracing a step, to the trunk the model's call
         # runs instead of the whole model.
         self.local = threading.local()
+        # Per phase: why its last call was decided staged or not, a
+        # sentence (see `decision.calls.stages`), for the verdict.
+        self.call_reasons = {}
         # What staged calls of models with this model's stage cost, to skip
         # those that cannot pay: shared between such models (see
         # `decision.calls.costs`), looked up again after compile.

@@ -481,6 +481,7 @@ class StagingMixin:
             "test",
             calls.call_batches(x, batch_size, steps),
             iterators=calls.iterators_made(self, "test", x),
+            x=x,
         ):
             return call.run_unstaged(unstaged)
         call.split = self._stage_split()
@@ -527,7 +528,11 @@ class StagingMixin:
         # Made first: its callbacks are checked whichever way the call runs.
         call = StagedCall(self, layer, ("predict",), callbacks, verbose=verbose)
         if backend.graph_steps() and not calls.stages(
-            self, layer, "predict", calls.call_batches(x, batch_size, steps)
+            self,
+            layer,
+            "predict",
+            calls.call_batches(x, batch_size, steps),
+            x=x,
         ):
             return call.run_unstaged(unstaged)
         call.split = self._stage_split()

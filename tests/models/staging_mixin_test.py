@@ -8,6 +8,8 @@ data Keras accepts. Staging may change where batches come from, never which
 batches or in which order.
 """
 
+import time
+
 import keras
 import numpy as np
 import pytest
@@ -481,6 +483,18 @@ def test_staged_input_is_an_identity_in_a_plain_keras_model():
     )
 
 
+class _Unhurried(keras.callbacks.Callback):
+    """Waits a little before each step, so the stage fills its buffer.
+
+    The steps of a tiny model on busy cores (the suite's other workers)
+    can outrun the stage: then no batch is ever buffered, and what the
+    test checks (a buffered step skips the helper thread) never arises.
+    """
+
+    def on_train_batch_begin(self, batch, logs=None):
+        time.sleep(0.01)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("steps_per_execution", [1, 2])
 def test_steps_whose_batches_are_buffered_skip_the_helper_thread(
@@ -503,10 +517,18 @@ def test_steps_whose_batches_are_buffered_skip_the_helper_thread(
     _sync(plain, staged)
     for model in (plain, staged):
         model.steps_per_execution = steps_per_execution
+        # Keras reads it as it traces its step: a step an earlier test
+        # traced would keep the old value.
+        model.make_train_function(force=True)
 
     def fit_kwargs():
         data = tf.data.Dataset.from_tensor_slices((X, Y)).batch(2)
-        return {"x": data, "epochs": EPOCHS, "shuffle": False}
+        return {
+            "x": data,
+            "epochs": EPOCHS,
+            "shuffle": False,
+            "callbacks": [_Unhurried()],
+        }
 
     try:
         plain_history = _fit(plain, fit_kwargs)
@@ -557,6 +579,10 @@ def test_step_reports_reach_the_stage_and_never_the_logs(
     monkeypatch.setattr(StageRunner, "take_report", counting)
     staged = functional_twins[1]
     staged.steps_per_execution = steps_per_execution
+    # Keras reads `steps_per_execution` as it traces its step functions:
+    # functions an earlier test traced would keep the old value.
+    staged.make_train_function(force=True)
+    staged.make_test_function(force=True)
     keys = _LogKeys()
     prefetch = PrefetchCallback(verbose=0)
     data = tf.data.Dataset.from_tensor_slices((X, Y)).batch(2)

@@ -171,6 +171,7 @@ class StagedCall:
             switch=data.switch,
             pool_shrinks=backend.pool_shrinks(),
             carried=data.carried,
+            call_reason=state.call_reasons.pop(phase, None),
         )
         bind_placement(self.model, phase, data.staged.placement)
         if phase == "predict":

@@ -35,6 +35,7 @@ import time
 import keras
 import tensorflow as tf
 
+from keras_stage.data.staging import StagedDataset
 from keras_stage.layers.staged_input import StagedInput
 from keras_stage.models.data_adapters import datasets
 from keras_stage.models.data_adapters.arrays import batch_count
@@ -402,27 +403,72 @@ def _random_prefix(model, phase):
     return split is not None and bool(split.seed_states)
 
 
-def stages(model, layer, phase, batches, iterators=1):
+def stages(model, layer, phase, batches, iterators=1, x=None):
     """Whether a call of `phase` reading `batches` batches is staged.
 
     See `CallCosts.stages`; `batches` is None when not from in-memory
-    data (`call_batches`).
+    data (`call_batches`). Why, in a sentence, is kept in the model's
+    `call_reasons[phase]` for the verdict (`x`, the call's data, tells a
+    dataset of unknown length from one that maps or reads files).
     """
+    staged, reason = _decide(model, layer, phase, batches, iterators, x)
+    model_state(model).call_reasons[phase] = reason
+    if not staged:
+        logger.info(
+            "Model '%s': %s runs the whole model in Keras's step, unstaged: "
+            "%s.",
+            model.name,
+            phase,
+            reason,
+        )
+    return staged
+
+
+def _decide(model, layer, phase, batches, iterators, x):
     if not may_skip_stage(layer):
-        return True
-    if batches is None or _random_prefix(model, phase):
-        return True  # never skipped (and the signature is not computed)
+        return True, (
+            "StagedInput(adaptive=False), an exception policy or the tf.data "
+            "service: every call is staged"
+        )
+    if batches is None:
+        # Never skipped (and the signature is not computed).
+        return True, _always_staged(x)
+    if _random_prefix(model, phase):
+        return True, (
+            "its staged random layers draw from seeds of the stage's own, "
+            "so its training calls are always staged (unstaged, they would "
+            "draw other numbers)"
+        )
     measured = costs(model)
     first = _first_costs(model, phase)
-    if measured.stages(phase, batches, iterators, *first):
-        return True
-    logger.info(
-        "Model '%s': %s runs the whole model in Keras's step, unstaged: %s.",
-        model.name,
-        phase,
+    return (
+        measured.stages(phase, batches, iterators, *first),
         measured.describe(phase, batches, iterators, *first),
     )
-    return False
+
+
+def _always_staged(x):
+    """Why a call on `x`, not in-memory data, keeps its stage."""
+    if isinstance(x, StagedDataset):
+        return "its dataset is staged already (keras_stage.data.stage)"
+    if not isinstance(x, tf.data.Dataset):
+        return (
+            "its data is read in Python (a generator or a PyDataset), which "
+            "the stage overlaps and which is not measured: the call keeps "
+            "its stage"
+        )
+    why = []
+    if int(x.cardinality()) == tf.data.UNKNOWN_CARDINALITY:
+        why.append("its dataset's length is unknown")
+    if not datasets.reads_memory_only(x):
+        why.append(
+            "its dataset runs functions or reads files (a map, a filter, a "
+            "file source), which the stage overlaps"
+        )
+    return " and ".join(why) + (
+        ", so its staged work cannot be weighed before it runs: the "
+        "call keeps its stage"
+    )
 
 
 def staged_data(model, phase, *args, **kwargs):
@@ -548,9 +594,13 @@ def fit_stages(model, layer, x, validation_data, long_lived=True, **kwargs):
             kwargs["steps_per_epoch"],
             long_lived,
         ),
+        x=x,
     ):
         return True
-    return validation_data is not None and stages(
+    if validation_data is None:
+        return False
+    val_x = keras.utils.unpack_x_y_sample_weight(validation_data)[0]
+    staged = stages(
         model,
         layer,
         "test",
@@ -559,10 +609,18 @@ def fit_stages(model, layer, x, validation_data, long_lived=True, **kwargs):
             model,
             layer,
             "val",
-            keras.utils.unpack_x_y_sample_weight(validation_data)[0],
+            val_x,
             val,
             runs,
             kwargs["validation_steps"],
             long_lived,
         ),
+        x=val_x,
     )
+    if staged:
+        reasons = model_state(model).call_reasons
+        reasons["train"] = (
+            f"its training alone would not ({reasons['train']}), but its "
+            f"validation can: {reasons['test']}"
+        )
+    return staged

@@ -394,6 +394,56 @@ def test_a_fit_on_a_dataset_in_memory_is_decided_as_arrays_are():
     assert calls.fit_stages(model, layer, kept, None, **_fit_kwargs())
 
 
+def _reason(model, phase="train"):
+    from keras_stage.models.model_state import state
+
+    return state(model).call_reasons[phase]
+
+
+def test_the_decision_says_why_a_call_on_a_dataset_keeps_its_stage():
+    model, layer = _model()
+    _note(model, build=10.0)
+    dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(8)
+    unknown = dataset.unbatch().filter(lambda x, y: True).batch(8)
+    assert int(unknown.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+    assert calls.fit_stages(model, layer, unknown, None, **_fit_kwargs())
+    assert "length is unknown" in _reason(model)
+    assert "keeps its stage" in _reason(model)
+    mapped = dataset.map(lambda x, y: (x * 2, y))
+    assert calls.fit_stages(model, layer, mapped, None, **_fit_kwargs())
+    assert "length is unknown" not in _reason(model)
+    assert "runs functions or reads files" in _reason(model)
+    assert not calls.fit_stages(model, layer, dataset, None, **_fit_kwargs())
+    assert "less than" in _reason(model)  # measured: cannot repay
+    # Staged for its validation alone: both halves are said.
+    _note(model, phase="test", build=0.0, iterator=0.0)
+    assert calls.fit_stages(model, layer, X, (X, Y), **_fit_kwargs())
+    assert _reason(model).startswith("its training alone would not")
+    assert "validation can" in _reason(model)
+
+
+@pytest.mark.timeout(120)
+# Keras warns as it ends each epoch after the first of a dataset of unknown
+# length (plain Keras too).
+@pytest.mark.filterwarnings("ignore:Your input ran out of data:UserWarning")
+def test_the_verdict_says_why_the_fit_was_staged():
+    model, _ = _model(smart_stage=True)
+    unknown = tf.data.Dataset.from_tensor_slices((X, Y))
+    unknown = unknown.filter(lambda x, y: True).batch(8)
+    callback = keras_stage.callbacks.PrefetchCallback()
+    fit = {"verbose": 0, "shuffle": False, "callbacks": [callback]}
+    model.fit(unknown, epochs=1, **fit)
+    assert "length is unknown" in callback.verdict["call"]
+    assert (
+        "The call is staged: its dataset's length is unknown"
+        in (callback.verdict["message"])
+    )
+    # Said in the call's first epoch's message only; `call` in every one.
+    model.fit(unknown, epochs=2, **fit)
+    assert "length is unknown" in callback.verdict["call"]
+    assert "The call is staged" not in callback.verdict["message"]
+
+
 # -- noting costs -------------------------------------------------------------
 
 
