@@ -99,8 +99,8 @@ class _Binding:
         # Whether it reads on from the iterator an earlier call left: what
         # it holds when the first epoch begins is that epoch's too.
         self.carried = carried
-        # Why the model staged the call, a sentence, or None (decided by
-        # no measure: a stage of the user's, or not a keras_stage model).
+        # Why the model staged the call, a sentence, or None (no decision
+        # made: on JAX every call is staged).
         self.call_reason = call_reason
         self.epochs_begun = 0
         self.in_epoch = False

@@ -458,8 +458,11 @@ def _always_staged(x):
             "its stage"
         )
     why = []
-    if int(x.cardinality()) == tf.data.UNKNOWN_CARDINALITY:
+    count = int(x.cardinality())
+    if count == tf.data.UNKNOWN_CARDINALITY:
         why.append("its dataset's length is unknown")
+    elif count == tf.data.INFINITE_CARDINALITY:
+        why.append("its dataset repeats without end (no `steps`)")
     if not datasets.reads_memory_only(x):
         why.append(
             "its dataset runs functions or reads files (a map, a filter, a "
