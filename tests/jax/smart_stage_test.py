@@ -70,10 +70,14 @@ def raw_inputs():
     return inputs
 
 
-def staged_model(adapt, staged_input=True):
+def staged_model(adapt, staged_input=True, **options):
     keras.utils.set_random_seed(7)
     inputs = raw_inputs()
-    x = keras_stage.layers.StagedInput()(inputs) if staged_input else inputs
+    x = (
+        keras_stage.layers.StagedInput(**options)(inputs)
+        if staged_input
+        else inputs
+    )
     pre = preprocessing(adapt)
     columns = [pre[name](x[name]) for name in sorted(pre)]
     concat, hidden, out = trunk_layers()
@@ -415,6 +419,48 @@ def test_a_fit_runs_its_epochs_on_one_stage_iterator(monkeypatch):
     # validation runs.
     names = sorted(name.rsplit("_", 1)[1] for name in made)
     assert names == ["train"] * (1 + grown) + ["val"], (made, verdicts)
+
+
+def test_epochs_on_one_iterator_read_one_batch_ahead_as_on_an_accelerator(
+    monkeypatch,
+):
+    # On an accelerator Keras's JAX trainer reads the batch after the one
+    # it hands the step (to start its copy to the device), so it reads once
+    # past each epoch's end; on one stage iterator that read must end the
+    # epoch, not take the next epoch's first batch. On CPU it reads none
+    # ahead: the accelerator's reader is forced here.
+    from keras.src.backend.jax.trainer import JAXEpochIterator
+
+    from keras_stage.data import staging
+
+    def one_batch_ahead(self):
+        return self._one_batch_ahead_iterator(
+            self.data_adapter.get_jax_iterator()
+        )
+
+    monkeypatch.setattr(JAXEpochIterator, "_get_iterator", one_batch_ahead)
+    made = []
+
+    class Counted(staging.StageIterator):
+        def __init__(self, staged):
+            made.append(staged.name)
+            super().__init__(staged)
+
+    monkeypatch.setattr(staging, "StageIterator", Counted)
+    x, y = make_data(96)
+    # A fixed pool: a resized one would run in a new iterator.
+    model = staged_model(x, thread_pool_size=2)
+    preprocess, trunk = expert(x)
+    model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    trunk.fit(
+        raw_dataset(x, y, shuffle=False).map(lambda a, b: (preprocess(a), b)),
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+    )
+    assert [n.rsplit("_", 1)[1] for n in made].count("train") == 1, made
+    for a, b in zip(trunk_weights(model), trunk_weights(trunk), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(60)

@@ -444,12 +444,17 @@ class EpochView:
 
     It reads the shared `LongLivedIterator`: the step guard's `resolve`
     hands the compiled step that iterator, and Keras's Python reads
-    (`next`) read it.
+    (`next`) read it. Python reads end with its epoch, as a fresh
+    iterator of one epoch ends: a reader that reads ahead (Keras's JAX
+    trainer reads the batch after the one it hands the step, to start its
+    copy to the device) then gets the end, not the next epoch's first
+    batch.
     """
 
     def __init__(self, shared, element_spec):
         self._shared = shared
         self._element_spec = element_spec
+        self._python_reads = 0
 
     def resolve(self):
         """The real iterator, for one call of the compiled step."""
@@ -458,11 +463,23 @@ class EpochView:
     def __iter__(self):
         return self
 
+    def _read_one(self):
+        if self._python_reads >= self._shared.batches:
+            return None  # the epoch's end
+        self._python_reads += 1
+        return self._shared.read(self, 1)
+
     def __next__(self):
-        return next(self._shared.read(self, 1))
+        iterator = self._read_one()
+        if iterator is None:
+            raise StopIteration
+        return next(iterator)
 
     def get_next(self):
-        return self._shared.read(self, 1).get_next()
+        iterator = self._read_one()
+        if iterator is None:
+            raise tf.errors.OutOfRangeError(None, None, "End of sequence")
+        return iterator.get_next()
 
     @property
     def element_spec(self):

@@ -294,6 +294,44 @@ def test_an_epoch_view_reads_one_batch_per_python_read():
     assert shared.read_batches == 2
 
 
+def test_python_reads_of_a_view_end_with_its_epoch():
+    shared, made = _shared()
+    view = EpochView(shared, None)
+    assert _read(view, BATCHES) == [0, 1, 2]
+    with pytest.raises(StopIteration):
+        next(view)
+    with pytest.raises(tf.errors.OutOfRangeError):
+        view.get_next()
+    assert shared.read_batches == BATCHES  # nothing of the next epoch
+    assert _read(EpochView(shared, None), BATCHES) == [3, 4, 5]
+    assert len(made) == 1
+
+
+def _one_batch_ahead(iterator):
+    # Keras's JAX trainer on an accelerator (`JAXEpochIterator.
+    # _one_batch_ahead_iterator`): it reads the batch after the one it
+    # yields, so it reads once past an epoch's last batch.
+    ahead = None
+    for batch in iterator:
+        if ahead is not None:
+            yield ahead
+        ahead = batch
+    if ahead is not None:
+        yield ahead
+
+
+def test_a_reader_one_batch_ahead_gets_each_epoch_whole():
+    shared, made = _shared()
+    pipeline = EpochPipeline(shared, _epochs_source())
+    epochs = []
+    for _ in range(EPOCHS):
+        # Keras takes the epoch's batch count, then makes the next.
+        reader = _one_batch_ahead(iter(pipeline))
+        epochs.append([int(next(reader)) for _ in range(BATCHES)])
+    assert epochs == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert len(made) == 1
+
+
 def test_an_epoch_pipeline_is_one_epoch_to_keras():
     shared, made = _shared()
     pipeline = EpochPipeline(shared, _epochs_source())
