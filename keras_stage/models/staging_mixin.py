@@ -532,13 +532,22 @@ class StagingMixin:
             layer,
             "predict",
             calls.call_batches(x, batch_size, steps),
+            iterators=calls.iterators_made(self, "predict", x),
             x=x,
         ):
             return call.run_unstaged(unstaged)
         call.split = self._stage_split()
         with call:
             data = call.stage(
-                "predict", "predict", x, batch_size=batch_size, steps=steps
+                "predict",
+                "predict",
+                x,
+                batch_size=batch_size,
+                steps=steps,
+                # One epoch; on a kept stage its iterator may run on into
+                # the next predict (see `epoch_iterators`).
+                epochs=1,
+                steps_per_execution=self.steps_per_execution,
             )
             # Keras fetches predict batches in Python: the staged dataset's
             # own iterator applies the stage's policies there.

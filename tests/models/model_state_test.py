@@ -329,6 +329,22 @@ def test_a_kept_stage_trains_as_plain_on_a_reshuffled_dataset():
     _loop_as_plain(epochs=2, shuffle_seed=5)
 
 
+def test_a_predict_loop_on_one_dataset_makes_one_iterator():
+    # Keras reads predict's batches in Python: its kept stage's iterator
+    # runs on into the next predict all the same, each call's predictions
+    # the model's own.
+    model = _model(adaptive=False)
+    ds = _dataset(count=60)  # a partial last batch
+    expected = model(tf.constant(WORDS[:60])).numpy()
+    for _ in range(3):
+        np.testing.assert_allclose(
+            model.predict(ds, verbose=0), expected, rtol=1e-6
+        )
+    kept = model._keras_stage_state.stages["predict"]
+    assert kept.carries()
+    assert kept._shared.iterators_made == 1
+
+
 # Keras warns of `shuffle=True` (its default) with a dataset.
 _QUIET = {"shuffle": False, "verbose": 0}
 

@@ -616,7 +616,7 @@ def epochs_refusal(
     options = layer.stage_options
     if epochs < 2 and not spans_calls:
         return "the call reads one epoch"
-    if phase == "predict":
+    if phase == "predict" and not spans_calls:
         return "predict reads one epoch"
     if num_batches is None:
         return "the batch count of an epoch is not known"
@@ -875,14 +875,14 @@ def stage_data(
     long_lived, refusal = None, None
     # Whether a kept stage's iterator may outlive the call (see
     # `epoch_iterators`, "Across calls"): a user's dataset the stage is
-    # kept for, read whole by compiled steps (with `steps`, Keras's
-    # epochs end where the data does, not where a repeat would).
+    # kept for, read whole by compiled steps or, for predict, by Keras's
+    # `next` in Python, one a batch (with `steps`, Keras's epochs end
+    # where the data does, not where a repeat would). Not on JAX, whose
+    # trainer reads through generators of its own.
     spans_calls = (
         epochs is not None
         and steps is None
         and _keeps(kept, x, served, distributed)
-        and phase != "predict"
-        and not reads_in_python
         and backend.graph_steps()
     )
     if epochs is not None:
