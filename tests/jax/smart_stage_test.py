@@ -463,6 +463,40 @@ def test_epochs_on_one_iterator_read_one_batch_ahead_as_on_an_accelerator(
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_calls_on_one_dataset_read_on_from_one_stage_iterator(monkeypatch):
+    # A user's loop of fit(epochs=1) with an evaluate between them, on one
+    # dataset object each: the kept stages' iterators run on across the
+    # calls, and train as the hand split does.
+    from keras_stage.data import staging
+
+    made = []
+
+    class Counted(staging.StageIterator):
+        def __init__(self, staged):
+            made.append(staged.name.rsplit("_", 1)[1])
+            super().__init__(staged)
+
+    monkeypatch.setattr(staging, "StageIterator", Counted)
+    x, y = make_data(96)
+    model = staged_model(x, thread_pool_size=2)
+    preprocess, trunk = expert(x)
+    train, test = raw_dataset(x, y, False), raw_dataset(x, y, False).take(2)
+    mapped = raw_dataset(x, y, False).map(lambda a, b: (preprocess(a), b))
+    for _ in range(3):
+        model.fit(train, epochs=1, shuffle=False, verbose=0)
+        trunk.fit(mapped, epochs=1, shuffle=False, verbose=0)
+        staged_loss = model.evaluate(test, verbose=0)[0]
+        assert staged_loss == pytest.approx(
+            trunk.evaluate(mapped.take(2), verbose=0)[0], rel=1e-5
+        )
+    assert sorted(made) == ["test", "train"], made
+    for a, b in zip(trunk_weights(model), trunk_weights(trunk), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    predicted = [model.predict(test, verbose=0) for _ in range(2)]
+    np.testing.assert_allclose(predicted[0], predicted[1])
+    assert made.count("predict") == 1, made
+
+
 @pytest.mark.timeout(60)
 def test_a_blocked_source_times_out_on_jax_and_the_model_fits_again(release):
     def generate():

@@ -875,15 +875,14 @@ def stage_data(
     long_lived, refusal = None, None
     # Whether a kept stage's iterator may outlive the call (see
     # `epoch_iterators`, "Across calls"): a user's dataset the stage is
-    # kept for, read whole by compiled steps or, for predict, by Keras's
-    # `next` in Python, one a batch (with `steps`, Keras's epochs end
-    # where the data does, not where a repeat would). Not on JAX, whose
-    # trainer reads through generators of its own.
+    # kept for, read whole by compiled steps or by Keras's `next` in
+    # Python (predict, and every phase on JAX), where an epoch view ends
+    # with its epoch (with `steps`, Keras's epochs end where the data
+    # does, not where a repeat would).
     spans_calls = (
         epochs is not None
         and steps is None
         and _keeps(kept, x, served, distributed)
-        and backend.graph_steps()
     )
     if epochs is not None:
         refusal = epochs_refusal(
