@@ -1,8 +1,9 @@
 """Calls on one dataset object: what a stage kept across calls costs.
 
 `python -m benchmarks.across_calls [--models tabular,criteo] [--calls N]
-[--name NAME]` calls `evaluate` N times on the same `tf.data.Dataset`
-object (a notebook's evaluate, a validation set passed to every fit),
+[--method evaluate|predict] [--name NAME]` calls `evaluate` (or
+`predict`) N times on the same `tf.data.Dataset` object (a notebook's
+evaluate, a validation set passed to every fit, a repeated predict),
 with the model's `StagedInput(adaptive=False)`, so that every call is
 staged (not decided away by `decision/calls.py`), beside a plain model in
 the same process, alternating. It measures what a staged call costs once
@@ -11,7 +12,8 @@ its stage is kept: since the iterator runs on across calls (see
 after the second makes no iterator of the staged computation. Medians
 leave the first two calls of each mode out (the stage's build and the
 call that builds it again over its repeating source). Results:
-`benchmarks/results/across_calls/<name>.json`.
+`benchmarks/results/across_calls/<name>.json`, keyed by model (by
+`<model>-predict` for predict).
 """
 
 import argparse
@@ -26,8 +28,9 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "across_calls"
 WARM_UP = 2
 
 
-def run(model_name, calls, log=print):
-    """`{"plain": [s...], "staged": [s...], "summary": {...}}` of evaluate."""
+def run(model_name, calls, log=print, method="evaluate"):
+    """`{"plain": [s...], "staged": [s...], "summary": {...}}` of `method`
+    ("evaluate" or "predict")."""
     import tensorflow as tf
 
     import keras_stage
@@ -52,7 +55,7 @@ def run(model_name, calls, log=print):
     for _ in range(calls):
         for mode in modes:
             started = time.perf_counter()
-            mode.call("evaluate", clock, feeds[mode.name])
+            mode.call(method, clock, feeds[mode.name])
             seconds[mode.name].append(time.perf_counter() - started)
     warm = {name: values[WARM_UP:] for name, values in seconds.items()}
     paired = [s / p for p, s in zip(warm["plain"], warm["staged"], strict=True)]
@@ -62,7 +65,7 @@ def run(model_name, calls, log=print):
         "paired_staged/plain": statistics.median(paired),
     }
     log(
-        f"{model_name}: evaluate x{calls} on one dataset, every call staged: "
+        f"{model_name}: {method} x{calls} on one dataset, every call staged: "
         f"plain {summary['plain_ms']:.1f} ms, staged "
         f"{summary['staged_ms']:.1f} ms a call; paired staged/plain "
         f"{summary['paired_staged/plain']:.3f}"
@@ -74,11 +77,18 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="tabular,criteo")
     parser.add_argument("--calls", type=int, default=12)
+    parser.add_argument(
+        "--method", choices=("evaluate", "predict"), default="evaluate"
+    )
     parser.add_argument("--name", default="latest")
     args = parser.parse_args(argv)
     if args.calls <= WARM_UP:
         parser.error(f"--calls must be over {WARM_UP}: got {args.calls}")
-    results = {name: run(name, args.calls) for name in args.models.split(",")}
+    suffix = "" if args.method == "evaluate" else f"-{args.method}"
+    results = {
+        name + suffix: run(name, args.calls, method=args.method)
+        for name in args.models.split(",")
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{args.name}.json"
     path.write_text(json.dumps(results, indent=2))

@@ -1384,6 +1384,12 @@ def test_across_calls_times_each_call_of_both_modes():
     assert summary["staged_ms"] == pytest.approx(
         1000 * statistics.median(results["staged"][warm:])
     )
+    logged.clear()
+    results = across_calls.run(
+        "tabular", 3, log=logged.append, method="predict"
+    )
+    assert "predict x3" in logged[0]
+    assert all(len(results[mode]) == 3 for mode in ("plain", "staged"))
 
 
 @pytest.mark.long
