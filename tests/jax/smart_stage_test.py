@@ -689,6 +689,37 @@ def test_standard_keras_settings_train_on_jax(setting):
         keras.mixed_precision.set_global_policy("float32")
 
 
+def test_a_staged_predict_runs_a_jitted_trunk_on_jax():
+    # Keras's "auto" jit is off for a model with string layers; the staged
+    # trunk has none, so predict's step is jitted as fit's and evaluate's
+    # are: the trunk's Python runs when traced, not for every batch.
+    calls = []
+
+    class Counted(keras.layers.Dense):
+        def call(self, x):
+            calls.append(1)
+            return super().call(x)
+
+    inputs = keras.Input(shape=(), dtype="string")
+    x = keras_stage.layers.StagedInput()(inputs)
+    x = keras.layers.Embedding(16, 4)(keras.layers.Hashing(16)(x))
+    model = keras_stage.Model(inputs, Counted(1)(x))
+    model.compile("adam", "mse", smart_stage=True)
+    words = np.array([f"w{i % 20}" for i in range(64)], dtype=object)
+    model.predict(words, batch_size=8, verbose=0)  # 8 batches
+    traced = len(calls)
+    assert traced <= 2, calls  # the build's symbolic call and one trace
+    predicted = model.predict(words, batch_size=8, verbose=0)
+    assert len(calls) == traced
+    # The model's own outputs: Hashing(16) is TensorFlow's fast hash.
+    ids = tf.strings.to_hash_bucket_fast(words, 16).numpy()
+    table = np.asarray(model.layers[-2].embeddings)
+    kernel, bias = (np.asarray(w) for w in model.layers[-1].weights)
+    np.testing.assert_allclose(
+        predicted, table[ids] @ kernel + bias, rtol=1e-5, atol=1e-6
+    )
+
+
 def test_op_determinism_trains_on_jax():
     # The reproducibility recipe, in a fresh process (op determinism cannot
     # be turned off once on): the stage's clock gives way to the host's.

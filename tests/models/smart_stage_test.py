@@ -324,6 +324,9 @@ def test_jit_compile_applies_to_a_string_free_trunk():
         def on_train_batch_end(self, batch, logs=None):
             seen["jit"] = self.model.jit_compile
 
+        def on_predict_batch_end(self, batch, logs=None):
+            seen["predict_jit"] = self.model.jit_compile
+
     keras.utils.set_random_seed(FIT_SEED)
     staged.fit(
         WORDS, Y, batch_size=8, epochs=2, verbose=0, callbacks=[JitProbe()]
@@ -333,6 +336,14 @@ def test_jit_compile_applies_to_a_string_free_trunk():
     assert seen["jit"] is True
     for a, b in zip(staged.get_weights(), plain.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    # predict's staged trunk is compiled too.
+    np.testing.assert_allclose(
+        staged.predict(WORDS, batch_size=8, verbose=0, callbacks=[JitProbe()]),
+        plain.predict(WORDS, batch_size=8, verbose=0),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    assert seen["predict_jit"] is True
 
 
 def _noisy_model(num_threads=4):

@@ -363,7 +363,7 @@ def _staged_steps(model, phases, splits):
         setattr(model, attr, state.staged_functions.get(key))
         state.active[phase] = splits[phase]
     jit = state.staged_jit
-    if splits.get("train") is not None or splits.get("test") is not None:
+    if any(split is not None for split in splits.values()):
         state.staged_jit = _trunk_jit(model, splits)
     try:
         yield
