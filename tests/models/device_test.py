@@ -14,6 +14,7 @@ import sys
 import textwrap
 import warnings
 
+import numpy as np
 import pytest
 
 PRELUDE = """
@@ -216,6 +217,68 @@ def test_mirrored_strategy_over_two_devices_matches_unstaged(smart_stage):
     assert out["replicas"] == 2
     assert out["close"], out["loss"]
     assert [d[-5:] for d in out["replica_devices"]] == ["CPU:0", "CPU:1"]
+
+
+@pytest.mark.timeout(400)
+def test_calls_on_one_dataset_under_a_strategy_reuse_one_stage():
+    # A loop of fit(epochs=1) with an evaluate after each, on one dataset
+    # object each, under MirroredStrategy over two logical CPUs: the stage
+    # of each role and its distributed dataset are built once, and the
+    # calls train and evaluate as plain Keras's do.
+    out = _run(
+        FIT_TWINS.format(),
+        """
+        from keras_stage.models.data_adapters import staged_data
+
+        built, distributed = [], []
+        stage = StagedInput.stage
+        def counted_stage(self, dataset, *args, **kwargs):
+            built.append(kwargs.get("name"))
+            return stage(self, dataset, *args, **kwargs)
+        StagedInput.stage = counted_stage
+        distribute = staged_data.distribute_inputs
+        def counted_distribute(*args):
+            distributed.append(1)
+            return distribute(*args)
+        staged_data.distribute_inputs = counted_distribute
+
+        strategy = tf.distribute.MirroredStrategy(["/CPU:0", "/CPU:1"])
+        x, y = data()
+        def dataset():
+            return tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+        losses = {}
+        for name, cls, kwargs in (
+            ("plain", keras.Model, None),
+            ("staged", keras_stage.Model,
+             dict(capacity=2, num_threads=2, adaptive=False)),
+        ):
+            with strategy.scope():
+                model = build(cls, kwargs)
+                extra = {} if kwargs is None else {"smart_stage": True}
+                model.compile(optimizer="sgd", loss="mse", **extra)
+            train, test = dataset(), dataset().take(2)
+            losses[name] = []
+            for _ in range(3):
+                model.fit(train, epochs=1, verbose=0)
+                losses[name].append(model.evaluate(test, verbose=0))
+            weights = [w.tolist() for w in model.get_weights()]
+            losses[name + "_weights"] = weights
+        print(json.dumps({
+            "built": built,
+            "distributed": len(distributed),
+            "losses": [losses["plain"], losses["staged"]],
+            "close": all(np.allclose(a, b, atol=1e-5) for a, b in zip(
+                losses["plain_weights"], losses["staged_weights"])),
+        }))
+        """,
+    )
+    assert out["close"], out["losses"]
+    np.testing.assert_allclose(*out["losses"], rtol=1e-5)
+    assert sorted(out["built"]) == [
+        "staged_input_test",
+        "staged_input_train",
+    ], out["built"]
+    assert out["distributed"] == 2, out
 
 
 @pytest.mark.timeout(400)

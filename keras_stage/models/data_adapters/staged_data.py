@@ -335,9 +335,14 @@ class StagedData:
             if self.switch is None:
                 return staged
             return self.switch.pipeline(staged, self._raw())
-        return distribute_inputs(
-            self.strategy, pipeline, self.staged.stage_options
-        )
+        def distribute(pipeline):
+            return distribute_inputs(
+                self.strategy, pipeline, self.staged.stage_options
+            )
+
+        if self.kept is not None:
+            return self.kept.distributed(pipeline, distribute)
+        return distribute(pipeline)
 
 
 # How long a call waits for the teardown of a kept stage's last iterator
@@ -366,8 +371,10 @@ class _KeptStage:
         stats,
         long_lived,
         class_weight=None,
+        strategy=None,
     ):
-        self.objects = (layer, source, fn, stats)
+        # `strategy`: the one of several replicas that distributes it.
+        self.objects = (layer, source, fn, stats, strategy)
         self.values = (
             phase,
             batches,
@@ -399,6 +406,19 @@ class _KeptStage:
         self.released = None
         self.staged = None
         self.in_use = False
+        # `(pipeline, its distributed dataset)` under a strategy of several
+        # replicas, or None.
+        self._distributed = None
+
+    def distributed(self, pipeline, distribute):
+        """`pipeline` as `distribute(pipeline)` made it, for every call.
+
+        Keras makes its iterators of the distributed dataset; one made
+        again each call would rewrite the pipeline for the replicas again.
+        """
+        if self._distributed is None or self._distributed[0] is not pipeline:
+            self._distributed = (pipeline, distribute(pipeline))
+        return self._distributed[1]
 
     def same(self, other, split=None):
         """Whether `other`, wanted by a new call, is this stage.
@@ -548,15 +568,10 @@ class LongLivedEpochs:
         return self._source
 
 
-def _keeps(kept, x, served, distributed):
+def _keeps(kept, x, served):
     """Whether `stage_data(kept=kept)` keeps its stage over `x` for later
     calls (see there)."""
-    return (
-        kept is not None
-        and isinstance(x, tf.data.Dataset)
-        and not served
-        and not distributed
-    )
+    return kept is not None and isinstance(x, tf.data.Dataset) and not served
 
 
 def _draws_per_iterator(dataset, spans_calls):
@@ -789,8 +804,9 @@ def stage_data(
     once and run again by later calls on the same dataset object with the
     same options, staged computation, batch count, stats and epochs on one
     iterator (a new pipeline of the same dataset would only trace the same
-    functions again) and class weights; each role keeps its latest. Not on
-    the tf.data service or a strategy's replicas.
+    functions again), class weights and strategy; each role keeps its
+    latest. Under a strategy of several replicas its distributed dataset is
+    kept too. Not on the tf.data service.
     """
     if isinstance(x, StagedDataset):
         # Already staged by the user with keras_stage.data.stage.
@@ -882,7 +898,7 @@ def stage_data(
     spans_calls = (
         epochs is not None
         and steps is None
-        and _keeps(kept, x, served, distributed)
+        and _keeps(kept, x, served)
     )
     if epochs is not None:
         refusal = epochs_refusal(
@@ -951,7 +967,7 @@ def stage_data(
             # Each batch once, in full batches again: the count is known.
             overrides["cardinality"] = num_batches
     entry = None
-    if _keeps(kept, x, served, distributed):
+    if _keeps(kept, x, served):
         entry = _KeptStage(
             layer,
             phase,
@@ -961,6 +977,7 @@ def stage_data(
             stats,
             long_lived,
             class_weight=class_weight,
+            strategy=strategy if distributed else None,
         )
         earlier = kept.get(phase)
         if earlier is not None and earlier.in_use:
