@@ -9,7 +9,10 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import statistics
+import subprocess
+import sys
 
 import pytest
 
@@ -1408,3 +1411,30 @@ def test_determinism_verdict_compares_both_ways_of_measuring(tmp_path):
         assert verdict["input_bound"] is False, (key, verdict)
         assert verdict["train_seconds_per_batch"] >= 0.02, (key, verdict)
         assert 0.0 <= verdict["wait_ratio"] <= 1.0
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+def test_strategy_calls_times_both_modes_on_two_replicas():
+    # In a subprocess: it splits the CPU into two logical devices.
+    script = (
+        "import json\n"
+        "from benchmarks import strategy_calls\n"
+        "r = strategy_calls.run('evaluate', 3, log=lambda line: None)\n"
+        "print(json.dumps(r))\n"
+    )
+    root = pathlib.Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root)),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    for mode in ("plain", "staged"):
+        assert len(results[mode]) == 3
+        assert all(value > 0 for value in results[mode])
+    assert results["summary"]["paired_staged/plain"] > 0
