@@ -172,6 +172,24 @@ finish({{k: v for k, v in history.history.items()}})
 """
 
 
+# `_FIT` on one dataset object, then another fit on it: the model keeps
+# the stage across the two calls, and the second runs on the worker left.
+_FIT_AGAIN = _FIT.replace(
+    "history = model.fit(\n    x, x[:, :1], batch_size=32,",
+    "import tensorflow as tf\n"
+    "data = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(32)\n"
+    "history = model.fit(\n    data,",
+).replace(
+    "finish({{k: v for k, v in history.history.items()}})",
+    "kept = model._keras_stage_state.stages['train'].staged\n"
+    "again = model.fit(data, epochs=1, verbose=0,\n"
+    "    callbacks=[keras_stage.callbacks.PrefetchCallback()])\n"
+    "same = model._keras_stage_state.stages['train'].staged is kept\n"
+    "finish({{'first': history.history, 'again': again.history,\n"
+    "         'same_stage': same}})",
+)
+
+
 def _run(body, mode, timeout=240):
     code = _PRELUDE.format(root=ROOT) + body.format(mode=mode)
     return result_of_script(code, timeout)
@@ -246,6 +264,23 @@ def test_a_fit_goes_on_after_a_killed_worker_and_logs_each_epochs_loss(mode):
     for d, n in zip(delivered[1:], lost[1:], strict=True):
         assert d + n == 4000
         assert n == 0, (history, log[-4000:])
+
+
+@pytest.mark.timeout(300)
+def test_a_fit_after_a_killed_worker_reuses_its_stage_on_the_survivor():
+    assert "data," in _FIT_AGAIN and "same_stage" in _FIT_AGAIN
+    result, log = _run(_FIT_AGAIN, "distributed_epoch")
+    first, again = result["first"], result["again"]
+    assert len(first["loss"]) == 3 and len(again["loss"]) == 1
+    # A dataset's size is not known to the ledger (no loss counted): the
+    # epochs after the kill deliver whole passes, ended by the service.
+    assert first["stage_service_delivered"][1:] == [4000, 4000]
+    # The next call runs the stage the first built, on the worker left: a
+    # whole pass, not ended early.
+    assert result["same_stage"]
+    assert again["stage_service_delivered"] == [4000], (again, log[-4000:])
+    assert again["stage_service_ended_early"] == [0]
+    assert all(np.isfinite(again["loss"]))
 
 
 def test_healthy_epochs_lose_nothing_and_end_by_themselves():

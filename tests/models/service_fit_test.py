@@ -148,6 +148,42 @@ def test_a_dataset_without_a_static_batch_size_keeps_full_batches(service):
     assert served == [collections.Counter(range(NUM_EXAMPLES))] * 3
 
 
+@pytest.mark.timeout(240)
+def test_calls_on_one_dataset_reuse_their_stage_on_the_service(
+    service, monkeypatch
+):
+    # A loop of fit(epochs=1) with an evaluate after each, on one dataset
+    # object each: each role's stage on the service is built once, and
+    # every call reads every example once (a new service job per epoch).
+    built = []
+    stage = keras_stage.layers.StagedInput.stage
+
+    def counted(self, dataset, *args, **kwargs):
+        if self.stage_options.service is not None:  # not the local twin's
+            built.append(kwargs.get("name"))
+        return stage(self, dataset, *args, **kwargs)
+
+    monkeypatch.setattr(keras_stage.layers.StagedInput, "stage", counted)
+    x, y = _data()
+    train = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    test = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    model, local = _model(service.target), _model()
+    once = collections.Counter(range(NUM_EXAMPLES))
+    for _ in range(3):
+        _, served = _fit(model, train, epochs=1, shuffle=False)
+        assert served == [once]
+        recorded.clear()
+        loss = model.evaluate(test, verbose=0)
+        assert collections.Counter(recorded) == once
+        # The service's workers order an epoch's batches as they finish
+        # them: the local twin evaluates the weights trained there.
+        local.set_weights(model.get_weights())
+        np.testing.assert_allclose(
+            loss, local.evaluate(test, verbose=0), rtol=1e-5
+        )
+    assert sorted(built) == ["staged_test", "staged_train"], built
+
+
 @pytest.mark.timeout(180)
 def test_parallel_epochs_trains_each_example_once_per_worker(service):
     x, y = _data()

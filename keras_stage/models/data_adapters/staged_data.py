@@ -335,6 +335,7 @@ class StagedData:
             if self.switch is None:
                 return staged
             return self.switch.pipeline(staged, self._raw())
+
         def distribute(pipeline):
             return distribute_inputs(
                 self.strategy, pipeline, self.staged.stage_options
@@ -372,6 +373,7 @@ class _KeptStage:
         long_lived,
         class_weight=None,
         strategy=None,
+        overrides=None,
     ):
         # `strategy`: the one of several replicas that distributes it.
         self.objects = (layer, source, fn, stats, strategy)
@@ -388,6 +390,9 @@ class _KeptStage:
             None
             if class_weight is None
             else repr(sorted(dict(class_weight).items())),
+            # How the phase uses the tf.data service (see
+            # `_service_overrides`), and what the data set for it.
+            repr(sorted((overrides or {}).items())),
         )
         # The `LongLivedEpochs` whose source the stage runs, or None.
         self.long_lived = long_lived
@@ -568,10 +573,10 @@ class LongLivedEpochs:
         return self._source
 
 
-def _keeps(kept, x, served):
+def _keeps(kept, x):
     """Whether `stage_data(kept=kept)` keeps its stage over `x` for later
     calls (see there)."""
-    return kept is not None and isinstance(x, tf.data.Dataset) and not served
+    return kept is not None and isinstance(x, tf.data.Dataset)
 
 
 def _draws_per_iterator(dataset, spans_calls):
@@ -804,9 +809,9 @@ def stage_data(
     once and run again by later calls on the same dataset object with the
     same options, staged computation, batch count, stats and epochs on one
     iterator (a new pipeline of the same dataset would only trace the same
-    functions again), class weights and strategy; each role keeps its
-    latest. Under a strategy of several replicas its distributed dataset is
-    kept too. Not on the tf.data service.
+    functions again), class weights, strategy and use of the tf.data
+    service; each role keeps its latest. Under a strategy of several
+    replicas its distributed dataset is kept too.
     """
     if isinstance(x, StagedDataset):
         # Already staged by the user with keras_stage.data.stage.
@@ -895,11 +900,7 @@ def stage_data(
     # Python (predict, and every phase on JAX), where an epoch view ends
     # with its epoch (with `steps`, Keras's epochs end where the data
     # does, not where a repeat would).
-    spans_calls = (
-        epochs is not None
-        and steps is None
-        and _keeps(kept, x, served)
-    )
+    spans_calls = epochs is not None and steps is None and _keeps(kept, x)
     if epochs is not None:
         refusal = epochs_refusal(
             layer,
@@ -967,7 +968,7 @@ def stage_data(
             # Each batch once, in full batches again: the count is known.
             overrides["cardinality"] = num_batches
     entry = None
-    if _keeps(kept, x, served):
+    if _keeps(kept, x):
         entry = _KeptStage(
             layer,
             phase,
@@ -978,6 +979,7 @@ def stage_data(
             long_lived,
             class_weight=class_weight,
             strategy=strategy if distributed else None,
+            overrides=overrides,
         )
         earlier = kept.get(phase)
         if earlier is not None and earlier.in_use:
