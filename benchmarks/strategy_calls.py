@@ -42,7 +42,7 @@ def _data(count):
     return x, y
 
 
-def _build(staged):
+def _build(staged, service=None):
     import keras
 
     import keras_stage
@@ -54,7 +54,9 @@ def _build(staged):
     inputs.update({f"d{i}": keras.Input((), name=f"d{i}") for i in range(13)})
     x = inputs
     if staged:
-        x = keras_stage.layers.StagedInput(adaptive=False)(inputs)
+        x = keras_stage.layers.StagedInput(adaptive=False, service=service)(
+            inputs
+        )
     cats = keras.ops.stack([x[f"c{i}"] for i in range(26)], axis=1)
     dense = keras.ops.stack([x[f"d{i}"] for i in range(13)], axis=1)
     hashed = keras.layers.Hashing(64)(cats)
@@ -81,6 +83,19 @@ def run(method, calls, log=print):
     strategy = tf.distribute.MirroredStrategy(["/CPU:0", "/CPU:1"])
     with strategy.scope():
         models = {"plain": _build(False), "staged": _build(True)}
+    return time_calls(
+        models, method, calls, "under MirroredStrategy (2 replicas)", log
+    )
+
+
+def time_calls(models, method, calls, where, log):
+    """Times `method` `calls` times per model on one dataset, alternating.
+
+    `models`: `{"plain": ..., "staged": ...}`; `where`: how the staged
+    model runs, for the log line.
+    """
+    import tensorflow as tf
+
     dataset = tf.data.Dataset.from_tensor_slices(_data(BATCH * BATCHES))
     dataset = dataset.batch(BATCH)
     seconds = {name: [] for name in models}
@@ -100,16 +115,16 @@ def run(method, calls, log=print):
         "paired_staged/plain": statistics.median(paired),
     }
     log(
-        f"{method} x{calls} on one dataset under MirroredStrategy (2 "
-        f"replicas): plain {summary['plain_ms']:.1f} ms, staged "
-        f"{summary['staged_ms']:.1f} ms a call; paired staged/plain "
-        f"{summary['paired_staged/plain']:.3f}"
+        f"{method} x{calls} on one dataset {where}: plain "
+        f"{summary['plain_ms']:.1f} ms, staged {summary['staged_ms']:.1f} ms "
+        f"a call; paired staged/plain {summary['paired_staged/plain']:.3f}"
     )
     return {**seconds, "summary": summary}
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main_of(doc, run_calls, results, argv=None):
+    """The command line of a module whose `run_calls(method, calls)` times."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument(
         "--method", choices=("evaluate", "fit"), default="evaluate"
     )
@@ -118,12 +133,16 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.calls <= WARM_UP:
         parser.error(f"--calls must be over {WARM_UP}: got {args.calls}")
-    results = {args.method: run(args.method, args.calls)}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{args.name}.json"
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    timed = {args.method: run_calls(args.method, args.calls)}
+    results.mkdir(parents=True, exist_ok=True)
+    path = results / f"{args.name}.json"
+    path.write_text(json.dumps(timed, indent=2) + "\n")
     print(f"Wrote {path}")
     return 0
+
+
+def main(argv=None):
+    return main_of(__doc__, run, RESULTS, argv)
 
 
 if __name__ == "__main__":

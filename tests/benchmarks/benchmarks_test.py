@@ -1438,3 +1438,17 @@ def test_strategy_calls_times_both_modes_on_two_replicas():
         assert len(results[mode]) == 3
         assert all(value > 0 for value in results[mode])
     assert results["summary"]["paired_staged/plain"] > 0
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+def test_service_calls_times_both_modes_on_a_local_service():
+    from benchmarks import service_calls
+
+    lines = []
+    results = service_calls.run("evaluate", 3, log=lines.append)
+    assert len(lines) == 1 and "tf.data service" in lines[0]
+    for mode in ("plain", "staged"):
+        assert len(results[mode]) == 3
+        assert all(value > 0 for value in results[mode])
+    assert results["summary"]["paired_staged/plain"] > 0
