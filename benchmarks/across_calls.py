@@ -57,13 +57,7 @@ def run(model_name, calls, log=print, method="evaluate"):
             started = time.perf_counter()
             mode.call(method, clock, feeds[mode.name])
             seconds[mode.name].append(time.perf_counter() - started)
-    warm = {name: values[WARM_UP:] for name, values in seconds.items()}
-    paired = [s / p for p, s in zip(warm["plain"], warm["staged"], strict=True)]
-    summary = {
-        "plain_ms": 1000 * statistics.median(warm["plain"]),
-        "staged_ms": 1000 * statistics.median(warm["staged"]),
-        "paired_staged/plain": statistics.median(paired),
-    }
+    summary = call_summary(seconds)
     log(
         f"{model_name}: {method} x{calls} on one dataset, every call staged: "
         f"plain {summary['plain_ms']:.1f} ms, staged "
@@ -71,6 +65,22 @@ def run(model_name, calls, log=print, method="evaluate"):
         f"{summary['paired_staged/plain']:.3f}"
     )
     return {**seconds, "summary": summary}
+
+
+def call_summary(seconds, reference="plain", other="staged", warm_up=WARM_UP):
+    """Medians (ms) of two modes' calls after `warm_up`, and their paired
+    ratio: `{"<reference>_ms", "<other>_ms", "paired_<other>/<reference>"}`.
+
+    `seconds`: `{mode: [s of each call]}`, the modes alternating call by
+    call.
+    """
+    warm = {name: values[warm_up:] for name, values in seconds.items()}
+    paired = [o / r for r, o in zip(warm[reference], warm[other], strict=True)]
+    return {
+        f"{reference}_ms": 1000 * statistics.median(warm[reference]),
+        f"{other}_ms": 1000 * statistics.median(warm[other]),
+        f"paired_{other}/{reference}": statistics.median(paired),
+    }
 
 
 def main(argv=None):

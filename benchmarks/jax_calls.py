@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
 import sys
 import time
 
@@ -36,6 +35,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from benchmarks import jax_backend  # noqa: E402
+from benchmarks.across_calls import call_summary  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "jax_calls"
 METHODS = ("fit", "evaluate", "predict")
@@ -73,15 +73,7 @@ def run(workload_name, method, calls, batches, log=print):
             started = time.perf_counter()
             _call(model, method, dataset)
             seconds[name].append(time.perf_counter() - started)
-    warm = {name: values[WARM_UP:] for name, values in seconds.items()}
-    paired = [
-        s / e for s, e in zip(warm["staged"], warm["expert"], strict=True)
-    ]
-    summary = {
-        "staged_ms": 1000 * statistics.median(warm["staged"]),
-        "expert_ms": 1000 * statistics.median(warm["expert"]),
-        "paired_staged/expert": statistics.median(paired),
-    }
+    summary = call_summary(seconds, reference="expert")
     log(
         f"{workload_name}: {method} x{calls} on one dataset of {batches} "
         f"batches: staged {summary['staged_ms']:.1f} ms, expert "

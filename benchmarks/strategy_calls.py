@@ -19,9 +19,10 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
 import sys
 import time
+
+from benchmarks.across_calls import call_summary
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -107,13 +108,7 @@ def time_calls(models, method, calls, where, log):
             else:
                 model.evaluate(dataset, verbose=0)
             seconds[name].append(time.perf_counter() - started)
-    warm = {name: values[WARM_UP:] for name, values in seconds.items()}
-    paired = [s / p for p, s in zip(warm["plain"], warm["staged"], strict=True)]
-    summary = {
-        "plain_ms": 1000 * statistics.median(warm["plain"]),
-        "staged_ms": 1000 * statistics.median(warm["staged"]),
-        "paired_staged/plain": statistics.median(paired),
-    }
+    summary = call_summary(seconds)
     log(
         f"{method} x{calls} on one dataset {where}: plain "
         f"{summary['plain_ms']:.1f} ms, staged {summary['staged_ms']:.1f} ms "
