@@ -2,8 +2,10 @@
 
 `python -m benchmarks.strategy_calls [--method evaluate|fit] [--calls N]
 [--name NAME]` splits the CPU into two logical devices, and under
-`MirroredStrategy` over them calls `evaluate` (or `fit(epochs=1)`) N times
-on the same `tf.data.Dataset` object of 20 batches, for a plain
+`MirroredStrategy` over them calls `evaluate` (or `fit(epochs=1)`, or
+with `--method fit-validation` `fit(epochs=3)` with 5 batches of validation
+data every epoch) N times on the same `tf.data.Dataset` object of 20
+batches, for a plain
 `keras.Model` and a `keras_stage.Model` with `StagedInput(adaptive=False)`
 (every call staged) and `smart_stage=True`, alternating call by call. The
 model: 26 integer columns hashed (`Hashing(64)`), embedded and flattened,
@@ -99,12 +101,17 @@ def time_calls(models, method, calls, where, log):
 
     dataset = tf.data.Dataset.from_tensor_slices(_data(BATCH * BATCHES))
     dataset = dataset.batch(BATCH)
+    validation = dataset.take(5)
     seconds = {name: [] for name in models}
     for _ in range(calls):
         for name, model in models.items():
             started = time.perf_counter()
             if method == "fit":
                 model.fit(dataset, epochs=1, verbose=0)
+            elif method == "fit-validation":
+                model.fit(
+                    dataset, epochs=3, validation_data=validation, verbose=0
+                )
             else:
                 model.evaluate(dataset, verbose=0)
             seconds[name].append(time.perf_counter() - started)
@@ -121,7 +128,9 @@ def main_of(doc, run_calls, results, argv=None):
     """The command line of a module whose `run_calls(method, calls)` times."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument(
-        "--method", choices=("evaluate", "fit"), default="evaluate"
+        "--method",
+        choices=("evaluate", "fit", "fit-validation"),
+        default="evaluate",
     )
     parser.add_argument("--calls", type=int, default=12)
     parser.add_argument("--name", default="latest")

@@ -110,6 +110,21 @@ def get_data_adapter(**kwargs):
     return adapter
 
 
+def distributed_dataset_adapter(dataset):
+    """Keras's adapter of `dataset`, a `tf.distribute.DistributedDataset`.
+
+    Keras takes as data only TensorFlow's own distributed datasets (it
+    tells them by class name), not another implementation of the public
+    interface, which its epoch iterator would use as one; a `DataAdapter`
+    it takes as it is. `dataset` needs `cardinality()`: an epoch's batches.
+    """
+    adapter = _keras_private(
+        "keras.src.trainers.data_adapters.tf_dataset_adapter",
+        "TFDatasetAdapter",
+    )
+    return adapter(dataset)
+
+
 def array_adapter_inputs(adapter):
     """The arrays a Keras array adapter batches, or None for other adapters.
 

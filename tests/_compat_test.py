@@ -488,3 +488,35 @@ def test_dataset_seeded_tells_a_fixed_seed_from_none():
     tf.random.set_seed(5)
     assert _compat.dataset_seeded(base.shuffle(8))  # the global seed
     assert _compat.dataset_seeded(object())  # cannot tell: seeded
+
+
+def test_keras_takes_its_adapter_of_our_distributed_dataset_as_it_is():
+    # Keras tells TensorFlow's distributed datasets by class name, so a
+    # `DistributedEpochPipeline` reaches it in Keras's dataset adapter.
+    _private(
+        "keras.src.trainers.data_adapters.tf_dataset_adapter",
+        "TFDatasetAdapter",
+        "distributed_dataset_adapter",
+    )
+
+    class Epoch(tf.distribute.DistributedDataset):
+        element_spec = tf.TensorSpec((None,), tf.int64)
+
+        def __iter__(self):
+            return iter([])
+
+        def cardinality(self):
+            return 3
+
+        def reduce(self, initial_state, reduce_func):
+            raise TypeError
+
+    epoch = Epoch()
+    with pytest.raises(ValueError, match="Unrecognized data type"):
+        _compat.get_data_adapter(x=epoch)
+    adapter = _compat.distributed_dataset_adapter(epoch)
+    assert _compat.get_data_adapter(x=adapter) is adapter, UPDATE.format(
+        "distributed_dataset_adapter"
+    )
+    assert adapter.get_tf_dataset() is epoch
+    assert adapter.num_batches == 3

@@ -1415,12 +1415,13 @@ def test_determinism_verdict_compares_both_ways_of_measuring(tmp_path):
 
 @pytest.mark.long
 @pytest.mark.timeout(600)
-def test_strategy_calls_times_both_modes_on_two_replicas():
+@pytest.mark.parametrize("method", ["evaluate", "fit-validation"])
+def test_strategy_calls_times_both_modes_on_two_replicas(method):
     # In a subprocess: it splits the CPU into two logical devices.
     script = (
         "import json\n"
         "from benchmarks import strategy_calls\n"
-        "r = strategy_calls.run('evaluate', 3, log=lambda line: None)\n"
+        f"r = strategy_calls.run({method!r}, 3, log=lambda line: None)\n"
         "print(json.dumps(r))\n"
     )
     root = pathlib.Path(__file__).resolve().parents[2]

@@ -223,14 +223,15 @@ def test_mirrored_strategy_over_two_devices_matches_unstaged(smart_stage):
 def test_calls_on_one_dataset_under_a_strategy_reuse_one_stage():
     # A loop of fit(epochs=1) with an evaluate after each, on one dataset
     # object each, under MirroredStrategy over two logical CPUs: the stage
-    # of each role and its distributed dataset are built once, and the
+    # of each role and its distributed dataset are built once, Keras's
+    # iterators of each are views of one distributed iterator, and the
     # calls train and evaluate as plain Keras's do.
     out = _run(
         FIT_TWINS.format(),
         """
         from keras_stage.models.data_adapters import staged_data
 
-        built, distributed = [], []
+        built, distributed, iterated = [], [], []
         stage = StagedInput.stage
         def counted_stage(self, dataset, *args, **kwargs):
             built.append(kwargs.get("name"))
@@ -238,8 +239,18 @@ def test_calls_on_one_dataset_under_a_strategy_reuse_one_stage():
         StagedInput.stage = counted_stage
         distribute = staged_data.distribute_inputs
         def counted_distribute(*args):
-            distributed.append(1)
-            return distribute(*args)
+            # Counts the iterators made of each stage's distributed dataset.
+            result = distribute(*args)
+            distributed.append(id(result))
+            cls = type(result)
+            if not hasattr(cls, "counted_iter"):
+                cls.counted_iter = cls.__iter__
+                def counted_iter(self):
+                    if id(self) in distributed:
+                        iterated.append(1)
+                    return cls.counted_iter(self)
+                cls.__iter__ = counted_iter
+            return result
         staged_data.distribute_inputs = counted_distribute
 
         strategy = tf.distribute.MirroredStrategy(["/CPU:0", "/CPU:1"])
@@ -266,6 +277,7 @@ def test_calls_on_one_dataset_under_a_strategy_reuse_one_stage():
         print(json.dumps({
             "built": built,
             "distributed": len(distributed),
+            "iterated": len(iterated),
             "losses": [losses["plain"], losses["staged"]],
             "close": all(np.allclose(a, b, atol=1e-5) for a, b in zip(
                 losses["plain_weights"], losses["staged_weights"])),
@@ -279,6 +291,70 @@ def test_calls_on_one_dataset_under_a_strategy_reuse_one_stage():
         "staged_input_train",
     ], out["built"]
     assert out["distributed"] == 2, out
+    # One iterator of each for the 3 calls (one per call before: 6).
+    assert out["iterated"] == 2, out
+
+
+@pytest.mark.timeout(400)
+def test_a_fit_under_a_strategy_runs_its_epochs_on_one_iterator():
+    # Under MirroredStrategy a fit's epochs and validation runs read one
+    # distributed iterator per role, as without a strategy; a dataset that
+    # reshuffles from a seed keeps an iterator per epoch (Keras's peek at
+    # each call's start takes one of its draws). Both train as plain Keras.
+    out = _run(
+        FIT_TWINS.format(),
+        """
+        from keras_stage.models.call import epoch_iterators
+
+        made = []
+        make = epoch_iterators.LongLivedIterator._make
+        def counted_make(self):
+            made.append(self._name)
+            return make(self)
+        epoch_iterators.LongLivedIterator._make = counted_make
+
+        strategy = tf.distribute.MirroredStrategy(["/CPU:0", "/CPU:1"])
+        x, y = data(96)
+        def dataset():
+            return tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+        results = {}
+        for name, cls, kwargs in (
+            ("plain", keras.Model, None),
+            ("staged", keras_stage.Model,
+             dict(capacity=2, num_threads=2, adaptive=False)),
+        ):
+            with strategy.scope():
+                model = build(cls, kwargs)
+                extra = {} if kwargs is None else {"smart_stage": True}
+                model.compile(optimizer="sgd", loss="mse", **extra)
+            shuffled = dataset().unbatch().shuffle(96, seed=3).batch(16)
+            val = dataset().take(2)
+            first = model.fit(shuffled, epochs=2, validation_data=val,
+                              verbose=0)
+            second = model.fit(dataset(), epochs=3, validation_data=val,
+                               verbose=0)
+            results[name] = (
+                [first.history, second.history],
+                [w.tolist() for w in model.get_weights()],
+            )
+        print(json.dumps({
+            "made": made,
+            "histories": [results["plain"][0], results["staged"][0]],
+            "close": all(np.allclose(a, b, atol=1e-5) for a, b in zip(
+                results["plain"][1], results["staged"][1])),
+        }))
+        """,
+    )
+    assert out["close"], out["histories"]
+    for plain, staged in zip(*out["histories"], strict=True):
+        for key in plain:
+            np.testing.assert_allclose(plain[key], staged[key], rtol=1e-5)
+    # The shuffled fit's training: none; the validation of both fits
+    # (one dataset object): one; the second fit's training: one.
+    assert sorted(out["made"]) == [
+        "staged_input_train",
+        "staged_input_val",
+    ], out["made"]
 
 
 @pytest.mark.timeout(400)

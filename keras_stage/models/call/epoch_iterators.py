@@ -40,6 +40,11 @@ an iterator per epoch (`stage_data` refuses them the long-lived mode).
 were read: on a thread of its own (`release`), as its teardown can block,
 and with the stage's gate closed first, so nothing it still finishes counts.
 
+Under a strategy of several replicas the real iterator is one iterator of
+the stage's distributed dataset, and Keras gets a `DistributedEpochPipeline`
+(a `tf.distribute.DistributedDataset`) whose iterators are
+`DistributedEpochView`s (see there for Keras's peek at each call's start).
+
 Across calls
 ------------
 
@@ -505,3 +510,91 @@ class EpochPipeline(EagerIterated):
 
     def eager_iter(self):
         return EpochView(self._shared, self._base.element_spec)
+
+
+class DistributedEpochView(EpochView):
+    """An `EpochView` of a distributed long-lived iterator.
+
+    Under a strategy Keras reads one batch in Python from the first
+    iterator of each `fit` and `evaluate`, then drops it
+    (`_maybe_symbolic_build` in Keras's TensorFlow trainer), to build what
+    is unbuilt from its shapes and dtypes; the staged call has built all of
+    it already (`staged_call._build_for_strategy`). A read from the shared
+    iterator would take the epoch's first batch from the step, so a view's
+    first Python read, before any step read it, is that peek: it gets a
+    batch of zeros of `spec` (one replica's structure, no batch rows) and
+    reads nothing. Reads after it read the shared iterator.
+    """
+
+    def __init__(self, shared, element_spec, spec):
+        super().__init__(shared, element_spec)
+        self._spec = spec
+        self._peeked = False
+        self._stepped = False
+
+    def resolve(self):
+        self._stepped = True
+        return super().resolve()
+
+    def _peek(self):
+        if self._peeked or self._stepped or self._python_reads:
+            return None
+        self._peeked = True
+        return tf.nest.map_structure(_empty_batch, self._spec)
+
+    def __next__(self):
+        peeked = self._peek()
+        return super().__next__() if peeked is None else peeked
+
+    def get_next(self):
+        peeked = self._peek()
+        return super().get_next() if peeked is None else peeked
+
+
+def _empty_batch(spec):
+    """A value of `spec` with no rows (a `None` dimension as 0).
+
+    A composite spec (ragged, sparse) stands for itself: Keras's peek reads
+    only shapes and dtypes, which specs have.
+    """
+    if not isinstance(spec, tf.TensorSpec):
+        return spec
+    shape = [0 if dim is None else dim for dim in spec.shape.as_list()]
+    if spec.dtype == tf.string:
+        return tf.fill(shape, "")
+    return tf.zeros(shape, spec.dtype)
+
+
+class DistributedEpochPipeline(tf.distribute.DistributedDataset):
+    """One epoch of a long-lived distributed pipeline, as Keras sees it.
+
+    Under a strategy of several replicas Keras takes a distributed dataset
+    as it is and makes its iterators with `iter`: they are `EpochView`s of
+    the shared `LongLivedIterator`, whose real iterator is one iterator of
+    the distributed pipeline. Keras takes it wrapped in its dataset
+    adapter (`_compat.distributed_dataset_adapter`).
+    """
+
+    def __init__(self, shared, distributed, spec):
+        self._shared = shared
+        self._distributed = distributed
+        self._spec = spec  # one replica's batch (see `DistributedEpochView`)
+
+    def __iter__(self):
+        return DistributedEpochView(
+            self._shared, self._distributed.element_spec, self._spec
+        )
+
+    @property
+    def element_spec(self):
+        return self._distributed.element_spec
+
+    def cardinality(self):
+        """The batches of one epoch (what Keras's adapter counts)."""
+        return self._shared.batches
+
+    def reduce(self, initial_state, reduce_func):
+        raise TypeError(
+            "One epoch of a long-lived staged pipeline is read only through "
+            "its iterators; reduce the dataset before it is staged instead."
+        )

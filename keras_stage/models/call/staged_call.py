@@ -36,6 +36,7 @@ from keras_stage import _compat
 from keras_stage.callbacks.data_backup import DataBackup
 from keras_stage.callbacks.prefetch_callback import PrefetchCallback
 from keras_stage.models.backends import backend, tensorflow_steps
+from keras_stage.models.call.epoch_iterators import DistributedEpochPipeline
 from keras_stage.models.decision import calls
 from keras_stage.models.decision.epochs import epoch_switch
 from keras_stage.models.model_state import (
@@ -196,7 +197,10 @@ class StagedCall:
         where the stage's own iterators apply its policies.
         """
         if backend.graph_steps() and "predict" not in self.phases:
-            return data.pipeline
+            pipeline = data.pipeline
+            if isinstance(pipeline, DistributedEpochPipeline):
+                return _compat.distributed_dataset_adapter(pipeline)
+            return pipeline
         return data.eager_dataset
 
     def _reopen(self, phase, count=1):

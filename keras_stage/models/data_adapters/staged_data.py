@@ -22,6 +22,7 @@ from keras_stage.data.stats import op_determinism_enabled
 from keras_stage.models.backends import backend
 from keras_stage.models.call.epoch_iterators import (
     DeferredPipeline,
+    DistributedEpochPipeline,
     LongLivedIterator,
     restarts_anywhere,
 )
@@ -241,6 +242,10 @@ class StagedData:
 
     def _epochs(self, pipeline):
         """The `EpochPipeline` of the call's one iterator of `pipeline`."""
+        return self._shared_iterator(pipeline).epoch_pipeline(pipeline)
+
+    def _shared_iterator(self, pipeline):
+        """The call's `LongLivedIterator` of `pipeline`."""
         spans = self.kept is not None and self.kept.spans_calls
         if self._shared is None and spans:
             # The iterator an earlier call on this kept stage left.
@@ -262,7 +267,7 @@ class StagedData:
             )
             if spans:
                 self.kept.keep_iterator(pipeline, self._shared)
-        return self._shared.epoch_pipeline(pipeline)
+        return self._shared
 
     def _made(self, seconds):
         if self.on_iterator is not None:
@@ -323,6 +328,18 @@ class StagedData:
         pipeline = (
             self.staged.lean_pipeline if self.in_step else self.staged.pipeline
         )
+        if self.strategy is not None:
+            # Its replicas' share of each batch; long-lived, Keras's
+            # iterators of it are views of one distributed iterator. No
+            # epoch switch runs under a strategy (`decision.epochs._refusal`).
+            distributed = self._distributed(pipeline)
+            if self._long_lived is not None:
+                return DistributedEpochPipeline(
+                    self._shared_iterator(distributed),
+                    distributed,
+                    pipeline.element_spec,
+                )
+            return distributed
         if self._long_lived is not None:
             epochs = self._epochs(pipeline)
             if self.switch is None:
@@ -330,11 +347,13 @@ class StagedData:
             return self.switch.pipeline(
                 epochs, self._raw(), on_unstaged=self._shared.skip_epoch
             )
-        if self.strategy is None:
-            staged = DeferredPipeline(pipeline, self._made, defer=self.defers)
-            if self.switch is None:
-                return staged
-            return self.switch.pipeline(staged, self._raw())
+        staged = DeferredPipeline(pipeline, self._made, defer=self.defers)
+        if self.switch is None:
+            return staged
+        return self.switch.pipeline(staged, self._raw())
+
+    def _distributed(self, pipeline):
+        """`pipeline` distributed by the strategy, kept with a kept stage."""
 
         def distribute(pipeline):
             return distribute_inputs(
@@ -613,6 +632,38 @@ def default_strategy(strategy):
         not tf.distribute.has_strategy()
         and strategy is tf.distribute.get_strategy()
     )
+
+
+def strategy_refusal(strategy, dataset=None):
+    """Why Keras's iterators under `strategy` cannot be views of one.
+
+    None under the default strategy, where Keras iterates the stage's
+    pipeline with `iter`, and under a strategy of several replicas, where it
+    iterates the distributed dataset the stage hands it
+    (`StagedData.pipeline`) with `iter`, unless `dataset` (the stage's
+    source, if known) draws per iterator: there Keras also makes an
+    iterator of its own at the start of each call (a peek, see
+    `DistributedEpochView`), which takes the next draw. Under any other
+    strategy (one replica, such as `OneDeviceStrategy`) Keras distributes
+    the pipeline itself and makes its iterators from the dataset's graph.
+    """
+    if default_strategy(strategy):
+        return None
+    if strategy.num_replicas_in_sync < 2:
+        return (
+            "Keras distributes the data with a tf.distribute strategy of one "
+            "replica"
+        )
+    if (
+        isinstance(dataset, tf.data.Dataset)
+        and epoch_sources.inspect_source(dataset).iterator_draws
+    ):
+        return (
+            "under a tf.distribute strategy Keras makes one more iterator a "
+            "call, which takes one of the dataset's draws (its shuffle's "
+            "seeds)"
+        )
+    return None
 
 
 def epochs_refusal(
@@ -912,8 +963,8 @@ def stage_data(
             served,
             spans_calls=spans_calls,
         )
-        if refusal is None and not default_strategy(strategy):
-            refusal = "Keras distributes the data with a tf.distribute strategy"
+        if refusal is None:
+            refusal = strategy_refusal(strategy, dataset)
         if (
             refusal is None
             and split is not None

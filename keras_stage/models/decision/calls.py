@@ -41,9 +41,9 @@ from keras_stage.models.data_adapters import datasets
 from keras_stage.models.data_adapters.arrays import batch_count
 from keras_stage.models.data_adapters.staged_data import (
     carries,
-    default_strategy,
     epochs_refusal,
     stage_data,
+    strategy_refusal,
 )
 from keras_stage.models.model_state import state as model_state
 from keras_stage.planner.state_access import all_layers, seed_states
@@ -571,7 +571,7 @@ def _iterators(model, layer, role, x, batches, epochs, steps, long_lived):
         model.steps_per_execution,
         served=False,  # `may_skip_stage`: no service
     )
-    if refusal is None and default_strategy(model.distribute_strategy):
+    if refusal is None and not strategy_refusal(model.distribute_strategy, x):
         return 1
     return epochs
 

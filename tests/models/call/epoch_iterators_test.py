@@ -20,6 +20,8 @@ from keras_stage.models.call.epoch_iterators import (
     RELEASE_THREAD,
     DeferredIterator,
     DeferredPipeline,
+    DistributedEpochPipeline,
+    DistributedEpochView,
     EpochPipeline,
     EpochView,
     LongLivedIterator,
@@ -344,3 +346,55 @@ def test_an_epoch_pipeline_is_one_epoch_to_keras():
     assert _read(second, BATCHES) == [3, 4, 5]
     # Transformed, it is the first epoch of the long-lived pipeline.
     assert [int(v) for v in pipeline.map(lambda v: v)] == [0, 1, 2]
+
+
+# -- distributed epochs (a strategy of several replicas) --------------------
+
+
+def test_a_distributed_views_first_python_read_is_a_peek_of_zeros():
+    # Keras under a strategy reads one batch of each call's first
+    # iterator in Python to build the model, then drops it: that read
+    # takes nothing from the shared iterator, which the step reads next.
+    shared, made = _shared()
+    spec = {
+        "ids": tf.TensorSpec((None, 2), tf.int64),
+        "text": tf.TensorSpec((None,), tf.string),
+        "ragged": tf.RaggedTensorSpec((None, None), tf.float32),
+    }
+    peeked = next(DistributedEpochView(shared, None, spec))
+    assert peeked["ids"].shape == (0, 2) and peeked["ids"].dtype == tf.int64
+    assert peeked["text"].shape == (0,) and peeked["text"].dtype == tf.string
+    assert peeked["ragged"] == spec["ragged"]  # shapes and dtypes only
+    assert made == [] and shared.read_batches == 0
+    view = DistributedEpochView(shared, None, spec)
+    assert int(next(resolve(view))) == 0  # the step reads the epoch whole
+    assert [int(next(resolve(view))) for _ in range(2)] == [1, 2]
+    assert len(made) == 1
+
+
+def test_a_distributed_view_peeks_only_before_it_is_read():
+    shared, _ = _shared()
+    spec = tf.TensorSpec((None,), tf.int64)
+    view = DistributedEpochView(shared, None, spec)
+    assert int(next(resolve(view))) == 0
+    assert int(next(view)) == 1  # a real read once the step has read
+    view = DistributedEpochView(shared, None, spec)
+    assert next(view).shape == (0,)
+    assert [int(view.get_next()) for _ in range(3)] == [3, 4, 5]
+
+
+def test_a_distributed_epoch_pipeline_is_one_epoch_to_keras():
+    shared, _ = _shared()
+    spec = tf.TensorSpec((None,), tf.int64)
+    distributed = tf.distribute.get_strategy().experimental_distribute_dataset(
+        _epochs_source()
+    )
+    pipeline = DistributedEpochPipeline(shared, distributed, spec)
+    assert isinstance(pipeline, tf.distribute.DistributedDataset)
+    assert pipeline.cardinality() == BATCHES
+    assert pipeline.element_spec == distributed.element_spec
+    view = iter(pipeline)
+    assert isinstance(view, DistributedEpochView)
+    assert next(view).shape == (0,)
+    with pytest.raises(TypeError, match="reduce the dataset before"):
+        pipeline.reduce(0, lambda state, value: state)
