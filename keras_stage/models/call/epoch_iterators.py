@@ -569,10 +569,10 @@ class DistributedEpochPipeline(tf.distribute.DistributedDataset):
     """One epoch of a long-lived distributed pipeline, as Keras sees it.
 
     Under a strategy of several replicas Keras takes a distributed dataset
-    as it is and makes its iterators with `iter`: they are `EpochView`s of
-    the shared `LongLivedIterator`, whose real iterator is one iterator of
-    the distributed pipeline. Keras takes it wrapped in its dataset
-    adapter (`_compat.distributed_dataset_adapter`).
+    as it is and makes its iterators with `iter`: they are
+    `DistributedEpochView`s of the shared `LongLivedIterator`, whose real
+    iterator is one iterator of the distributed pipeline. Keras takes it
+    wrapped in its dataset adapter (`_compat.distributed_dataset_adapter`).
     """
 
     def __init__(self, shared, distributed, spec):

@@ -641,9 +641,10 @@ def strategy_refusal(strategy, dataset=None):
     pipeline with `iter`, and under a strategy of several replicas, where it
     iterates the distributed dataset the stage hands it
     (`StagedData.pipeline`) with `iter`, unless `dataset` (the stage's
-    source, if known) draws per iterator: there Keras also makes an
-    iterator of its own at the start of each call (a peek, see
-    `DistributedEpochView`), which takes the next draw. Under any other
+    source, if known) draws from a seed per iterator: there Keras also
+    makes an iterator of its own at the start of each call (a peek, see
+    `DistributedEpochView`), which takes the next draw (a draw with no seed
+    at all, which nobody can replay, may be taken). Under any other
     strategy (one replica, such as `OneDeviceStrategy`) Keras distributes
     the pipeline itself and makes its iterators from the dataset's graph.
     """
@@ -654,14 +655,14 @@ def strategy_refusal(strategy, dataset=None):
             "Keras distributes the data with a tf.distribute strategy of one "
             "replica"
         )
-    if (
-        isinstance(dataset, tf.data.Dataset)
-        and epoch_sources.inspect_source(dataset).iterator_draws
-    ):
+    if not isinstance(dataset, tf.data.Dataset):
+        return None
+    facts = epoch_sources.inspect_source(dataset)
+    if facts.iterator_draws and not facts.free_passes:
         return (
             "under a tf.distribute strategy Keras makes one more iterator a "
-            "call, which takes one of the dataset's draws (its shuffle's "
-            "seeds)"
+            "call, which takes one of the dataset's seeded draws (its "
+            "shuffle's orders follow the iterators made)"
         )
     return None
 
