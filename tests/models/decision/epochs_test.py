@@ -77,10 +77,10 @@ def calls_staged(monkeypatch):
     """
     decide = calls.CallCosts._decide
 
-    def staged(self, phase, batches, *args):
+    def staged(self, phase, batches, *args, **kwargs):
         if batches is not None and batches > 1:
             return True, "staged by the test"
-        return decide(self, phase, batches, *args)
+        return decide(self, phase, batches, *args, **kwargs)
 
     monkeypatch.setattr(calls.CallCosts, "_decide", staged)
 
