@@ -296,33 +296,28 @@ class CallCosts:
         else:
             costs.unstaged_step_seconds = median
 
-    def stages(self, phase, batches, iterators, *first, **traced):
+    def stages(
+        self, phase, batches, iterators, plans=False, traces=False, whole=False
+    ):
         """Whether a call of `batches` batches in all should be staged.
 
         `batches`: the batches it reads from in-memory data (see
         `call_batches`), or None when it reads something else (always
-        staged). `iterators`: the iterators it makes (one per epoch).
-        `first`: `(plans, traces)`, whether the call would also plan the
-        model's SmartStage / trace its prefix for the phase (a model's
-        first staged calls). `traced`: `whole=` / `trunk=`, whether the
-        model's whole-model step / staged step of the phase is traced.
+        staged). `iterators`: the
+        iterators it makes (one per epoch). `plans` / `traces`: whether
+        the call would also plan the model's SmartStage / trace its
+        prefix for the phase (a model's first staged calls). `whole`:
+        whether the model's whole-model step of the phase is traced.
         """
-        return self._decide(phase, batches, iterators, *first, **traced)[0]
+        return self._decide(phase, batches, iterators, plans, traces, whole)[0]
 
-    def describe(self, phase, batches, iterators, *first, **traced):
-        """Why `stages` decided as it did, in a sentence."""
-        return self._decide(phase, batches, iterators, *first, **traced)[1]
-
-    def _decide(
-        self,
-        phase,
-        batches,
-        iterators,
-        plans=False,
-        traces=False,
-        whole=False,
-        trunk=False,
+    def describe(
+        self, phase, batches, iterators, plans=False, traces=False, whole=False
     ):
+        """Why `stages` decided as it did, in a sentence."""
+        return self._decide(phase, batches, iterators, plans, traces, whole)[1]
+
+    def _decide(self, phase, batches, iterators, plans, traces, whole=False):
         if batches is None:
             return True, (
                 "its data is read by a pipeline the stage overlaps (a "
@@ -345,25 +340,17 @@ class CallCosts:
             set_up += self.plan_seconds
         if traces:
             set_up += costs.trace_seconds
-        saving = costs.saving(batches)
-        # Unstaged, a model whose staged step is traced and whole-model
-        # step is not would trace that step: staging spares it.
-        spared = costs.trial_cost() if trunk and not whole else 0.0
-        work = f"{1000 * saving:.1f} ms of staged work"
-        if spared:
-            work += (
-                " and tracing the whole model's step (about "
-                f"{1000 * spared:.0f} ms)"
-            )
-        if saving + spared <= set_up:
+        if costs.saving(batches) <= set_up:
             return False, (
-                f"staging {batches} batches can save at most {work}, less "
-                f"than the {1000 * set_up:.1f} ms its stage costs to set up "
-                "(measured on a model with this stage)"
+                f"staging {batches} batches can save at most "
+                f"{1000 * costs.saving(batches):.1f} ms of staged work, "
+                f"less than the {1000 * set_up:.1f} ms its stage costs to "
+                "set up (measured on a model with this stage)"
             )
         return True, (
-            f"staging {batches} batches can save up to {work}, more than "
-            f"the {1000 * set_up:.1f} ms its stage costs to set up"
+            f"staging {batches} batches can save up to "
+            f"{1000 * costs.saving(batches):.1f} ms of staged work, more "
+            f"than the {1000 * set_up:.1f} ms its stage costs to set up"
         )
 
 
@@ -496,26 +483,17 @@ def _decide(model, layer, phase, batches, iterators, x):
             "draw other numbers)"
         )
     measured = costs(model)
-    first = _first_costs(model, phase)
-    traced = _traced_steps(model, phase)
+    first = _first_costs(model, phase) + (_whole_traced(model, phase),)
     return (
-        measured.stages(phase, batches, iterators, *first, **traced),
-        measured.describe(phase, batches, iterators, *first, **traced),
+        measured.stages(phase, batches, iterators, *first),
+        measured.describe(phase, batches, iterators, *first),
     )
 
 
-def _traced_steps(model, phase):
-    """Which of `model`'s compiled steps of `phase` ran: `whole` (an
-    unstaged call's) and `trunk` (a staged call's)."""
-    traced = {
-        key
-        for key, function in model_state(model).staged_functions.items()
-        if function is not None and key[0] == phase
-    }
-    return {
-        "whole": (phase, UNSTAGED_STEPS) in traced,
-        "trunk": any(key[1] != UNSTAGED_STEPS for key in traced),
-    }
+def _whole_traced(model, phase):
+    """Whether `model`'s whole-model step of `phase` is traced (an unstaged
+    call ran it): a trial then costs no trace."""
+    return (phase, UNSTAGED_STEPS) in model_state(model).staged_functions
 
 
 def _always_staged(x):

@@ -143,27 +143,6 @@ def test_a_trial_waits_until_the_staged_calls_may_have_lost_its_trace():
     assert phase.batch_saving() == pytest.approx(0.0005)
 
 
-def test_staging_spares_the_trace_of_the_whole_models_step():
-    # 100 batches save at most 9.9 ms, less than 70 ms of set-up...
-    costs = _measured(batch=0.0001)
-    costs.note_steps("train", [0.304] + [0.004] * 10, staged=True)
-    assert costs.phase("train").trial_cost() == pytest.approx(0.3)
-    assert not costs.stages("train", 100, 1)
-    # ...but a model whose staged step is traced and whole-model step is
-    # not would trace that step (about what its first staged step took
-    # over the warm ones) to run unstaged.
-    assert costs.stages("train", 100, 1, trunk=True)
-    assert "and tracing the whole model's step (about 300 ms)" in (
-        costs.describe("train", 100, 1, trunk=True)
-    )
-    # Its whole-model step traced too: the trial, then the bound alone.
-    assert "times the whole model's steps once" in costs.describe(
-        "train", 100, 1, trunk=True, whole=True
-    )
-    costs.note_steps("train", [0.3] + [0.0041] * 10, staged=False)
-    assert not costs.stages("train", 100, 1, trunk=True, whole=True)
-
-
 def test_a_call_is_staged_only_when_its_work_can_repay_the_set_up():
     costs = _measured(build=0.05, iterator=0.02, batch=0.001)
     # 70 ms of set-up: 71 batches of 1 ms can save 70 ms, 72 can save 71.
@@ -394,36 +373,6 @@ def test_a_model_not_yet_planned_pays_its_plan_and_trace_too():
     model.get_stage_plan()  # planned now, but not traced
     assert calls.stages(model, layer, "train", 82)
     assert not calls.stages(model, layer, "train", 81)
-
-
-def test_a_model_knows_which_of_its_steps_are_traced():
-    model = _tabular()
-    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
-    x = {
-        "num": np.arange(32, dtype="float32").reshape(-1, 1),
-        "cat": tf.constant([["a"], ["b"], ["c"], ["d"]] * 8),
-    }
-    data = tf.data.Dataset.from_tensor_slices((x, np.zeros((32, 1)))).batch(8)
-    assert calls._traced_steps(model, "test") == {
-        "whole": False,
-        "trunk": False,
-    }
-    # Nothing measured: staged, its validation too.
-    model.fit(data, validation_data=data, shuffle=False, verbose=0)
-    traced = {"whole": False, "trunk": True}
-    assert calls._traced_steps(model, "train") == traced
-    assert calls._traced_steps(model, "test") == traced
-    layer = model.get_layer(index=2)
-    assert isinstance(layer, StagedInput)
-    # Nothing to save and no trace to spare: unstaged (the trial, due at
-    # once), which traces the whole model's step.
-    phase = calls.costs(model).phase("test")
-    phase.batch_seconds = phase.step_trace_seconds = phase.trace_seconds = 0.0
-    model.evaluate(data, verbose=0)
-    assert calls._traced_steps(model, "test") == {
-        "whole": True,
-        "trunk": True,
-    }
 
 
 def test_without_smart_stage_no_plan_or_trace_is_added():

@@ -77,10 +77,10 @@ def calls_staged(monkeypatch):
     """
     decide = calls.CallCosts._decide
 
-    def staged(self, phase, batches, *args, **kwargs):
+    def staged(self, phase, batches, *args):
         if batches is not None and batches > 1:
             return True, "staged by the test"
-        return decide(self, phase, batches, *args, **kwargs)
+        return decide(self, phase, batches, *args)
 
     monkeypatch.setattr(calls.CallCosts, "_decide", staged)
 
