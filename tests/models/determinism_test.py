@@ -359,16 +359,14 @@ def test_an_unstaged_call_after_a_staged_one_runs_under_determinism():
 
 
 def test_calls_on_data_in_memory_are_decided_from_host_timed_steps(
-    determinism, caplog, monkeypatch
+    determinism, caplog
 ):
     # Under op determinism the stage's pipeline times nothing (a clock or a
     # counter in it would make tf.data run it one batch at a time): the
     # host times the steps and reads the staged work from tf.data's model.
     # A first staged call, then one unstaged call times the whole model's
     # step, and later calls weigh the two. Every call trains exactly as
-    # plain Keras does. (The trial is made due after the first call here:
-    # when it waits is `calls_test`'s.)
-    monkeypatch.setattr(calls, "UNCHECKED_STEP_SHARE", float("inf"))
+    # plain Keras does.
     stage = dict(STAGE, adaptive=True, name="timed")
 
     def build(model_class):

@@ -14,7 +14,6 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage.models.call.epoch_iterators import DeferredPipeline, resolve
-from keras_stage.models.decision import calls
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -190,16 +189,9 @@ def test_a_fresh_model_decides_from_what_models_like_it_measured(caplog):
     with caplog.at_level(logging.INFO, logger="keras_stage"):
         history = fresh.fit(WORDS, LABELS, batch_size=16, epochs=2, verbose=0)
     plain.fit(WORDS, LABELS, batch_size=16, epochs=2, verbose=0)
-    # (What the first model measured says so, or the first model's staged
-    # steps were timed and this call is the trial, which times the whole
-    # model's steps, once for every model like it: which one depends on
-    # this machine's timings, see `calls.PhaseCosts.trial_due`. Either way
-    # the call runs unstaged and times the whole model's steps.)
-    assert (
-        "can save at most" in caplog.text
-        or "times the whole model's steps once" in caplog.text
-    )
-    assert calls.costs(fresh).phase("train").unstaged_step_seconds > 0
+    # (The first model's staged steps were timed, so this one times the
+    # whole model's steps, once for every model like it.)
+    assert "times the whole model's steps once" in caplog.text
     assert "stage_wait_ratio" not in history.history
     # ...so it ran unstaged: nothing planned, the same weights as plain.
     assert fresh._keras_stage_state.plan is None

@@ -45,7 +45,6 @@ from keras_stage.models.data_adapters.staged_data import (
     stage_data,
     strategy_refusal,
 )
-from keras_stage.models.model_state import UNSTAGED_STEPS
 from keras_stage.models.model_state import state as model_state
 from keras_stage.planner.state_access import all_layers, seed_states
 
@@ -56,10 +55,6 @@ MIN_TIMED_STEPS = 4
 # The phases whose compiled steps the host can time (`tensorflow_steps.guard`
 # wraps them; predict's batches are read in Python).
 TIMED_PHASES = ("train", "test")
-# What a staged call whose saving no trial has checked yet may lose, beside
-# its set-up, as a share of its steps' time: the stage's threads may take
-# the trunk's cores (see `PhaseCosts.trial_due`).
-UNCHECKED_STEP_SHARE = 0.1
 
 
 def may_skip_stage(layer):
@@ -153,12 +148,6 @@ class PhaseCosts:
         # saved a step (`batch_saving`).
         self.staged_step_seconds = None
         self.unstaged_step_seconds = None
-        # What the first staged step took over the warm ones (it traced
-        # the trunk's step): about what tracing the whole model's costs.
-        self.step_trace_seconds = None
-        # What the staged calls so far may have lost, at most, while no
-        # trial checked their saving (see `trial_due`).
-        self.at_stake = 0.0
 
     def batch_saving(self):
         """What staging saves per batch at most, in seconds, or None.
@@ -192,36 +181,17 @@ class PhaseCosts:
             and self.batch_saving() is not None
         )
 
-    def whole_untimed(self):
-        """Whether staged steps were timed on the host and the whole
-        model's were not: an unstaged call times its steps."""
-        return (
-            self.staged_step_seconds is not None
-            and self.unstaged_step_seconds is None
-        )
-
-    def trial_cost(self):
-        """About what a trial's trace of the whole model's step costs."""
-        return (self.step_trace_seconds or 0.0) + self.trace_seconds
-
-    def trial_due(self, traced=False):
+    def trial_due(self):
         """Whether the next call should run unstaged to time its steps.
 
         Once a staged call's steps were timed on the host, one unstaged
-        call of the phase gives the other side of the comparison. It costs
-        tracing the whole model's step (nothing if `traced`: an unstaged
-        call of the model traced it), which a script of a few short calls
-        would never win back: the trial waits until what the staged calls
-        may have lost unchecked (their set-up, and `UNCHECKED_STEP_SHARE`
-        of their steps) reaches that cost (rent until renting cost what
-        buying does), so it loses at most about twice what either choice
-        alone would.
+        call of the phase gives the other side of the comparison.
         """
         return (
             self.build_seconds is not None
             and self.iterator_seconds is not None
-            and self.whole_untimed()
-            and (traced or self.at_stake >= self.trial_cost())
+            and self.staged_step_seconds is not None
+            and self.unstaged_step_seconds is None
         )
 
     def saving(self, batches):
@@ -247,14 +217,10 @@ class CallCosts:
         return self._phases[phase]
 
     def note_build(self, phase, seconds):
-        costs = self.phase(phase)
-        costs.build_seconds = seconds
-        costs.at_stake += seconds
+        self.phase(phase).build_seconds = seconds
 
     def note_iterator(self, phase, seconds):
-        costs = self.phase(phase)
-        costs.iterator_seconds = seconds
-        costs.at_stake += seconds
+        self.phase(phase).iterator_seconds = seconds
 
     def note_trace(self, phase, seconds):
         self.phase(phase).trace_seconds = seconds
@@ -283,22 +249,16 @@ class CallCosts:
         note nothing.
         """
         warm = list(seconds)[1:]
-        costs = self.phase(phase)
-        if staged:
-            costs.at_stake += UNCHECKED_STEP_SHARE * sum(warm)
         if len(warm) < MIN_TIMED_STEPS:
             return
         median = statistics.median(warm)
+        costs = self.phase(phase)
         if staged:
             costs.staged_step_seconds = median
-            if costs.step_trace_seconds is None:
-                costs.step_trace_seconds = max(seconds[0] - median, 0.0)
         else:
             costs.unstaged_step_seconds = median
 
-    def stages(
-        self, phase, batches, iterators, plans=False, traces=False, whole=False
-    ):
+    def stages(self, phase, batches, iterators, plans=False, traces=False):
         """Whether a call of `batches` batches in all should be staged.
 
         `batches`: the batches it reads from in-memory data (see
@@ -306,18 +266,15 @@ class CallCosts:
         staged). `iterators`: the
         iterators it makes (one per epoch). `plans` / `traces`: whether
         the call would also plan the model's SmartStage / trace its
-        prefix for the phase (a model's first staged calls). `whole`:
-        whether the model's whole-model step of the phase is traced.
+        prefix for the phase (a model's first staged calls).
         """
-        return self._decide(phase, batches, iterators, plans, traces, whole)[0]
+        return self._decide(phase, batches, iterators, plans, traces)[0]
 
-    def describe(
-        self, phase, batches, iterators, plans=False, traces=False, whole=False
-    ):
+    def describe(self, phase, batches, iterators, plans=False, traces=False):
         """Why `stages` decided as it did, in a sentence."""
-        return self._decide(phase, batches, iterators, plans, traces, whole)[1]
+        return self._decide(phase, batches, iterators, plans, traces)[1]
 
-    def _decide(self, phase, batches, iterators, plans, traces, whole=False):
+    def _decide(self, phase, batches, iterators, plans, traces):
         if batches is None:
             return True, (
                 "its data is read by a pipeline the stage overlaps (a "
@@ -327,7 +284,7 @@ class CallCosts:
         if batches <= 1:
             return False, "a call of one batch has nothing to overlap"
         costs = self.phase(phase)
-        if costs.trial_due(traced=whole):
+        if costs.trial_due():
             return False, (
                 "this call times the whole model's steps once, to weigh "
                 "them against the staged steps (what the stage saves a step "
@@ -483,17 +440,11 @@ def _decide(model, layer, phase, batches, iterators, x):
             "draw other numbers)"
         )
     measured = costs(model)
-    first = _first_costs(model, phase) + (_whole_traced(model, phase),)
+    first = _first_costs(model, phase)
     return (
         measured.stages(phase, batches, iterators, *first),
         measured.describe(phase, batches, iterators, *first),
     )
-
-
-def _whole_traced(model, phase):
-    """Whether `model`'s whole-model step of `phase` is traced (an unstaged
-    call ran it): a trial then costs no trace."""
-    return (phase, UNSTAGED_STEPS) in model_state(model).staged_functions
 
 
 def _always_staged(x):
@@ -581,7 +532,7 @@ def timed_unstaged_phases(model, phases):
     return tuple(
         phase
         for phase in phases
-        if phase in TIMED_PHASES and state.costs.phase(phase).whole_untimed()
+        if phase in TIMED_PHASES and state.costs.phase(phase).trial_due()
     )
 
 

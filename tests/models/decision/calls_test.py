@@ -8,7 +8,6 @@ are tests/models/model_state_test.py's.
 """
 
 import logging
-import math
 
 import keras
 import numpy as np
@@ -67,23 +66,19 @@ def test_untimed_staged_work_is_weighed_from_host_timed_steps():
     assert costs.phase("train").staged_step_seconds is None
     costs.note_steps("train", [1.0] + [0.004] * 5, staged=True)
     assert costs.phase("train").staged_step_seconds == 0.004
-    # A staged call timed: an unstaged call runs, once, to time the whole
-    # model's step (the trial). Its trace would cost about the second the
-    # first staged step took over the warm ones, so it waits (see the next
-    # test), unless the model's whole step is traced already.
-    assert costs.phase("train").whole_untimed()
-    assert not costs.phase("train").trial_due()
-    assert costs.phase("train").trial_due(traced=True)
-    assert not costs.stages("train", 100, 1, whole=True)
+    # A staged call timed: the next one runs unstaged, once, to time the
+    # whole model's step.
+    assert costs.phase("train").trial_due()
+    assert not costs.stages("train", 100, 1)
     assert "times the whole model's steps once" in costs.describe(
-        "train", 100, 1, whole=True
+        "train", 100, 1
     )
-    assert not costs.stages("train", 1, 1, whole=True)  # one batch: never
-    assert costs.stages("train", None, 1, whole=True)  # not in memory
-    assert costs.stages("test", 100, 1, whole=True)  # nothing measured
+    assert not costs.stages("train", 1, 1)  # one batch: never staged
+    assert costs.stages("train", None, 1)  # not in memory: always staged
+    assert costs.stages("test", 100, 1)  # other phases: nothing measured
     # 1 ms saved a batch against 70 ms of set-up, as for timed work.
     costs.note_steps("train", [2.0] + [0.005] * 5, staged=False)
-    assert not costs.phase("train").trial_due(traced=True)
+    assert not costs.phase("train").trial_due()
     assert costs.phase("train").batch_saving() == pytest.approx(0.001)
     assert not costs.stages("train", 71, 1)
     assert costs.stages("train", 72, 1)
@@ -98,49 +93,13 @@ def test_host_timed_steps_bound_the_timed_work():
     # the steps, timed staged and unstaged, may show it saves less.
     costs = _measured(batch=0.002)
     costs.note_steps("train", [1.0] + [0.004] * 5, staged=True)
-    # The whole model untimed, its step traced: the trial is due.
-    assert costs.phase("train").trial_due(traced=True)
-    assert not costs.stages("train", 10_000, 1, whole=True)
+    assert costs.phase("train").trial_due()  # the whole model untimed
+    assert not costs.stages("train", 10_000, 1)
     costs.note_steps("train", [1.0] + [0.0045] * 5, staged=False)
     assert costs.phase("train").batch_saving() == pytest.approx(0.0005)
     costs.note_steps("train", [1.0] + [0.009] * 5, staged=False)
     assert costs.phase("train").batch_saving() == 0.002  # the work bounds
     assert costs.stages("train", 10_000, 1)
-
-
-def test_a_trial_waits_until_the_staged_calls_may_have_lost_its_trace():
-    # A trial traces the whole model's step. A script of a few short calls
-    # would never win that back: the trial waits until what the staged
-    # calls may have lost unchecked (their set-up, and a share of their
-    # steps) reaches what it costs.
-    costs = _measured(build=0.05, iterator=0.02, batch=0.002)
-    costs.note_trace("train", 0.2)  # the prefix's trace, noted apart
-    # The first staged step took 0.5 s over the warm ones: the trunk's
-    # step traced.
-    costs.note_steps("train", [0.504] + [0.004] * 10, staged=True)
-    phase = costs.phase("train")
-    assert phase.trial_cost() == pytest.approx(0.7)
-    per_call = 0.05 + 0.02 + calls.UNCHECKED_STEP_SHARE * 0.04
-    assert phase.at_stake == pytest.approx(per_call)
-    assert not phase.trial_due()
-    assert costs.stages("train", 100, 1)  # on the staged work's bound
-
-    def staged_call():
-        costs.note_build("train", 0.05)
-        costs.note_iterator("train", 0.02)
-        costs.note_steps("train", [0.004] * 11, staged=True)
-
-    calls_before_trial = 0
-    while not phase.trial_due():
-        staged_call()
-        calls_before_trial += 1
-    assert phase.at_stake >= 0.7 > phase.at_stake - per_call
-    assert calls_before_trial == math.ceil(0.7 / per_call) - 1
-    assert not costs.stages("train", 100, 1)  # the trial
-    assert phase.trial_cost() == pytest.approx(0.7)  # the first trace kept
-    costs.note_steps("train", [0.6] + [0.0045] * 10, staged=False)
-    assert not phase.trial_due()
-    assert phase.batch_saving() == pytest.approx(0.0005)
 
 
 def test_a_call_is_staged_only_when_its_work_can_repay_the_set_up():
