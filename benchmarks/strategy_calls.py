@@ -7,7 +7,8 @@ with `--method fit-validation` `fit(epochs=3)` with 5 batches of validation
 data every epoch) N times on the same `tf.data.Dataset` object of 20
 batches, for a plain
 `keras.Model` and a `keras_stage.Model` with `StagedInput(adaptive=False)`
-(every call staged) and `smart_stage=True`, alternating call by call. The
+(every call staged) and `smart_stage=True`, and a second plain model (the
+control, `plain_again`), alternating call by call. The
 model: 26 integer columns hashed (`Hashing(64)`), embedded and flattened,
 13 numeric columns, two `Dense` layers (the one of
 tests/models/device_test.py: plain Keras cannot run a string-input model
@@ -85,7 +86,11 @@ def run(method, calls, log=print):
     )
     strategy = tf.distribute.MirroredStrategy(["/CPU:0", "/CPU:1"])
     with strategy.scope():
-        models = {"plain": _build(False), "staged": _build(True)}
+        models = {
+            "plain": _build(False),
+            "staged": _build(True),
+            "plain_again": _build(False),
+        }
     return time_calls(
         models, method, calls, "under MirroredStrategy (2 replicas)", log
     )
@@ -94,8 +99,9 @@ def run(method, calls, log=print):
 def time_calls(models, method, calls, where, log):
     """Times `method` `calls` times per model on one dataset, alternating.
 
-    `models`: `{"plain": ..., "staged": ...}`; `where`: how the staged
-    model runs, for the log line.
+    `models`: `{"plain": ..., "staged": ...}`, and a control
+    `"plain_again"` if given; `where`: how the staged model runs, for the
+    log line.
     """
     import tensorflow as tf
 
@@ -116,10 +122,18 @@ def time_calls(models, method, calls, where, log):
                 model.evaluate(dataset, verbose=0)
             seconds[name].append(time.perf_counter() - started)
     summary = call_summary(seconds)
+    control = ""
+    if "plain_again" in seconds:
+        summary.update(call_summary(seconds, other="plain_again"))
+        control = (
+            f" (control plain_again/plain "
+            f"{summary['paired_plain_again/plain']:.3f})"
+        )
     log(
         f"{method} x{calls} on one dataset {where}: plain "
         f"{summary['plain_ms']:.1f} ms, staged {summary['staged_ms']:.1f} ms "
         f"a call; paired staged/plain {summary['paired_staged/plain']:.3f}"
+        + control
     )
     return {**seconds, "summary": summary}
 

@@ -1435,10 +1435,11 @@ def test_strategy_calls_times_both_modes_on_two_replicas(method):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    for mode in ("plain", "staged"):
+    for mode in ("plain", "staged", "plain_again"):
         assert len(results[mode]) == 3
         assert all(value > 0 for value in results[mode])
     assert results["summary"]["paired_staged/plain"] > 0
+    assert results["summary"]["paired_plain_again/plain"] > 0
 
 
 @pytest.mark.long
