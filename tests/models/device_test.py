@@ -127,6 +127,24 @@ def train(model, smart_stage=None):
     return [w.tolist() for w in model.get_weights()], h.history["loss"]
 """
 
+MIRRORED_TWINS = """
+strategy = tf.distribute.MirroredStrategy(["/CPU:0", "/CPU:1"])
+
+def mirrored_twins():
+    # `(name, model)`: a plain model, then its SmartStage twin (every call
+    # staged), each built and compiled under `strategy`.
+    for name, cls, kwargs in (
+        ("plain", keras.Model, None),
+        ("staged", keras_stage.Model,
+         dict(capacity=2, num_threads=2, adaptive=False)),
+    ):
+        with strategy.scope():
+            model = build(cls, kwargs)
+            extra = {} if kwargs is None else {"smart_stage": True}
+            model.compile(optimizer="sgd", loss="mse", **extra)
+        yield name, model
+"""
+
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("smart_stage", [False, True])
@@ -228,6 +246,7 @@ def test_calls_on_one_dataset_under_a_strategy_reuse_one_stage():
     # calls train and evaluate as plain Keras's do.
     out = _run(
         FIT_TWINS.format(),
+        MIRRORED_TWINS,
         """
         from keras_stage.models.data_adapters import staged_data
 
@@ -253,20 +272,11 @@ def test_calls_on_one_dataset_under_a_strategy_reuse_one_stage():
             return result
         staged_data.distribute_inputs = counted_distribute
 
-        strategy = tf.distribute.MirroredStrategy(["/CPU:0", "/CPU:1"])
         x, y = data()
         def dataset():
             return tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
         losses = {}
-        for name, cls, kwargs in (
-            ("plain", keras.Model, None),
-            ("staged", keras_stage.Model,
-             dict(capacity=2, num_threads=2, adaptive=False)),
-        ):
-            with strategy.scope():
-                model = build(cls, kwargs)
-                extra = {} if kwargs is None else {"smart_stage": True}
-                model.compile(optimizer="sgd", loss="mse", **extra)
+        for name, model in mirrored_twins():
             train, test = dataset(), dataset().take(2)
             losses[name] = []
             for _ in range(3):
@@ -303,6 +313,7 @@ def test_a_fit_under_a_strategy_runs_its_epochs_on_one_iterator():
     # each call's start takes one of its draws). Both train as plain Keras.
     out = _run(
         FIT_TWINS.format(),
+        MIRRORED_TWINS,
         """
         from keras_stage.models.call import epoch_iterators
 
@@ -313,20 +324,11 @@ def test_a_fit_under_a_strategy_runs_its_epochs_on_one_iterator():
             return make(self)
         epoch_iterators.LongLivedIterator._make = counted_make
 
-        strategy = tf.distribute.MirroredStrategy(["/CPU:0", "/CPU:1"])
         x, y = data(96)
         def dataset():
             return tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
         results = {}
-        for name, cls, kwargs in (
-            ("plain", keras.Model, None),
-            ("staged", keras_stage.Model,
-             dict(capacity=2, num_threads=2, adaptive=False)),
-        ):
-            with strategy.scope():
-                model = build(cls, kwargs)
-                extra = {} if kwargs is None else {"smart_stage": True}
-                model.compile(optimizer="sgd", loss="mse", **extra)
+        for name, model in mirrored_twins():
             shuffled = dataset().unbatch().shuffle(96, seed=3).batch(16)
             val = dataset().take(2)
             first = model.fit(shuffled, epochs=2, validation_data=val,
