@@ -203,14 +203,16 @@ def _close_running_on():
         shared.close()
 
 
-def restarts_anywhere(start, epochs):
+def restarts_anywhere(start, epochs, stop=None):
     """Whether a long-lived source's epochs can start on a new iterator.
 
     `start`: its first-epoch variable (see `long_lived_source`), or None;
     `epochs` None: a source of free passes, every pass of which is a
-    first one.
+    first one. `stop`: its end-epoch variable, or None; a source with one
+    draws per iterator, and its epochs after the first run on one
+    iterator (see `LongLivedIterator`).
     """
-    return start is not None or epochs is None
+    return stop is None and (start is not None or epochs is None)
 
 
 def resolve(iterator):
@@ -222,6 +224,15 @@ def resolve(iterator):
     if isinstance(iterator, (ResolvingIterator, EpochView)):
         return iterator.resolve()
     return iterator
+
+
+def _rest(iterator):
+    """What `iterator` still yields, up to its end."""
+    while True:
+        try:
+            yield next(iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            return
 
 
 class LongLivedIterator:
@@ -239,7 +250,14 @@ class LongLivedIterator:
             `batches`).
         start: The source's first-epoch variable (see
             `long_lived_source`) if its epochs are independent of one
-            another, so an iterator can start at any of them; else None.
+            another, so an iterator can start at any of them, or if
+            `stop` is given; else None.
+        stop: The source's end-epoch variable (see `long_lived_source`)
+            for a source that draws per iterator on an adaptive `pool`:
+            its first epoch reads an iterator that ends with it, and the
+            later ones one more, made on the pool sized from the first
+            epoch (its draws are the next ones, as plain Keras's next
+            iterator's). Else None.
         ordinal: The staged random layers' count of numbered elements
             (`StageSplit.ordinal`), when the pipeline numbers them without
             writing it (`StageSplit.number(writes=False)`), else None. Its
@@ -262,6 +280,7 @@ class LongLivedIterator:
         ordinal=None,
         pool=None,
         name="stage",
+        stop=None,
     ):
         self._pipeline = pipeline
         self.batches = int(batches)
@@ -269,8 +288,11 @@ class LongLivedIterator:
         self.steps_per_execution = int(steps_per_execution)
         self.made = made
         self._start = start
+        self._stop = stop
         # Whether a new iterator can start at any epoch.
-        self.restartable = restarts_anywhere(start, epochs)
+        self.restartable = restarts_anywhere(start, epochs, stop)
+        # Whether the real iterator ends with the first epoch (`stop`).
+        self._first_alone = False
         self._pool = pool
         self._name = name
         self._ordinal = ordinal
@@ -353,6 +375,15 @@ class LongLivedIterator:
             # The adaptive pool was resized for this epoch: a new iterator
             # runs on it (an iterator's pool is fixed when it is made).
             self._iterator = None
+        if self._first_alone and self.epoch >= 1:
+            # The first epoch's iterator ends with it: the rest run on one
+            # more, on the pool as sized now. Read to its end first, where
+            # its pass makes the unread iterator plain Keras makes (its
+            # draw comes before the next pass's, whenever its threads get
+            # there).
+            for _ in _rest(self._iterator):
+                pass
+            self._iterator = None
         if self._iterator is None:
             self._make()
 
@@ -382,6 +413,9 @@ class LongLivedIterator:
         self._iterator = None  # the one it replaces goes first
         if self._start is not None:
             self._start.assign(self.epoch)
+        if self._stop is not None:
+            self._first_alone = self.epoch == 0
+            self._stop.assign(1 if self._first_alone else self.epochs)
         if self._ordinal is not None:
             if self._ordinal_origin is None:
                 value = int(self._ordinal.numpy())

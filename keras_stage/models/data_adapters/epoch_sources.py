@@ -237,7 +237,9 @@ def _opened(dataset):
     )
 
 
-def long_lived_source(dataset, epochs, replay=False, opens=0, start=None):
+def long_lived_source(
+    dataset, epochs, replay=False, opens=0, start=None, stop=None
+):
     """`epochs` passes of `dataset` on one iterator, plain Keras's orders.
 
     Args:
@@ -253,6 +255,12 @@ def long_lived_source(dataset, epochs, replay=False, opens=0, start=None):
             now on reads, or None to always start at the first. Read when
             an iterator reaches each pass, so an iterator made after it is
             set starts there (see `LongLivedIterator`).
+        stop: With `start`, a `tf.Variable` holding the pass an iterator
+            made from now on ends before, or None for `epochs`. Both are
+            then read once, when the iterator reads its first element: an
+            iterator that ends with its first pass must not open the next
+            (a pass of a drawing source takes a draw when it opens) however
+            late its threads get there.
 
     Returns:
         The long-lived dataset, with `dataset`'s options.
@@ -263,6 +271,12 @@ def long_lived_source(dataset, epochs, replay=False, opens=0, start=None):
     if opens:
         epoch = epoch.concatenate(_opened(epoch))
     passes = tf.data.Dataset.range(epochs)
-    if start is not None:
+    if stop is not None:
+        passes = tf.data.Dataset.range(1).flat_map(
+            lambda _: tf.data.Dataset.range(
+                start.read_value(), tf.minimum(stop.read_value(), epochs)
+            )
+        )
+    elif start is not None:
         passes = passes.filter(lambda k: k >= start.read_value())
     return passes.flat_map(lambda _: epoch).with_options(dataset.options())

@@ -261,6 +261,7 @@ class StagedData:
                 self._made,
                 steps_per_execution=plan.steps_per_execution,
                 start=plan.start,
+                stop=plan.stop,
                 ordinal=plan.ordinal,
                 pool=self.staged.thread_pool,
                 name=self.staged.name,
@@ -283,7 +284,9 @@ class StagedData:
     def epochs_restartable(self):
         """Whether any epoch can start on a new iterator (see `start`)."""
         plan = self._long_lived
-        return plan is None or restarts_anywhere(plan.start, plan.epochs)
+        return plan is None or restarts_anywhere(
+            plan.start, plan.epochs, plan.stop
+        )
 
     def end_call(self):
         """Drops what iterators of a stage built for the ended call still make.
@@ -571,17 +574,22 @@ class LongLivedEpochs:
         steps_per_execution: The batches of one call of the compiled step.
         start: The source's first-epoch variable when its epochs can start
             on a new iterator (see `LongLivedIterator`), else None.
+        stop: The source's end-epoch variable when its first epoch reads
+            an iterator of its own (see `LongLivedIterator`), else None.
         source: The long-lived source (built when first read: a call
             reusing a kept stage reads the one it was built on).
         ordinal: The staged random layers' count of numbered elements
             (`StageSplit.ordinal`) when the stage numbers them, else None.
     """
 
-    def __init__(self, epochs, batches, steps_per_execution, start, source):
+    def __init__(
+        self, epochs, batches, steps_per_execution, start, source, stop=None
+    ):
         self.epochs = epochs
         self.batches = batches
         self.steps_per_execution = steps_per_execution
         self.start = start
+        self.stop = stop
         self._source = source  # or a function building it
         self.ordinal = None
 
@@ -723,13 +731,17 @@ def _long_lived_epochs(
     steps_per_execution,
     alongside,
     spans_calls=False,
+    first_alone=False,
 ):
     """`(LongLivedEpochs, None)`, or `(None, why not)`, for a safe stage.
 
     `arrays`: the in-memory data (x, y and the sample weights) when `x`
     is arrays, else None. See `epoch_sources` for the orders kept.
     `spans_calls`: whether the iterator may outlive the call, for a source
-    of free passes (`SourceFacts.free_passes`).
+    of free passes (`SourceFacts.free_passes`). `first_alone`: whether the
+    first epoch reads an iterator of its own, which ends with it, and the
+    others one more (a drawing dataset's stage on an adaptive pool, sized
+    from its first epoch: see `LongLivedIterator`).
     """
     if arrays is None and not isinstance(x, tf.data.Dataset):
         return None, "the data is not in-memory arrays or a tf.data.Dataset"
@@ -772,7 +784,7 @@ def _long_lived_epochs(
                     "the call also reads another dataset built on the same "
                     "datasets (their draws must keep their order)"
                 )
-    start = None
+    start = stop = None
     independent = arrays is not None or not facts.iterator_draws
     # Not under op determinism: a variable read in the pipeline would make
     # tf.data run all of it one element at a time (see
@@ -783,6 +795,10 @@ def _long_lived_epochs(
         # at any of them (see `LongLivedIterator`).
         with tf.init_scope(), tf.device("/CPU:0"):
             start = tf.Variable(0, dtype=tf.int64, trainable=False)
+    elif first_alone:
+        with tf.init_scope(), tf.device("/CPU:0"):
+            start = tf.Variable(0, dtype=tf.int64, trainable=False)
+            stop = tf.Variable(1, dtype=tf.int64, trainable=False)
     # Plain Keras makes one iterator it does not read after each epoch it
     # reads, except in training with steps_per_epoch (it keeps its
     # iterator across epochs); only a source that draws per iterator
@@ -803,9 +819,10 @@ def _long_lived_epochs(
         replay=replay,
         opens=opens,
         start=start,
+        stop=stop,
     )
     plan = LongLivedEpochs(
-        epochs, num_batches, steps_per_execution, start, source
+        epochs, num_batches, steps_per_execution, start, source, stop=stop
     )
     return plan, None
 
@@ -966,21 +983,27 @@ def stage_data(
         )
         if refusal is None:
             refusal = strategy_refusal(strategy, dataset)
-        if (
+        # A resized pool runs only in a new iterator; epochs of arrays, or
+        # of a dataset that draws nothing per iterator, can start one at
+        # any epoch; a drawing dataset's cannot (its seeded draws follow
+        # the iterators made before). Its first epoch then reads an
+        # iterator of its own, which ends with it, and the rest one more,
+        # made on the pool sized from that first epoch.
+        first_alone = (
             refusal is None
             and split is not None
             and layer.stage_options.adaptive_pool
             and not in_memory(x)
             and _draws_per_iterator(dataset, spans_calls)
-        ):
-            # A resized pool runs only in a new iterator; epochs of arrays,
-            # or of a dataset that draws nothing per iterator, can start
-            # one at any epoch; a drawing dataset's cannot (its seeded
-            # draws follow the iterators made before).
+        )
+        if first_alone and op_determinism_enabled():
+            # Its bounds are variables, which would make tf.data run the
+            # whole pipeline one element at a time.
             refusal = (
                 "the stage's adaptive pool is resized between epochs, and "
-                "this dataset's epochs cannot move to a new pool mid-call "
-                "(it draws from a seed generator per iterator)"
+                "under op determinism this dataset's epochs cannot move to "
+                "a new pool mid-call (it draws from a seed generator per "
+                "iterator)"
             )
         if refusal is None:
             arrays = (x, y, sample_weight) if in_memory(x) else None
@@ -995,6 +1018,7 @@ def stage_data(
                 int(steps_per_execution),
                 alongside,
                 spans_calls=spans_calls,
+                first_alone=first_alone,
             )
     fn = None
     # The long-lived source's too: it repeats, replays or flat-maps passes.

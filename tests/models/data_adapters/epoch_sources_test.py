@@ -412,18 +412,98 @@ def test_a_dataset_on_the_adaptive_pool_runs_long_lived_unless_it_draws():
     data.end_call()
     assert first == second == third
     assert len(made) == 2  # a new iterator on the resized pool
+    # A drawing dataset's first epoch reads an iterator of its own, the
+    # rest one more, on the pool sized from the first (see the next test).
     reshuffled = ds.shuffle(3, seed=SEED)
     data = stage_data(layer, "train", reshuffled, split=split, epochs=3)
-    assert not data.long_lived
-    assert "draws from a seed generator" in data.long_lived_refusal
+    assert data.long_lived and not data.epochs_restartable
     data.end_call()
 
 
-def test_a_fit_on_a_dataset_on_the_adaptive_pool_trains_as_plain_keras():
+def _labelled_words(seed):
+    """48 words, each example's label its own, shuffled from `seed`."""
+    words = np.array([f"w{i % 7}" for i in range(48)], dtype=object)
+    labels = np.arange(48, dtype="float32").reshape(-1, 1)
+    ds = tf.data.Dataset.from_tensor_slices((words, labels))
+    return ds.shuffle(48, seed=seed).batch(16)
+
+
+def _labels_read(seen):
+    """`(phase, labels)` of each batch a `_Recorder` saw."""
+    return [(phase, values[-1]) for phase, values in seen]
+
+
+class _Resize(keras.callbacks.Callback):
+    """Resizes a pool after every epoch, as PrefetchCallback's verdict may."""
+
+    def __init__(self, pool):
+        super().__init__()
+        self.pool = pool
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.pool.resize(1 + epoch % 2)
+
+
+@pytest.mark.parametrize("global_seed", [False, True])
+def test_a_drawing_dataset_on_the_adaptive_pool_reads_plain_orders(
+    global_seed,
+):
+    # keras.utils.set_random_seed + shuffle (the keras.io recipe), or a
+    # shuffle's own seed: plain Keras draws a new order every epoch.
+    def make(seed):
+        return _labelled_words(None if global_seed else seed)
+
+    _, layer, split = _words_model()
+    keras.utils.set_random_seed(SEED)
+    plain = _fit(make(3), validation_data=make(4))
+    keras.utils.set_random_seed(SEED)
+    train_x, val_x = make(3), make(4)
+    made = []
+    train, val = (
+        stage_data(layer, phase, x, split=split, epochs=EPOCHS, alongside=(o,))
+        for phase, x, o in (("train", train_x, val_x), ("val", val_x, train_x))
+    )
+    train.on_iterator = val.on_iterator = made.append
+    assert train.staged.thread_pool is not None
+    assert train.long_lived and val.long_lived
+    assert not train.epochs_restartable
+    staged = _fit(
+        train.pipeline,
+        validation_data=val.pipeline,
+        callbacks=[_Resize(train.staged.thread_pool)],
+    )
+    train.end_call()
+    val.end_call()
+    assert _labels_read(staged) == _labels_read(plain)
+    trained = [
+        labels for phase, labels in _labels_read(plain) if phase == "train"
+    ]
+    assert trained[:3] != trained[3:6]  # it draws a new order each epoch
+    # Two iterators each: the first epoch's, and one for the rest.
+    assert len(made) == 4
+
+
+@pytest.mark.parametrize("seeded_shuffle", [False, True])
+def test_a_fit_on_a_dataset_on_the_adaptive_pool_trains_as_plain_keras(
+    seeded_shuffle,
+):
     words = np.array([f"w{i % 7}" for i in range(64)], dtype=object)
     labels = np.linspace(0.0, 1.0, 64, dtype="float32").reshape(-1, 1)
-    ds = tf.data.Dataset.from_tensor_slices((words, labels)).batch(8)
-    val = tf.data.Dataset.from_tensor_slices((words, labels)).batch(8).take(3)
+
+    def batched(ds):
+        # keras.io's recipe: set_random_seed, then shuffle every epoch.
+        return ds.shuffle(64).batch(8) if seeded_shuffle else ds.batch(8)
+
+    def datasets():
+        # Each model's own, made alike after the same global seed: a
+        # shuffle's seed generator goes on from every iterator made.
+        keras.utils.set_random_seed(SEED)
+        pairs = tf.data.Dataset.from_tensor_slices
+        return (
+            batched(pairs((words, labels))),
+            batched(pairs((words[:24], labels[:24]))),
+        )
+
     staged, _, _ = _words_model()
     inputs = keras.Input(shape=(), dtype="string")
     x = keras.layers.StringLookup(
@@ -433,8 +513,10 @@ def test_a_fit_on_a_dataset_on_the_adaptive_pool_trains_as_plain_keras():
     plain = keras.Model(inputs, keras.layers.Dense(1, name="head")(x))
     plain.compile(optimizer="sgd", loss="mse")
     staged.set_weights(plain.get_weights())
-    histories = [
-        model.fit(
+    histories = []
+    for model in (plain, staged):
+        ds, val = datasets()
+        history = model.fit(
             ds,
             epochs=4,
             validation_data=val,
@@ -444,14 +526,20 @@ def test_a_fit_on_a_dataset_on_the_adaptive_pool_trains_as_plain_keras():
             if model is staged
             else [],
         )
-        for model in (plain, staged)
-    ]
-    # Its training and validation each ran on one iterator, which their
-    # datasets (drawing nothing) let run on into later calls.
+        histories.append(history)
     kept = staged._keras_stage_state.stages
     for role in ("train", "val"):
-        assert kept[role].long_lived.epochs is None
-        assert kept[role].spans_calls and kept[role].carries()
+        if seeded_shuffle:
+            # Drawn anew each epoch: the first epoch on an iterator of its
+            # own, the other three on one more (the orders are checked
+            # batch by batch above).
+            assert kept[role].long_lived.epochs == 4
+            assert kept[role].long_lived.stop is not None
+        else:
+            # One iterator, which their datasets (drawing nothing) let run
+            # on into later calls.
+            assert kept[role].long_lived.epochs is None
+            assert kept[role].spans_calls and kept[role].carries()
     for a, b in zip(plain.get_weights(), staged.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(

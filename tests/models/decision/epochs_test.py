@@ -55,9 +55,19 @@ def _dataset(seed=None, batch_size=8):
     return ds.batch(batch_size)  # 12 steps at 8
 
 
-def _fit(model, epochs=6, callbacks=(), batch_size=8, validation=None):
+def _fit(
+    model,
+    epochs=6,
+    callbacks=(),
+    batch_size=8,
+    validation=None,
+    reshuffle=False,
+):
     keras.utils.set_random_seed(1)
-    train = _dataset(seed=4, batch_size=batch_size)
+    # By default a dataset that draws nothing per iterator: an epoch can
+    # start on a new iterator, so one can run without the stage (a
+    # reshuffling one's cannot: see the last test).
+    train = _dataset(seed=4 if reshuffle else None, batch_size=batch_size)
     return model.fit(
         train,
         epochs=epochs,
@@ -168,14 +178,16 @@ def test_a_fit_too_short_for_a_trial_is_all_staged(unstaged_wins):
 
 def test_a_fixed_pool_is_tried_after_one_staged_epoch(unstaged_wins):
     _, staged = _models(num_threads=2)
-    # A dataset on a fixed pool runs its epochs on one iterator...
-    history = _fit(staged, epochs=4)
+    # A reshuffling dataset on a fixed pool runs its epochs on one
+    # iterator...
+    history = _fit(staged, epochs=4, reshuffle=True)
     assert "stage_unstaged" not in history.history
     # ...unless its validation reads the same dataset (their draws
     # interleave): an iterator per epoch, and the trial after one.
     plain, staged = _models(num_threads=2)
-    expected = _fit(plain, epochs=4, validation=lambda ds: ds.take(3))
-    history = _fit(staged, epochs=4, validation=lambda ds: ds.take(3))
+    same = {"validation": lambda ds: ds.take(3), "reshuffle": True}
+    expected = _fit(plain, epochs=4, **same)
+    history = _fit(staged, epochs=4, **same)
     assert history.history["stage_unstaged"] == [0, 1, 1, 1]
     _assert_same(plain, staged, expected, history)
 
@@ -306,3 +318,36 @@ def test_no_trial_whose_trace_would_outweigh_what_it_can_gain(
     assert ("train", "unstaged") in staged._keras_stage_state.staged_functions
     history = _fit(staged)
     assert history.history["stage_unstaged"] == [0, 0, 1, 1, 1, 1]
+
+
+def test_a_reshuffling_dataset_keeps_every_epoch_staged_on_two_iterators(
+    caplog,
+):
+    # Its epochs' orders follow the iterators made before (a seed
+    # generator), so its epochs after the first run on one iterator, which
+    # cannot skip one: no trial, plain Keras's weights.
+    plain, staged = _models()
+    expected = _fit(plain, reshuffle=True)
+    made = []
+    costs = calls.costs(staged)
+    original = costs.note_iterator
+
+    def note(phase, seconds):
+        made.append(phase)
+        original(phase, seconds)
+
+    costs.note_iterator = note
+    with caplog.at_level(logging.DEBUG, logger="keras_stage"):
+        history = _fit(staged, reshuffle=True)
+    assert "stage_unstaged" not in history.history
+    assert "its epochs run on one iterator, which cannot skip one" in (
+        caplog.text
+    )
+    kept = staged._keras_stage_state.stages["train"]
+    assert kept.long_lived.epochs == 6 and kept.long_lived.stop is not None
+    assert made.count("train") == 2
+    np.testing.assert_allclose(
+        expected.history["loss"], history.history["loss"], rtol=1e-5
+    )
+    for a, b in zip(plain.get_weights(), staged.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
