@@ -34,8 +34,13 @@ passes are independent) before the next begins, so every epoch still
 starts where plain Keras's fresh iterator starts. A source whose passes are
 independent (in-memory arrays) also starts a new iterator, at the epoch
 boundary, when the stage's adaptive pool was resized (the real iterator
-runs on the pool it was made on); other sources with an adaptive pool keep
-an iterator per epoch (`stage_data` refuses them the long-lived mode).
+runs on the pool it was made on). A source that draws per iterator (a
+reshuffling `shuffle`) on an adaptive pool runs its first epoch on an
+iterator that ends with it, and the rest on one more, on the pool sized
+from the first; while an `EpochSwitch` may still run an epoch without the
+stage, each staged epoch ends its iterator too. Each such iterator is
+read to its end before the next is made, and so is each epoch read
+without the stage (`DrawOrder`): the passes draw in plain Keras's order.
 `StagedData.end_call` drops the real iterator, however many of its epochs
 were read: on a thread of its own (`release`), as its teardown can block,
 and with the stage's gate closed first, so nothing it still finishes counts.
@@ -136,6 +141,61 @@ class DeferredPipeline(EagerIterated):
     def eager_iter(self):
         iterator = DeferredIterator(self._base, self._made)
         return iterator if self._defer else iterator.resolve()
+
+
+class DrawOrder:
+    """Keeps the draws of a source's passes in the order they are read.
+
+    A source that draws from a seed generator per iterator (a reshuffling
+    `shuffle`) draws when each pass starts and, with plain Keras's unread
+    iterator after it (`epoch_sources.one_pass(opens=1)`), when it ends.
+    Each pass's iterator is read to its end (`finish`) before the next one
+    is made, so the draws come in plain Keras's order whatever iterators
+    Keras makes and leaves unread. Shared by a call's epochs run without
+    the stage (`OrderedPipeline`) and its `LongLivedIterator`.
+    """
+
+    def __init__(self):
+        self._current = None
+
+    def hold(self, iterator):
+        """`iterator` reads a pass now (after `finish`)."""
+        self._current = iterator
+
+    def finish(self):
+        """Reads the pass read last to its end, and drops its iterator."""
+        if self._current is not None:
+            current, self._current = self._current, None
+            for _ in _rest(current):
+                pass
+
+
+class OrderedPipeline(EagerIterated):
+    """`pipeline` (one pass) whose eager iterators keep a `DrawOrder`.
+
+    Each is made when first read, after the pass read before it was read
+    to its end: one Keras makes and never reads draws nothing.
+    """
+
+    def __init__(self, pipeline, order):
+        self._order = order
+        super().__init__(pipeline)
+
+    def eager_iter(self):
+        return _OrderedIterator(self._base, self._order)
+
+
+class _OrderedIterator(DeferredIterator):
+    def __init__(self, pipeline, order):
+        super().__init__(pipeline, lambda seconds: None)
+        self._order = order
+
+    def resolve(self):
+        if self._iterator is None:
+            self._order.finish()
+            super().resolve()
+            self._order.hold(self._iterator)
+        return self._iterator
 
 
 # The name of `release`'s threads: not a stage's helper thread
@@ -258,6 +318,13 @@ class LongLivedIterator:
             later ones one more, made on the pool sized from the first
             epoch (its draws are the next ones, as plain Keras's next
             iterator's). Else None.
+        single_epochs: With `stop`, a function telling whether the next
+            iterator must also end with its epoch (while an `EpochSwitch`
+            may still run an epoch without the stage: `skip_epoch`), or
+            None.
+        order: With `stop`, the call's `DrawOrder`, which an iterator of
+            the epochs run without the stage is read to its end in before
+            this makes one.
         ordinal: The staged random layers' count of numbered elements
             (`StageSplit.ordinal`), when the pipeline numbers them without
             writing it (`StageSplit.number(writes=False)`), else None. Its
@@ -281,6 +348,8 @@ class LongLivedIterator:
         pool=None,
         name="stage",
         stop=None,
+        single_epochs=None,
+        order=None,
     ):
         self._pipeline = pipeline
         self.batches = int(batches)
@@ -289,10 +358,12 @@ class LongLivedIterator:
         self.made = made
         self._start = start
         self._stop = stop
+        self._single_epochs = single_epochs
+        self._order = order
         # Whether a new iterator can start at any epoch.
         self.restartable = restarts_anywhere(start, epochs, stop)
-        # Whether the real iterator ends with the first epoch (`stop`).
-        self._first_alone = False
+        # With `stop`: the epoch the real iterator ends before.
+        self._segment_end = None
         self._pool = pool
         self._name = name
         self._ordinal = ordinal
@@ -375,15 +446,11 @@ class LongLivedIterator:
             # The adaptive pool was resized for this epoch: a new iterator
             # runs on it (an iterator's pool is fixed when it is made).
             self._iterator = None
-        if self._first_alone and self.epoch >= 1:
-            # The first epoch's iterator ends with it: the rest run on one
-            # more, on the pool as sized now. Read to its end first, where
-            # its pass makes the unread iterator plain Keras makes (its
-            # draw comes before the next pass's, whenever its threads get
-            # there).
-            for _ in _rest(self._iterator):
-                pass
-            self._iterator = None
+        if self._iterator is not None and self._segment_end is not None:
+            if self.epoch >= self._segment_end:
+                # Its iterator ended with the last epoch: the next runs on
+                # another, on the pool as sized now (see `_end_segment`).
+                self._end_segment()
         if self._iterator is None:
             self._make()
 
@@ -394,7 +461,7 @@ class LongLivedIterator:
         (`start`): the real iterator is dropped (nothing of it runs on),
         and the epoch after starts a new one past the skipped epoch.
         """
-        if not self.restartable:
+        if not self.restartable and self._stop is None:
             raise RuntimeError(
                 f"Stage '{self._name}': an epoch of a long-lived source that "
                 "cannot start at any epoch cannot be skipped."
@@ -405,17 +472,41 @@ class LongLivedIterator:
                 f"Stage '{self._name}' was built for {self.epochs} epochs "
                 "on one iterator, and Keras began one more."
             )
+        if self._iterator is not None and self._segment_end is not None:
+            if self._segment_end > self.epoch:
+                raise RuntimeError(
+                    f"Stage '{self._name}': epoch {self.epoch} runs on an "
+                    "iterator of the stage's draws, and cannot be skipped."
+                )
+            self._end_segment()
         self.read_batches += self.batches
         self._iterator = None
         self._view = None
+
+    def _end_segment(self):
+        """Reads the real iterator to its end (`stop`), then drops it.
+
+        Its last pass makes the unread iterator plain Keras makes at its
+        end: read to its end, that pass has taken its draws before the
+        next iterator's first pass takes the next, whenever its threads
+        would have got there.
+        """
+        for _ in _rest(self._iterator):
+            pass
+        self._iterator = None
 
     def _make(self):
         self._iterator = None  # the one it replaces goes first
         if self._start is not None:
             self._start.assign(self.epoch)
         if self._stop is not None:
-            self._first_alone = self.epoch == 0
-            self._stop.assign(1 if self._first_alone else self.epochs)
+            if self._order is not None:
+                self._order.finish()  # an epoch read without the stage
+            single = self.epoch == 0 or (
+                self._single_epochs is not None and self._single_epochs()
+            )
+            self._segment_end = self.epoch + 1 if single else self.epochs
+            self._stop.assign(self._segment_end)
         if self._ordinal is not None:
             if self._ordinal_origin is None:
                 value = int(self._ordinal.numpy())

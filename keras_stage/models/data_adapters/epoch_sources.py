@@ -237,6 +237,17 @@ def _opened(dataset):
     )
 
 
+def one_pass(dataset, opens=0):
+    """One pass of `dataset`, then `opens` (0 or 1) unread iterators of it.
+
+    An epoch read without the stage, in `long_lived_source`'s passes (see
+    `epoch_iterators.DrawOrder`).
+    """
+    if not opens:
+        return dataset
+    return dataset.concatenate(_opened(dataset)).with_options(dataset.options())
+
+
 def long_lived_source(
     dataset, epochs, replay=False, opens=0, start=None, stop=None
 ):

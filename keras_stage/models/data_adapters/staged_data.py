@@ -23,7 +23,9 @@ from keras_stage.models.backends import backend
 from keras_stage.models.call.epoch_iterators import (
     DeferredPipeline,
     DistributedEpochPipeline,
+    DrawOrder,
     LongLivedIterator,
+    OrderedPipeline,
     restarts_anywhere,
 )
 from keras_stage.models.data_adapters import epoch_sources
@@ -169,6 +171,8 @@ class StagedData:
         # (`LongLivedEpochs`), or None: an iterator per epoch.
         self._long_lived = epochs
         self._shared = None  # its `LongLivedIterator`, made with `pipeline`
+        # The order of a drawing source's passes (see `DrawOrder`).
+        self._order = DrawOrder()
         # The model's kept stage this runs (see `stage_data(kept=...)`).
         self.kept = None
         # The dataset the stage stages, as Keras would iterate it (set by
@@ -254,6 +258,7 @@ class StagedData:
                 self._shared.made = self._made
         if self._shared is None:
             plan = self._long_lived
+            segmented = plan.stop is not None
             self._shared = LongLivedIterator(
                 pipeline,
                 plan.batches,
@@ -265,6 +270,10 @@ class StagedData:
                 ordinal=plan.ordinal,
                 pool=self.staged.thread_pool,
                 name=self.staged.name,
+                # While the epoch switch may run an epoch without the
+                # stage, each staged epoch ends its iterator.
+                single_epochs=self._undecided if segmented else None,
+                order=self._order if segmented else None,
             )
             if spans:
                 self.kept.keep_iterator(pipeline, self._shared)
@@ -274,8 +283,18 @@ class StagedData:
         if self.on_iterator is not None:
             self.on_iterator(seconds)
 
+    def _undecided(self):
+        """Whether the epoch switch may still run an epoch unstaged."""
+        return self.switch is not None and self.switch.decision is None
+
     def _raw(self):
         """One epoch of the source, for epochs run without the stage."""
+        plan = self._long_lived
+        if plan is not None and plan.stop is not None:
+            # Its passes draw as the stage's do, in the order read.
+            return OrderedPipeline(
+                epoch_sources.one_pass(self.source, plan.opens), self._order
+            )
         return DeferredPipeline(
             self.source, lambda seconds: None, defer=self.defers
         )
@@ -287,6 +306,17 @@ class StagedData:
         return plan is None or restarts_anywhere(
             plan.start, plan.epochs, plan.stop
         )
+
+    @property
+    def epochs_skippable(self):
+        """Whether the epoch switch can run an epoch without the stage.
+
+        Epochs that can start on a new iterator, or a source that draws
+        per iterator whose staged epochs end their iterators while the
+        switch may still skip one (see `LongLivedIterator`, `stop`).
+        """
+        plan = self._long_lived
+        return self.epochs_restartable or plan.stop is not None
 
     def end_call(self):
         """Drops what iterators of a stage built for the ended call still make.
@@ -576,6 +606,7 @@ class LongLivedEpochs:
             on a new iterator (see `LongLivedIterator`), else None.
         stop: The source's end-epoch variable when its first epoch reads
             an iterator of its own (see `LongLivedIterator`), else None.
+        opens: The unread iterators of the source each pass makes.
         source: The long-lived source (built when first read: a call
             reusing a kept stage reads the one it was built on).
         ordinal: The staged random layers' count of numbered elements
@@ -590,6 +621,8 @@ class LongLivedEpochs:
         self.steps_per_execution = steps_per_execution
         self.start = start
         self.stop = stop
+        # Unread iterators made after each pass (see `long_lived_source`).
+        self.opens = 0
         self._source = source  # or a function building it
         self.ordinal = None
 
@@ -824,6 +857,7 @@ def _long_lived_epochs(
     plan = LongLivedEpochs(
         epochs, num_batches, steps_per_execution, start, source, stop=stop
     )
+    plan.opens = opens
     return plan, None
 
 

@@ -30,7 +30,9 @@ exception policies and no tf.data service (`calls.may_skip_stage`),
 an iterator per epoch or epochs on one iterator that can restart at any
 epoch (in-memory arrays, datasets that draw nothing per iterator: an
 unstaged epoch drops the stage's iterator and the next staged one starts
-a new one after it), no strategy, no device
+a new one after it) or that end it with each epoch until the decision
+(datasets that draw per iterator, see `LongLivedIterator`), no strategy,
+no device
 buffer, no `BackupAndRestore`, and epochs long enough to time. A model
 whose trial found the stage faster does not try again.
 `StagedInput(adaptive=False)` keeps every epoch staged.
@@ -111,7 +113,7 @@ def _refusal(model, layer, data, epochs, callbacks):
         return "no SmartStage prefix to run in the step"
     if split.seed_states:
         return "the staged layers draw random numbers"
-    if not data.epochs_restartable:
+    if not data.epochs_skippable:
         return "its epochs run on one iterator, which cannot skip one"
     if data.strategy is not None or data.staged.device is not None:
         return "a strategy's replicas or a device buffer"

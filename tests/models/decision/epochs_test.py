@@ -55,19 +55,9 @@ def _dataset(seed=None, batch_size=8):
     return ds.batch(batch_size)  # 12 steps at 8
 
 
-def _fit(
-    model,
-    epochs=6,
-    callbacks=(),
-    batch_size=8,
-    validation=None,
-    reshuffle=False,
-):
+def _fit(model, epochs=6, callbacks=(), batch_size=8, validation=None):
     keras.utils.set_random_seed(1)
-    # By default a dataset that draws nothing per iterator: an epoch can
-    # start on a new iterator, so one can run without the stage (a
-    # reshuffling one's cannot: see the last test).
-    train = _dataset(seed=4 if reshuffle else None, batch_size=batch_size)
+    train = _dataset(seed=4, batch_size=batch_size)
     return model.fit(
         train,
         epochs=epochs,
@@ -178,16 +168,14 @@ def test_a_fit_too_short_for_a_trial_is_all_staged(unstaged_wins):
 
 def test_a_fixed_pool_is_tried_after_one_staged_epoch(unstaged_wins):
     _, staged = _models(num_threads=2)
-    # A reshuffling dataset on a fixed pool runs its epochs on one
-    # iterator...
-    history = _fit(staged, epochs=4, reshuffle=True)
+    # A dataset on a fixed pool runs its epochs on one iterator...
+    history = _fit(staged, epochs=4)
     assert "stage_unstaged" not in history.history
     # ...unless its validation reads the same dataset (their draws
     # interleave): an iterator per epoch, and the trial after one.
     plain, staged = _models(num_threads=2)
-    same = {"validation": lambda ds: ds.take(3), "reshuffle": True}
-    expected = _fit(plain, epochs=4, **same)
-    history = _fit(staged, epochs=4, **same)
+    expected = _fit(plain, epochs=4, validation=lambda ds: ds.take(3))
+    history = _fit(staged, epochs=4, validation=lambda ds: ds.take(3))
     assert history.history["stage_unstaged"] == [0, 1, 1, 1]
     _assert_same(plain, staged, expected, history)
 
@@ -320,14 +308,18 @@ def test_no_trial_whose_trace_would_outweigh_what_it_can_gain(
     assert history.history["stage_unstaged"] == [0, 0, 1, 1, 1, 1]
 
 
-def test_a_reshuffling_dataset_keeps_every_epoch_staged_on_two_iterators(
-    caplog,
+@pytest.mark.parametrize("stage_pays", [False, True])
+def test_a_reshuffling_dataset_keeps_plain_orders_on_few_iterators(
+    stage_pays, monkeypatch, caplog
 ):
     # Its epochs' orders follow the iterators made before (a seed
-    # generator), so its epochs after the first run on one iterator, which
-    # cannot skip one: no trial, plain Keras's weights.
+    # generator): each staged epoch before the decision ends its iterator,
+    # and the epochs after a decision for the stage share one more.
+    monkeypatch.setattr(epoch_switch, "TRIAL_WAIT_RATIO", float("inf"))
+    monkeypatch.setattr(epoch_switch, "TRACE_SHARE", float("inf"))
+    monkeypatch.setattr(epoch_switch, "MARGIN", 1.0 if stage_pays else -1e9)
     plain, staged = _models()
-    expected = _fit(plain, reshuffle=True)
+    expected = _fit(plain)
     made = []
     costs = calls.costs(staged)
     original = costs.note_iterator
@@ -337,17 +329,14 @@ def test_a_reshuffling_dataset_keeps_every_epoch_staged_on_two_iterators(
         original(phase, seconds)
 
     costs.note_iterator = note
-    with caplog.at_level(logging.DEBUG, logger="keras_stage"):
-        history = _fit(staged, reshuffle=True)
-    assert "stage_unstaged" not in history.history
-    assert "its epochs run on one iterator, which cannot skip one" in (
-        caplog.text
-    )
+    history = _fit(staged)
     kept = staged._keras_stage_state.stages["train"]
-    assert kept.long_lived.epochs == 6 and kept.long_lived.stop is not None
-    assert made.count("train") == 2
-    np.testing.assert_allclose(
-        expected.history["loss"], history.history["loss"], rtol=1e-5
-    )
-    for a, b in zip(plain.get_weights(), staged.get_weights(), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert kept.long_lived.stop is not None
+    _assert_same(plain, staged, expected, history)
+    if stage_pays:
+        assert history.history["stage_unstaged"] == [0, 0, 1, 0, 0, 0]
+        # Epochs 1, 2, then 4 to 6 on one.
+        assert made.count("train") == 3
+    else:
+        assert history.history["stage_unstaged"] == [0, 0, 1, 1, 1, 1]
+        assert made.count("train") == 2
