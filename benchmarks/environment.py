@@ -23,11 +23,12 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _git(*args):
+def git(*args, folder=_ROOT):
+    """`git args` run in `folder`: its output, or None if git failed."""
     try:
         return subprocess.run(
             ["git", *args],
-            cwd=_ROOT,
+            cwd=folder,
             capture_output=True,
             text=True,
             timeout=10,
@@ -44,7 +45,7 @@ def describe():
     except AttributeError:
         usable = os.cpu_count()
     # Results files rewritten by earlier runs do not change what is measured.
-    status = _git(
+    status = git(
         "status",
         "--porcelain",
         "--untracked-files=no",
@@ -67,7 +68,7 @@ def describe():
         # 0 means TensorFlow's default (one per core).
         "tf_inter_op_threads": threading.get_inter_op_parallelism_threads(),
         "tf_intra_op_threads": threading.get_intra_op_parallelism_threads(),
-        "git_commit": _git("rev-parse", "HEAD"),
+        "git_commit": git("rev-parse", "HEAD"),
         # keras_stage is edited while benchmarks run; a dirty tree means the
         # commit alone does not say which engine was measured.
         "git_dirty": None if status is None else bool(status),

@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 
+from benchmarks.environment import git
 from benchmarks.paired import paired_ratio
 from benchmarks.scripts import SCRIPTS
 
@@ -302,27 +303,19 @@ def summarize_script(runs):
     return summary
 
 
-def _git(folder, *args):
-    try:
-        return subprocess.run(
-            ["git", "-C", str(folder), *args],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def _checkout(folder, *paths):
     """The commit of `folder`'s checkout, and whether `paths` are edited."""
-    status = _git(
-        folder, "status", "--porcelain", "--untracked-files=no", "--", *paths
+    status = git(
+        "status",
+        "--porcelain",
+        "--untracked-files=no",
+        "--",
+        *paths,
+        folder=folder,
     )
     return {
         "folder": str(folder),
-        "git_commit": _git(folder, "rev-parse", "HEAD"),
+        "git_commit": git("rev-parse", "HEAD", folder=folder),
         "git_dirty": None if status is None else bool(status),
     }
 
