@@ -614,15 +614,21 @@ class LongLivedEpochs:
     """
 
     def __init__(
-        self, epochs, batches, steps_per_execution, start, source, stop=None
+        self,
+        epochs,
+        batches,
+        steps_per_execution,
+        start,
+        source,
+        stop=None,
+        opens=0,
     ):
         self.epochs = epochs
         self.batches = batches
         self.steps_per_execution = steps_per_execution
         self.start = start
         self.stop = stop
-        # Unread iterators made after each pass (see `long_lived_source`).
-        self.opens = 0
+        self.opens = opens
         self._source = source  # or a function building it
         self.ordinal = None
 
@@ -855,9 +861,14 @@ def _long_lived_epochs(
         stop=stop,
     )
     plan = LongLivedEpochs(
-        epochs, num_batches, steps_per_execution, start, source, stop=stop
+        epochs,
+        num_batches,
+        steps_per_execution,
+        start,
+        source,
+        stop=stop,
+        opens=opens,
     )
-    plan.opens = opens
     return plan, None
 
 
