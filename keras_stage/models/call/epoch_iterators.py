@@ -166,8 +166,7 @@ class DrawOrder:
         """Reads the pass read last to its end, and drops its iterator."""
         if self._current is not None:
             current, self._current = self._current, None
-            for _ in _rest(current):
-                pass
+            _read_to_end(current)
 
 
 class OrderedPipeline(EagerIterated):
@@ -286,11 +285,11 @@ def resolve(iterator):
     return iterator
 
 
-def _rest(iterator):
-    """What `iterator` still yields, up to its end."""
+def _read_to_end(iterator):
+    """Reads what `iterator` still yields, up to its end."""
     while True:
         try:
-            yield next(iterator)
+            next(iterator)
         except (StopIteration, tf.errors.OutOfRangeError):
             return
 
@@ -491,8 +490,7 @@ class LongLivedIterator:
         next iterator's first pass takes the next, whenever its threads
         would have got there.
         """
-        for _ in _rest(self._iterator):
-            pass
+        _read_to_end(self._iterator)
         self._iterator = None
 
     def _make(self):

@@ -243,9 +243,8 @@ def one_pass(dataset, opens=0):
     An epoch read without the stage, in `long_lived_source`'s passes (see
     `epoch_iterators.DrawOrder`).
     """
-    if not opens:
-        return dataset
-    return dataset.concatenate(_opened(dataset)).with_options(dataset.options())
+    # `concatenate` keeps `dataset`'s options.
+    return dataset.concatenate(_opened(dataset)) if opens else dataset
 
 
 def long_lived_source(
@@ -279,8 +278,7 @@ def long_lived_source(
     if epochs is None:
         return dataset.repeat().with_options(dataset.options())
     epoch = dataset.cache() if replay else dataset
-    if opens:
-        epoch = epoch.concatenate(_opened(epoch))
+    epoch = one_pass(epoch, opens)
     passes = tf.data.Dataset.range(epochs)
     if stop is not None:
         passes = tf.data.Dataset.range(1).flat_map(
