@@ -20,11 +20,25 @@ It reads the outputs of every benchmark family:
 - `jax_backend`: `benchmarks.jax_backend`, whole `fit` calls on Keras's
   JAX backend, staged and expert (plain Keras cannot fit there), `call`
   and `steps`.
+- `first_calls`: `benchmarks.first_calls`, one row per timed call of a
+  model's first calls, and with `--scripts` one row per script and timed
+  part (`script`, `fit`, `evaluate`, `predict`, `process`), in seconds;
+- `across_calls`, `strategy_calls`, `service_calls`, `jax_calls`: the
+  calls on one dataset object, one row per workload, in ms per call;
+- `determinism_verdict`: what `PrefetchCallback` reported per workload
+  and clock, in `other`;
+- a saved `benchmarks.regimes` console log (`.log`), one row per model
+  and regime from its printed table.
 
 Every figure is copied from the file, none computed: medians, and the
 ratios the run recorded, paired (the median over rounds of the ratio
 within a round) where it recorded them (`ratios` column), else the ratio
-of the medians. This module imports neither TensorFlow nor Keras.
+of the medians. The one exception is `determinism_verdict`, whose files
+hold only rounds: its figures are their medians.
+
+`python -m benchmarks.history --markdown` prints the history table of
+docs/benchmarks.md, rendered from the CSV (`markdown`). This module
+imports neither TensorFlow nor Keras.
 """
 
 import argparse
@@ -33,6 +47,7 @@ import datetime
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 
@@ -340,6 +355,189 @@ def jax_backend_rows(results, run):
     return rows
 
 
+def _row(**fields):
+    """A row with every column, the missing ones empty."""
+    return {k: fields.get(k, "") for k in COLUMNS}
+
+
+def _name_commit(run):
+    """The commit a run's name starts with or ends with (`d2dfa21`, ...)."""
+    found = re.search(r"(?:^|[/-])([0-9a-f]{7})(?:-|$)", run)
+    return found.group(1) if found else ""
+
+
+def first_calls_rows(results, run, date):
+    """Rows of a `benchmarks.first_calls` results dict (either mode)."""
+    if results.get("kind") == "scripts":
+        package = results["environment"].get("package", {})
+        base = {
+            "date": _date(results["created"]),
+            "commit": _commit(package),
+            "rounds": results["config"]["processes"],
+        }
+        sections = {
+            name: section["summary"]
+            for name, section in results["scripts"].items()
+            if "summary" in section
+        }
+        label = "{} script {}"
+    else:
+        base = {"date": date, "commit": _name_commit(run), "rounds": ""}
+        sections = {results["model"]: results["summary"]}
+        base["rounds"] = len(results["runs"]["plain"])
+        label = "{} first calls {}"
+    rows = []
+    for name, summary in sections.items():
+        for part, figures in summary.items():
+            medians = figures["median_seconds"]
+            paired = figures["paired"]
+            rows.append(
+                _row(
+                    **base,
+                    family="first_calls",
+                    run=run,
+                    workload=label.format(name, part),
+                    timing="call",
+                    size="fresh processes",
+                    unit="s",
+                    plain=_fmt(medians.get("plain")),
+                    staged=_fmt(medians.get("staged")),
+                    **{
+                        "staged/plain": _fmt(paired.get("staged/plain")),
+                        "control/plain": _fmt(paired.get("plain_again/plain")),
+                    },
+                    ratios="paired",
+                )
+            )
+    return rows
+
+
+# The benchmarks that time calls on one dataset object, by folder.
+CALLS_FAMILIES = (
+    "across_calls",
+    "strategy_calls",
+    "service_calls",
+    "jax_calls",
+)
+
+
+def calls_rows(results, run, family, date):
+    """Rows of an `across_calls`-like results dict, one per workload."""
+    rows = []
+    for workload, section in results.items():
+        if not isinstance(section, dict) or "summary" not in section:
+            continue
+        summary = section["summary"]
+        calls = len(section.get("staged", []))
+
+        def median(mode, summary=summary):
+            return _fmt(summary.get(f"{mode}_ms"), 2)
+
+        def ratio(pair, summary=summary):
+            return _fmt(summary.get(f"paired_{pair}"))
+
+        rows.append(
+            _row(
+                date=date,
+                commit=_name_commit(run),
+                family=family,
+                run=run,
+                workload=workload,
+                timing="call",
+                rounds=calls,
+                size=f"{calls} calls",
+                unit="ms/call",
+                plain=median("plain"),
+                expert=median("expert"),
+                staged=median("staged"),
+                ratios="paired",
+                **{
+                    "staged/plain": ratio("staged/plain"),
+                    "staged/expert": ratio("staged/expert"),
+                    "control/plain": ratio("plain_again/plain"),
+                },
+            )
+        )
+    return rows
+
+
+def determinism_verdict_rows(results, run, date):
+    """Rows of a `benchmarks.determinism_verdict` results dict."""
+    rows = []
+    for workload, clocks in results.items():
+        other = []
+        for clock, reports in clocks.items():
+            bound = sum(bool(r["input_bound"]) for r in reports)
+            wait = statistics.median(r["wait_ratio"] for r in reports)
+            fill = statistics.median(r["buffer_fill"] for r in reports)
+            other.append(
+                f"{clock}: input-bound {bound}/{len(reports)}, "
+                f"wait {wait:.2f}, fill {fill:.2f}"
+            )
+        rows.append(
+            _row(
+                date=date,
+                commit=_name_commit(run),
+                family="determinism_verdict",
+                run=run,
+                workload=workload,
+                timing="verdict",
+                rounds=len(next(iter(clocks.values()))),
+                other="; ".join(other),
+            )
+        )
+    return rows
+
+
+def regimes_log_rows(text, run, date):
+    """Rows of a saved `benchmarks.regimes` console log's printed table.
+
+    A table row: the regime, then whole and steps seconds of plain, staged
+    and expert, then staged/plain, expert/plain and plain_again/plain,
+    each whole and steps (`-` where a mode did not run).
+    """
+    rows = []
+    model = ""
+    rounds = re.search(r"round \d+/(\d+)", text)
+    described = dict(re.findall(r"^  (\w+): (.+)$", text, re.M))
+    for line in text.splitlines():
+        found = re.match(r"(\w+) \(batch \d+\):", line)
+        if found:
+            model = found.group(1)
+            continue
+        cells = line.split()
+        if len(cells) < 13 or not re.fullmatch(r"[a-z_0-9]+", cells[0]):
+            continue
+        values = cells[1:13]
+        if not all(re.fullmatch(r"-|\d+\.\d+", v) for v in values):
+            continue
+        values = ["" if v == "-" else v for v in values]
+        for timing, offset in (("call", 0), ("steps", 1)):
+            rows.append(
+                _row(
+                    date=date,
+                    commit=_name_commit(run),
+                    family="regimes",
+                    run=run,
+                    workload=f"{model} {cells[0]}",
+                    timing=timing,
+                    rounds=rounds.group(1) if rounds else "",
+                    size=described.get(cells[0], ""),
+                    unit="s",
+                    plain=values[3 * offset],
+                    staged=values[3 * offset + 1],
+                    expert=values[3 * offset + 2],
+                    ratios="paired",
+                    **{
+                        "staged/plain": values[6 + offset],
+                        "expert/plain": values[8 + offset],
+                        "control/plain": values[10 + offset],
+                    },
+                )
+            )
+    return rows
+
+
 _HEADER = re.compile(
     r"#.*?criteo_overlap\s+(?P<reps>\d+)?.*?,\s*(?P<date>\d{4}-\d{2}-\d{2})"
     r".*?\bat\s+(?P<commit>[0-9a-f]{7,40})(?P<dirty>\s*\+)?"
@@ -408,7 +606,16 @@ def rows_of(path):
         if "criteo_overlap" not in text.split("\n", 1)[0]:
             return []
         return criteo_overlap_rows(text, run, _file_date(path))
+    if path.endswith(".log"):
+        return regimes_log_rows(text, run, _file_date(path))
     results = json.loads(text)
+    family = run.split("/")[0] if "/" in run else ""
+    if family == "first_calls":
+        return first_calls_rows(results, run, _file_date(path))
+    if family in CALLS_FAMILIES:
+        return calls_rows(results, run, family, _file_date(path))
+    if family == "determinism_verdict":
+        return determinism_verdict_rows(results, run, _file_date(path))
     if results.get("family") == "jax_backend":
         return jax_backend_rows(results, run)
     if "workloads" in results:
@@ -425,7 +632,7 @@ def result_files(root=RESULTS_DIR):
     found = []
     for folder, _, names in os.walk(root):
         for name in names:
-            if name.endswith((".json", ".txt")):
+            if name.endswith((".json", ".txt", ".log")):
                 found.append(os.path.join(folder, name))
     return sorted(found)
 
@@ -460,6 +667,103 @@ def update(files, path=HISTORY):
     return added
 
 
+# The block of docs/benchmarks.md that `--docs` rewrites.
+DOCS_PAGE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "docs",
+    "benchmarks.md",
+)
+BEGIN = "<!-- history table: python -m benchmarks.history --docs -->"
+END = "<!-- end of the history table -->"
+
+
+def _feed(row):
+    """How a regimes row was fed, from its description."""
+    if row["family"] != "regimes":
+        return ""
+    if "op determinism" in row["size"]:
+        return " (dataset, op determinism)"
+    if "tf.data.Dataset" in row["size"]:
+        return " (dataset)"
+    return " (arrays)"
+
+
+def _headline(row):
+    """`(name, value)`: staged/plain, or staged/expert where no plain ran."""
+    if row["staged/plain"]:
+        return "staged/plain", row["staged/plain"]
+    if row["staged/expert"]:
+        return "staged/expert", row["staged/expert"]
+    return "", ""
+
+
+def _when(row, value):
+    commit = row["commit"] or "-"
+    return f"{value} ({row['date'][:10]}, {commit})"
+
+
+def markdown(rows):
+    """The history table of docs/benchmarks.md, from the CSV's rows.
+
+    One line per family, workload (and feed, for regimes) and timing: how
+    many runs measured it, the first and the last run's ratio (staged to
+    plain, or to expert where plain Keras cannot run) with its date and
+    commit, and the lowest and highest. Whole calls (`call`) are the
+    headline; the steps alone get a line where more runs timed them than
+    whole calls (the suite timed only steps at first). Of the first
+    calls, only a script's or a model's total time gets a line (the
+    workloads ending in `script` or `total`). Runs of one date
+    keep the table's order, except that a run named `before` comes first
+    (a before/after pair committed together). Rows without a ratio (the
+    determinism verdicts) are left out; the CSV has them.
+    """
+    groups = {}
+    for row in rows:
+        name, value = _headline(row)
+        if not value:
+            continue
+        if row["family"] == "first_calls" and not row["workload"].endswith(
+            (" script", " total")
+        ):
+            continue
+        key = (row["family"], row["workload"] + _feed(row), row["timing"])
+        groups.setdefault(key, []).append((row, name, value))
+    lines = [
+        "| family | workload | time | ratio | runs | first run | last run "
+        "| lowest - highest |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for key in sorted(groups):
+        family, workload, timing = key
+        calls = groups.get((family, workload, "call"), [])
+        if timing == "steps" and len(groups[key]) <= len(calls):
+            continue
+        found = sorted(
+            groups[key],
+            key=lambda item: (item[0]["date"], "before" not in item[0]["run"]),
+        )
+        name = found[-1][1]
+        found = [(row, value) for row, _, value in found]
+        values = [float(value) for _, value in found]
+        lines.append(
+            f"| {family} | {workload} | {timing} | {name} | {len(found)} "
+            f"| {_when(*found[0])} | {_when(*found[-1])} "
+            f"| {min(values):.3f} - {max(values):.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def update_docs(rows, page=DOCS_PAGE):
+    """Rewrites the history table between `BEGIN` and `END` in `page`."""
+    with open(page) as f:
+        text = f.read()
+    start = text.index(BEGIN) + len(BEGIN)
+    end = text.index(END)
+    text = text[:start] + "\n\n" + markdown(rows) + "\n" + text[end:]
+    with open(page, "w") as f:
+        f.write(text)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.history", description=__doc__.split("\n")[0]
@@ -473,9 +777,25 @@ def main(argv=None):
     parser.add_argument(
         "--out", default=HISTORY, help="the table (default: %(default)s)"
     )
+    parser.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print the history table of docs/benchmarks.md and stop",
+    )
+    parser.add_argument(
+        "--docs",
+        action="store_true",
+        help="after adding the rows, rewrite that table in the page",
+    )
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown(read(args.out)), end="")
+        return 0
     added = update(args.files or result_files(), args.out)
     print(f"{args.out}: {added} row(s) added")
+    if args.docs:
+        update_docs(read(args.out))
+        print(f"{DOCS_PAGE}: history table rewritten")
     return 0
 
 
