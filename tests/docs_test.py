@@ -316,3 +316,104 @@ def test_contributing_names_the_development_targets():
         ".venv-jax",
     ):
         assert target in text, f"CONTRIBUTING.md does not mention {target}"
+
+
+# -- the pages speak to users: what holds now, short enough to read ---------
+
+# A commit hash: 7 to 40 hex digits standing alone, with a digit among them
+# (English words such as "defaced" are letters only), not the digits of a
+# decimal fraction. Only the history table of docs/benchmarks.md names
+# commits.
+COMMIT_HASH = re.compile(
+    r"(?<![0-9A-Za-z_.,])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![0-9A-Za-z_])"
+)
+# Words about how the work was organised, not about what holds.
+JOURNAL_WORDS = re.compile(
+    r"\b(?:this|last|previous|next) (?:stop|session)\b"
+    r"|\bstops? before\b|\breverted\b|\bworktree\b",
+    re.I,
+)
+HISTORY_BEGIN = "<!-- history table: python -m benchmarks.history --docs -->"
+HISTORY_END = "<!-- end of the history table -->"
+# Lines a page may have: a user reads it whole to decide.
+MAX_LINES = {"limitations.md": 200, "benchmarks.md": 350}
+
+
+def user_pages():
+    """`(name, text)` of every docs page and the README, the history
+    table of docs/benchmarks.md left out."""
+    pages = [(f"docs/{p}", (DOCS / p).read_text()) for p in doc_pages()]
+    pages.append(("README.md", (ROOT / "README.md").read_text()))
+    found = []
+    for name, text in pages:
+        if name == "docs/benchmarks.md":
+            text = (
+                text[: text.index(HISTORY_BEGIN)]
+                + text[text.index(HISTORY_END) :]
+            )
+        found.append((name, text))
+    return found
+
+
+def _hits(pattern, text):
+    return [
+        (text.count("\n", 0, m.start()) + 1, m.group())
+        for m in pattern.finditer(text)
+    ]
+
+
+def test_the_hash_pattern_finds_hashes_not_words():
+    for text in ("at `7674538`", "ab-2ba16c9.json", "(0d35fce)", "e66488d"):
+        assert COMMIT_HASH.search(text), text
+    for text in ("defaced", "1.2345678", "0x1f77b4ff", "3_000_000", "v2.21.0"):
+        assert not COMMIT_HASH.search(text), text
+
+
+def test_no_page_names_a_commit():
+    found = {
+        name: hits
+        for name, text in user_pages()
+        if (hits := _hits(COMMIT_HASH, text))
+    }
+    assert not found, (
+        f"Commit hashes (line, hash) outside the history table of "
+        f"docs/benchmarks.md: {found}. Say what holds now; history goes "
+        "into benchmarks/results/history.csv and that table."
+    )
+
+
+def test_no_page_speaks_of_how_the_work_went():
+    found = {
+        name: hits
+        for name, text in user_pages()
+        if (hits := _hits(JOURNAL_WORDS, text))
+    }
+    assert not found, (
+        f"Words about how the work was organised: {found}. State what "
+        "holds now."
+    )
+
+
+def test_the_pages_a_user_reads_whole_stay_short():
+    for page, limit in MAX_LINES.items():
+        lines = len((DOCS / page).read_text().splitlines())
+        assert lines <= limit, (
+            f"docs/{page} has {lines} lines; keep it to {limit}."
+        )
+
+
+def test_the_history_table_is_rendered_from_the_csv():
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks import history
+    finally:
+        sys.path.remove(str(ROOT))
+    text = (DOCS / "benchmarks.md").read_text()
+    start = text.index(HISTORY_BEGIN) + len(HISTORY_BEGIN)
+    table = text[start : text.index(HISTORY_END)].strip() + "\n"
+    assert table == history.markdown(history.read()), (
+        "docs/benchmarks.md's history table differs from history.csv: run "
+        "`python -m benchmarks.history --docs`."
+    )
