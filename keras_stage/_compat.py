@@ -111,12 +111,15 @@ def get_data_adapter(**kwargs):
 
 
 def distributed_dataset_adapter(dataset):
-    """Keras's adapter of `dataset`, a `tf.distribute.DistributedDataset`.
+    """Keras's adapter of `dataset`, which Keras takes as it is.
 
-    Keras takes as data only TensorFlow's own distributed datasets (it
-    tells them by class name), not another implementation of the public
-    interface, which its epoch iterator would use as one; a `DataAdapter`
-    it takes as it is. `dataset` needs `cardinality()`: an epoch's batches.
+    For a `tf.distribute.DistributedDataset` of the stage's own: Keras
+    takes as data only TensorFlow's own distributed datasets (it tells them
+    by class name), not another implementation of the public interface,
+    which its epoch iterator would use as one. For a dataset on JAX across
+    processes: Keras would shard it again (`backend.eager_feed`). A
+    `DataAdapter` it takes as it is, with no distribution. `dataset` needs
+    `cardinality()`: an epoch's batches.
     """
     adapter = _keras_private(
         "keras.src.trainers.data_adapters.tf_dataset_adapter",

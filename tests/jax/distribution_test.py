@@ -12,6 +12,7 @@ predict, and each batch sharded over the devices in the trunk's step.
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -21,10 +22,11 @@ import pytest
 
 pytestmark = pytest.mark.timeout(300)
 
-# The child: prints one JSON line, "RESULT {...}".
-CHILD = textwrap.dedent(
+# What both children define: the data, the staged model, the hand split.
+COMMON = textwrap.dedent(
     """
     import json
+    import sys
     import jax
     import keras
     import numpy as np
@@ -65,7 +67,9 @@ CHILD = textwrap.dedent(
         model = keras.Model(inputs, trunk(inputs))
         model.compile("sgd", "mse")
         data = tf.data.Dataset.from_tensor_slices((words.astype(str), y))
-        data = data.batch(64).map(lambda a, b: (lookup(a), b))
+        # Mapped before batching: Keras finds the global batch size of a
+        # dataset it shards across processes from its `batch`.
+        data = data.map(lambda a, b: (lookup(a), b)).batch(64)
         return model, data
 
     def run(distribution):
@@ -103,7 +107,12 @@ CHILD = textwrap.dedent(
         )
         keras.distribution.set_distribution(None)
         return out
+    """
+)
 
+# One process over two host devices: prints "RESULT {...}".
+DEVICES = COMMON + textwrap.dedent(
+    """
     devices = jax.devices()
     mesh = keras.distribution.DeviceMesh(
         (1, 2), ["batch", "model"], devices=devices
@@ -124,28 +133,123 @@ CHILD = textwrap.dedent(
 )
 
 
+# One of two processes joined by `jax.distributed` on loopback, one CPU
+# device each: `python -c PROCESSES <process_id> <port>` prints
+# "RESULT {...}". Across processes Keras takes only datasets, and shards
+# each per process; predict fails in Keras itself (it cannot fetch an
+# array spanning another process's device), plain and staged alike.
+PROCESSES = (
+    textwrap.dedent(
+        """
+        import sys
+        import jax
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        process_id, port = int(sys.argv[1]), sys.argv[2]
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{port}",
+            num_processes=2,
+            process_id=process_id,
+        )
+        """
+    )
+    + COMMON
+    + textwrap.dedent(
+        """
+        keras.distribution.set_distribution(
+            keras.distribution.DataParallel(devices=jax.devices())
+        )
+        raw = tf.data.Dataset.from_tensor_slices((words.astype(str), y))
+        staged = staged_model()
+        out = {"processes": jax.process_count()}
+        fit = staged.fit(
+            raw.batch(64), epochs=2, validation_data=raw.batch(64), verbose=0
+        )
+        out["staged_loss"] = fit.history["loss"]
+        out["staged_val_loss"] = fit.history["val_loss"]
+        out["staged_eval"] = staged.evaluate(raw.batch(64), verbose=0)
+        hand, data = hand_split()
+        fit = hand.fit(data, epochs=2, validation_data=data, verbose=0)
+        out["hand_loss"] = fit.history["loss"]
+        out["hand_val_loss"] = fit.history["val_loss"]
+        out["hand_eval"] = hand.evaluate(data, verbose=0)
+        out["weight_diffs"] = [
+            float(np.abs(a - b).max())
+            for a, b in zip(staged.get_weights(), hand.get_weights())
+        ]
+        out["weights"] = [
+            np.asarray(w).ravel().tolist() for w in staged.get_weights()
+        ]
+        for name, model, x in (
+            ("hand", hand, data), ("staged", staged, raw.batch(64))
+        ):
+            try:
+                model.predict(x, verbose=0)
+                out[f"{name}_predict"] = "ran"
+            except Exception as error:
+                out[f"{name}_predict"] = type(error).__name__
+        print("RESULT " + json.dumps(out), flush=True)
+        """
+    )
+)
+
+
+def jax_env(**extra):
+    return {**os.environ, "KERAS_BACKEND": "jax", **extra}
+
+
 @pytest.fixture(scope="module")
 def result():
     if keras.backend.backend() != "jax":
         pytest.skip("the child runs on JAX: `make test-jax`")
-    env = {
-        **os.environ,
-        "KERAS_BACKEND": "jax",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-    }
     done = subprocess.run(
-        [sys.executable, "-c", CHILD],
+        [sys.executable, "-c", DEVICES],
         capture_output=True,
         text=True,
-        env=env,
+        env=jax_env(XLA_FLAGS="--xla_force_host_platform_device_count=2"),
         timeout=240,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    line = [
-        line for line in done.stdout.splitlines() if line.startswith("RESULT ")
+    return parse_result(done.stdout)
+
+
+def parse_result(stdout):
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, stdout[-2000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def processes():
+    """The two processes' results (started together, ended in any case)."""
+    if keras.backend.backend() != "jax":
+        pytest.skip("the children run on JAX: `make test-jax`")
+    port = str(free_port())
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", PROCESSES, str(index), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=jax_env(),
+        )
+        for index in range(2)
     ]
-    assert line, done.stdout[-2000:]
-    return json.loads(line[-1][len("RESULT ") :])
+    try:
+        outputs = [child.communicate(timeout=240) for child in children]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.communicate()
+    for child, (_, stderr) in zip(children, outputs, strict=True):
+        assert child.returncode == 0, stderr[-4000:]
+    return [parse_result(stdout) for stdout, _ in outputs]
 
 
 def test_the_child_has_two_devices(result):
@@ -185,7 +289,8 @@ def test_model_parallel_lays_out_the_trunk_by_its_layout_map(result):
     assert run["staged_specs"] == run["hand_specs"]
 
 
-def test_a_staged_call_across_processes_says_what_works(monkeypatch):
+def test_arrays_across_processes_get_keras_error_as_plain(monkeypatch):
+    """Across processes Keras takes only datasets; staged, the same error."""
     if keras.backend.backend() != "jax":
         pytest.skip("runs on JAX: `make test-jax`")
     import jax
@@ -193,25 +298,56 @@ def test_a_staged_call_across_processes_says_what_works(monkeypatch):
 
     import keras_stage
 
-    inputs = keras.Input(shape=(), dtype="string")
-    x = keras_stage.layers.StagedInput()(inputs)
-    x = keras.layers.StringLookup(vocabulary=["a", "b"])(x)
-    model = keras_stage.Model(
-        inputs, keras.layers.Dense(1)(keras.layers.Embedding(3, 2)(x))
-    )
-    model.compile("sgd", "mse", smart_stage=True)
+    def model(staged):
+        inputs = keras.Input(shape=(), dtype="int32")
+        x = keras_stage.layers.StagedInput()(inputs) if staged else inputs
+        x = keras.layers.IntegerLookup(vocabulary=[1, 2])(x)
+        out = keras.layers.Dense(1)(keras.layers.Embedding(3, 2)(x))
+        built = (keras_stage.Model if staged else keras.Model)(inputs, out)
+        built.compile("sgd", "mse", **({"smart_stage": True} if staged else {}))
+        return built
+
     # What `jax.distributed.initialize` with two processes would report.
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     keras.distribution.set_distribution(
         keras.distribution.DataParallel(devices=jax.devices()[:1])
     )
     try:
-        with pytest.raises(NotImplementedError, match="across 2 processes"):
-            model.fit(
-                np.array(["a", "b"] * 4, dtype=object),
-                np.zeros((8, 1), "float32"),
-                batch_size=4,
-                verbose=0,
-            )
+        for staged in (False, True):
+            with pytest.raises(ValueError, match="tf.data.Dataset"):
+                model(staged).fit(
+                    np.array([1, 2] * 4, dtype="int32"),
+                    np.zeros((8, 1), "float32"),
+                    batch_size=4,
+                    verbose=0,
+                )
     finally:
         keras.distribution.set_distribution(None)
+
+
+def test_two_processes_each_stage_a_shard_and_train_as_the_hand_split(
+    processes, result
+):
+    for run in processes:
+        assert run["processes"] == 2
+        assert max(run["weight_diffs"]) < 1e-6
+        assert run["staged_loss"] == pytest.approx(run["hand_loss"], rel=1e-6)
+        assert run["staged_val_loss"] == pytest.approx(
+            run["hand_val_loss"], rel=1e-6
+        )
+        assert run["staged_eval"] == pytest.approx(run["hand_eval"], rel=1e-6)
+    # Both processes end with the same weights.
+    first, second = (run["weights"] for run in processes)
+    for a, b in zip(first, second, strict=True):
+        assert a == pytest.approx(b, abs=1e-7)
+    # Each epoch trained every example once across the processes: the
+    # losses of one process over two devices, reading every global batch.
+    for run in processes:
+        assert run["staged_loss"] == pytest.approx(
+            result["data_parallel"]["staged_loss"], rel=1e-6
+        )
+
+
+def test_predict_across_processes_does_as_plain_keras(processes):
+    for run in processes:
+        assert run["staged_predict"] == run["hand_predict"]

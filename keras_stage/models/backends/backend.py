@@ -10,12 +10,13 @@ The one place that asks which backend runs the model's steps:
   it is given. The stage's eager iterator (`StagedData.eager_dataset`)
   applies the exception policies and the timeout there and counts the
   waits; Keras's JAX trainer puts each batch on the device one batch ahead
-  (`jax.device_put`), so the stage's buffer stays on the host; under a
-  `keras.distribution` in one process it lays each batch out over the
-  devices, as for any dataset (`_check_distribution`). The staged
-  prefix is TensorFlow, run by tf.data as Keras's preprocessing layers are
-  on any backend; the trunk is traced into the JAX step (`jax_step`),
-  and the model is built from the stage's specs (`build_as_keras_would`).
+  (`jax.device_put`), so the stage's buffer stays on the host. Under a
+  `keras.distribution` it lays each batch out over the devices as it does
+  any dataset's; across processes each stages its own shard
+  (`eager_feed`). The staged prefix is TensorFlow, run by tf.data as
+  Keras's preprocessing layers are on any backend; the trunk is traced
+  into the JAX step (`jax_step`), and the model is built from the
+  stage's specs (`build_as_keras_would`).
 - Other backends (torch, numpy, openvino): a staged call raises
   `check_supported`'s error.
 
@@ -72,38 +73,35 @@ def check_supported(model, layer, backend=None):
             "TensorFlow backend only. On JAX, stage in this process (remove "
             "`service`), or train on the TensorFlow backend."
         )
-    distribution = keras.distribution.distribution()
-    if distribution is not None:
-        _check_distribution(model, distribution)
     if options.device not in (AUTO, None, "cpu") or options.stream is not None:
         _warn_device_once(layer)
 
 
-def _check_distribution(model, distribution):
-    """Raises a clear error for a keras.distribution the stage cannot feed.
+def eager_feed(dataset):
+    """What Keras's trainer is given to read `dataset` in Python.
 
-    In one process the stage feeds Keras's JAX trainer as any dataset
-    does: the trainer lays each global batch out over the distribution's
-    devices (`DataParallel` shards it on the batch axis, `ModelParallel`
-    by its layout map), so the staged call runs as a plain one would.
-    Across processes (`jax.distributed`), Keras shards a dataset per
-    process by rebatching and sharding it, which would read the stage's
-    graph without its iterators (their policies, timeout and statistics).
+    `dataset`, except across processes (`jax.distributed`) under a
+    `keras.distribution`: there Keras shards any dataset it is given per
+    process (rebatched, then sharded), which would read the stage's graph
+    around its iterators (their policies, timeout and statistics). The
+    stage's source is that shard already (Keras's adapter made it, see
+    `stage_data`), so the staged dataset goes to Keras in an adapter of
+    its own, which Keras takes as it is. Each process then stages its own
+    share of every epoch, and Keras's trainer assembles the global batch
+    from the processes' batches (`jax.make_array_from_process_local_data`).
     """
+    if graph_steps() or not _across_processes():
+        return dataset
+    return _compat.distributed_dataset_adapter(dataset)
+
+
+def _across_processes():
+    """Whether a keras.distribution spans several JAX processes."""
+    if keras.distribution.distribution() is None:
+        return False
     import jax  # only on the JAX backend
 
-    processes = jax.process_count()
-    if processes > 1:
-        raise NotImplementedError(
-            f"Model '{model.name}' is staged on the JAX backend under "
-            f"{type(distribution).__name__} across {processes} processes "
-            "(jax.distributed), which keras_stage does not support yet: "
-            "Keras would shard the stage's dataset per process around its "
-            "iterators. What works: one process over its devices "
-            "(keras.distribution.DataParallel(devices=jax.local_devices()) "
-            "or ModelParallel), or a plain keras.Model fed by a hand-split "
-            "tf.data pipeline (preprocessing in dataset.map)."
-        )
+    return jax.process_count() > 1
 
 
 def _warn_device_once(layer):

@@ -201,7 +201,7 @@ class StagedCall:
             if isinstance(pipeline, DistributedEpochPipeline):
                 return _compat.distributed_dataset_adapter(pipeline)
             return pipeline
-        return data.eager_dataset
+        return backend.eager_feed(data.eager_dataset)
 
     def _reopen(self, phase, count=1):
         """Makes and drops `count` iterators of `phase`'s source.
