@@ -960,7 +960,7 @@ def _log_service_epoch(binding, logs):
     ledger = binding.staged.service_ledger
     if ledger is None:
         return
-    report = ledger.settle()
+    report = ledger.epoch_report()
     if logs is None:
         return
     logs["stage_service_delivered"] = report["delivered"]

@@ -84,7 +84,7 @@ class ServiceLedger:
     service's part of the pipeline (`worker_side`, `client_side`,
     `delivered`); its Python side is used by the runner (`note_call`,
     `should_end`, `request_end`, `is_end`) and by whoever closes an epoch
-    (`settle`).
+    (`settle`, `end_of_data`, `epoch_report`).
 
     Args:
         name: The stage's name, for messages.
@@ -128,6 +128,9 @@ class ServiceLedger:
         self._arrived_before = 0  # arrivals when it was first read
         # One report per epoch settled (see `settle`).
         self.epochs = []
+        # The report of an epoch settled as its iterator ran out, for
+        # `epoch_report` (see `end_of_data`).
+        self._unreported = None
 
     @property
     def parallel(self):
@@ -469,6 +472,27 @@ class ServiceLedger:
                 "; it was ended by fail-over" if report["ended_early"] else "",
             )
         return report
+
+
+    def end_of_data(self):
+        """Settles the epoch whose iterator ran out of data.
+
+        Keras reads an epoch of unknown length to its end, and its epoch
+        ends after: `epoch_report` then gives this epoch's report, not an
+        empty one.
+        """
+        self._unreported = self.settle()
+
+    def epoch_report(self):
+        """The report of the epoch ending (for the epoch-end logs).
+
+        The one `end_of_data` settled, if nothing arrived since; else the
+        epoch is settled now.
+        """
+        unreported, self._unreported = self._unreported, None
+        if unreported is not None and self._read() == self._settled:
+            return unreported
+        return self.settle()
 
 
 def _rows(element, batched):

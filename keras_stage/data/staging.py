@@ -612,7 +612,7 @@ class StageIterator:
                 stats.sample()  # the iterator's last figures
                 ledger = self._staged.service_ledger
                 if ledger is not None:
-                    ledger.settle()
+                    ledger.end_of_data()
                 raise StopIteration from None
 
     @property

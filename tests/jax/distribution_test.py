@@ -51,10 +51,12 @@ COMMON = textwrap.dedent(
         x = ShardingProbe(name="probe")(x)
         return keras.layers.Dense(1, name="out")(x)
 
-    def staged_model():
+    def staged_model(service=None):
         keras.utils.set_random_seed(1)
         inputs = keras.Input(shape=(), dtype="string")
-        x = keras_stage.layers.StagedInput(name="stage")(inputs)
+        x = keras_stage.layers.StagedInput(name="stage", service=service)(
+            inputs
+        )
         x = keras.layers.StringLookup(vocabulary=VOCAB, name="ids")(x)
         model = keras_stage.Model(inputs, trunk(x))
         model.compile("sgd", "mse", smart_stage=True)
@@ -187,6 +189,12 @@ PROCESSES = (
                 out[f"{name}_predict"] = "ran"
             except Exception as error:
                 out[f"{name}_predict"] = type(error).__name__
+        # The tf.data service (one worker, which keeps each shard's order):
+        # each process reads its own shard from the service's worker.
+        served = staged_model(service=sys.argv[3])
+        fit = served.fit(raw.batch(64), epochs=2, shuffle=False, verbose=0)
+        out["served_loss"] = fit.history["loss"]
+        out["served_delivered"] = fit.history["stage_service_delivered"]
         print("RESULT " + json.dumps(out), flush=True)
         """
     )
@@ -229,10 +237,13 @@ def processes():
     """The two processes' results (started together, ended in any case)."""
     if keras.backend.backend() != "jax":
         pytest.skip("the children run on JAX: `make test-jax`")
+    from keras_stage.data.service import LocalService
+
     port = str(free_port())
+    service = LocalService(num_workers=1)
     children = [
         subprocess.Popen(
-            [sys.executable, "-c", PROCESSES, str(index), port],
+            [sys.executable, "-c", PROCESSES, str(index), port, service.target],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -247,6 +258,7 @@ def processes():
             if child.poll() is None:
                 child.kill()
                 child.communicate()
+        service.close()
     for child, (_, stderr) in zip(children, outputs, strict=True):
         assert child.returncode == 0, stderr[-4000:]
     return [parse_result(stdout) for stdout, _ in outputs]
@@ -346,6 +358,15 @@ def test_two_processes_each_stage_a_shard_and_train_as_the_hand_split(
         assert run["staged_loss"] == pytest.approx(
             result["data_parallel"]["staged_loss"], rel=1e-6
         )
+
+
+def test_two_processes_read_their_shards_from_the_service_once_an_epoch(
+    processes,
+):
+    for run in processes:
+        # Each process's half of the 512 examples, every epoch.
+        assert run["served_delivered"] == [256, 256]
+        assert run["served_loss"] == pytest.approx(run["hand_loss"], rel=1e-6)
 
 
 def test_predict_across_processes_does_as_plain_keras(processes):

@@ -348,16 +348,6 @@ def test_ignored_exceptions_skip_bad_records_on_jax():
     assert history.history["stage_skipped"] == [1]
 
 
-def test_service_on_jax_is_a_clear_error():
-    inputs = keras.Input(shape=(2,))
-    x = keras_stage.layers.StagedInput(service="grpc://localhost:5050")(inputs)
-    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
-    model.compile(optimizer="sgd", loss="mse")
-    data = np.ones((8, 2), "float32")
-    with pytest.raises(NotImplementedError, match="TensorFlow backend only"):
-        model.fit(data, data[:, :1], batch_size=4, verbose=0)
-
-
 def test_export_on_jax_names_the_tensorflow_backend(tmp_path):
     x, y = make_data(32)
     model = staged_model(x)

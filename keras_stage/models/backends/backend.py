@@ -66,13 +66,6 @@ def check_supported(model, layer, backend=None):
     if backend == "tensorflow":
         return
     options = layer.stage_options
-    if options.service is not None:
-        raise NotImplementedError(
-            f"StagedInput '{layer.name}' names a tf.data service "
-            f"({options.service!r}), which keras_stage supports on the "
-            "TensorFlow backend only. On JAX, stage in this process (remove "
-            "`service`), or train on the TensorFlow backend."
-        )
     if options.device not in (AUTO, None, "cpu") or options.stream is not None:
         _warn_device_once(layer)
 
