@@ -473,7 +473,6 @@ class ServiceLedger:
             )
         return report
 
-
     def end_of_data(self):
         """Settles the epoch whose iterator ran out of data.
 

@@ -12,6 +12,7 @@ predict, and each batch sharded over the devices in the trunk's step.
 
 import json
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -372,3 +373,35 @@ def test_two_processes_read_their_shards_from_the_service_once_an_epoch(
 def test_predict_across_processes_does_as_plain_keras(processes):
     for run in processes:
         assert run["staged_predict"] == run["hand_predict"]
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--tiny"], ["devices: 2, processes: 1"]),
+        (
+            ["--tiny", "--processes", "2", "--service"],
+            [
+                "devices: 2, processes: 2",
+                "examples this process read from the service: [128, 128]",
+                "both processes end with the same weights: True",
+            ],
+        ),
+    ],
+)
+def test_the_example_runs(args, expected):
+    if keras.backend.backend() != "jax":
+        pytest.skip("runs on JAX: `make test-jax`")
+    done = subprocess.run(
+        [sys.executable, "-m", "examples.jax_distributed", *args],
+        capture_output=True,
+        text=True,
+        env=jax_env(),
+        timeout=240,
+        cwd=pathlib.Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = done.stdout.splitlines()
+    for line in expected:
+        assert line in lines, done.stdout
+    assert "staged: ['staged_input', 'hashing', 'string_lookup']" in lines

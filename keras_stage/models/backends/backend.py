@@ -154,8 +154,10 @@ def check_strategy(model):
             "(keras-team/keras#20585: it fails in the first step with "
             "'Attempt to convert a value (PerReplica...)', for a plain "
             "keras.Model too). What works: MirroredStrategy over one "
-            "machine's devices, or one trainer whose StagedInput reads from "
-            "tf.data service workers on other machines (service=...)."
+            "machine's devices, one trainer whose StagedInput reads from "
+            "tf.data service workers on other machines (service=...), or "
+            "on the JAX backend keras.distribution across processes "
+            "(jax.distributed)."
         )
 
 
