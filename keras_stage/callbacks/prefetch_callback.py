@@ -84,6 +84,7 @@ class _Binding:
         pool_shrinks=True,
         carried=False,
         call_reason=None,
+        iterator_cost=None,
     ):
         self.phase = phase
         self.staged = staged
@@ -102,8 +103,14 @@ class _Binding:
         # Why the model staged the call, a sentence, or None (no decision
         # made: on JAX every call is staged).
         self.call_reason = call_reason
+        # `iterator_cost()`: the measured seconds of a new iterator of the
+        # stage (what a resized pool costs), or None if not measured.
+        self.iterator_cost = iterator_cost
         self.epochs_begun = 0
         self.in_epoch = False
+        # Busy seconds per element the stage last measured in an epoch
+        # that made elements (see `_rates_of_batches_read_ahead`).
+        self.busy_rate = None
         # Skips counted before this epoch: the stage's counter is cumulative.
         self.skipped_before = 0
 
@@ -271,6 +278,7 @@ class PrefetchCallback(keras.callbacks.Callback):
         pool_shrinks=True,
         carried=False,
         call_reason=None,
+        iterator_cost=None,
     ):
         """Registers the stage feeding `phase` ("train", "test", "predict").
 
@@ -281,7 +289,9 @@ class PrefetchCallback(keras.callbacks.Callback):
         `keras_stage.data.pool`). `carried`: whether that iterator was
         left by an earlier call, its buffer filled for this call's first
         epoch. `call_reason`: why the model staged the call (the verdict's
-        `call`). Called by `keras_stage.Model`; users do not need it.
+        `call`). `iterator_cost`: a function giving the measured seconds a
+        new iterator of the stage costs, or None (see `_adapt_pool`).
+        Called by `keras_stage.Model`; users do not need it.
         """
         self._bindings[phase] = _Binding(
             phase,
@@ -292,6 +302,7 @@ class PrefetchCallback(keras.callbacks.Callback):
             pool_shrinks,
             carried,
             call_reason,
+            iterator_cost,
         )
 
     def close(self, timeout=5.0):
@@ -468,16 +479,15 @@ class PrefetchCallback(keras.callbacks.Callback):
         stats = epoch_statistics(
             before, now, ended - started, binding.staged.stage_options
         )
+        whole = epoch_statistics(
+            self._snapshot,
+            now,
+            ended - self._epoch_start,
+            binding.staged.stage_options,
+        )
         if before is not self._snapshot:
-            _producer_rates_of_the_epoch(
-                stats,
-                epoch_statistics(
-                    self._snapshot,
-                    now,
-                    ended - self._epoch_start,
-                    binding.staged.stage_options,
-                ),
-            )
+            _producer_rates_of_the_epoch(stats, whole)
+        _rates_of_batches_read_ahead(stats, whole, binding)
         # Skips are the epoch's, first step included.
         stats["skipped"] = now["skipped"] - self._snapshot["skipped"]
         _log_service_epoch(binding, logs)
@@ -516,7 +526,12 @@ class PrefetchCallback(keras.callbacks.Callback):
         self.verdict["epoch"] = epoch
         self.verdict["next_thread_pool_size"] = None
         if pool is not None and self.verdict["input_bound"] is not None:
-            self._adapt_pool(pool, self.verdict, binding.pool_shrinks)
+            self._adapt_pool(
+                pool,
+                self.verdict,
+                binding.pool_shrinks,
+                keep=self._shrink_cannot_pay(epoch, binding),
+            )
         self.verdict["staged"] = True
         self._add_call_reason(binding)
         self._add_switch_report(switch)
@@ -575,8 +590,13 @@ class PrefetchCallback(keras.callbacks.Callback):
         if report is not None:
             self.verdict["message"] += " " + report
 
-    def _adapt_pool(self, pool, verdict, shrink=True):
-        """Resizes the stage's pool for the next epoch from `verdict`."""
+    def _adapt_pool(self, pool, verdict, shrink=True, keep=None):
+        """Resizes the stage's pool for the next epoch from `verdict`.
+
+        `keep`: why a smaller pool cannot pay in this call (see
+        `_shrink_cannot_pay`), or None: then the pool shrinks as the
+        verdict asks.
+        """
         before = pool.size
         after = pool.adapt(
             verdict["input_bound"],
@@ -584,12 +604,45 @@ class PrefetchCallback(keras.callbacks.Callback):
             cores_busy=verdict["cores_busy"],
             shrink=shrink,
         )
+        if after < before and keep is not None:
+            after = pool.resize(before)
+            verdict["message"] += (
+                f" Its thread pool stays at {before} threads: {keep}."
+            )
         verdict["next_thread_pool_size"] = after
         if after != before:
             verdict["message"] += (
                 f" Its thread pool goes from {before} to {after} threads "
                 "for the next epoch."
             )
+
+    def _shrink_cannot_pay(self, epoch, binding):
+        """Why a smaller pool cannot pay for the rest of the fit, or None.
+
+        A resized pool runs in a new iterator, whose cost was measured
+        (`iterator_cost`); a smaller pool saves at most the cores the
+        stage's threads take from the step while they work, which is the
+        staged work of the batches left (the verdict's
+        `prepare_seconds_per_batch` each). None when either is unknown.
+        """
+        cost = (
+            None if binding.iterator_cost is None else binding.iterator_cost()
+        )
+        prepare = self.verdict["prepare_seconds_per_batch"]
+        params = self.params or {}
+        epochs, steps = params.get("epochs"), params.get("steps")
+        if cost is None or prepare is None or not epochs or not steps:
+            return None
+        left = (epochs - epoch - 1) * steps
+        # At a fit's last epoch the next iterator is the next call's, made
+        # either way: the size it gets is free.
+        if not left or left * prepare >= cost:
+            return None
+        return (
+            f"the {left} batches left in this fit hold "
+            f"{1000 * left * prepare:.1f} ms of staged work, less than the "
+            f"{1000 * cost:.1f} ms a new iterator of the stage costs"
+        )
 
     def on_train_end(self, logs=None):
         self.close()
@@ -726,6 +779,25 @@ def _producer_rates_of_the_epoch(window, epoch):
         window["busy_seconds"] = (
             epoch["busy_seconds"] / epoch["produced"] * window["produced"]
         )
+
+
+def _rates_of_batches_read_ahead(stats, epoch, binding):
+    """Gives an epoch whose batches were made earlier the stage's rate then.
+
+    A stage running a fit's epochs on one iterator may have made all of an
+    epoch's batches in the epochs before (its buffer and its threads read
+    ahead), and then measures no work of its own in this one: its staged
+    work per batch is the rate last measured (`binding.busy_rate`), not
+    none. The rate of an epoch that made batches is kept for later ones.
+    """
+    if epoch["produced"] > 0:
+        if epoch["busy_seconds"] is not None:
+            binding.busy_rate = epoch["busy_seconds"] / epoch["produced"]
+        return
+    if binding.busy_rate is None or stats["busy_seconds"] is None:
+        return
+    stats["produced"] = stats["consumed"]
+    stats["busy_seconds"] = binding.busy_rate * stats["consumed"]
 
 
 def _duration(seconds):

@@ -399,12 +399,26 @@ def test_callback_of_calls_run_unstaged_by_their_model_is_not_warned(caplog):
 
 
 @pytest.mark.timeout(120)
-def test_auto_pool_follows_the_verdict_across_epochs_and_fits(capsys):
+def free_iterators(monkeypatch):
+    """Makes a stage's new iterator cost nothing: the verdict's shrink pays.
+
+    (`PrefetchCallback` keeps a pool whose shrink the rest of the fit cannot
+    repay: see `test_a_shrink_the_fit_cannot_repay_keeps_the_pool`.)
+    """
+    from keras_stage.models.decision import calls
+
+    monkeypatch.setattr(calls, "iterator_cost", lambda model, phase: 0.0)
+
+
+def test_auto_pool_follows_the_verdict_across_epochs_and_fits(
+    capsys, monkeypatch
+):
     # StagedInput() leaves threads and pool to keras_stage: a compute-bound
     # epoch shrinks the pool to the threads its verdict asks for (one: the
     # staged Rescaling takes far less than the 30 ms step), an input-bound
     # one gives it its full size back, and the size carries over to the
     # next fit of the model.
+    free_iterators(monkeypatch)
     inputs = keras.Input(shape=(2,))
     x = StagedInput(name="adaptive")(inputs)
     x = keras.layers.Rescaling(2.0)(x)  # staged: the stage has work
@@ -461,6 +475,7 @@ def test_a_fit_epoch_runs_on_the_pool_its_verdict_sized(monkeypatch):
     # One core: a compute-bound epoch shrinks the pool to one thread, and
     # Keras's next epoch iterator runs on a pipeline built for that size.
     monkeypatch.setattr(keras_stage.data.options, "usable_cpus", lambda: 1)
+    free_iterators(monkeypatch)
     inputs = keras.Input(shape=(2,))
     x = StagedInput(name="resized_fit")(inputs)
     recorder = ThreadRecorder()
@@ -492,6 +507,30 @@ def test_a_fit_epoch_runs_on_the_pool_its_verdict_sized(monkeypatch):
     assert last_traces == traces, epochs.marks
     assert len(set(recorder.threads[first:second])) == 1
     assert len(set(recorder.threads[second:third])) == 1
+
+
+def test_a_shrink_the_fit_cannot_repay_keeps_the_pool(capsys):
+    # The staged Rescaling's work in the batches left is far less than a
+    # new iterator of the stage costs (measured as the first was made): the
+    # pool keeps its size for the fit's next epoch, on the same iterator,
+    # and shrinks after the last, for the next call.
+    inputs = keras.Input(shape=(2,))
+    x = StagedInput(name="kept_pool")(inputs)
+    x = keras.layers.Rescaling(2.0)(x)
+    x = SlowLayer()(keras.layers.Dense(2)(x))
+    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    largest = StageOptions().resolved_pool_size()
+    cb = PrefetchCallback(verbose=1)
+    model.fit(_dataset(), epochs=2, verbose=0, shuffle=False, callbacks=[cb])
+    out = capsys.readouterr().out
+    assert cb.verdict["input_bound"] is False, cb.verdict
+    assert out.count(f"Its thread pool stays at {largest} threads") == 1
+    assert "a new iterator of the stage costs" in out
+    # The last epoch ran on the pool the first did; the next call's gets 1.
+    assert cb.verdict["thread_pool_size"] == largest, cb.verdict
+    assert cb.verdict["next_thread_pool_size"] == 1
+    assert out.count(f"Its thread pool goes from {largest} to 1 threads") == 1
 
 
 # -- epoch_statistics ----------------------------------------------------------

@@ -173,6 +173,9 @@ class StagedCall:
             pool_shrinks=backend.pool_shrinks(),
             carried=data.carried,
             call_reason=state.call_reasons.pop(phase, None),
+            iterator_cost=functools.partial(
+                calls.iterator_cost, self.model, data.cost_phase
+            ),
         )
         bind_placement(self.model, phase, data.staged.placement)
         if phase == "predict":

@@ -287,5 +287,11 @@ def long_lived_source(
             )
         )
     elif start is not None:
-        passes = passes.filter(lambda k: k >= start.read_value())
+        # A pass before `start` is taken empty: one traced function (the
+        # flat_map's), not a filter's too, which a first call pays.
+        return passes.flat_map(
+            lambda k: epoch.take(
+                tf.where(k >= start.read_value(), tf.constant(-1, tf.int64), 0)
+            )
+        ).with_options(dataset.options())
     return passes.flat_map(lambda _: epoch).with_options(dataset.options())

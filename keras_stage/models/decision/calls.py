@@ -503,6 +503,18 @@ def staged_data(model, phase, *args, **kwargs):
     return data
 
 
+def iterator_cost(model, phase):
+    """The measured seconds of a new iterator of a `phase` stage, or None.
+
+    What a resized pool costs the call (the `PrefetchCallback` weighs it
+    before it shrinks the pool).
+    """
+    measured = model_state(model).costs
+    if measured is None or phase is None:
+        return None
+    return measured.phase(phase).iterator_seconds
+
+
 def note_work(model, data):
     """Notes the staged work `data`'s stage did in the call ending."""
     if data.staged.stats.closed:
