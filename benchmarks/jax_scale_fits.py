@@ -1,0 +1,296 @@
+"""What one process of `benchmarks.jax_scale` runs: its workloads and fits.
+
+`benchmarks.jax_scale` starts JAX in a child process (its devices, and
+`jax.distributed` across two processes) and then imports this module,
+which imports Keras. Here: the two workloads (`criteo`, reused from
+`benchmarks.jax_backend`, and `dcn`), the three modes (`staged`, `hand`
+and `hand2`, the control), and one workload's rounds in one process
+(`run_workload`), under whatever `keras.distribution` is set.
+"""
+
+import gc
+import statistics
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_stage
+from benchmarks import jax_backend
+from benchmarks.paired import paired_ratio
+from benchmarks.scripts.dcn import INT_FEATURES, STR_FEATURES, make_ratings
+
+SEED = jax_backend.SEED
+EPOCHS = 2
+MODES = ("staged", "hand", "hand2")
+
+
+class CriteoWorkload(jax_backend.CriteoLikeWorkload):
+    """`benchmarks.jax_backend`'s Criteo-like model, sized for this run."""
+
+    batch_size = 256
+    rows = 32 * 256
+    quick_rows = 4 * 256
+
+
+class DCNWorkload:
+    """keras.io's "Ranking with Deep and Cross Networks", in plain Keras.
+
+    The MovieLens-shaped ratings of `benchmarks.scripts.dcn`; four integer
+    ids through `IntegerLookup` and two strings through `StringLookup`, in
+    the model; in the trunk an `Embedding(vocabulary + 1, 8)` per feature,
+    concatenated, one cross layer written as keras-rs's `FeatureCross`
+    computes it (`x0 * Dense(d)(x0) + x0`), `Dense(192, relu)` x 2,
+    `Dense(1)`; AdamW(1e-2), mean squared error.
+    """
+
+    name = "dcn"
+    batch_size = 1024
+    rows = 16 * 1024
+    quick_rows = 2 * 1024
+    embedding_dim = 8
+    description = (
+        "DCN-shaped (keras.io's Deep and Cross Networks): 4 int64 ids -> "
+        "IntegerLookup, 2 string features -> StringLookup; trunk: "
+        "Embedding(vocabulary + 1, 8) per feature, Concatenate, cross "
+        "x0 * Dense(48)(x0) + x0, Dense(192, relu) x 2, Dense(1); AdamW(1e-2), "
+        "mean squared error"
+    )
+    features = INT_FEATURES + STR_FEATURES
+
+    def make_data(self, count, seed):
+        x, rating = make_ratings(count, seed)
+        # Every run makes the same vocabularies from its own data.
+        self.vocabularies = {name: np.unique(x[name]) for name in self.features}
+        return x, rating.reshape(-1, 1)
+
+    def inputs(self):
+        return {
+            name: keras.Input(
+                shape=(),
+                dtype="int64" if name in INT_FEATURES else "string",
+                name=name,
+            )
+            for name in self.features
+        }
+
+    def columns(self, x, adapt_data):
+        columns = []
+        for name in self.features:
+            lookup = (
+                keras.layers.IntegerLookup
+                if name in INT_FEATURES
+                else keras.layers.StringLookup
+            )
+            vocabulary = self.vocabularies[name]
+            columns.append(
+                lookup(vocabulary=vocabulary, name=f"{name}_lookup")(x[name])
+            )
+        return columns
+
+    def trunk(self, columns):
+        embedded = [
+            keras.layers.Embedding(
+                len(self.vocabularies[name]) + 1,
+                self.embedding_dim,
+                name=f"{name}_emb",
+            )(column)
+            for name, column in zip(self.features, columns, strict=True)
+        ]
+        x0 = keras.layers.Concatenate(name="features")(embedded)
+        crossed = keras.layers.Multiply(name="cross_mul")(
+            [x0, keras.layers.Dense(x0.shape[-1], name="cross")(x0)]
+        )
+        x = keras.layers.Add(name="cross_add")([crossed, x0])
+        for i in range(2):
+            x = keras.layers.Dense(192, activation="relu", name=f"deep{i}")(x)
+        return keras.layers.Dense(1, name="out")(x)
+
+    def compile_kwargs(self):
+        return {
+            "optimizer": keras.optimizers.AdamW(learning_rate=1e-2),
+            "loss": "mean_squared_error",
+        }
+
+
+WORKLOADS = {w.name: w for w in (CriteoWorkload(), DCNWorkload())}
+
+
+def trunk_weights(model):
+    """`{path: array}` of a model's trainable weights (the trunk's)."""
+    return {
+        w.path: keras.ops.convert_to_numpy(w.value)
+        for w in model.trainable_weights
+    }
+
+
+class StagedMode:
+    """keras_stage's three lines, fed the raw batches as a dataset."""
+
+    def __init__(self, name, workload, data):
+        self.name = name
+        self.workload = workload
+        self.data = data
+        self.model = None
+
+    def build(self):
+        keras.utils.set_random_seed(SEED)
+        workload = self.workload
+        inputs = workload.inputs()
+        x = keras_stage.layers.StagedInput()(inputs)
+        outputs = workload.trunk(workload.columns(x, self.data[0]))
+        self.model = keras_stage.Model(inputs, outputs)
+        self.model.compile(**workload.compile_kwargs(), smart_stage=True)
+
+    def dataset(self):
+        return tf.data.Dataset.from_tensor_slices(self.data).batch(
+            self.workload.batch_size
+        )
+
+    def fit(self):
+        return self.model.fit(self.dataset(), epochs=EPOCHS, verbose=0)
+
+
+class HandMode(StagedMode):
+    """The preprocessing layers in `dataset.map`, a `keras.Model` trunk."""
+
+    def build(self):
+        keras.utils.set_random_seed(SEED)
+        workload = self.workload
+        columns = workload.columns(workload.inputs(), self.data[0])
+        chains = [jax_backend.layer_chain(column) for column in columns]
+
+        def preprocess(x):
+            outputs = []
+            for name, layers in chains:
+                column = x[name]
+                for layer in layers:
+                    column = layer(column)
+                # JAX has no int64 without x64 (the stage casts too).
+                if column.dtype == tf.int64:
+                    column = tf.cast(column, tf.int32)
+                outputs.append(column)
+            return tuple(outputs)  # tf.data maps return no lists
+
+        self.preprocess = preprocess
+        specs = self.dataset().element_spec[0]
+        trunk_inputs = [
+            keras.Input(shape=spec.shape[1:], dtype=spec.dtype.name)
+            for spec in specs
+        ]
+        self.model = keras.Model(trunk_inputs, workload.trunk(trunk_inputs))
+        self.model.compile(**workload.compile_kwargs())
+
+    def dataset(self):
+        # drop_remainder: Keras reads the global batch size of a dataset it
+        # shards across processes from its graph, and a map after a batch
+        # of unknown size hides it (the rows are whole batches: none drop).
+        preprocess = self.preprocess
+        return (
+            tf.data.Dataset.from_tensor_slices(self.data)
+            .batch(self.workload.batch_size, drop_remainder=True)
+            .map(
+                lambda x, y: (preprocess(x), y),
+                num_parallel_calls=tf.data.AUTOTUNE,
+            )
+            .prefetch(tf.data.AUTOTUNE)
+        )
+
+
+def measure(mode, examples):
+    """One timed `fit` of `mode`, then an untimed collection."""
+    started = time.perf_counter()
+    history = mode.fit()
+    seconds = time.perf_counter() - started
+    gc.collect()
+    return {
+        "seconds": seconds,
+        "examples_per_second": examples / seconds,
+        "loss": float(history.history["loss"][-1]),
+    }
+
+
+def weight_difference(model, reference):
+    """The largest |model - reference| over the trunks' trainable weights."""
+    a, b = trunk_weights(model), trunk_weights(reference)
+    if set(a) != set(b):
+        raise RuntimeError(
+            f"The modes' trunks differ: {sorted(set(a) ^ set(b))}"
+        )
+    return max(float(np.max(np.abs(a[path] - b[path]))) for path in a)
+
+
+def run_workload(workload, rows, rounds, log=print):
+    """The three modes of `workload`, rotated per round; its results."""
+    data = workload.make_data(rows, SEED)
+    examples = rows * EPOCHS
+    classes = {"staged": StagedMode, "hand": HandMode, "hand2": HandMode}
+    modes = {name: classes[name](name, workload, data) for name in MODES}
+    for mode in modes.values():
+        mode.build()
+    warm_up = {name: measure(mode, examples) for name, mode in modes.items()}
+    hand = modes["hand"].model
+    check = {
+        "staged": weight_difference(modes["staged"].model, hand),
+        "hand2": weight_difference(modes["hand2"].model, hand),
+    }
+    log(
+        f"{workload.name}: weight check after the untimed fit: max |staged - "
+        f"hand| {check['staged']:.2e}, max |hand2 - hand| {check['hand2']:.2e}"
+    )
+    records = {name: [] for name in MODES}
+    for index in range(rounds):
+        # The same order in every process: their fits meet in collectives.
+        shift = index % len(MODES)
+        for name in MODES[shift:] + MODES[:shift]:
+            records[name].append(measure(modes[name], examples))
+        log(
+            f"{workload.name}: round {index + 1}/{rounds}"
+            + "".join(
+                f"  {name} {records[name][-1]['seconds']:.3f}s"
+                for name in MODES
+            )
+        )
+
+    def paired(name):
+        return paired_ratio(
+            [r["seconds"] for r in records[name]],
+            [r["seconds"] for r in records["hand"]],
+        )
+
+    plan = modes["staged"].model.get_stage_plan()
+    return {
+        "description": workload.description,
+        "rows": rows,
+        "batch_size": workload.batch_size,
+        "epochs": EPOCHS,
+        "examples_per_fit": examples,
+        "staged_layers": list(plan.staged_layers),
+        "weight_check": {
+            "staged_vs_hand": check["staged"],
+            "hand2_vs_hand": check["hand2"],
+            "what": (
+                "max |a - b| over the trunk's trainable weights after the "
+                f"untimed fit ({EPOCHS} epochs, no shuffle) from equal "
+                "initial weights"
+            ),
+        },
+        "modes": {
+            name: {
+                "seconds_median": statistics.median(
+                    r["seconds"] for r in records[name]
+                ),
+                "examples_per_second_median": statistics.median(
+                    r["examples_per_second"] for r in records[name]
+                ),
+                "warm_up": warm_up[name],
+                "rounds": records[name],
+            }
+            for name in MODES
+        },
+        "paired_ratios": {
+            "staged/hand": paired("staged"),
+            "hand2/hand": paired("hand2"),
+        },
+    }
