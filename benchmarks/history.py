@@ -20,6 +20,11 @@ It reads the outputs of every benchmark family:
 - `jax_backend`: `benchmarks.jax_backend`, whole `fit` calls on Keras's
   JAX backend, staged and expert (plain Keras cannot fit there), `call`
   and `steps`.
+- `jax_scale`: `benchmarks.jax_scale`, whole `fit` calls on Keras's JAX
+  backend in one process with one device, with two devices and in two
+  processes, staged and hand (in `expert`), one row per configuration
+  and workload (`criteo 1x2`: 1 process x 2 devices); the control (hand
+  against itself) and the examples per second in `other`.
 - `first_calls`: `benchmarks.first_calls`, one row per timed call of a
   model's first calls, and with `--scripts` one row per script and timed
   part (`script`, `fit`, `evaluate`, `predict`, `process`), in seconds;
@@ -355,6 +360,49 @@ def jax_backend_rows(results, run):
     return rows
 
 
+def jax_scale_rows(results, run):
+    """Rows of a `benchmarks.jax_scale` results dict (process 0's figures)."""
+    rows = []
+    for config, section in results["configs"].items():
+        if "processes" not in section:
+            continue
+        workloads = section["processes"][0]["workloads"]
+        for name, cell in section["summary"].items():
+            modes = workloads[name]["modes"]
+            eps = cell["examples_per_second"]
+            other = [
+                f"control hand2/hand {cell['hand2/hand']:.3f}",
+                f"hand2 {modes['hand2']['seconds_median']:.3f}",
+                "examples/s "
+                + ", ".join(
+                    f"{mode} {value:.0f}" for mode, value in eps.items()
+                ),
+                "max |staged - hand| weight "
+                f"{cell['max_abs_weight_difference']:.1e}",
+            ]
+            rows.append(
+                _row(
+                    date=_date(results["created"]),
+                    commit=_commit(results["environment"]),
+                    family="jax_scale",
+                    run=run,
+                    workload=f"{name} {config}",
+                    timing="call",
+                    rounds=results["config"]["rounds"],
+                    size=f"{workloads[name]['epochs']} epochs of "
+                    f"{workloads[name]['rows']} rows, batch "
+                    f"{workloads[name]['batch_size']}",
+                    unit="s",
+                    expert=_fmt(modes["hand"]["seconds_median"]),
+                    staged=_fmt(modes["staged"]["seconds_median"]),
+                    ratios="paired",
+                    other="; ".join(other),
+                    **{"staged/expert": _fmt(cell["staged/hand"])},
+                )
+            )
+    return rows
+
+
 def _row(**fields):
     """A row with every column, the missing ones empty."""
     return {k: fields.get(k, "") for k in COLUMNS}
@@ -618,6 +666,8 @@ def rows_of(path):
         return determinism_verdict_rows(results, run, _file_date(path))
     if results.get("family") == "jax_backend":
         return jax_backend_rows(results, run)
+    if results.get("family") == "jax_scale":
+        return jax_scale_rows(results, run)
     if "workloads" in results:
         return bench_rows(results, run)
     if "models" in results:

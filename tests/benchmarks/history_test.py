@@ -186,3 +186,60 @@ def test_the_markdown_table_gives_first_last_and_range():
         "| 1.300 (2026-11-27, aaaaaaa) | 1.000 (2026-11-28, ccccccc) "
         "| 0.900 - 1.300 |"
     )
+
+
+def test_jax_scale_gives_a_row_per_configuration_and_workload():
+    def section(seconds):
+        return {
+            "epochs": 2,
+            "rows": 8192,
+            "batch_size": 256,
+            "modes": {
+                mode: {"seconds_median": value}
+                for mode, value in zip(
+                    ("staged", "hand", "hand2"), seconds, strict=True
+                )
+            },
+        }
+
+    def summary(ratio):
+        return {
+            "criteo": {
+                "examples_per_second": {
+                    "staged": 9000.0,
+                    "hand": 8000.0,
+                    "hand2": 8100.0,
+                },
+                "staged/hand": ratio,
+                "hand2/hand": 1.01,
+                "max_abs_weight_difference": 0.0,
+            }
+        }
+
+    results = {
+        "family": "jax_scale",
+        "created": "2026-11-28T04:10:00+0000",
+        "environment": {"git_commit": "339e002abc", "git_dirty": False},
+        "config": {"rounds": 5},
+        "configs": {
+            "1x1": {
+                "processes": [{"workloads": {"criteo": section([1, 2, 2])}}],
+                "summary": summary(0.5),
+            },
+            "2x1": {"error": "process 1: exit -9"},
+        },
+    }
+    (row,) = history.jax_scale_rows(results, "jax_scale")
+    row = {k: str(row.get(k, "")) for k in history.COLUMNS}
+    assert (row["family"], row["workload"], row["commit"]) == (
+        "jax_scale",
+        "criteo 1x1",
+        "339e002",
+    )
+    assert (row["staged"], row["expert"], row["staged/expert"]) == (
+        "1.000",
+        "2.000",
+        "0.500",
+    )
+    assert "control hand2/hand 1.010" in row["other"]
+    assert "examples/s staged 9000, hand 8000, hand2 8100" in row["other"]
