@@ -418,10 +418,20 @@ def test_training_in_a_plain_keras_model_warns_once_naming_the_fix(
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("smart_stage", [False, True])
+# Each style and each smart_stage in `make test`; the other two pairs in
+# `make test-long`.
 @pytest.mark.parametrize(
-    "style, model_class",
-    [("functional", keras_stage.Model), ("sequential", keras_stage.Sequential)],
+    "style, model_class, smart_stage",
+    [
+        ("functional", keras_stage.Model, False),
+        ("sequential", keras_stage.Sequential, True),
+        pytest.param(
+            "functional", keras_stage.Model, True, marks=pytest.mark.long
+        ),
+        pytest.param(
+            "sequential", keras_stage.Sequential, False, marks=pytest.mark.long
+        ),
+    ],
 )
 def test_keras_stage_models_are_not_warned_staged_or_unstaged(
     style, model_class, smart_stage, caplog

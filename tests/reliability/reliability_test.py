@@ -409,8 +409,16 @@ def test_ctrl_c_during_fit_ends_promptly_and_the_model_fits_again(timeout):
     assert stage_threads() == before
 
 
+# Fit is interrupted with and without the timeout's helper thread; evaluate
+# with it and predict without it, the other way round in `make test-long`.
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("timeout", TIMEOUTS)
+@pytest.mark.parametrize(
+    "timeout",
+    [
+        TIMEOUTS[0],
+        pytest.param(None, id="main_thread", marks=pytest.mark.long),
+    ],
+)
 def test_ctrl_c_during_evaluate_ends_promptly(timeout):
     model = _model(name="intr", timeout=timeout)
     ctrl_c = _CtrlCAfter("test")
@@ -431,7 +439,15 @@ def test_ctrl_c_during_evaluate_ends_promptly(timeout):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("timeout", TIMEOUTS)
+@pytest.mark.parametrize(
+    "timeout",
+    [
+        pytest.param(
+            DEFAULT_TIMEOUT, id="helper_thread", marks=pytest.mark.long
+        ),
+        TIMEOUTS[1],
+    ],
+)
 def test_ctrl_c_during_predict_ends_promptly(timeout):
     model = _model(name="intr", timeout=timeout)
     ctrl_c = _CtrlCAfter("predict")
@@ -560,14 +576,16 @@ def _raising_in(hook):
 
 # on_train_batch_end, and evaluate's/predict's batch ends, are covered in
 # tests/models/call/staged_call_test.py.
+# `make test` raises before the first epoch, between epochs and during
+# validation; the other hooks run in `make test-long`.
 HOOKS = [
     "on_train_begin",
-    "on_epoch_begin",
+    pytest.param("on_epoch_begin", marks=pytest.mark.long),
     "on_epoch_end",
-    "on_test_begin",
+    pytest.param("on_test_begin", marks=pytest.mark.long),
     "on_test_batch_end",
-    "on_test_end",
-    "on_train_end",
+    pytest.param("on_test_end", marks=pytest.mark.long),
+    pytest.param("on_train_end", marks=pytest.mark.long),
 ]
 
 

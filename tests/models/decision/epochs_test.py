@@ -257,8 +257,17 @@ def test_under_op_determinism_a_stage_that_pays_keeps_its_epochs(
     _assert_same(plain, staged, expected, history)
 
 
-@pytest.mark.parametrize("unstaged_after_trial", [True, False])
-@pytest.mark.parametrize("shuffle", [True, False])
+# Each value of each argument in `make test`; the other two pairs in
+# `make test-long`.
+@pytest.mark.parametrize(
+    "shuffle, unstaged_after_trial",
+    [
+        (True, True),
+        (False, False),
+        pytest.param(True, False, marks=pytest.mark.long),
+        pytest.param(False, True, marks=pytest.mark.long),
+    ],
+)
 def test_arrays_on_one_iterator_skip_the_epochs_run_without_the_stage(
     monkeypatch, unstaged_after_trial, shuffle
 ):
