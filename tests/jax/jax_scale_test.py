@@ -1,0 +1,70 @@
+"""benchmarks/jax_scale.py runs, at its smallest, in every configuration.
+
+One round of the `--quick` sizes: one process with one device, one with
+two host devices and two `jax.distributed` processes, each in child
+processes. No wall-clock assertion: the staged and hand splits train the
+same weights in each configuration, and every figure is a positive number.
+"""
+
+import pytest
+
+# Three configurations (four processes), each tracing six models, on 2
+# shared cores.
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def results():
+    # Imported here: collected (and skipped) on TensorFlow too.
+    from benchmarks import jax_scale
+
+    lines = []
+    out = jax_scale.run(rounds=1, quick=True, log=lines.append)
+    out["lines"] = lines
+    return out
+
+
+def test_every_configuration_ran(results):
+    from benchmarks import jax_scale
+
+    configs = results["configs"]
+    assert set(configs) == set(jax_scale.CONFIGS)
+    for name, section in configs.items():
+        assert "error" not in section, section.get("error")
+        processes, devices = jax_scale.CONFIGS[name]
+        runs = section["processes"]
+        assert [run["process_id"] for run in runs] == list(range(processes))
+        for run in runs:
+            assert run["process_count"] == processes
+            assert len(run["devices"]) == processes * devices
+            assert (run["distribution"] is None) == (name == "1x1")
+            assert set(run["workloads"]) == {"criteo", "dcn"}
+
+
+def test_staged_and_hand_train_the_same_weights_in_each_configuration(
+    results,
+):
+    # The stage and every preprocessing layer (criteo: Normalization and
+    # 26 Hashing; dcn: 6 lookups) run staged.
+    staged = {"criteo": 28, "dcn": 7}
+    for section in results["configs"].values():
+        for run in section["processes"]:
+            for name, workload in run["workloads"].items():
+                check = workload["weight_check"]
+                assert check["staged_vs_hand"] <= 1e-6
+                assert check["hand2_vs_hand"] <= 1e-6
+                layers = workload["staged_layers"]
+                assert layers[0].startswith("staged_input")
+                assert len(layers) == staged[name], layers
+
+
+def test_the_figures_are_positive_numbers(results):
+    from benchmarks import jax_scale
+
+    for section in results["configs"].values():
+        for cell in section["summary"].values():
+            assert cell["staged/hand"] > 0
+            assert cell["hand2/hand"] > 0
+            assert all(v > 0 for v in cell["examples_per_second"].values())
+    table = jax_scale.format_table(results)
+    assert "staged/hand" in table and "hand2/hand" in table
