@@ -339,9 +339,22 @@ def test_check_adds_a_few_microseconds_per_batch():
 # -- through a staged fit/evaluate/predict ----------------------------------
 
 
+# Each fault and each kind of source in `make test`; the other four pairs
+# in `make test-long`.
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("fault", ["raise", "rank", "size", "structure"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "kind, fault",
+    [
+        ("generator", "raise"),
+        ("py_dataset", "rank"),
+        ("generator", "size"),
+        ("py_dataset", "structure"),
+        pytest.param("py_dataset", "raise", marks=pytest.mark.long),
+        pytest.param("generator", "rank", marks=pytest.mark.long),
+        pytest.param("py_dataset", "size", marks=pytest.mark.long),
+        pytest.param("generator", "structure", marks=pytest.mark.long),
+    ],
+)
 def test_staged_fit_names_the_bad_source_with_plain_keras_error_type(
     kind, fault
 ):
