@@ -255,6 +255,42 @@ class StagedMode:
         return {w.path: np.asarray(w) for w in self.model.trainable_weights}
 
 
+def hand_preprocess(workload, data):
+    """The hand split's `preprocess`: the workload's preprocessing layers.
+
+    Built (and adapted on `data`'s columns) as the staged model builds
+    them, for a `dataset.map` over the raw batches.
+    """
+    columns = workload.columns(workload.inputs(), data[0])
+    chains = [layer_chain(column) for column in columns]
+
+    def preprocess(x):
+        outputs = []
+        for name, layers in chains:
+            column = x[name]
+            for layer in layers:
+                column = layer(column)
+            # JAX has no int64 without x64 (the stage casts too).
+            if column.dtype == tf.int64:
+                column = tf.cast(column, tf.int32)
+            outputs.append(column)
+        return tuple(outputs)  # tf.data maps return no lists
+
+    return preprocess
+
+
+def hand_trunk(workload, dataset):
+    """The hand split's numeric trunk, compiled, taking `dataset`'s inputs."""
+    specs = dataset.element_spec[0]
+    trunk_inputs = [
+        keras.Input(shape=spec.shape[1:], dtype=spec.dtype.name)
+        for spec in specs
+    ]
+    model = keras.Model(trunk_inputs, workload.trunk(trunk_inputs))
+    model.compile(**workload.compile_kwargs())
+    return model
+
+
 class ExpertMode(StagedMode):
     """The preprocessing layers in a tf.data map, a `keras.Model` trunk."""
 
@@ -262,30 +298,8 @@ class ExpertMode(StagedMode):
 
     def build(self):
         keras.utils.set_random_seed(SEED)
-        workload = self.workload
-        columns = workload.columns(workload.inputs(), self.data[0])
-        chains = [layer_chain(column) for column in columns]
-
-        def preprocess(x):
-            outputs = []
-            for name, layers in chains:
-                column = x[name]
-                for layer in layers:
-                    column = layer(column)
-                # JAX has no int64 without x64 (the stage casts too).
-                if column.dtype == tf.int64:
-                    column = tf.cast(column, tf.int32)
-                outputs.append(column)
-            return tuple(outputs)  # tf.data maps return no lists
-
-        self.preprocess = preprocess
-        specs = self.dataset().element_spec[0]
-        trunk_inputs = [
-            keras.Input(shape=spec.shape[1:], dtype=spec.dtype.name)
-            for spec in specs
-        ]
-        self.model = keras.Model(trunk_inputs, workload.trunk(trunk_inputs))
-        self.model.compile(**workload.compile_kwargs())
+        self.preprocess = hand_preprocess(self.workload, self.data)
+        self.model = hand_trunk(self.workload, self.dataset())
 
     def dataset(self):
         preprocess = self.preprocess

@@ -157,30 +157,8 @@ class HandMode(StagedMode):
 
     def build(self):
         keras.utils.set_random_seed(SEED)
-        workload = self.workload
-        columns = workload.columns(workload.inputs(), self.data[0])
-        chains = [jax_backend.layer_chain(column) for column in columns]
-
-        def preprocess(x):
-            outputs = []
-            for name, layers in chains:
-                column = x[name]
-                for layer in layers:
-                    column = layer(column)
-                # JAX has no int64 without x64 (the stage casts too).
-                if column.dtype == tf.int64:
-                    column = tf.cast(column, tf.int32)
-                outputs.append(column)
-            return tuple(outputs)  # tf.data maps return no lists
-
-        self.preprocess = preprocess
-        specs = self.dataset().element_spec[0]
-        trunk_inputs = [
-            keras.Input(shape=spec.shape[1:], dtype=spec.dtype.name)
-            for spec in specs
-        ]
-        self.model = keras.Model(trunk_inputs, workload.trunk(trunk_inputs))
-        self.model.compile(**workload.compile_kwargs())
+        self.preprocess = jax_backend.hand_preprocess(self.workload, self.data)
+        self.model = jax_backend.hand_trunk(self.workload, self.dataset())
 
     def dataset(self):
         # drop_remainder: Keras reads the global batch size of a dataset it
