@@ -103,8 +103,10 @@ class _Binding:
         # Why the model staged the call, a sentence, or None (no decision
         # made: on JAX every call is staged).
         self.call_reason = call_reason
-        # `iterator_cost()`: the measured seconds of a new iterator of the
-        # stage (what a resized pool costs), or None if not measured.
+        # `iterator_cost()`: what a pool resized before the next epoch
+        # costs the call (the measured seconds of a new iterator of the
+        # stage, or 0 where that epoch makes one anyway), or None if not
+        # measured.
         self.iterator_cost = iterator_cost
         self.epochs_begun = 0
         self.in_epoch = False
@@ -620,7 +622,8 @@ class PrefetchCallback(keras.callbacks.Callback):
         """Why a smaller pool cannot pay for the rest of the fit, or None.
 
         A resized pool runs in a new iterator, whose cost was measured
-        (`iterator_cost`); a smaller pool saves at most the cores the
+        (`iterator_cost`: none where the next epoch makes one anyway); a
+        smaller pool saves at most the cores the
         stage's threads take from the step while they work, which is the
         staged work of the batches left (the verdict's
         `prepare_seconds_per_batch` each). None when either is unknown.

@@ -453,6 +453,20 @@ class LongLivedIterator:
         if self._iterator is None:
             self._make()
 
+    def next_epoch_reads_on(self):
+        """Whether the next epoch reads on from the real iterator.
+
+        Where it does, a pool resized for it makes a new iterator the call
+        would not have made; where it does not (none yet, its segment ends,
+        or a source that cannot restart, whose iterator keeps its pool), a
+        resize makes none.
+        """
+        return (
+            self._iterator is not None
+            and self.restartable
+            and (self._segment_end is None or self.epoch < self._segment_end)
+        )
+
     def skip_epoch(self):
         """Keras reads the next epoch elsewhere (without the stage).
 

@@ -174,7 +174,7 @@ class StagedCall:
             carried=data.carried,
             call_reason=state.call_reasons.pop(phase, None),
             iterator_cost=functools.partial(
-                calls.iterator_cost, self.model, data.cost_phase
+                calls.resize_cost, self.model, data
             ),
         )
         bind_placement(self.model, phase, data.staged.placement)

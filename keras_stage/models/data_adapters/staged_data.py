@@ -279,6 +279,15 @@ class StagedData:
                 self.kept.keep_iterator(pipeline, self._shared)
         return self._shared
 
+    def resize_makes_an_iterator(self):
+        """Whether a pool resized now makes an iterator the call would not.
+
+        Only a long-lived stage whose next epoch reads on from its iterator
+        (see `LongLivedIterator.next_epoch_reads_on`); a stage making an
+        iterator per epoch makes the next one anyway.
+        """
+        return self._shared is not None and self._shared.next_epoch_reads_on()
+
     def _made(self, seconds):
         if self.on_iterator is not None:
             self.on_iterator(seconds)

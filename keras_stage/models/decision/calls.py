@@ -515,6 +515,19 @@ def iterator_cost(model, phase):
     return measured.phase(phase).iterator_seconds
 
 
+def resize_cost(model, data):
+    """What resizing `data`'s pool before the next epoch costs, or None.
+
+    The measured seconds of a new iterator of its stage where the next
+    epoch would read on from the one it has; nothing where it makes one
+    anyway (see `StagedData.resize_makes_an_iterator`); None if not
+    measured.
+    """
+    if not data.resize_makes_an_iterator():
+        return 0.0
+    return iterator_cost(model, data.cost_phase)
+
+
 def note_work(model, data):
     """Notes the staged work `data`'s stage did in the call ending."""
     if data.staged.stats.closed:
