@@ -291,8 +291,9 @@ class PrefetchCallback(keras.callbacks.Callback):
         `keras_stage.data.pool`). `carried`: whether that iterator was
         left by an earlier call, its buffer filled for this call's first
         epoch. `call_reason`: why the model staged the call (the verdict's
-        `call`). `iterator_cost`: a function giving the measured seconds a
-        new iterator of the stage costs, or None (see `_adapt_pool`).
+        `call`). `iterator_cost`: a function giving what a pool resized
+        before the next epoch costs the call, or None (see
+        `_shrink_cannot_pay`).
         Called by `keras_stage.Model`; users do not need it.
         """
         self._bindings[phase] = _Binding(
@@ -623,10 +624,10 @@ class PrefetchCallback(keras.callbacks.Callback):
 
         A resized pool runs in a new iterator, whose cost was measured
         (`iterator_cost`: none where the next epoch makes one anyway); a
-        smaller pool saves at most the cores the
-        stage's threads take from the step while they work, which is the
-        staged work of the batches left (the verdict's
-        `prepare_seconds_per_batch` each). None when either is unknown.
+        smaller pool saves at most the cores the stage's threads take from
+        the step while they work, which is the staged work of the batches
+        left (the verdict's `prepare_seconds_per_batch` each). None when
+        either is unknown.
         """
         cost = (
             None if binding.iterator_cost is None else binding.iterator_cost()
