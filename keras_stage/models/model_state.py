@@ -80,6 +80,14 @@ class StagingState:
         # Per phase: why its last call was decided staged or not, a
         # sentence (see `decision.calls.stages`), for the verdict.
         self.call_reasons = {}
+        # Per phase: the seconds this model's staged calls paid over what
+        # running its whole model's step would have cost, once traced (see
+        # `decision.calls.trace_due`): what tracing that step may cost.
+        self.stage_rent = {}
+        # Per phase: how long the first call of a newly compiled staged step
+        # took (its trace, its step, its wait for the first batch), until
+        # `decision.calls.note_work` notes it.
+        self.first_steps = {}
         # What staged calls of models with this model's stage cost, to skip
         # those that cannot pay: shared between such models (see
         # `decision.calls.costs`), looked up again after compile.

@@ -401,10 +401,12 @@ def test_calls_on_data_in_memory_are_decided_from_host_timed_steps(
             assert costs.staged_step_seconds > 0
             assert costs.unstaged_step_seconds is None
         elif round_ == 1:
-            # The trial: unstaged, its whole-model steps timed.
+            # Unstaged (the trial, or a stage that cannot repay its set-up
+            # and the whole step's trace): its whole-model steps timed.
             assert prefetch.phases == ["train"]
-            assert "times the whole model's steps once" in caplog.text
+            assert "train runs the whole model in Keras's step" in caplog.text
             assert costs.unstaged_step_seconds > 0
+            assert costs.unstaged_trace_seconds > 0
     # Decided from the two: measured, and no second trial.
     assert costs.measured() and not costs.trial_due()
-    assert caplog.text.count("times the whole model's steps once") == 1
+    assert caplog.text.count("times the whole model's steps once") <= 1

@@ -189,9 +189,12 @@ def test_a_fresh_model_decides_from_what_models_like_it_measured(caplog):
     with caplog.at_level(logging.INFO, logger="keras_stage"):
         history = fresh.fit(WORDS, LABELS, batch_size=16, epochs=2, verbose=0)
     plain.fit(WORDS, LABELS, batch_size=16, epochs=2, verbose=0)
-    # (The first model's staged steps were timed, so this one times the
-    # whole model's steps, once for every model like it.)
-    assert "times the whole model's steps once" in caplog.text
+    # (Unstaged, it times the whole model's steps and their trace, for
+    # every model like it.)
+    assert "less than the" in caplog.text
+    measured = fresh._keras_stage_state.costs.phase("train")
+    assert measured.unstaged_step_seconds is not None
+    assert measured.unstaged_trace_seconds is not None
     assert "stage_wait_ratio" not in history.history
     # ...so it ran unstaged: nothing planned, the same weights as plain.
     assert fresh._keras_stage_state.plan is None

@@ -101,7 +101,11 @@ def guard(model, phase, function):
                     )
                 )
                 if first:
-                    unrecorded.note_first_call(time.perf_counter() - started)
+                    seconds = time.perf_counter() - started
+                    unrecorded.note_first_call(seconds)
+                    # What tracing the trunk's step took, about (see
+                    # `decision.calls.note_work`).
+                    state.first_steps[phase] = seconds
                 if report is not None:
                     values = report.numpy().tolist()
                     unrecorded.reported(values)

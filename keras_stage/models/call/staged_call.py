@@ -270,10 +270,15 @@ class StagedCall:
             phase: []
             for phase in calls.timed_unstaged_phases(self.model, self.phases)
         }
+        traced = [
+            phase
+            for phase in clocks
+            if calls.traces_whole_step(self.model, phase)
+        ]
         try:
             with _unstaged_steps(self.model, self.phases, clocks):
                 result = keras_call()
-            calls.note_unstaged_steps(self.model, clocks)
+            calls.note_unstaged_steps(self.model, clocks, traced)
             return result
         finally:
             self.prefetch.close()

@@ -12,10 +12,19 @@ staged call costs (`staged_data`, `note_work`), keeps it per phase
 (`stages`, `fit_stages`). The staged work per batch only bounds the saving
 (on cores the trunk keeps busy, the stage's threads take them from it), so
 the host also times the steps of SmartStage calls: after a phase's first
-staged call, its next one runs unstaged once (the trial) and both kinds of
-steps are weighed (`PhaseCosts.batch_saving`). Under op determinism the
-staged work is read from tf.data's own model of the stage's iterators
-(`data.pipeline_model`); where that cannot be read, the steps alone decide.
+staged call, a later one runs unstaged once (the trial) and both kinds of
+steps are weighed (`PhaseCosts.batch_saving`). Running a model's whole
+step unstaged first traces it (once per model and phase); a plain model
+traced it in its first call, a staged one did not. So that trace counts
+against running unstaged, less what the model's staged calls of the
+phase have paid over an unstaged traced step so far (`trace_owed`: as
+renting against buying, the trace is paid once the rent reaches it), and
+a trial runs only once what is owed is at most `TRACE_SHARE` of the
+call: a short script's evaluate after a staged fit keeps its stage
+rather than trace the whole model's test step for one call. Under op
+determinism the staged work is read from tf.data's own model of the
+stage's iterators (`data.pipeline_model`); where that cannot be read, the
+steps alone decide.
 A call is never skipped on a guess: only what was
 measured counts, on this model or on one with the same stage
 (`stage_signature`: a fresh model per trial pays its stage once per
@@ -45,6 +54,7 @@ from keras_stage.models.data_adapters.staged_data import (
     stage_data,
     strategy_refusal,
 )
+from keras_stage.models.model_state import UNSTAGED_STEPS
 from keras_stage.models.model_state import state as model_state
 from keras_stage.planner.state_access import all_layers, seed_states
 
@@ -55,6 +65,9 @@ MIN_TIMED_STEPS = 4
 # The phases whose compiled steps the host can time (`tensorflow_steps.guard`
 # wraps them; predict's batches are read in Python).
 TIMED_PHASES = ("train", "test")
+# The most of a call's own step time that tracing the whole model's step
+# for an unstaged trial may cost (as `epochs.TRACE_SHARE` for an epoch).
+TRACE_SHARE = 0.1
 
 
 def may_skip_stage(layer):
@@ -130,12 +143,20 @@ def fit_batches(
 
 
 class PhaseCosts:
-    """What staging one phase (train, test, predict) cost on a model."""
+    """What staging one phase (train, test, predict) cost on a model.
+
+    The set-up costs are the medians of the last `SAMPLES` measured: one
+    slow build or iterator (a busy moment of the machine) does not flip
+    the decisions after it.
+    """
+
+    SAMPLES = 5
 
     def __init__(self):
-        # Seconds to build a call's stage, and to make one iterator of it.
-        self.build_seconds = None
-        self.iterator_seconds = None
+        # Seconds to build a call's stage, and to make one iterator of it,
+        # as measured last (`note`).
+        self._builds = collections.deque(maxlen=self.SAMPLES)
+        self._iterators = collections.deque(maxlen=self.SAMPLES)
         # Seconds of staged work per batch; None when not measured (no
         # staged computation, or under op determinism a pipeline whose
         # tf.data model could not be read).
@@ -148,6 +169,28 @@ class PhaseCosts:
         # saved a step (`batch_saving`).
         self.staged_step_seconds = None
         self.unstaged_step_seconds = None
+        # Seconds the whole model's step took to trace in an unstaged call
+        # (its first step over its warm ones), or None; and the first call
+        # of a newly compiled staged step (its trace of the trunk's step).
+        self.unstaged_trace_seconds = None
+        self.step_trace_seconds = 0.0
+
+    @property
+    def build_seconds(self):
+        """Seconds to build a call's stage (median), or None."""
+        return statistics.median(self._builds) if self._builds else None
+
+    @property
+    def iterator_seconds(self):
+        """Seconds to make one iterator of it (median), or None."""
+        return statistics.median(self._iterators) if self._iterators else None
+
+    def note(self, build=None, iterator=None):
+        """Notes a measured build and/or iterator, in seconds."""
+        if build is not None:
+            self._builds.append(build)
+        if iterator is not None:
+            self._iterators.append(iterator)
 
     def batch_saving(self):
         """What staging saves per batch at most, in seconds, or None.
@@ -198,6 +241,12 @@ class PhaseCosts:
         """The most staging `batches` batches can save, in seconds."""
         return max(batches - 1, 0) * self.batch_saving()
 
+    def step_seconds(self, batches):
+        """What `batches` warm staged steps take, or None if not timed."""
+        if self.staged_step_seconds is None:
+            return None
+        return batches * self.staged_step_seconds
+
     def cost(self, iterators):
         """What a call making `iterators` iterators pays for its stage."""
         return self.build_seconds + iterators * self.iterator_seconds
@@ -217,10 +266,10 @@ class CallCosts:
         return self._phases[phase]
 
     def note_build(self, phase, seconds):
-        self.phase(phase).build_seconds = seconds
+        self.phase(phase).note(build=seconds)
 
     def note_iterator(self, phase, seconds):
-        self.phase(phase).iterator_seconds = seconds
+        self.phase(phase).note(iterator=seconds)
 
     def note_trace(self, phase, seconds):
         self.phase(phase).trace_seconds = seconds
@@ -241,24 +290,71 @@ class CallCosts:
         elif produced > 0 and busy_seconds > 0:
             costs.batch_seconds = busy_seconds / produced
 
-    def note_steps(self, phase, seconds, staged):
+    def note_steps(self, phase, seconds, staged, traced=False):
         """Notes the host-timed steps of a call, seconds per batch each.
 
         `staged`: whether the call ran its stage. The first step (which
-        makes the iterator and may trace) is left out; too few to tell
-        note nothing.
+        makes the iterator and may trace) is left out of the medians; too
+        few to tell note none. An unstaged call that `traced` the whole
+        model's step notes what its first step took over its warm ones.
         """
-        warm = list(seconds)[1:]
+        seconds = list(seconds)
+        if not seconds:
+            return
+        warm = seconds[1:]
+        costs = self.phase(phase)
+        if traced and not staged:
+            costs.unstaged_trace_seconds = max(
+                seconds[0] - (min(warm) if warm else 0.0), 0.0
+            )
         if len(warm) < MIN_TIMED_STEPS:
             return
         median = statistics.median(warm)
-        costs = self.phase(phase)
         if staged:
             costs.staged_step_seconds = median
         else:
             costs.unstaged_step_seconds = median
 
-    def stages(self, phase, batches, iterators, plans=False, traces=False):
+    def measured_like(self, phase):
+        """The costs `phase`'s calls are weighed by.
+
+        Its own; for a `predict` not measured yet, those of `test` when
+        measured: the same stage of the same inference prefix, and a step
+        that differs by the loss and metrics alone.
+        """
+        costs = self.phase(phase)
+        if phase == "predict" and not costs.measured():
+            test = self.phase("test")
+            if test.measured():
+                return test
+        return costs
+
+    def whole_trace(self, phase):
+        """About what tracing the whole model's `phase` step costs.
+
+        As measured in an unstaged call of a model with this stage; before
+        that, what tracing its staged prefix and its trunk's step took (the
+        whole step traces both).
+        """
+        costs = self.measured_like(phase)
+        if costs.unstaged_trace_seconds is not None:
+            return costs.unstaged_trace_seconds
+        prefix = max(
+            (other.trace_seconds for other in self._phases.values()),
+            default=0.0,
+        )
+        return prefix + costs.step_trace_seconds
+
+    def stages(
+        self,
+        phase,
+        batches,
+        iterators,
+        plans=False,
+        traces=False,
+        owed=0.0,
+        compiles=False,
+    ):
         """Whether a call of `batches` batches in all should be staged.
 
         `batches`: the batches it reads from in-memory data (see
@@ -266,48 +362,101 @@ class CallCosts:
         staged). `iterators`: the
         iterators it makes (one per epoch). `plans` / `traces`: whether
         the call would also plan the model's SmartStage / trace its
-        prefix for the phase (a model's first staged calls).
+        prefix for the phase (a model's first staged calls). `owed`: the
+        seconds of tracing the whole model's step that running unstaged
+        would add (see `trace_owed`). `compiles`: whether the call would
+        trace the trunk's step (the model has no staged step of the phase).
         """
-        return self._decide(phase, batches, iterators, plans, traces)[0]
+        return self.decide(
+            phase, batches, iterators, plans, traces, owed, compiles
+        )[0]
 
-    def describe(self, phase, batches, iterators, plans=False, traces=False):
+    def describe(
+        self,
+        phase,
+        batches,
+        iterators,
+        plans=False,
+        traces=False,
+        owed=0.0,
+        compiles=False,
+    ):
         """Why `stages` decided as it did, in a sentence."""
-        return self._decide(phase, batches, iterators, plans, traces)[1]
+        return self.decide(
+            phase, batches, iterators, plans, traces, owed, compiles
+        )[1]
 
-    def _decide(self, phase, batches, iterators, plans, traces):
+    def decide(
+        self, phase, batches, iterators, plans, traces, owed, compiles=False
+    ):
+        """`(staged, why, rent)`: `stages`, `describe`, and what a staged
+        call pays over an unstaged, traced step by the measured costs (0
+        when not measured, or when staging saves more than it costs)."""
         if batches is None:
-            return True, (
-                "its data is read by a pipeline the stage overlaps (a "
-                "dataset that maps or reads files, a generator) or its "
-                "length is unknown"
+            return (
+                True,
+                (
+                    "its data is read by a pipeline the stage overlaps (a "
+                    "dataset that maps or reads files, a generator) or its "
+                    "length is unknown"
+                ),
+                0.0,
             )
         if batches <= 1:
-            return False, "a call of one batch has nothing to overlap"
+            return False, "a call of one batch has nothing to overlap", 0.0
         costs = self.phase(phase)
-        if costs.trial_due():
-            return False, (
-                "this call times the whole model's steps once, to weigh "
-                "them against the staged steps (what the stage saves a step "
-                "on this machine's cores)"
+        if costs.trial_due() and owed <= TRACE_SHARE * costs.step_seconds(
+            batches
+        ):
+            return (
+                False,
+                (
+                    "this call times the whole model's steps once, to weigh "
+                    "them against the staged steps (what the stage saves a "
+                    "step on this machine's cores)"
+                ),
+                0.0,
             )
+        costs = self.measured_like(phase)
         if not costs.measured():
-            return True, "nothing is measured on a model with this stage yet"
+            return (
+                True,
+                "nothing is measured on a model with this stage yet",
+                0.0,
+            )
         set_up = costs.cost(iterators)
         if plans:
             set_up += self.plan_seconds
         if traces:
             set_up += costs.trace_seconds
-        if costs.saving(batches) <= set_up:
-            return False, (
-                f"staging {batches} batches can save at most "
-                f"{1000 * costs.saving(batches):.1f} ms of staged work, "
-                f"less than the {1000 * set_up:.1f} ms its stage costs to "
-                "set up (measured on a model with this stage)"
+        if compiles:
+            set_up += costs.step_trace_seconds
+        saving = costs.saving(batches)
+        trace = (
+            f" and the {1000 * owed:.1f} ms of tracing the whole model's "
+            "step it would add unstaged"
+            if owed > 0
+            else ""
+        )
+        if saving + owed <= set_up:
+            return (
+                False,
+                (
+                    f"staging {batches} batches can save at most "
+                    f"{1000 * saving:.1f} ms of staged work{trace}, less than "
+                    f"the {1000 * set_up:.1f} ms its stage costs to set up "
+                    "(measured on a model with this stage)"
+                ),
+                0.0,
             )
-        return True, (
-            f"staging {batches} batches can save up to "
-            f"{1000 * costs.saving(batches):.1f} ms of staged work, more "
-            f"than the {1000 * set_up:.1f} ms its stage costs to set up"
+        return (
+            True,
+            (
+                f"staging {batches} batches can save up to "
+                f"{1000 * saving:.1f} ms of staged work{trace}, more than "
+                f"the {1000 * set_up:.1f} ms its stage costs to set up"
+            ),
+            max(set_up - saving, 0.0),
         )
 
 
@@ -411,39 +560,79 @@ def stages(model, layer, phase, batches, iterators=1, x=None):
     `call_reasons[phase]` for the verdict (`x`, the call's data, tells a
     dataset of unknown length from one that maps or reads files).
     """
-    staged, reason = _decide(model, layer, phase, batches, iterators, x)
-    model_state(model).call_reasons[phase] = reason
-    if not staged:
-        logger.info(
-            "Model '%s': %s runs the whole model in Keras's step, unstaged: "
-            "%s.",
-            model.name,
-            phase,
-            reason,
-        )
+    staged, reason, rent = _decide(model, layer, phase, batches, iterators, x)
+    state = model_state(model)
+    state.call_reasons[phase] = reason
+    if staged:
+        state.stage_rent[phase] = state.stage_rent.get(phase, 0.0) + rent
+    logger.info(
+        "Model '%s': %s %s: %s.",
+        model.name,
+        phase,
+        "is staged"
+        if staged
+        else ("runs the whole model in Keras's step, unstaged"),
+        reason,
+    )
     return staged
+
+
+def trace_owed(model, phase, measured):
+    """What running `phase` unstaged would add by tracing the whole step.
+
+    Nothing once the model traced it (an unstaged call or epoch ran it);
+    else about what that trace costs (`CallCosts.whole_trace`), less what
+    the model's staged calls of the phase have paid over such a step so
+    far (`StagingState.stage_rent`): once they have paid as much as the
+    trace costs, it is paid whenever the whole step is faster.
+    """
+    state = model_state(model)
+    if (phase, UNSTAGED_STEPS) in state.staged_functions:
+        return 0.0
+    return max(
+        measured.whole_trace(phase) - state.stage_rent.get(phase, 0.0), 0.0
+    )
 
 
 def _decide(model, layer, phase, batches, iterators, x):
     if not may_skip_stage(layer):
-        return True, (
-            "StagedInput(adaptive=False), an exception policy or the tf.data "
-            "service: every call is staged"
+        return (
+            True,
+            (
+                "StagedInput(adaptive=False), an exception policy or the "
+                "tf.data service: every call is staged"
+            ),
+            0.0,
         )
     if batches is None:
         # Never skipped (and the signature is not computed).
-        return True, _always_staged(x)
+        return True, _always_staged(x), 0.0
     if _random_prefix(model, phase):
-        return True, (
-            "its staged random layers draw from seeds of the stage's own, "
-            "so its training calls are always staged (unstaged, they would "
-            "draw other numbers)"
+        return (
+            True,
+            (
+                "its staged random layers draw from seeds of the stage's "
+                "own, so its training calls are always staged (unstaged, "
+                "they would draw other numbers)"
+            ),
+            0.0,
         )
     measured = costs(model)
-    first = _first_costs(model, phase)
-    return (
-        measured.stages(phase, batches, iterators, *first),
-        measured.describe(phase, batches, iterators, *first),
+    return measured.decide(
+        phase,
+        batches,
+        iterators,
+        *_first_costs(model, phase),
+        trace_owed(model, phase, measured),
+        not _has_staged_step(model, phase),
+    )
+
+
+def _has_staged_step(model, phase):
+    """Whether `model` keeps a compiled staged step of `phase`."""
+    return any(
+        key[0] == phase and key[1] != UNSTAGED_STEPS and function is not None
+        for key, function in model_state(model).staged_functions.items()
     )
 
 
@@ -535,6 +724,9 @@ def note_work(model, data):
     snapshot = data.staged.stats.snapshot()
     busy, produced = data.work_before
     measured = costs(model)
+    first = model_state(model).first_steps.pop(data.cost_phase, None)
+    if first is not None:
+        measured.phase(data.cost_phase).step_trace_seconds = first
     measured.note_work(
         data.cost_phase,
         snapshot["busy_seconds"] - busy,
@@ -549,7 +741,9 @@ def timed_unstaged_phases(model, phases):
     """The phases of an unstaged call whose steps the host should time.
 
     Those of `TIMED_PHASES` whose staged calls timed their steps and
-    whose unstaged step is not known yet (see `PhaseCosts.trial_due`).
+    whose unstaged step is not known yet (see `PhaseCosts.trial_due`),
+    and those whose whole-model step the call traces (`traces_whole_step`:
+    what that costs is noted).
     """
     state = model_state(model)
     if state.costs is None:
@@ -557,14 +751,28 @@ def timed_unstaged_phases(model, phases):
     return tuple(
         phase
         for phase in phases
-        if phase in TIMED_PHASES and state.costs.phase(phase).trial_due()
+        if phase in TIMED_PHASES
+        and (
+            state.costs.phase(phase).trial_due()
+            or traces_whole_step(model, phase)
+        )
     )
 
 
-def note_unstaged_steps(model, clocks):
-    """Notes the host-timed steps of an unstaged call, per phase."""
+def traces_whole_step(model, phase):
+    """Whether an unstaged `phase` call of `model` would trace its step."""
+    return (phase, UNSTAGED_STEPS) not in model_state(model).staged_functions
+
+
+def note_unstaged_steps(model, clocks, traced=()):
+    """Notes the host-timed steps of an unstaged call, per phase.
+
+    `traced`: the phases whose whole-model step the call traced.
+    """
     for phase, seconds in clocks.items():
-        costs(model).note_steps(phase, seconds, staged=False)
+        costs(model).note_steps(
+            phase, seconds, staged=False, traced=phase in traced
+        )
 
 
 def iterators_made(model, role, x, default=1):

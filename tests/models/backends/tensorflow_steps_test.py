@@ -234,9 +234,9 @@ def test_a_call_times_at_most_a_bounded_number_of_steps(monkeypatch):
     noted = []
     note_steps = calls.CallCosts.note_steps
 
-    def recording(self, phase, seconds, staged):
+    def recording(self, phase, seconds, staged, traced=False):
         noted.append((phase, len(seconds), staged))
-        return note_steps(self, phase, seconds, staged)
+        return note_steps(self, phase, seconds, staged, traced)
 
     monkeypatch.setattr(calls.CallCosts, "note_steps", recording)
     words = np.array(

@@ -24,6 +24,8 @@ from keras_stage.models.decision.calls import (
     shared_costs,
     stage_signature,
 )
+from keras_stage.models.model_state import UNSTAGED_STEPS
+from keras_stage.models.model_state import state as model_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,6 +102,92 @@ def test_host_timed_steps_bound_the_timed_work():
     costs.note_steps("train", [1.0] + [0.009] * 5, staged=False)
     assert costs.phase("train").batch_saving() == 0.002  # the work bounds
     assert costs.stages("train", 10_000, 1)
+
+
+def _timed(build=0.05, iterator=0.02, batch=0.001, step=0.004):
+    """`_measured`, its staged steps timed (`step` s each): a trial due."""
+    costs = _measured(build=build, iterator=iterator, batch=batch)
+    costs.note_steps("train", [1.0] + [step] * 5, staged=True)
+    return costs
+
+
+def test_one_slow_build_or_iterator_does_not_flip_the_decision():
+    # The same work gets the same decision: set-up costs are the medians
+    # of the last few measured, so a busy moment is outvoted.
+    costs = _measured(build=0.05, iterator=0.02)  # 70 ms of set-up
+    costs.note_build("train", 0.05)
+    costs.note_iterator("train", 0.02)
+    decisions = [costs.stages("train", 72, 1)]
+    costs.note_build("train", 5.0)  # once, a hundred times slower
+    costs.note_iterator("train", 2.0)
+    decisions.append(costs.stages("train", 72, 1))
+    assert decisions == [True, True]
+    assert costs.phase("train").cost(1) == pytest.approx(0.07)
+    # Measured slower again and again, it is slower.
+    for _ in range(2):
+        costs.note_build("train", 5.0)
+        costs.note_iterator("train", 2.0)
+    assert not costs.stages("train", 72, 1)
+
+
+def test_a_trial_runs_only_where_tracing_the_whole_step_costs_little():
+    # 100 batches of 4 ms: a trial may add 40 ms of tracing.
+    costs = _timed()
+    assert costs.phase("train").trial_due()
+    assert not costs.stages("train", 100, 1, owed=0.04)
+    assert "times the whole model's steps once" in costs.describe(
+        "train", 100, 1, owed=0.04
+    )
+    # More is owed: no trial; the call is weighed with the trace counted
+    # against running unstaged (99 ms of work and 41 of trace > 70 ms).
+    assert costs.stages("train", 100, 1, owed=0.041)
+    assert "tracing the whole model's step" in costs.describe(
+        "train", 100, 1, owed=0.041
+    )
+    # Owed or not, a call that cannot repay its stage runs unstaged.
+    assert not costs.stages("train", 20, 1, owed=0.041)
+
+
+def test_the_whole_steps_trace_counts_against_running_unstaged():
+    costs = _measured()  # 70 ms of set-up, 1 ms saved a batch
+    assert not costs.stages("train", 71, 1)
+    # 30 ms of tracing the whole step make 41 batches worth staging.
+    assert not costs.stages("train", 40, 1, owed=0.03)
+    assert costs.stages("train", 42, 1, owed=0.03)
+    # A call that would compile the trunk's step pays that trace too.
+    costs.phase("train").step_trace_seconds = 0.02
+    assert not costs.stages("train", 42, 1, owed=0.03, compiles=True)
+    assert costs.stages("train", 62, 1, owed=0.03, compiles=True)
+
+
+def test_the_whole_steps_trace_is_measured_or_estimated():
+    costs = _measured()
+    costs.note_trace("test", 0.03)  # the prefix, traced for inference
+    costs.phase("train").step_trace_seconds = 0.2  # the trunk's step
+    assert costs.whole_trace("train") == pytest.approx(0.23)
+    # An unstaged call that traced the whole step: its first step less
+    # its fastest warm one.
+    costs.note_steps("train", [0.5, 0.01, 0.012], staged=False, traced=True)
+    assert costs.whole_trace("train") == pytest.approx(0.49)
+    # A call that traced nothing notes no trace.
+    costs.note_steps("train", [0.9, 0.01, 0.012], staged=False)
+    assert costs.whole_trace("train") == pytest.approx(0.49)
+
+
+def test_an_unmeasured_predict_is_weighed_by_the_test_stage():
+    costs = CallCosts()
+    assert costs.stages("predict", 50, 1)  # nothing measured
+    costs.note_build("test", 0.05)
+    costs.note_iterator("test", 0.02)
+    costs.note_work("test", 0.01, 10, has_work=True)
+    assert costs.measured_like("predict") is costs.phase("test")
+    assert not costs.stages("predict", 50, 1)
+    assert costs.stages("predict", 72, 1)
+    # Once its own stage is measured, predict's own costs count.
+    costs.note_build("predict", 0.5)
+    costs.note_iterator("predict", 0.02)
+    costs.note_work("predict", 0.01, 10, has_work=True)
+    assert not costs.stages("predict", 72, 1)
 
 
 def test_a_call_is_staged_only_when_its_work_can_repay_the_set_up():
@@ -279,6 +367,26 @@ def test_a_call_that_cannot_repay_its_set_up_is_not_staged(caplog):
     assert calls.stages(model, layer, "train", 72)
 
 
+def test_staged_calls_pay_towards_the_whole_steps_trace(caplog):
+    # Renting against buying: a model's staged calls pay their set-up over
+    # what a traced whole step would cost, until that adds up to the trace.
+    model, layer = _model()
+    costs = _note(model)  # 70 ms of set-up, 1 ms saved a batch
+    costs.phase("train").unstaged_trace_seconds = 0.05  # a model like it
+    assert calls.trace_owed(model, "train", costs) == pytest.approx(0.05)
+    # 39 ms saved and 50 owed beat 70 ms of set-up: staged, paying 31.
+    with caplog.at_level(logging.INFO, logger="keras_stage"):
+        assert calls.stages(model, layer, "train", 40)
+    assert "train is staged: staging 40 batches" in caplog.text
+    assert model_state(model).stage_rent["train"] == pytest.approx(0.031)
+    assert calls.trace_owed(model, "train", costs) == pytest.approx(0.019)
+    # 39 ms saved and 19 owed do not: the same call now runs unstaged.
+    assert not calls.stages(model, layer, "train", 40)
+    # Once the model traced its whole step, nothing is owed.
+    model_state(model).staged_functions[("train", UNSTAGED_STEPS)] = object()
+    assert calls.trace_owed(model, "train", costs) == 0.0
+
+
 def test_every_iterator_a_call_makes_counts():
     model, layer = _model()
     _note(model)
@@ -326,12 +434,15 @@ def test_a_model_not_yet_planned_pays_its_plan_and_trace_too():
     costs = _note(model)
     costs.note_plan(0.02)
     costs.note_trace("train", 0.01)
-    # 70 ms of stage, 20 of plan, 10 of trace: 101 batches save 100 ms.
-    assert not calls.stages(model, layer, "train", 101)
-    assert calls.stages(model, layer, "train", 102)
+    # 70 ms of stage, 20 of plan, 10 of trace against, unstaged, tracing
+    # the whole step (at least the prefix's 10 ms): 91 batches save 90 ms.
+    assert not calls.stages(model, layer, "train", 91)
+    assert calls.stages(model, layer, "train", 92)
+    # The staged call pays 9 ms over a traced whole step: 1 ms is owed.
+    assert model_state(model).stage_rent["train"] == pytest.approx(0.009)
     model.get_stage_plan()  # planned now, but not traced
-    assert calls.stages(model, layer, "train", 82)
-    assert not calls.stages(model, layer, "train", 81)
+    assert not calls.stages(model, layer, "train", 80)
+    assert calls.stages(model, layer, "train", 81)
 
 
 def test_without_smart_stage_no_plan_or_trace_is_added():

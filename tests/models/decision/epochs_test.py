@@ -75,14 +75,14 @@ def calls_staged(monkeypatch):
     These fits on a dataset in memory would otherwise run unstaged once
     their stage's costs are measured (see `decision/calls.py`).
     """
-    decide = calls.CallCosts._decide
+    decide = calls.CallCosts.decide
 
     def staged(self, phase, batches, *args):
         if batches is not None and batches > 1:
-            return True, "staged by the test"
+            return True, "staged by the test", 0.0
         return decide(self, phase, batches, *args)
 
-    monkeypatch.setattr(calls.CallCosts, "_decide", staged)
+    monkeypatch.setattr(calls.CallCosts, "decide", staged)
 
 
 @pytest.fixture
