@@ -136,11 +136,83 @@ DEVICES = COMMON + textwrap.dedent(
 )
 
 
+# ModelParallel across the two processes: a (1, 2) mesh, its 'model' axis
+# over both processes' devices, the embedding's columns laid out on it
+# (each process holds half). Keras's data layout then replicates each
+# global batch on every process (one model replica: `distribute_dataset`
+# neither rebatches nor shards), so each stages every batch. The weights
+# span both processes' devices: `get_weights` cannot fetch them (Keras,
+# plain or staged), `process_allgather` can.
+MODEL_PARALLEL = textwrap.dedent(
+    """
+    def model_parallel(raw):
+        from jax.experimental import multihost_utils
+
+        mesh = keras.distribution.DeviceMesh(
+            (1, 2), ["batch", "model"], devices=jax.devices()
+        )
+        layout = keras.distribution.LayoutMap(mesh)
+        layout["emb/embeddings"] = (None, "model")
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(
+                layout_map=layout, batch_dim_name="batch"
+            )
+        )
+
+        def weights(model):
+            return [
+                np.asarray(
+                    multihost_utils.process_allgather(v.value, tiled=True)
+                )
+                for v in model.weights
+            ]
+
+        out = {}
+        for name, model, data in (
+            ("staged", staged_model(), raw.batch(64)),
+            ("hand", *hand_split()),
+        ):
+            SEEN.clear()
+            fit = model.fit(data, epochs=2, validation_data=data, verbose=0)
+            out[f"{name}_loss"] = fit.history["loss"]
+            out[f"{name}_val_loss"] = fit.history["val_loss"]
+            out[f"{name}_eval"] = model.evaluate(data, verbose=0)
+            out[f"{name}_specs"] = sorted(set(SEEN))
+            emb = model.get_layer("emb").embeddings.value
+            out[f"{name}_emb_sharding"] = str(emb.sharding.spec)
+            out[f"{name}_emb_local"] = [
+                list(shard.data.shape) for shard in emb.addressable_shards
+            ]
+            out[f"{name}_weights"] = weights(model)
+            try:
+                model.get_weights()
+                out[f"{name}_get_weights"] = "ran"
+            except Exception as error:
+                out[f"{name}_get_weights"] = type(error).__name__
+            if name == "staged":
+                out["staged_layers"] = model.get_stage_plan().staged_layers
+        out["weight_diffs"] = [
+            float(np.abs(a - b).max())
+            for a, b in zip(out["staged_weights"], out["hand_weights"])
+        ]
+        out["weights_changed"] = bool(
+            np.abs(out["staged_weights"][0]).sum() > 0
+        )
+        out["weights"] = [
+            w.ravel().tolist() for w in out.pop("staged_weights")
+        ]
+        del out["hand_weights"]
+        keras.distribution.set_distribution(None)
+        return out
+    """
+)
+
 # One of two processes joined by `jax.distributed` on loopback, one CPU
 # device each: `python -c PROCESSES <process_id> <port>` prints
 # "RESULT {...}". Across processes Keras takes only datasets, and shards
 # each per process; predict fails in Keras itself (it cannot fetch an
-# array spanning another process's device), plain and staged alike.
+# array spanning another process's device), plain and staged alike. Then
+# the same two processes train under ModelParallel (`MODEL_PARALLEL`).
 PROCESSES = (
     textwrap.dedent(
         """
@@ -156,6 +228,7 @@ PROCESSES = (
         """
     )
     + COMMON
+    + MODEL_PARALLEL
     + textwrap.dedent(
         """
         keras.distribution.set_distribution(
@@ -196,6 +269,7 @@ PROCESSES = (
         fit = served.fit(raw.batch(64), epochs=2, shuffle=False, verbose=0)
         out["served_loss"] = fit.history["loss"]
         out["served_delivered"] = fit.history["stage_service_delivered"]
+        out["model_parallel"] = model_parallel(raw)
         print("RESULT " + json.dumps(out), flush=True)
         """
     )
@@ -368,6 +442,38 @@ def test_two_processes_read_their_shards_from_the_service_once_an_epoch(
         # Each process's half of the 512 examples, every epoch.
         assert run["served_delivered"] == [256, 256]
         assert run["served_loss"] == pytest.approx(run["hand_loss"], rel=1e-6)
+
+
+def test_two_processes_train_as_the_hand_split_under_model_parallel(
+    processes, result
+):
+    for run in (process["model_parallel"] for process in processes):
+        assert run["staged_layers"] == ["stage", "ids"]
+        # The embedding's columns over the 'model' axis, which spans both
+        # processes: each holds 2 of its 4 columns, staged as by hand.
+        for name in ("staged", "hand"):
+            assert run[f"{name}_emb_sharding"] == "P(None, 'model')"
+            assert run[f"{name}_emb_local"] == [[40, 2]]
+        assert run["staged_specs"] == run["hand_specs"]
+        assert run["weights_changed"]
+        assert max(run["weight_diffs"]) < 1e-6
+        assert run["staged_loss"] == pytest.approx(run["hand_loss"], rel=1e-6)
+        assert run["staged_val_loss"] == pytest.approx(
+            run["hand_val_loss"], rel=1e-6
+        )
+        assert run["staged_eval"] == pytest.approx(run["hand_eval"], rel=1e-6)
+        # Keras cannot fetch a weight spanning another process's device,
+        # plain or staged.
+        assert run["staged_get_weights"] == run["hand_get_weights"]
+        # The losses of one process over two devices under the same
+        # ModelParallel: every example once per epoch.
+        assert run["staged_loss"] == pytest.approx(
+            result["model_parallel"]["staged_loss"], rel=1e-6
+        )
+    # Both processes end with the same (gathered) weights.
+    first, second = (run["model_parallel"]["weights"] for run in processes)
+    for a, b in zip(first, second, strict=True):
+        assert a == pytest.approx(b, abs=1e-7)
 
 
 def test_predict_across_processes_does_as_plain_keras(processes):
