@@ -1,9 +1,10 @@
 """keras_stage on JAX over one device, two devices and two processes.
 
 `KERAS_BACKEND=jax python -m benchmarks.jax_scale [--rounds N] [--quick]
-[--out PATH]` (in the `.venv-jax` environment) times whole `fit` calls of
-two models with string features in the model, in three configurations,
-each in fresh child processes (JAX's devices are fixed when it starts):
+[--concurrent] [--out PATH]` (in the `.venv-jax` environment) times whole
+`fit` calls of two models with string features in the model, in three
+configurations, each in fresh child processes (JAX's devices are fixed
+when it starts):
 
 - `1x1`: one process, one CPU device, no distribution;
 - `1x2`: one process with two host devices
@@ -42,14 +43,25 @@ difference of trunk weights, staged against hand and hand2 against hand,
 is recorded. Then each round times one whole `fit(dataset, epochs=2)` per
 mode (set-up, the dataset's construction and tear-down included; model
 building and compile outside), in an order rotated per round, with an
-untimed `gc.collect()` after each. Examples per second are the examples a
-fit trains (rows x epochs, across all processes) over its seconds. The
-ratios staged/hand and hand2/hand are of seconds (above 1: slower than
-`hand`), paired: the median over the rounds of the ratio within a round.
-With two processes both time the same fits; the table gives process 0's
-figures, the JSON both. On 2 cores more devices or processes add no
-compute: this reports what is measured. Results: a table, and
+untimed `gc.collect()` after each; then, for the steady state, one whole
+`fit(dataset, epochs=E)` per mode in the same order, E per configuration
+(`STEADY_EPOCHS`: 10 on one device, 4 on two devices or processes; 3 with
+`--quick`), so that the call's set-up is spread over more epochs. Examples
+per second are the examples a fit trains (rows x epochs, across all
+processes) over its seconds. The ratios staged/hand and hand2/hand are of
+seconds (above 1: slower than `hand`), paired: the median over the rounds
+of the ratio within a round, for each kind of fit. With two processes
+both time the same fits; the table gives process 0's figures, the JSON
+both. On 2 cores more devices or processes add no compute: this reports
+what is measured. Results: a table, and
 `benchmarks/results/jax_scale.json`.
+
+`--quick` (a smoke run, not a measurement) shares a JAX compilation cache
+among the children, in a temporary directory, compiles at XLA's lowest
+optimization level (`QUICK_XLA_FLAGS`) and leaves out the `gc.collect()`
+after each fit; `--concurrent` starts every configuration's children at
+once (its figures then share the cores). `tests/jax/jax_scale_test.py`
+runs both.
 """
 
 import argparse
@@ -71,8 +83,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Configuration: (processes, devices per process).
 CONFIGS = {"1x1": (1, 1), "1x2": (1, 2), "2x1": (2, 1)}
 DEVICE_FLAG = "--xla_force_host_platform_device_count"
+# A smoke run's children compile at XLA's lowest optimization level: most
+# of their CPU time is compiling steps that then run a few batches.
+QUICK_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0",
+    "--xla_llvm_disable_expensive_passes=true",
+)
 # A child's bound, by size: a stuck collective must not hang the run.
-CHILD_TIMEOUT = {True: 300, False: 900}
+CHILD_TIMEOUT = {True: 300, False: 1200}
+# The epochs of the steady-state fits, per configuration: enough that the
+# hand split's fit lasts some seconds on 2 cores (its 2-epoch fit takes
+# 0.4-0.7 s on one device, 0.7-1.4 s on two, 2-6 s in two processes).
+STEADY_EPOCHS = {"1x1": 10, "1x2": 4, "2x1": 4}
+QUICK_STEADY_EPOCHS = 3
 
 TIMED = (
     "One measurement is a whole model.fit(dataset, epochs=2) call, timed "
@@ -82,11 +105,19 @@ TIMED = (
     "gc.collect() untimed after each fit. examples/s = rows x epochs "
     "(global) / seconds; medians over the rounds. Ratios are of seconds "
     "(above 1: slower than hand), paired: the median over rounds of the "
-    "ratio within a round."
+    "ratio within a round. The steady state: in each round, after those, "
+    "one whole model.fit(dataset, epochs=E) call per mode (E per "
+    "configuration, `steady_epochs`), timed and paired the same way: the "
+    "call's set-up spread over E epochs."
 )
 
 
 # -- a child process -------------------------------------------------------
+
+
+def steady_epochs(config, quick):
+    """The epochs of `config`'s steady-state fits."""
+    return QUICK_STEADY_EPOCHS if quick else STEADY_EPOCHS[config]
 
 
 def child_main(config, process_id, port, rounds, quick):
@@ -128,6 +159,7 @@ def child_main(config, process_id, port, rounds, quick):
         "jax": jax.__version__,
         "workloads": {},
     }
+    result["steady_epochs"] = steady_epochs(config, quick)
     for name, workload in jax_scale_fits.WORKLOADS.items():
         rows = workload.quick_rows if quick else workload.rows
         result["workloads"][name] = jax_scale_fits.run_workload(
@@ -137,6 +169,9 @@ def child_main(config, process_id, port, rounds, quick):
             log=lambda line: print(
                 f"[{config} p{process_id}] {line}", file=sys.stderr, flush=True
             ),
+            steady_epochs=result["steady_epochs"],
+            # A smoke run's fits are not measured: no collection after each.
+            collect=not quick,
         )
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -150,8 +185,13 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _child_env(devices):
+def _child_env(devices, compile_cache=None, quick=False):
     env = {**os.environ, "KERAS_BACKEND": "jax"}
+    if compile_cache is not None:
+        # JAX's persistent cache, every compilation written: a mode's
+        # step identical to another's (hand2's to hand's) is read back.
+        env["JAX_COMPILATION_CACHE_DIR"] = compile_cache
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     flags = [
         flag
         for flag in env.get("XLA_FLAGS", "").split()
@@ -159,6 +199,8 @@ def _child_env(devices):
     ]
     if devices > 1:
         flags.append(f"{DEVICE_FLAG}={devices}")
+    if quick:
+        flags.extend(QUICK_XLA_FLAGS)
     env["XLA_FLAGS"] = " ".join(flags)
     return env
 
@@ -168,12 +210,11 @@ def _parse_result(stdout):
     return json.loads(lines[-1][len("RESULT ") :]) if lines else None
 
 
-def run_config(config, rounds, quick, log=print):
-    """`config`'s child processes, started together and bounded in time.
+def start_config(config, rounds, quick, compile_cache=None):
+    """Starts `config`'s child processes; `finish_config` waits for them.
 
-    Returns:
-        `{"processes": [each process's result]}`, or `{"error": ...}` with
-        the failed children's output when one failed or timed out.
+    `compile_cache`: a directory for JAX's persistent compilation cache,
+    shared by the children (a smoke run's: `run`), or None.
     """
     processes, devices = CONFIGS[config]
     port = str(_free_port())
@@ -192,16 +233,34 @@ def run_config(config, rounds, quick, log=print):
             stdout=stdout,
             stderr=stderr,
             text=True,
-            env=_child_env(devices),
+            env=_child_env(devices, compile_cache, quick),
             cwd=ROOT,
         )
         for index, (stdout, stderr) in enumerate(logs)
     ]
-    deadline = time.monotonic() + CHILD_TIMEOUT[quick]
+    return {
+        "config": config,
+        "quick": quick,
+        "children": children,
+        "logs": logs,
+        "started": time.monotonic(),
+        "deadline": time.monotonic() + CHILD_TIMEOUT[quick],
+    }
+
+
+def finish_config(started, log=print):
+    """Waits for `start_config`'s children, bounded in time; their results.
+
+    Returns:
+        `{"processes": [each process's result]}`, or `{"error": ...}` with
+        the failed children's output when one failed or timed out.
+    """
+    config, quick = started["config"], started["quick"]
+    children, logs = started["children"], started["logs"]
     try:
         # Until all end, one fails (the others would wait for it in a
         # collective) or time runs out.
-        while time.monotonic() < deadline:
+        while time.monotonic() < started["deadline"]:
             codes = [child.poll() for child in children]
             if None not in codes or any(code for code in codes):
                 break
@@ -232,22 +291,54 @@ def run_config(config, rounds, quick, log=print):
             )
         else:
             results.append(result)
+    # From the start to the last child's end (or its kill).
+    wall = time.monotonic() - started["started"]
     if errors:
-        return {"error": "\n".join(errors)}
-    return {"processes": results}
+        return {"error": "\n".join(errors), "wall_seconds": wall}
+    return {"processes": results, "wall_seconds": wall}
+
+
+def run_config(config, rounds, quick, log=print, compile_cache=None):
+    """`config`'s child processes, started together and bounded in time.
+
+    Returns:
+        What `finish_config` returns.
+    """
+    return finish_config(
+        start_config(config, rounds, quick, compile_cache), log
+    )
+
+
+def _kill(started):
+    for child in started["children"]:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def _cell(section):
+    """The examples per second and paired ratios of a set of fits."""
+    return {
+        "examples_per_second": {
+            mode: figures["examples_per_second_median"]
+            for mode, figures in section["modes"].items()
+        },
+        "staged/hand": section["paired_ratios"]["staged/hand"],
+        "hand2/hand": section["paired_ratios"]["hand2/hand"],
+    }
 
 
 def summarize(processes):
-    """`{workload: figures}` of process 0, the table's cells."""
+    """`{workload: figures}` of process 0, the table's cells.
+
+    The whole `fit(epochs=2)` calls' figures, and under `steady` those of
+    the steady-state fits (`epochs` each).
+    """
     first = processes[0]["workloads"]
-    return {
-        name: {
-            "examples_per_second": {
-                mode: figures["examples_per_second_median"]
-                for mode, figures in section["modes"].items()
-            },
-            "staged/hand": section["paired_ratios"]["staged/hand"],
-            "hand2/hand": section["paired_ratios"]["hand2/hand"],
+    cells = {}
+    for name, section in first.items():
+        cell = {
+            **_cell(section),
             "max_abs_weight_difference": max(
                 run["workloads"][name]["weight_check"]["staged_vs_hand"]
                 for run in processes
@@ -257,12 +348,31 @@ def summarize(processes):
                 for run in processes
             ),
         }
-        for name, section in first.items()
-    }
+        if "steady" in section:
+            cell["steady"] = {
+                "epochs": section["steady"]["epochs"],
+                **_cell(section["steady"]),
+            }
+        cells[name] = cell
+    return cells
 
 
-def run(rounds, quick, log=print, argv=None, configs=tuple(CONFIGS)):
-    """Runs every configuration; returns the results as a dict."""
+def run(
+    rounds,
+    quick,
+    log=print,
+    argv=None,
+    configs=tuple(CONFIGS),
+    concurrent=False,
+):
+    """Runs every configuration; returns the results as a dict.
+
+    `concurrent`: every configuration's processes at once, for a smoke run
+    (`--quick`): its figures then time configurations that share the
+    cores, and each section's `load` is the whole run's. With `quick` the
+    children share a JAX compilation cache in a temporary directory (the
+    untimed fits compile less; a measurement compiles every step itself).
+    """
     from benchmarks import environment, jax_scale_fits
 
     started = time.perf_counter()
@@ -282,7 +392,13 @@ def run(rounds, quick, log=print, argv=None, configs=tuple(CONFIGS)):
             "modes": list(jax_scale_fits.MODES),
             "rounds": rounds,
             "quick": quick,
+            "concurrent": concurrent,
+            "compile_cache": quick,
+            "xla_flags": list(QUICK_XLA_FLAGS) if quick else [],
             "epochs": jax_scale_fits.EPOCHS,
+            "steady_epochs": {
+                name: steady_epochs(name, quick) for name in configs
+            },
             "seed": jax_scale_fits.SEED,
         },
         "timed": TIMED,
@@ -292,26 +408,69 @@ def run(rounds, quick, log=print, argv=None, configs=tuple(CONFIGS)):
         },
         "configs": {},
     }
-    for config in configs:
-        log(f"{config}: starting")
-        before = environment.snapshot()
-        section = run_config(config, rounds, quick, log)
-        section["load"] = environment.load_between(
-            before, environment.snapshot()
+    with tempfile.TemporaryDirectory(prefix="jax_scale_cache") as cache:
+        _run_configs(
+            results,
+            rounds,
+            quick,
+            log,
+            configs,
+            concurrent,
+            compile_cache=cache if quick else None,
         )
+    results["wall_seconds"] = time.perf_counter() - started
+    return results
+
+
+def _run_configs(
+    results, rounds, quick, log, configs, concurrent, compile_cache
+):
+    """`run`'s configurations, their sections into `results["configs"]`."""
+    from benchmarks import environment
+
+    sections = {}
+    if concurrent:
+        log(f"{', '.join(configs)}: starting together")
+        before = environment.snapshot()
+        started_configs = []
+        try:
+            for config in configs:
+                started_configs.append(
+                    start_config(config, rounds, quick, compile_cache)
+                )
+            for one in started_configs:
+                sections[one["config"]] = finish_config(one, log)
+        finally:
+            for one in started_configs:
+                _kill(one)
+        load = environment.load_between(before, environment.snapshot())
+        for section in sections.values():
+            section["load"] = load
+    for config in configs:
+        if concurrent:
+            section = sections[config]
+        else:
+            log(f"{config}: starting")
+            before = environment.snapshot()
+            section = run_config(config, rounds, quick, log, compile_cache)
+            section["load"] = environment.load_between(
+                before, environment.snapshot()
+            )
         if "processes" in section:
             section["summary"] = summarize(section["processes"])
         else:
             log(f"{config}: FAILED\n{section['error']}")
         results["configs"][config] = section
-    results["wall_seconds"] = time.perf_counter() - started
-    return results
 
 
 def format_table(results):
-    """The results as text: a row per configuration and workload."""
+    """The results as text: a row per configuration, workload and fit.
+
+    For each configuration and workload, the whole `fit(epochs=2)` calls
+    and below them the steady-state fits (their epochs in `epochs`).
+    """
     lines = [
-        f"{'config':6} {'workload':8} {'batch':>5}"
+        f"{'config':6} {'workload':8} {'batch':>5} {'epochs':>6}"
         f" {'examples/s: staged':>18} {'hand':>8} {'hand2':>8}"
         f" {'staged/hand':>11} {'hand2/hand':>10} {'max |dw|':>8}"
     ]
@@ -322,14 +481,20 @@ def format_table(results):
             continue
         workloads = section["processes"][0]["workloads"]
         for name, cell in section["summary"].items():
-            eps = cell["examples_per_second"]
-            lines.append(
-                f"{config:6} {name:8} {workloads[name]['batch_size']:5d}"
-                f" {eps['staged']:18.0f} {eps['hand']:8.0f}"
-                f" {eps['hand2']:8.0f}"
-                f" {cell['staged/hand']:11.3f} {cell['hand2/hand']:10.3f}"
-                f" {cell['max_abs_weight_difference']:8.1e}"
-            )
+            fits = [(workloads[name]["epochs"], cell)]
+            if "steady" in cell:
+                fits.append((cell["steady"]["epochs"], cell["steady"]))
+            for epochs, figures in fits:
+                eps = figures["examples_per_second"]
+                lines.append(
+                    f"{config:6} {name:8} {workloads[name]['batch_size']:5d}"
+                    f" {epochs:6d}"
+                    f" {eps['staged']:18.0f} {eps['hand']:8.0f}"
+                    f" {eps['hand2']:8.0f}"
+                    f" {figures['staged/hand']:11.3f}"
+                    f" {figures['hand2/hand']:10.3f}"
+                    f" {cell['max_abs_weight_difference']:8.1e}"
+                )
     ran = [s for s in results["configs"].values() if "processes" in s]
     for name, section in (
         ran[0]["processes"][0]["workloads"] if ran else {}
@@ -339,12 +504,18 @@ def format_table(results):
     return "\n".join(
         lines
         + [
-            f"(whole fit(epochs={config['epochs']}) calls, medians of "
-            f"{config['rounds']} rounds, process 0's; staged/hand and the "
+            f"(whole fit(epochs=N) calls, medians of {config['rounds']} "
+            f"rounds, process 0's: N={config['epochs']}, then the steady "
+            "state's longer fits in the same rounds; staged/hand and the "
             "control hand2/hand: paired ratios of seconds, above 1 slower; "
             "max |dw|: staged against hand after the untimed fit, the "
             "largest over the processes)"
         ]
+        + (
+            ["(the configurations ran at once: their figures share the cores)"]
+            if config.get("concurrent")
+            else []
+        )
         + notes
     )
 
@@ -371,7 +542,15 @@ def parse_args(argv=None):
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="tiny sizes and one round: a smoke run, not a measurement",
+        help="tiny sizes and one round, a shared compilation cache, XLA's "
+        "lowest optimization level, no gc.collect() after each fit: a smoke "
+        "run, not a measurement",
+    )
+    parser.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="start every configuration's processes at once (a faster "
+        "smoke run with --quick; the figures then share the cores)",
     )
     parser.add_argument(
         "--out",
@@ -413,6 +592,7 @@ def main(argv=None):
         args.quick,
         log=lambda line: print(line, flush=True),
         argv=["benchmarks.jax_scale", *argv],
+        concurrent=args.concurrent,
     )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -148,8 +148,8 @@ class StagedMode:
             self.workload.batch_size
         )
 
-    def fit(self):
-        return self.model.fit(self.dataset(), epochs=EPOCHS, verbose=0)
+    def fit(self, epochs=EPOCHS):
+        return self.model.fit(self.dataset(), epochs=epochs, verbose=0)
 
 
 class HandMode(StagedMode):
@@ -176,12 +176,17 @@ class HandMode(StagedMode):
         )
 
 
-def measure(mode, examples):
-    """One timed `fit` of `mode`, then an untimed collection."""
+def measure(mode, examples, epochs=EPOCHS, collect=True):
+    """One timed `fit(epochs=epochs)` of `mode`, then an untimed collection.
+
+    `collect=False` leaves the collection out (a smoke run's: each takes
+    a few tenths of a second of CPU with TensorFlow, JAX and Keras loaded).
+    """
     started = time.perf_counter()
-    history = mode.fit()
+    history = mode.fit(epochs)
     seconds = time.perf_counter() - started
-    gc.collect()
+    if collect:
+        gc.collect()
     return {
         "seconds": seconds,
         "examples_per_second": examples / seconds,
@@ -199,15 +204,50 @@ def weight_difference(model, reference):
     return max(float(np.max(np.abs(a[path] - b[path]))) for path in a)
 
 
-def run_workload(workload, rows, rounds, log=print):
-    """The three modes of `workload`, rotated per round; its results."""
+def _figures(records):
+    """A mode's medians over its rounds, and the rounds."""
+    return {
+        "seconds_median": statistics.median(r["seconds"] for r in records),
+        "examples_per_second_median": statistics.median(
+            r["examples_per_second"] for r in records
+        ),
+        "rounds": records,
+    }
+
+
+def _paired(records):
+    """staged/hand and the control hand2/hand, paired per round."""
+
+    def paired(name):
+        return paired_ratio(
+            [r["seconds"] for r in records[name]],
+            [r["seconds"] for r in records["hand"]],
+        )
+
+    return {"staged/hand": paired("staged"), "hand2/hand": paired("hand2")}
+
+
+def run_workload(
+    workload, rows, rounds, log=print, steady_epochs=None, collect=True
+):
+    """The three modes of `workload`, rotated per round; its results.
+
+    Each round times one whole `fit(epochs=EPOCHS)` per mode and, with
+    `steady_epochs`, then one whole `fit(epochs=steady_epochs)` per mode
+    (the steady state: the call's set-up spread over more epochs), each
+    set in the round's rotated order. `collect`: `gc.collect()` after each
+    fit, untimed (`measure`).
+    """
     data = workload.make_data(rows, SEED)
     examples = rows * EPOCHS
     classes = {"staged": StagedMode, "hand": HandMode, "hand2": HandMode}
     modes = {name: classes[name](name, workload, data) for name in MODES}
     for mode in modes.values():
         mode.build()
-    warm_up = {name: measure(mode, examples) for name, mode in modes.items()}
+    warm_up = {
+        name: measure(mode, examples, collect=collect)
+        for name, mode in modes.items()
+    }
     hand = modes["hand"].model
     check = {
         "staged": weight_difference(modes["staged"].model, hand),
@@ -218,27 +258,35 @@ def run_workload(workload, rows, rounds, log=print):
         f"hand| {check['staged']:.2e}, max |hand2 - hand| {check['hand2']:.2e}"
     )
     records = {name: [] for name in MODES}
+    steady = {name: [] for name in MODES}
     for index in range(rounds):
         # The same order in every process: their fits meet in collectives.
         shift = index % len(MODES)
-        for name in MODES[shift:] + MODES[:shift]:
-            records[name].append(measure(modes[name], examples))
-        log(
-            f"{workload.name}: round {index + 1}/{rounds}"
-            + "".join(
-                f"  {name} {records[name][-1]['seconds']:.3f}s"
-                for name in MODES
+        order = MODES[shift:] + MODES[:shift]
+        for name in order:
+            records[name].append(
+                measure(modes[name], examples, collect=collect)
             )
+        line = "".join(
+            f"  {name} {records[name][-1]['seconds']:.3f}s" for name in MODES
         )
-
-    def paired(name):
-        return paired_ratio(
-            [r["seconds"] for r in records[name]],
-            [r["seconds"] for r in records["hand"]],
-        )
+        if steady_epochs:
+            for name in order:
+                steady[name].append(
+                    measure(
+                        modes[name],
+                        rows * steady_epochs,
+                        steady_epochs,
+                        collect=collect,
+                    )
+                )
+            line += f"; {steady_epochs} epochs:" + "".join(
+                f"  {name} {steady[name][-1]['seconds']:.3f}s" for name in MODES
+            )
+        log(f"{workload.name}: round {index + 1}/{rounds}{line}")
 
     plan = modes["staged"].model.get_stage_plan()
-    return {
+    result = {
         "description": workload.description,
         "rows": rows,
         "batch_size": workload.batch_size,
@@ -255,20 +303,21 @@ def run_workload(workload, rows, rounds, log=print):
             ),
         },
         "modes": {
-            name: {
-                "seconds_median": statistics.median(
-                    r["seconds"] for r in records[name]
-                ),
-                "examples_per_second_median": statistics.median(
-                    r["examples_per_second"] for r in records[name]
-                ),
-                "warm_up": warm_up[name],
-                "rounds": records[name],
-            }
+            name: {**_figures(records[name]), "warm_up": warm_up[name]}
             for name in MODES
         },
-        "paired_ratios": {
-            "staged/hand": paired("staged"),
-            "hand2/hand": paired("hand2"),
-        },
+        "paired_ratios": _paired(records),
     }
+    if steady_epochs:
+        result["steady"] = {
+            "epochs": steady_epochs,
+            "examples_per_fit": rows * steady_epochs,
+            "what": (
+                f"whole fit(epochs={steady_epochs}) calls, after the "
+                f"{EPOCHS}-epoch fits of the same round: the call's set-up "
+                "spread over more epochs"
+            ),
+            "modes": {name: _figures(steady[name]) for name in MODES},
+            "paired_ratios": _paired(steady),
+        }
+    return result

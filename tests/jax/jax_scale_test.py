@@ -2,14 +2,17 @@
 
 One round of the `--quick` sizes: one process with one device, one with
 two host devices and two `jax.distributed` processes, each in child
-processes. No wall-clock assertion: the staged and hand splits train the
-same weights in each configuration, and every figure is a positive number.
+processes, the three configurations started together (`concurrent`: their
+children's start-up and jit compilation overlap). No wall-clock
+assertion: the staged and hand splits train the same weights in each
+configuration, and every figure, the steady state's too, is a positive
+number.
 """
 
 import pytest
 
-# Three configurations (four processes), each tracing six models, on 2
-# shared cores.
+# Three configurations (four processes at once), each tracing six models,
+# on 2 shared cores.
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -19,7 +22,7 @@ def results():
     from benchmarks import jax_scale
 
     lines = []
-    out = jax_scale.run(rounds=1, quick=True, log=lines.append)
+    out = jax_scale.run(rounds=1, quick=True, log=lines.append, concurrent=True)
     out["lines"] = lines
     return out
 
@@ -31,6 +34,7 @@ def test_every_configuration_ran(results):
     assert set(configs) == set(jax_scale.CONFIGS)
     for name, section in configs.items():
         assert "error" not in section, section.get("error")
+        assert section["wall_seconds"] > 0
         processes, devices = jax_scale.CONFIGS[name]
         runs = section["processes"]
         assert [run["process_id"] for run in runs] == list(range(processes))
@@ -39,6 +43,11 @@ def test_every_configuration_ran(results):
             assert len(run["devices"]) == processes * devices
             assert (run["distribution"] is None) == (name == "1x1")
             assert set(run["workloads"]) == {"criteo", "dcn"}
+            assert run["steady_epochs"] == jax_scale.QUICK_STEADY_EPOCHS
+            for workload in run["workloads"].values():
+                assert workload["steady"]["epochs"] == run["steady_epochs"]
+                for mode in workload["steady"]["modes"].values():
+                    assert len(mode["rounds"]) == 1
 
 
 def test_staged_and_hand_train_the_same_weights_in_each_configuration(
@@ -63,8 +72,18 @@ def test_the_figures_are_positive_numbers(results):
 
     for section in results["configs"].values():
         for cell in section["summary"].values():
-            assert cell["staged/hand"] > 0
-            assert cell["hand2/hand"] > 0
-            assert all(v > 0 for v in cell["examples_per_second"].values())
+            # The whole fit(epochs=2) calls and the steady state's.
+            for figures in (cell, cell["steady"]):
+                assert figures["staged/hand"] > 0
+                assert figures["hand2/hand"] > 0
+                assert all(
+                    v > 0 for v in figures["examples_per_second"].values()
+                )
     table = jax_scale.format_table(results)
     assert "staged/hand" in table and "hand2/hand" in table
+    # A row per configuration, workload and fit, and the concurrent note.
+    rows = [
+        line for line in table.splitlines() if line[:3] in jax_scale.CONFIGS
+    ]
+    assert len(rows) == 2 * 2 * len(jax_scale.CONFIGS), table
+    assert "ran at once" in table
