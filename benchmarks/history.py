@@ -24,7 +24,8 @@ It reads the outputs of every benchmark family:
   backend in one process with one device, with two devices and in two
   processes, staged and hand (in `expert`), one row per configuration
   and workload (`criteo 1x2`: 1 process x 2 devices); the control (hand
-  against itself) and the examples per second in `other`.
+  against itself), the examples per second and the steady state's
+  longer fits (their ratios and examples per second) in `other`.
 - `first_calls`: `benchmarks.first_calls`, one row per timed call of a
   model's first calls, and with `--scripts` one row per script and timed
   part (`script`, `fit`, `evaluate`, `predict`, `process`), in seconds;
@@ -380,6 +381,17 @@ def jax_scale_rows(results, run):
                 "max |staged - hand| weight "
                 f"{cell['max_abs_weight_difference']:.1e}",
             ]
+            steady = cell.get("steady")
+            if steady:
+                other.append(
+                    f"steady state, fit(epochs={steady['epochs']}): "
+                    f"staged/hand {steady['staged/hand']:.3f}, control "
+                    f"hand2/hand {steady['hand2/hand']:.3f}, examples/s "
+                    + ", ".join(
+                        f"{mode} {value:.0f}"
+                        for mode, value in steady["examples_per_second"].items()
+                    )
+                )
             rows.append(
                 _row(
                     date=_date(results["created"]),
