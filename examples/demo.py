@@ -25,7 +25,8 @@ Then it trains the `seed` and `criteo` workloads of `benchmarks/` plain and
 staged (see `examples/workload_comparison.py`): what SmartStage staged, the
 PrefetchCallback verdict and the two speeds side by side.
 
-Run with `python -m examples.demo` (`make demo`); `--quick` for a short run.
+Run with `python -m examples.demo` (`make demo`); `--quick` for a short run,
+`--tiny` for a smoke run (`make test`: the same steps on a few batches).
 """
 
 import argparse
@@ -470,12 +471,20 @@ def print_callback_report(modes):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short run")
     parser.add_argument(
-        "--quick", action="store_true", help="a short run (smoke test)"
+        "--tiny",
+        action="store_true",
+        help="a smoke run: every step of the demo on a few batches",
     )
     args = parser.parse_args(argv)
-    num_batches, reps, check_epochs = (12, 1, 1) if args.quick else (60, 3, 2)
-    check_batches = 4 if args.quick else 8
+    # (batches, timed epochs per mode, epochs and batches of the checks)
+    size = "tiny" if args.tiny else "quick" if args.quick else "full"
+    num_batches, reps, check_epochs, check_batches = {
+        "full": (60, 3, 2, 8),
+        "quick": (12, 1, 1, 4),
+        "tiny": (3, 1, 1, 2),
+    }[size]
 
     print("keras_stage demo: one model, trained with and without a stage")
     print_environment()
@@ -529,7 +538,7 @@ def main(argv=None):
         "model as a plain\nkeras.Model and with keras_stage's three lines, "
         "defaults only:"
     )
-    workload_comparison.main(["--quick"] if args.quick else [])
+    workload_comparison.main([] if size == "full" else [f"--{size}"])
     return 0 if same and smart_same else 1
 
 

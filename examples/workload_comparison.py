@@ -10,6 +10,8 @@ modes and four more, at full size, with many repetitions.
 Example:
 
     python -m examples.workload_comparison --quick
+
+`--tiny` is a smoke run of 2 batches (the demo's `--tiny`).
 """
 
 import argparse
@@ -23,7 +25,7 @@ from benchmarks.workloads import WORKLOADS
 
 # The demo's workloads and their sizes: (batches per epoch, timed epochs).
 NAMES = ("seed", "criteo")
-SIZES = {"full": (None, 5), "quick": (6, 1)}
+SIZES = {"full": (None, 5), "quick": (6, 1), "tiny": (2, 1)}
 
 
 def _wrapped(text, indent="    "):
@@ -36,13 +38,14 @@ def _wrapped(text, indent="    "):
     )
 
 
-def compare(name, quick=False, log=print):
+def compare(name, quick=False, log=print, size=None):
     """Trains workload `name` plain and staged; returns the two modes' runs.
 
     Each mode traces its step in one untimed epoch, then the timed epochs
-    alternate between the modes so that drift hits both alike.
+    alternate between the modes so that drift hits both alike. `size` is a
+    key of `SIZES` ("quick" with `quick`, else "full", by default).
     """
-    steps, reps = SIZES["quick" if quick else "full"]
+    steps, reps = SIZES[size or ("quick" if quick else "full")]
     workload = WORKLOADS[name](steps=steps or WORKLOADS[name].quick_steps)
     modes = [PlainMode(workload), StagedMode(workload)]
     try:
@@ -113,13 +116,15 @@ def report(result, log=print):
 
 def main(argv=None, log=print):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short run")
     parser.add_argument(
-        "--quick", action="store_true", help="a short run (smoke test)"
+        "--tiny", action="store_true", help="a smoke run (2 batches)"
     )
     args = parser.parse_args(argv)
+    size = "tiny" if args.tiny else "quick" if args.quick else "full"
     started = time.perf_counter()
     for name in NAMES:
-        report(compare(name, quick=args.quick), log=log)
+        report(compare(name, size=size), log=log)
     log(f"\n({time.perf_counter() - started:.0f} s; full figures: make bench)")
     return 0
 

@@ -11,25 +11,43 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.timeout(300)
-def test_demo_quick_runs_and_reports():
-    out = subprocess.run(
-        [sys.executable, "-m", "examples.demo", "--quick"],
+def _run_demo(size, timeout):
+    """`python -m examples.demo --<size>`'s stdout (it must exit 0)."""
+    return subprocess.run(
+        [sys.executable, "-m", "examples.demo", f"--{size}"],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=timeout,
         check=True,
     ).stdout
+
+
+def _assert_demo_reports(out, batches, workload_batches):
+    assert f"Workload: {batches} batches of 256 lines" in out
     assert "stage_wait_ratio" in out
     assert "verdict" in out
     assert "np.allclose = True" in out
+    assert "identical = True" in out
     # The benchmark workloads, plain vs staged, with plan and verdict.
     for name in ("seed", "criteo"):
-        assert f"\n{name}: 6 batches of" in out
+        assert f"\n{name}: {workload_batches} batches of" in out
     assert out.count("Stage plan:") >= 2
     assert out.count("    plain ") == 2 and out.count("    staged ") == 2
     assert out.count("PrefetchCallback verdict of the last staged epoch") == 2
+
+
+@pytest.mark.timeout(300)
+def test_demo_tiny_runs_and_reports():
+    # Every step of the demo (six modes, both checks, both workloads) on a
+    # few batches; the --quick run is in `make test-long`.
+    _assert_demo_reports(_run_demo("tiny", timeout=280), 3, 2)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_demo_quick_runs_and_reports():
+    _assert_demo_reports(_run_demo("quick", timeout=280), 12, 6)
 
 
 # -- one runnable script per guide, each run with --tiny ---------------------
