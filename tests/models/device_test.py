@@ -250,6 +250,12 @@ def test_mirrored_strategy_over_two_devices_matches_unstaged(smart_stage):
     assert [d[-5:] for d in out["replica_devices"]] == ["CPU:0", "CPU:1"]
 
 
+# The two policies below, one stage per dataset across calls and one
+# iterator per role across a fit's epochs, are tested without a strategy
+# in `make test` (tests/models/data_adapters/); under MirroredStrategy they
+# run in `make test-long`. `make test` keeps each strategy's fit equal to
+# plain Keras's (above, and MultiWorkerMirroredStrategy below).
+@pytest.mark.long
 @pytest.mark.timeout(400)
 def test_calls_on_one_dataset_under_a_strategy_reuse_one_stage():
     # A loop of fit(epochs=1) with an evaluate after each, on one dataset
@@ -318,6 +324,7 @@ def test_calls_on_one_dataset_under_a_strategy_reuse_one_stage():
     assert out["iterated"] == 2, out
 
 
+@pytest.mark.long
 @pytest.mark.timeout(400)
 def test_a_fit_under_a_strategy_runs_its_epochs_on_one_iterator():
     # Under MirroredStrategy a fit's epochs and validation runs read one
