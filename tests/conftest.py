@@ -11,6 +11,7 @@ import weakref  # noqa: E402
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
+from tensorflow.python.data.ops import iterator_ops  # noqa: E402
 
 from keras_stage.data import live_stages  # noqa: E402
 from keras_stage.models.decision.calls import forget_shared_costs  # noqa: E402
@@ -43,6 +44,40 @@ def _close_stages_the_test_left_open():
     for staged in live_stages():
         if staged not in before:
             staged.close(timeout=5.0)
+
+
+# The tf.data iterators alive, made since the current test began.
+_TEST_ITERATORS = weakref.WeakSet()
+_owned_iterator_init = iterator_ops.OwnedIterator.__init__
+
+
+def _tracked_iterator_init(self, *args, **kwargs):
+    _owned_iterator_init(self, *args, **kwargs)
+    _TEST_ITERATORS.add(self)
+
+
+iterator_ops.OwnedIterator.__init__ = _tracked_iterator_init
+
+
+@pytest.fixture(autouse=True)
+def _a_test_s_iterators_die_with_it():
+    # Named to sort first: autouse fixtures set up in name order, so this
+    # one is torn down last, after the stages are closed.
+    # Tearing down a tf.data iterator cancels and joins its autotuning
+    # thread, and TensorFlow (2.21 at least) can miss that wake-up:
+    # the cancellation's callback wakes the thread before the cancelled
+    # flag is set, and it sleeps out its optimization period again, which
+    # doubles from 10 ms up to 60 s over the iterator's life. An iterator a
+    # test left in a reference cycle (a model, a stage, a traceback) lived
+    # until a later test's garbage collection: tests stalled for up to a
+    # minute inside whatever allocated then (a trace, a graph's op),
+    # sometimes past their timeout. Collected when its test ends, it is
+    # seconds old and its thread sleeps for milliseconds.
+    _TEST_ITERATORS.clear()
+    yield
+    if _TEST_ITERATORS:  # made by the test and not freed yet
+        gc.collect()
+        _TEST_ITERATORS.clear()
 
 
 @pytest.hookimpl(hookwrapper=True)
