@@ -35,9 +35,11 @@ Results: a table, and `benchmarks/results/first_calls/<name>.json`.
 import argparse
 import contextlib
 import json
+import logging
 import os
 import pathlib
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -106,7 +108,66 @@ def one_script_process(name, mode, tiny=False):
 
     # The control is a second plain process.
     script_mode = "plain" if mode == "plain_again" else mode
-    return {**scripts.one_script(name, script_mode, tiny), **_imported()}
+    with decisions_logged() as decisions:
+        record = scripts.one_script(name, script_mode, tiny)
+    return {**record, "decisions": decisions, **_imported()}
+
+
+# keras_stage's log line for each call it decides (`decision.calls.stages`).
+_DECISION = re.compile(
+    r"^Model '[^']*': (\w+) (is staged|runs the whole model in Keras's step,"
+    r" unstaged): (.*)$",
+    re.DOTALL,
+)
+
+
+@contextlib.contextmanager
+def decisions_logged():
+    """Within, each call keras_stage decides is appended to the list.
+
+    As `{"phase", "staged", "why"}`, from the `keras_stage` logger's INFO
+    line for it: the same work should get the same decision in every
+    process (`decisions_agree`).
+    """
+    decisions = []
+
+    class Handler(logging.Handler):
+        def emit(self, record):
+            match = _DECISION.match(record.getMessage())
+            if match:
+                phase, verb, why = match.groups()
+                decisions.append(
+                    {"phase": phase, "staged": verb == "is staged", "why": why}
+                )
+
+    logger = logging.getLogger("keras_stage")
+    handler, level = Handler(logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield decisions
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def decisions_agree(runs):
+    """How the staged processes of a script decided its calls.
+
+    Returns:
+        `{"sequences": [[[phase, staged], ...], ...], "counts": [n, ...],
+        "same": bool}`: each distinct sequence of decisions, how many
+        processes made it, and whether all made the same one.
+    """
+    sequences, counts = [], []
+    for run in runs:
+        sequence = [[d["phase"], d["staged"]] for d in run.get("decisions", ())]
+        if sequence in sequences:
+            counts[sequences.index(sequence)] += 1
+        else:
+            sequences.append(sequence)
+            counts.append(1)
+    return {"sequences": sequences, "counts": counts, "same": len(counts) <= 1}
 
 
 def _imported():
@@ -444,6 +505,7 @@ def _run_script(name, processes, env, log, tiny, timeout, package_root):
     section["runs"] = runs
     if "error" not in section:
         section["summary"] = summarize_script(runs)
+        section["decisions"] = decisions_agree(runs["staged"])
         plain = runs["plain"][0]
         section["keras_stage_file"] = plain["keras_stage_file"]
         section["versions"] = plain["versions"]
@@ -482,6 +544,22 @@ def format_scripts_table(results):
                 f" {_ratio(paired['staged/plain']):>13}"
                 f" {_ratio(paired['plain_again/plain']):>8}"
                 + (f" {_ratio(process):>21}" if index == 0 else "")
+            )
+        decisions = section.get("decisions")
+        if decisions is not None:
+            calls = ", ".join(
+                f"{phase} {'staged' if staged else 'unstaged'}"
+                for phase, staged in (decisions["sequences"] or [[]])[0]
+            )
+            lines.append(
+                f"{'':20} decisions: "
+                + (
+                    f"the same in all {sum(decisions['counts'])} staged "
+                    f"processes ({calls or 'none'})"
+                    if decisions["same"]
+                    else f"DIFFER: {decisions['sequences']} in "
+                    f"{decisions['counts']} processes"
+                )
             )
     return "\n".join(lines)
 

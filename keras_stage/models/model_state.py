@@ -84,10 +84,11 @@ class StagingState:
         # running its whole model's step would have cost, once traced (see
         # `decision.calls.trace_due`): what tracing that step may cost.
         self.stage_rent = {}
-        # Per phase: how long the first call of a newly compiled staged step
-        # took (its trace, its step, its wait for the first batch), until
-        # `decision.calls.note_work` notes it.
-        self.first_steps = {}
+        # `(phase, whole, seconds)` of each step traced since the last call
+        # ended: the whole model's step or the trunk's, and how long its
+        # Python took (see `tensorflow_steps.calling_trunk`), until
+        # `decision.calls.note_traces` notes them.
+        self.step_traces = []
         # What staged calls of models with this model's stage cost, to skip
         # those that cannot pay: shared between such models (see
         # `decision.calls.costs`), looked up again after compile.

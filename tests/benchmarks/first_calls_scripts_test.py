@@ -5,6 +5,7 @@ import path are checked here without TensorFlow; the runs of the harness
 (a tiny script, each mode in its own process) are `long`.
 """
 
+import logging
 import pathlib
 import shutil
 
@@ -131,6 +132,66 @@ def test_table_shows_each_script_its_calls_skips_and_failures():
     assert lines[4].startswith(f"{'remote':20} FAILED: --child-script remote")
 
 
+def test_each_decision_keras_stage_logs_is_recorded():
+    logger = logging.getLogger("keras_stage")
+    with first_calls.decisions_logged() as decisions:
+        logger.info("Model '%s': %s is staged: %s.", "m", "train", "why")
+        logger.info(
+            "Model 'm': test runs the whole model in Keras's step, "
+            "unstaged: a call of one batch has nothing to overlap."
+        )
+        logger.info("Model 'm': something else.")
+    logger.info("Model 'm': predict is staged: after, not recorded.")
+    assert decisions == [
+        {"phase": "train", "staged": True, "why": "why."},
+        {
+            "phase": "test",
+            "staged": False,
+            "why": "a call of one batch has nothing to overlap.",
+        },
+    ]
+
+
+def test_decisions_agree_says_whether_every_process_decided_alike():
+    def run(*staged):
+        return {
+            "decisions": [
+                {"phase": phase, "staged": s, "why": "-"}
+                for phase, s in zip(("train", "test"), staged, strict=False)
+            ]
+        }
+
+    same = first_calls.decisions_agree([run(True, False), run(True, False)])
+    assert same == {
+        "sequences": [[["train", True], ["test", False]]],
+        "counts": [2],
+        "same": True,
+    }
+    differ = first_calls.decisions_agree(
+        [run(True, False), run(True, True), run(True, False)]
+    )
+    assert differ["counts"] == [2, 1] and not differ["same"]
+    runs = _runs(
+        {mode: [{"script": 1.0, "process": 2.0}] for mode in first_calls.MODES}
+    )
+    results = {
+        "scripts": {
+            "readme": {
+                "runs": runs,
+                "summary": first_calls.summarize_script(runs),
+                "decisions": differ,
+            }
+        }
+    }
+    table = first_calls.format_scripts_table(results)
+    assert "decisions: DIFFER" in table
+    results["scripts"]["readme"]["decisions"] = same
+    assert (
+        "decisions: the same in all 2 staged processes "
+        "(train staged, test unstaged)"
+    ) in first_calls.format_scripts_table(results)
+
+
 def test_script_timer_times_the_first_call_of_each_name():
     timer = scripts.ScriptTimer()
     with pytest.raises(RuntimeError, match="never called timer.start"):
@@ -215,6 +276,9 @@ def test_a_script_runs_each_mode_in_its_own_process(tmp_path):
         first_calls.ROOT / "keras_stage"
     )
     assert "readme" in first_calls.format_scripts_table(results)
+    # The staged process logged how it decided its fit; plain ones nothing.
+    assert section["decisions"]["sequences"][0][0][0] == "train"
+    assert runs["plain"][0]["decisions"] == []
 
 
 @pytest.mark.long

@@ -47,6 +47,8 @@ def guard(model, phase, function):
     whose steps the host times (`StagingState.step_clocks`) is too.
     """
     unrecorded = UnrecordedStep(model, phase)
+    # Whether this compiled step ran unstaged yet (its first call traces).
+    unstaged_ran = []
 
     def guarded(iterator):
         clock = _state(model).step_clocks.get(phase)
@@ -78,7 +80,17 @@ def guard(model, phase, function):
         state = _state(model)
         runner = state.runners.get(phase)
         if runner is None:
-            return reported(function(iterator))[0]
+            if unstaged_ran or state.active.get(phase) is not None:
+                return reported(function(iterator))[0]
+            # The whole model's step, first called: what its trace (and
+            # one step) took is noted for `decision.calls.note_traces`.
+            unstaged_ran.append(True)
+            started = time.perf_counter()
+            outputs = reported(function(iterator))[0]
+            state.step_traces.append(
+                (phase, True, time.perf_counter() - started)
+            )
+            return outputs
         track_iterator(state, phase, iterator)
         if resumed_epoch_ended(
             state, phase, iterator, model.steps_per_execution
@@ -101,11 +113,7 @@ def guard(model, phase, function):
                     )
                 )
                 if first:
-                    seconds = time.perf_counter() - started
-                    unrecorded.note_first_call(seconds)
-                    # What tracing the trunk's step took, about (see
-                    # `decision.calls.note_work`).
-                    state.first_steps[phase] = seconds
+                    unrecorded.note_first_call(time.perf_counter() - started)
                 if report is not None:
                     values = report.numpy().tolist()
                     unrecorded.reported(values)
@@ -445,10 +453,20 @@ def calling_trunk(model, phase):
     split = state.active.get(phase)
     previous = getattr(state.local, "trunk", None)
     state.local.trunk = None if split is None else split.trunk
+    # A step runs its Python only while it is traced: how long the trunk's
+    # took is noted for `decision.calls.note_traces` (part of what tracing
+    # the whole model's step costs; `guard` times that one whole).
+    started = (
+        None if split is None or tf.executing_eagerly() else time.perf_counter()
+    )
     try:
         yield
     finally:
         state.local.trunk = previous
+        if started is not None:
+            state.step_traces.append(
+                (phase, False, time.perf_counter() - started)
+            )
 
 
 def trunk(model):

@@ -270,15 +270,10 @@ class StagedCall:
             phase: []
             for phase in calls.timed_unstaged_phases(self.model, self.phases)
         }
-        traced = [
-            phase
-            for phase in clocks
-            if calls.traces_whole_step(self.model, phase)
-        ]
         try:
             with _unstaged_steps(self.model, self.phases, clocks):
                 result = keras_call()
-            calls.note_unstaged_steps(self.model, clocks, traced)
+            calls.note_unstaged_steps(self.model, clocks)
             return result
         finally:
             self.prefetch.close()

@@ -145,18 +145,21 @@ def fit_batches(
 class PhaseCosts:
     """What staging one phase (train, test, predict) cost on a model.
 
-    The set-up costs are the medians of the last `SAMPLES` measured: one
-    slow build or iterator (a busy moment of the machine) does not flip
-    the decisions after it.
+    The set-up and trace costs are the medians of the last `SAMPLES`
+    measured (`note`): one slow build, iterator or trace (a busy moment of
+    the machine) does not flip the decisions after it.
     """
 
     SAMPLES = 5
 
     def __init__(self):
-        # Seconds to build a call's stage, and to make one iterator of it,
-        # as measured last (`note`).
-        self._builds = collections.deque(maxlen=self.SAMPLES)
-        self._iterators = collections.deque(maxlen=self.SAMPLES)
+        # Seconds to build a call's stage, to make one iterator of it, and
+        # to trace the whole model's step and the trunk's (see
+        # `note_traces`): the last few measured.
+        self._samples = {
+            key: collections.deque(maxlen=self.SAMPLES)
+            for key in ("build", "iterator", "whole_trace", "step_trace")
+        }
         # Seconds of staged work per batch; None when not measured (no
         # staged computation, or under op determinism a pipeline whose
         # tf.data model could not be read).
@@ -169,28 +172,36 @@ class PhaseCosts:
         # saved a step (`batch_saving`).
         self.staged_step_seconds = None
         self.unstaged_step_seconds = None
-        # Seconds the whole model's step took to trace in an unstaged call
-        # (its first step over its warm ones), or None; and the first call
-        # of a newly compiled staged step (its trace of the trunk's step).
-        self.unstaged_trace_seconds = None
-        self.step_trace_seconds = 0.0
+
+    def _median(self, key, default=None):
+        samples = self._samples[key]
+        return statistics.median(samples) if samples else default
 
     @property
     def build_seconds(self):
-        """Seconds to build a call's stage (median), or None."""
-        return statistics.median(self._builds) if self._builds else None
+        """Seconds to build a call's stage, or None."""
+        return self._median("build")
 
     @property
     def iterator_seconds(self):
-        """Seconds to make one iterator of it (median), or None."""
-        return statistics.median(self._iterators) if self._iterators else None
+        """Seconds to make one iterator of it, or None."""
+        return self._median("iterator")
 
-    def note(self, build=None, iterator=None):
-        """Notes a measured build and/or iterator, in seconds."""
-        if build is not None:
-            self._builds.append(build)
-        if iterator is not None:
-            self._iterators.append(iterator)
+    @property
+    def unstaged_trace_seconds(self):
+        """Seconds the whole model's step took to trace, or None."""
+        return self._median("whole_trace")
+
+    @property
+    def step_trace_seconds(self):
+        """Seconds the trunk's step took to trace, or 0."""
+        return self._median("step_trace", 0.0)
+
+    def note(self, **seconds):
+        """Notes measured seconds: `build`, `iterator`, `whole_trace`,
+        `step_trace` (see `__init__`)."""
+        for key, value in seconds.items():
+            self._samples[key].append(value)
 
     def batch_saving(self):
         """What staging saves per batch at most, in seconds, or None.
@@ -290,25 +301,17 @@ class CallCosts:
         elif produced > 0 and busy_seconds > 0:
             costs.batch_seconds = busy_seconds / produced
 
-    def note_steps(self, phase, seconds, staged, traced=False):
+    def note_steps(self, phase, seconds, staged):
         """Notes the host-timed steps of a call, seconds per batch each.
 
         `staged`: whether the call ran its stage. The first step (which
-        makes the iterator and may trace) is left out of the medians; too
-        few to tell note none. An unstaged call that `traced` the whole
-        model's step notes what its first step took over its warm ones.
+        makes the iterator and may trace) is left out; too few to tell
+        note nothing.
         """
-        seconds = list(seconds)
-        if not seconds:
-            return
-        warm = seconds[1:]
-        costs = self.phase(phase)
-        if traced and not staged:
-            costs.unstaged_trace_seconds = max(
-                seconds[0] - (min(warm) if warm else 0.0), 0.0
-            )
+        warm = list(seconds)[1:]
         if len(warm) < MIN_TIMED_STEPS:
             return
+        costs = self.phase(phase)
         median = statistics.median(warm)
         if staged:
             costs.staged_step_seconds = median
@@ -724,9 +727,7 @@ def note_work(model, data):
     snapshot = data.staged.stats.snapshot()
     busy, produced = data.work_before
     measured = costs(model)
-    first = model_state(model).first_steps.pop(data.cost_phase, None)
-    if first is not None:
-        measured.phase(data.cost_phase).step_trace_seconds = first
+    note_traces(model)
     measured.note_work(
         data.cost_phase,
         snapshot["busy_seconds"] - busy,
@@ -742,8 +743,8 @@ def timed_unstaged_phases(model, phases):
 
     Those of `TIMED_PHASES` whose staged calls timed their steps and
     whose unstaged step is not known yet (see `PhaseCosts.trial_due`),
-    and those whose whole-model step the call traces (`traces_whole_step`:
-    what that costs is noted).
+    and those whose whole-model step the call traces (`traces_whole_step`):
+    a call that pays that trace also tells what the whole step costs.
     """
     state = model_state(model)
     if state.costs is None:
@@ -764,15 +765,29 @@ def traces_whole_step(model, phase):
     return (phase, UNSTAGED_STEPS) not in model_state(model).staged_functions
 
 
-def note_unstaged_steps(model, clocks, traced=()):
-    """Notes the host-timed steps of an unstaged call, per phase.
-
-    `traced`: the phases whose whole-model step the call traced.
-    """
+def note_unstaged_steps(model, clocks):
+    """Notes the host-timed steps of an unstaged call, per phase."""
     for phase, seconds in clocks.items():
-        costs(model).note_steps(
-            phase, seconds, staged=False, traced=phase in traced
-        )
+        costs(model).note_steps(phase, seconds, staged=False)
+    note_traces(model)
+
+
+def note_traces(model):
+    """Notes how long the steps traced since the last call took to trace.
+
+    The whole model's (an unstaged call, an unstaged epoch) and the
+    trunk's (a staged call), from `StagingState.step_traces`.
+    """
+    state = model_state(model)
+    traces, state.step_traces = state.step_traces, []
+    if not traces:
+        return
+    measured = costs(model)
+    for phase, whole, seconds in traces:
+        if whole:
+            measured.phase(phase).note(whole_trace=seconds)
+        else:
+            measured.phase(phase).note(step_trace=seconds)
 
 
 def iterators_made(model, role, x, default=1):

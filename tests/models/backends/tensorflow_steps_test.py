@@ -234,9 +234,9 @@ def test_a_call_times_at_most_a_bounded_number_of_steps(monkeypatch):
     noted = []
     note_steps = calls.CallCosts.note_steps
 
-    def recording(self, phase, seconds, staged, traced=False):
+    def recording(self, phase, seconds, staged):
         noted.append((phase, len(seconds), staged))
-        return note_steps(self, phase, seconds, staged, traced)
+        return note_steps(self, phase, seconds, staged)
 
     monkeypatch.setattr(calls.CallCosts, "note_steps", recording)
     words = np.array(

@@ -155,7 +155,7 @@ def test_the_whole_steps_trace_counts_against_running_unstaged():
     assert not costs.stages("train", 40, 1, owed=0.03)
     assert costs.stages("train", 42, 1, owed=0.03)
     # A call that would compile the trunk's step pays that trace too.
-    costs.phase("train").step_trace_seconds = 0.02
+    costs.phase("train").note(step_trace=0.02)
     assert not costs.stages("train", 42, 1, owed=0.03, compiles=True)
     assert costs.stages("train", 62, 1, owed=0.03, compiles=True)
 
@@ -163,15 +163,30 @@ def test_the_whole_steps_trace_counts_against_running_unstaged():
 def test_the_whole_steps_trace_is_measured_or_estimated():
     costs = _measured()
     costs.note_trace("test", 0.03)  # the prefix, traced for inference
-    costs.phase("train").step_trace_seconds = 0.2  # the trunk's step
+    costs.phase("train").note(step_trace=0.2)  # the trunk's step
     assert costs.whole_trace("train") == pytest.approx(0.23)
-    # An unstaged call that traced the whole step: its first step less
-    # its fastest warm one.
-    costs.note_steps("train", [0.5, 0.01, 0.012], staged=False, traced=True)
+    # Once the whole model's step was traced, as long as that took.
+    costs.phase("train").note(whole_trace=0.49)
     assert costs.whole_trace("train") == pytest.approx(0.49)
-    # A call that traced nothing notes no trace.
-    costs.note_steps("train", [0.9, 0.01, 0.012], staged=False)
-    assert costs.whole_trace("train") == pytest.approx(0.49)
+    # The median of the last few: one slow trace does not move it.
+    for seconds in (0.5, 0.51, 3.0):
+        costs.phase("train").note(whole_trace=seconds)
+    assert costs.whole_trace("train") == pytest.approx(0.505)
+
+
+def test_a_steps_trace_is_timed_and_noted_after_the_call():
+    model, layer = _model([keras.layers.Rescaling(0.5)], smart_stage=True)
+    model.fit(X, Y, batch_size=8, epochs=1, verbose=0)  # staged: the trunk
+    measured = calls.costs(model).phase("train")
+    assert measured.step_trace_seconds > 0
+    assert measured.unstaged_trace_seconds is None
+    assert model_state(model).step_traces == []  # noted, drained
+    assert calls.traces_whole_step(model, "train")
+    # An unstaged call (its stage cannot repay) traces the whole step.
+    calls.costs(model).note_build("train", 100.0)
+    model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
+    assert measured.unstaged_trace_seconds > 0
+    assert not calls.traces_whole_step(model, "train")
 
 
 def test_an_unmeasured_predict_is_weighed_by_the_test_stage():
@@ -372,7 +387,7 @@ def test_staged_calls_pay_towards_the_whole_steps_trace(caplog):
     # what a traced whole step would cost, until that adds up to the trace.
     model, layer = _model()
     costs = _note(model)  # 70 ms of set-up, 1 ms saved a batch
-    costs.phase("train").unstaged_trace_seconds = 0.05  # a model like it
+    costs.phase("train").note(whole_trace=0.05)  # a model like it
     assert calls.trace_owed(model, "train", costs) == pytest.approx(0.05)
     # 39 ms saved and 50 owed beat 70 ms of set-up: staged, paying 31.
     with caplog.at_level(logging.INFO, logger="keras_stage"):
