@@ -111,6 +111,9 @@ class StagingMixin:
         state.smart_stage = smart_stage
         state.plan = state.split = None
         state.staged_functions.clear()
+        # Paid towards tracing steps that compile drops (`decision.calls`).
+        state.stage_rent.clear()
+        state.step_traces.clear()
         for entry in state.stages.values():
             entry.retire()  # its iterator, if it outlived its call
         state.stages.clear()

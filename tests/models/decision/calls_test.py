@@ -400,6 +400,11 @@ def test_staged_calls_pay_towards_the_whole_steps_trace(caplog):
     # Once the model traced its whole step, nothing is owed.
     model_state(model).staged_functions[("train", UNSTAGED_STEPS)] = object()
     assert calls.trace_owed(model, "train", costs) == 0.0
+    # Compiling again drops the traced steps and what was paid towards them.
+    model.compile(optimizer="sgd", loss="mse")
+    assert model_state(model).stage_rent == {}
+    owed = calls.trace_owed(model, "train", calls.costs(model))
+    assert owed == pytest.approx(0.05)
 
 
 def test_every_iterator_a_call_makes_counts():
