@@ -348,7 +348,15 @@ class CallCosts:
         )
         return prefix + costs.step_trace_seconds
 
-    def stages(
+    def stages(self, *args, **kwargs):
+        """Whether a call should be staged: `decide(...)`'s first part."""
+        return self.decide(*args, **kwargs)[0]
+
+    def describe(self, *args, **kwargs):
+        """Why `stages` decided as it did, in a sentence."""
+        return self.decide(*args, **kwargs)[1]
+
+    def decide(
         self,
         phase,
         batches,
@@ -358,43 +366,21 @@ class CallCosts:
         owed=0.0,
         compiles=False,
     ):
-        """Whether a call of `batches` batches in all should be staged.
+        """`(staged, why, rent)`: whether a call of `phase` should be
+        staged, why in a sentence, and what a staged call pays over an
+        unstaged, traced step by the measured costs (0 when not measured,
+        or when staging saves more than it costs).
 
         `batches`: the batches it reads from in-memory data (see
         `call_batches`), or None when it reads something else (always
-        staged). `iterators`: the
-        iterators it makes (one per epoch). `plans` / `traces`: whether
-        the call would also plan the model's SmartStage / trace its
-        prefix for the phase (a model's first staged calls). `owed`: the
-        seconds of tracing the whole model's step that running unstaged
-        would add (see `trace_owed`). `compiles`: whether the call would
-        trace the trunk's step (the model has no staged step of the phase).
+        staged). `iterators`: the iterators it makes (one per epoch).
+        `plans` / `traces`: whether the call would also plan the model's
+        SmartStage / trace its prefix for the phase (a model's first
+        staged calls). `owed`: the seconds of tracing the whole model's
+        step that running unstaged would add (see `trace_owed`).
+        `compiles`: whether the call would trace the trunk's step (the
+        model has no staged step of the phase).
         """
-        return self.decide(
-            phase, batches, iterators, plans, traces, owed, compiles
-        )[0]
-
-    def describe(
-        self,
-        phase,
-        batches,
-        iterators,
-        plans=False,
-        traces=False,
-        owed=0.0,
-        compiles=False,
-    ):
-        """Why `stages` decided as it did, in a sentence."""
-        return self.decide(
-            phase, batches, iterators, plans, traces, owed, compiles
-        )[1]
-
-    def decide(
-        self, phase, batches, iterators, plans, traces, owed, compiles=False
-    ):
-        """`(staged, why, rent)`: `stages`, `describe`, and what a staged
-        call pays over an unstaged, traced step by the measured costs (0
-        when not measured, or when staging saves more than it costs)."""
         if batches is None:
             return (
                 True,
