@@ -575,12 +575,10 @@ def trace_owed(model, phase, measured):
     far (`StagingState.stage_rent`): once they have paid as much as the
     trace costs, it is paid whenever the whole step is faster.
     """
-    state = model_state(model)
-    if (phase, UNSTAGED_STEPS) in state.staged_functions:
+    if not traces_whole_step(model, phase):
         return 0.0
-    return max(
-        measured.whole_trace(phase) - state.stage_rent.get(phase, 0.0), 0.0
-    )
+    paid = model_state(model).stage_rent.get(phase, 0.0)
+    return max(measured.whole_trace(phase) - paid, 0.0)
 
 
 def _decide(model, layer, phase, batches, iterators, x):
