@@ -84,10 +84,11 @@ class StagingState:
         # running its whole model's step would have cost, once traced (see
         # `decision.calls.trace_due`): what tracing that step may cost.
         self.stage_rent = {}
-        # `(phase, whole, seconds)` of each step traced since the last call
-        # ended: the whole model's step or the trunk's, and how long its
-        # Python took (see `tensorflow_steps.calling_trunk`), until
-        # `decision.calls.note_traces` notes them.
+        # `(phase, kind, seconds)` of each step traced since the last call
+        # ended, until `decision.calls.note_traces` notes them: the whole
+        # model's step's first call ("whole_trace"), the trunk's step's
+        # first call ("step_call") and its Python ("step_trace"; see
+        # `tensorflow_steps.guard` and `calling_trunk`).
         self.step_traces = []
         # What staged calls of models with this model's stage cost, to skip
         # those that cannot pay: shared between such models (see

@@ -88,7 +88,7 @@ def guard(model, phase, function):
             started = time.perf_counter()
             outputs = reported(function(iterator))[0]
             state.step_traces.append(
-                (phase, True, time.perf_counter() - started)
+                (phase, "whole_trace", time.perf_counter() - started)
             )
             return outputs
         track_iterator(state, phase, iterator)
@@ -113,7 +113,14 @@ def guard(model, phase, function):
                     )
                 )
                 if first:
-                    unrecorded.note_first_call(time.perf_counter() - started)
+                    seconds = time.perf_counter() - started
+                    unrecorded.note_first_call(seconds)
+                    # The trunk's step's first call, timed as the whole
+                    # model's is (above): its trace, graph set-up and one
+                    # step, here with the wait for the stage's first batch
+                    # (what a staged call adds), for
+                    # `decision.calls.note_traces`.
+                    state.step_traces.append((phase, "step_call", seconds))
                 if report is not None:
                     values = report.numpy().tolist()
                     unrecorded.reported(values)
@@ -465,7 +472,7 @@ def calling_trunk(model, phase):
         state.local.trunk = previous
         if started is not None:
             state.step_traces.append(
-                (phase, False, time.perf_counter() - started)
+                (phase, "step_trace", time.perf_counter() - started)
             )
 
 

@@ -1042,9 +1042,12 @@ def stage_data(
         # any epoch; a drawing dataset's cannot (its seeded draws follow
         # the iterators made before). Its first epoch then reads an
         # iterator of its own, which ends with it, and the rest one more,
-        # made on the pool sized from that first epoch.
+        # made on the pool sized from that first epoch. Only a training
+        # stage's pool is resized (`PrefetchCallback`, after each training
+        # epoch): a validation stage's epochs all read one iterator.
         first_alone = (
             refusal is None
+            and phase == "train"
             and split is not None
             and layer.stage_options.adaptive_pool
             and not in_memory(x)

@@ -153,12 +153,19 @@ class PhaseCosts:
     SAMPLES = 5
 
     def __init__(self):
-        # Seconds to build a call's stage, to make one iterator of it, and
-        # to trace the whole model's step and the trunk's (see
-        # `note_traces`): the last few measured.
+        # Seconds to build a call's stage, to make one iterator of it, of
+        # the first call of the whole model's step and of the trunk's (its
+        # trace, graph set-up and one step), and of the trunk's step's
+        # Python while traced (see `note_traces`): the last few measured.
         self._samples = {
             key: collections.deque(maxlen=self.SAMPLES)
-            for key in ("build", "iterator", "whole_trace", "step_trace")
+            for key in (
+                "build",
+                "iterator",
+                "whole_trace",
+                "step_call",
+                "step_trace",
+            )
         }
         # Seconds of staged work per batch; None when not measured (no
         # staged computation, or under op determinism a pipeline whose
@@ -194,12 +201,21 @@ class PhaseCosts:
 
     @property
     def step_trace_seconds(self):
-        """Seconds the trunk's step took to trace, or 0."""
+        """Seconds the trunk's step's Python took while traced, or 0."""
         return self._median("step_trace", 0.0)
+
+    @property
+    def step_call_seconds(self):
+        """Seconds of the trunk's step's first call, or its Python's (0).
+
+        What a staged call that compiles the step adds: its trace, graph
+        set-up and first step, with the wait for the stage's first batch.
+        """
+        return self._median("step_call", self.step_trace_seconds)
 
     def note(self, **seconds):
         """Notes measured seconds: `build`, `iterator`, `whole_trace`,
-        `step_trace` (see `__init__`)."""
+        `step_call`, `step_trace` (see `__init__`)."""
         for key, value in seconds.items():
             self._samples[key].append(value)
 
@@ -419,7 +435,7 @@ class CallCosts:
         if traces:
             set_up += costs.trace_seconds
         if compiles:
-            set_up += costs.step_trace_seconds
+            set_up += costs.step_call_seconds
         saving = costs.saving(batches)
         trace = (
             f" and the {1000 * owed:.1f} ms of tracing the whole model's "
@@ -443,7 +459,8 @@ class CallCosts:
             (
                 f"staging {batches} batches can save up to "
                 f"{1000 * saving:.1f} ms of staged work{trace}, more than "
-                f"the {1000 * set_up:.1f} ms its stage costs to set up"
+                f"the {1000 * set_up:.1f} ms its stage costs to set up "
+                "(measured on a model with this stage)"
             ),
             max(set_up - saving, 0.0),
         )
@@ -767,11 +784,8 @@ def note_traces(model):
     if not traces:
         return
     measured = costs(model)
-    for phase, whole, seconds in traces:
-        if whole:
-            measured.phase(phase).note(whole_trace=seconds)
-        else:
-            measured.phase(phase).note(step_trace=seconds)
+    for phase, kind, seconds in traces:
+        measured.phase(phase).note(**{kind: seconds})
 
 
 def iterators_made(model, role, x, default=1):

@@ -11,7 +11,10 @@ the step's figures tell which, so a fit that may gain measures it:
    the adaptive pool's first resize, if it has one) and its step waited
    for input at most `TRIAL_WAIT_RATIO` of the time (or whatever it was,
    when the wait could not be measured: under op determinism, a pipeline
-   whose tf.data model cannot be read, see `data.pipeline_model`),
+   whose tf.data model cannot be read, see `data.pipeline_model`);
+   where the first epoch's figures already rule the trial out (epochs
+   too short to time, a trace that would outweigh the epochs left), every
+   epoch is staged from the second on,
 2. the next epoch runs the whole model in Keras's step (the trial), if
    tracing that step (once per model) costs at most `TRACE_SHARE` of the
    epochs left after it,
@@ -203,6 +206,8 @@ class EpochSwitch:
             self._decide(staged[-1], trial[-1])
             return self.decision
         if len(staged) < self._staged_before_trial:
+            if staged and self._never_tried(staged):
+                self.decision = STAGED  # nothing tried: nothing to report
             return STAGED
         last = staged[-1]
         left = self.epochs - len(self._clocks)
@@ -226,6 +231,24 @@ class EpochSwitch:
             )
             return STAGED
         return UNSTAGED
+
+    def _never_tried(self, staged):
+        """Whether the epochs measured so far already rule the trial out.
+
+        Before the last staged epoch the trial waits for (the first on a
+        resized pool): epochs too short to time, or a trace that would
+        outweigh the epochs left after the trial at the measured pace,
+        tell now. Decided now, the epochs left read one iterator (a
+        drawing dataset's staged epochs each end theirs while the trial
+        may come: see `LongLivedIterator`).
+        """
+        first = staged[0]
+        after_trial = self.epochs - self._staged_before_trial - 1
+        return (
+            not first.timed
+            or after_trial < 1
+            or self._trace_outweighs(staged, first, after_trial)
+        )
 
     def _trace_outweighs(self, staged, last, after_trial):
         """Whether tracing the whole model's step would cost more than

@@ -154,10 +154,17 @@ def test_the_whole_steps_trace_counts_against_running_unstaged():
     # 30 ms of tracing the whole step make 41 batches worth staging.
     assert not costs.stages("train", 40, 1, owed=0.03)
     assert costs.stages("train", 42, 1, owed=0.03)
-    # A call that would compile the trunk's step pays that trace too.
+    # A call that would compile the trunk's step pays that trace too: its
+    # Python's until its first call is timed, then that call (its trace,
+    # graph set-up, first step and first batch).
     costs.phase("train").note(step_trace=0.02)
     assert not costs.stages("train", 42, 1, owed=0.03, compiles=True)
     assert costs.stages("train", 62, 1, owed=0.03, compiles=True)
+    costs.phase("train").note(step_call=0.05)
+    assert not costs.stages("train", 62, 1, owed=0.03, compiles=True)
+    assert costs.stages("train", 92, 1, owed=0.03, compiles=True)
+    # The whole step's trace is still estimated from the trunk's Python.
+    assert costs.whole_trace("train") == pytest.approx(0.02)
 
 
 def test_the_whole_steps_trace_is_measured_or_estimated():
@@ -179,6 +186,8 @@ def test_a_steps_trace_is_timed_and_noted_after_the_call():
     model.fit(X, Y, batch_size=8, epochs=1, verbose=0)  # staged: the trunk
     measured = calls.costs(model).phase("train")
     assert measured.step_trace_seconds > 0
+    # Its first call traced it, set it up and ran a step.
+    assert measured.step_call_seconds > measured.step_trace_seconds
     assert measured.unstaged_trace_seconds is None
     assert model_state(model).step_traces == []  # noted, drained
     assert calls.traces_whole_step(model, "train")

@@ -349,3 +349,32 @@ def test_a_reshuffling_dataset_keeps_plain_orders_on_few_iterators(
     else:
         assert history.history["stage_unstaged"] == [0, 0, 1, 1, 1, 1]
         assert made.count("train") == 2
+
+
+def test_a_trial_ruled_out_by_the_first_epoch_leaves_one_more_iterator(
+    monkeypatch,
+):
+    # On the adaptive pool the trial waits for the second staged epoch (the
+    # first on the resized pool); a trace that would outweigh every epoch
+    # left already rules it out after the first, so the second epoch does
+    # not end its iterator: epoch 1 alone, then epochs 2 to 6 on one.
+    monkeypatch.setattr(epoch_switch, "TRIAL_WAIT_RATIO", float("inf"))
+    monkeypatch.setattr(epoch_switch, "TRACE_SHARE", 0.0)
+    plain, staged = _models()
+    expected = _fit(plain)
+    made = []
+    costs = calls.costs(staged)
+    original = costs.note_iterator
+
+    def note(phase, seconds):
+        made.append(phase)
+        original(phase, seconds)
+
+    costs.note_iterator = note
+    history = _fit(staged)
+    assert staged._keras_stage_state.stages["train"].long_lived.stop is not None
+    _assert_same(plain, staged, expected, history)
+    assert history.history["stage_unstaged"] == [0] * 6
+    assert made.count("train") == 2
+    # Validation, whose pool nothing resizes, reads one iterator.
+    assert made.count("test") == 1
