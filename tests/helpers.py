@@ -1,8 +1,11 @@
 """Helpers shared by the tests."""
 
+import atexit
 import gc
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import textwrap
@@ -178,6 +181,132 @@ def printed_in_fresh_python(code, timeout=100):
         timeout=timeout,
         check=True,
     ).stdout
+
+
+# -- fresh processes forked from one that imported TensorFlow ----------------
+
+# The forking process (one per test process, started on first use): it
+# imports TensorFlow, Keras and NumPy once, then forks a child per request.
+# A child starts as a fresh `python -c` would after those imports: no
+# TensorFlow op has run, no device is initialised, no keras_stage module is
+# loaded, and it exits as an interpreter does (atexit handlers, non-daemon
+# threads joined). Importing TensorFlow takes 5-8 s of CPU; a fork, a few
+# milliseconds.
+_FORK_SERVER = r"""
+import json, os, runpy, sys, traceback
+import numpy, tensorflow, keras  # noqa: F401
+
+def child(request, out, err):
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    sys.argv = request["argv"]
+    try:
+        if request.get("module"):
+            runpy.run_module(request["module"], run_name="__main__",
+                             alter_sys=True)
+        else:
+            exec(compile(request["code"], "<string>", "exec"),
+                 {"__name__": "__main__"})
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        raise SystemExit(1)
+    raise SystemExit(0)
+
+def serve():
+    for line in sys.stdin:
+        request = json.loads(line)
+        out = os.open(request["out"], os.O_WRONLY | os.O_CREAT, 0o600)
+        err = os.open(request["err"], os.O_WRONLY | os.O_CREAT, 0o600)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            child(request, out, err)  # raises SystemExit: this process ends
+        os.close(out)
+        os.close(err)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps(os.waitstatus_to_exitcode(status)), flush=True)
+
+serve()
+"""
+
+_fork_server = None
+
+
+def _forking_process():
+    global _fork_server
+    if _fork_server is None or _fork_server.poll() is not None:
+        _fork_server = subprocess.Popen(
+            [sys.executable, "-c", _FORK_SERVER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+            start_new_session=True,
+        )
+        atexit.register(_stop_forking_process, _fork_server)
+    return _fork_server
+
+
+def _stop_forking_process(server):
+    global _fork_server
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    if _fork_server is server:
+        _fork_server = None
+
+
+def run_forked(argv, code=None, module=None, cwd=None, env=None, timeout=100):
+    """`subprocess.run(argv, capture_output=True, text=True)`, forked.
+
+    Runs `code` (as `python -c code` would) or `module` (as `python -m
+    module`) in a child of the forking process above, with `sys.argv` set
+    to `argv` and `env` added to its environment; returns a
+    `subprocess.CompletedProcess`. For the checks that need a process of
+    their own (TensorFlow's devices not initialised yet, warnings given once
+    per process, a script run from the start) but not a fresh import of
+    TensorFlow; what an import itself does is checked in a fresh `python`.
+    A child still running after `timeout` seconds is killed, with the
+    forking process, and `subprocess.TimeoutExpired` raised.
+    """
+    import tempfile
+
+    server = _forking_process()
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = os.path.join(folder, "out"), os.path.join(folder, "err")
+        request = {
+            "argv": list(argv),
+            "code": code,
+            "module": module,
+            "cwd": cwd or os.getcwd(),
+            "env": dict(env or {}),
+            "out": out,
+            "err": err,
+        }
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        ready, _, _ = select.select([server.stdout], [], [], timeout)
+        line = server.stdout.readline() if ready else ""
+        if not line:
+            _stop_forking_process(server)
+            if ready:
+                raise RuntimeError("the forking process ended unexpectedly")
+            raise subprocess.TimeoutExpired(argv, timeout)
+        returncode = json.loads(line)
+
+        def read(path):
+            with open(path, errors="replace") as f:
+                return f.read()
+
+        return subprocess.CompletedProcess(
+            argv, returncode, read(out), read(err)
+        )
 
 
 def write_script(folder, template, **values):

@@ -2,7 +2,8 @@
 
 Device configuration must happen before TensorFlow initialises and must not
 leak into the rest of the session, and warnings are given once per process,
-so those tests run in a fresh Python each. The GPU code paths run there on
+so those tests run in a process of their own each (forked from one that
+imported TensorFlow, before any op ran). The GPU code paths run there on
 logical CPU devices: the internals take the device type the public
 functions fix to "GPU", and TensorFlow really splits the CPU.
 """
@@ -11,8 +12,6 @@ import json
 import logging
 import os
 import re
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -26,6 +25,7 @@ from keras_stage.data.devices import (
     stream_device,
     validate_device_argument,
 )
+from tests.helpers import run_forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
@@ -71,15 +71,17 @@ def report(**result):
 
 
 def _run(code):
-    """Runs `code` in a fresh Python; returns what its `report` printed."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    out = subprocess.run(
-        [sys.executable, "-c", _PRELUDE + textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=100,
+    """Runs `code` in a process of its own; returns what `report` printed.
+
+    The process is forked from one that imported TensorFlow (not
+    keras_stage) and ran no op: its devices are not initialised yet.
+    """
+    out = run_forked(
+        ["-c"],
+        code=_PRELUDE + textwrap.dedent(code),
         cwd=ROOT,
-        env=env,
+        env={"TF_CPP_MIN_LOG_LEVEL": "2"},
+        timeout=100,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
