@@ -25,6 +25,7 @@ the longest prefix ends with a layer that inflates the data (a one-hot
 planner cuts before it and leaves it in the trunk.
 """
 
+import inspect
 import re
 import time
 
@@ -33,6 +34,7 @@ import tensorflow as tf
 
 from keras_stage import _compat
 from keras_stage.data.tfio_support import explain_tfio_error
+from keras_stage.layers.staged_input import StagedInput
 from keras_stage.planner.stage_plan import BoundaryTensor, StagePlan
 from keras_stage.planner.state_access import (
     TraceError,
@@ -677,8 +679,12 @@ class StageSplit:
         self.unnumbered = (
             tf.Variable(False, trainable=False) if self.seed_states else None
         )
-        # Per training flag: (the state objects it was traced with, fn).
+        # Per training flag: (the state objects it was traced with, fn);
+        # one for both where the flag changes nothing (`_trace_key`).
         self._stage_fns = {}
+        # Whether no staged layer's call takes `training` (see
+        # `_trace_key`), found when first needed.
+        self._training_free = None
         # Seconds spent tracing the staged computation so far.
         self.trace_seconds = 0.0
 
@@ -748,7 +754,8 @@ class StageSplit:
         re-adapted builds a new table; Normalization a new mean tensor),
         which a trace would otherwise keep.
         """
-        cached = self._stage_fns.get(bool(training))
+        key = self._trace_key(training)
+        cached = self._stage_fns.get(key)
         if cached is not None and _slots_hold(cached[0]):
             return cached[1]
         state = _state_slots(self.prefix)
@@ -766,7 +773,7 @@ class StageSplit:
                 self.trace_seconds += time.perf_counter() - started
 
         fn = tf.function(traced, autograph=False, reduce_retracing=True)
-        self._stage_fns[bool(training)] = (state, fn)
+        self._stage_fns[key] = (state, fn)
         return fn
 
     def traced(self, training):
@@ -775,7 +782,28 @@ class StageSplit:
         A staged layer holding new state objects since makes the next
         `stage_fn` trace afresh all the same.
         """
-        return bool(training) in self._stage_fns
+        return self._trace_key(training) in self._stage_fns
+
+    def _trace_key(self, training):
+        """The `_stage_fns` entry a stage of this `training` flag uses.
+
+        Where no staged layer's call takes `training` (lookups, hashing,
+        normalization, FeatureSpace: their calls cannot tell the flag,
+        which Keras passes only to calls that take it) and none draws
+        random numbers, the prefix computes the same either way: the
+        training stage and the others (a fit's validation, evaluate,
+        predict) share one trace instead of tracing every staged layer
+        twice.
+        """
+        if self._training_free is None:
+            # (StagedInput's call takes it only to warn a model that does
+            # not stage: it passes its inputs on.)
+            self._training_free = self._ordinal is None and not any(
+                "training" in inspect.signature(layer.call).parameters
+                for layer in all_layers(self.prefix)
+                if not isinstance(layer, StagedInput)
+            )
+        return None if self._training_free else bool(training)
 
     def numbers(self, training):
         """Whether a stage of this `training` flag stages `number`ed data."""

@@ -43,10 +43,8 @@ def _model(adaptive=True, staged=True):
 
 def _traces(model):
     split = model._stage_plan()[1]  # the SmartStage split the stage runs
-    return sum(
-        split.stage_fn(training).experimental_get_tracing_count()
-        for training in (True, False)
-    )
+    functions = {id(f): f for f in map(split.stage_fn, (True, False))}
+    return sum(f.experimental_get_tracing_count() for f in functions.values())
 
 
 def test_a_second_staged_call_traces_no_staged_layer_again():
@@ -54,7 +52,12 @@ def test_a_second_staged_call_traces_no_staged_layer_again():
     model.fit(WORDS, LABELS, batch_size=16, epochs=1, verbose=0)
     model.evaluate(WORDS, LABELS, batch_size=16, verbose=0)
     traced = _traces(model)
-    assert traced >= 2  # one per training flag
+    # One function for training and evaluation: the lookup's call does not
+    # take `training`, so the flag changes nothing it computes. Its two
+    # traces are the fit's batches (of 16) and evaluate's (of any size).
+    split = model._stage_plan()[1]
+    assert split.stage_fn(True) is split.stage_fn(False)
+    assert traced == 2
     # Other data of the same kind (full batches of 16 strings).
     model.fit(WORDS[:48], LABELS[:48], batch_size=16, epochs=2, verbose=0)
     model.evaluate(WORDS[16:], LABELS[16:], batch_size=16, verbose=0)
@@ -64,6 +67,35 @@ def test_a_second_staged_call_traces_no_staged_layer_again():
     traced = _traces(model)
     model.evaluate(WORDS[:40], LABELS[:40], batch_size=16, verbose=0)
     assert _traces(model) == traced
+
+
+class _TrainingShift(keras.layers.Layer):
+    """Adds 1 in training only: a stateless layer whose call takes it."""
+
+    def call(self, x, training=None):
+        return x + 1.0 if training else x
+
+
+def test_a_prefix_whose_call_takes_training_is_traced_per_flag():
+    inputs = keras.Input(shape=(1,))
+    x = keras_stage.layers.StagedInput(adaptive=False)(inputs)
+    x = _TrainingShift(name="shift")(x)
+    outputs = keras.layers.Dense(1, name="head")(x)
+    model = keras_stage.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    x, y = np.ones((32, 1), "float32"), np.zeros((32, 1), "float32")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    model.evaluate(x, y, batch_size=16, verbose=0)
+    split = model._stage_plan()[1]
+    assert split.plan.staged_layers  # the shift is staged
+    assert split.stage_fn(True) is not split.stage_fn(False)
+    assert _traces(model) == 2
+    # Each computes as its flag says.
+    np.testing.assert_allclose(
+        model.predict(x[:16], batch_size=16, verbose=0),
+        model(x[:16], training=False).numpy(),
+        rtol=1e-6,
+    )
 
 
 def test_a_readapted_lookup_is_traced_again_and_used():
