@@ -3,24 +3,34 @@
 import ast
 import os
 import re
-import subprocess
-import sys
 
 import pytest
+
+from tests.helpers import run_forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _run(module, flag, timeout):
+    """Runs `python -m examples.<module> <flag>`; returns its stdout.
+
+    In a process of its own, forked from one that imported TensorFlow,
+    Keras and NumPy (`tests.helpers.run_forked`): the example runs from its
+    start as the command would, without paying TensorFlow's import again.
+    """
+    done = run_forked(
+        ["-m", flag],  # sys.argv; runpy sets argv[0] to the path
+        module=f"examples.{module}",
+        cwd=ROOT,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
 def _run_demo(size, timeout):
     """`python -m examples.demo --<size>`'s stdout (it must exit 0)."""
-    return subprocess.run(
-        [sys.executable, "-m", "examples.demo", f"--{size}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=True,
-    ).stdout
+    return _run("demo", f"--{size}", timeout)
 
 
 def _assert_demo_reports(out, batches, workload_batches):
@@ -55,15 +65,7 @@ def test_demo_quick_runs_and_reports():
 
 def _run_example(module, timeout=150):
     """Runs `python -m examples.<module> --tiny`; returns its stdout."""
-    done = subprocess.run(
-        [sys.executable, "-m", f"examples.{module}", "--tiny"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+    return _run(module, "--tiny", timeout)
 
 
 def _line(out, prefix):
