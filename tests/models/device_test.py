@@ -1,7 +1,8 @@
 """Device-side staging on logical devices: buffers, packing, strategies.
 
 There is no GPU here, so every test splits the CPU into logical devices
-(`tf.config.set_logical_device_configuration`) in a subprocess, where the
+(`tf.config.set_logical_device_configuration`) in a process of its own
+(forked from one that imported TensorFlow and ran no op), where the
 configuration cannot leak into the rest of the session, and uses `/CPU:1`
 as the "device": the same code paths as a GPU (a buffer on a device other
 than the host's, copies into it, per-replica buffers under a strategy).
@@ -9,13 +10,13 @@ than the host's, copies into it, per-replica buffers under a strategy).
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 import warnings
 
 import numpy as np
 import pytest
+
+from tests.helpers import run_forked
 
 PRELUDE = """
 import json, os, sys
@@ -38,12 +39,9 @@ def _run(*code, devices=2, timeout=240):
     script = PRELUDE.format(root=root, devices=devices) + "\n".join(
         textwrap.dedent(part) for part in code
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    # Forked from a process that imported TensorFlow and ran no op: the
+    # devices are not initialised yet when the script splits the CPU.
+    done = run_forked(["-c"], code=script, cwd=root, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [s for s in done.stdout.splitlines() if s.startswith("{")]
     assert lines, done.stdout[-2000:] + done.stderr[-2000:]
