@@ -613,6 +613,20 @@ def _slots_hold(slots):
     return all(vars(layer).get(name) is value for layer, name, value in slots)
 
 
+def _takes_training(layer):
+    """Whether `layer`'s own call can compute differently in training.
+
+    Whether its `call` takes `training`, save calls that only pass it on:
+    a functional or sequential model's (its layers are checked one by
+    one) and StagedInput's (which takes it only to warn a model that does
+    not stage, and passes its inputs on).
+    """
+    passes_on = (_compat.keras_functional_class().call, keras.Sequential.call)
+    if isinstance(layer, StagedInput) or type(layer).call in passes_on:
+        return False
+    return "training" in inspect.signature(layer.call).parameters
+
+
 class StageSplit:
     """The two runnable halves of a planned model.
 
@@ -796,12 +810,8 @@ class StageSplit:
         twice.
         """
         if self._training_free is None:
-            # (StagedInput's call takes it only to warn a model that does
-            # not stage: it passes its inputs on.)
             self._training_free = self._ordinal is None and not any(
-                "training" in inspect.signature(layer.call).parameters
-                for layer in all_layers(self.prefix)
-                if not isinstance(layer, StagedInput)
+                _takes_training(layer) for layer in all_layers(self.prefix)
             )
         return None if self._training_free else bool(training)
 

@@ -98,6 +98,28 @@ def test_a_prefix_whose_call_takes_training_is_traced_per_flag():
     )
 
 
+@pytest.mark.parametrize("shifts", [False, True])
+def test_a_nested_models_layers_tell_whether_its_stage_takes_training(
+    shifts,
+):
+    # A functional model inside the prefix (as a FeatureSpace model is
+    # often built) passes `training` on: its layers decide.
+    inner_in = keras.Input(shape=(1,))
+    inner = keras.layers.Rescaling(2.0)(inner_in)
+    if shifts:
+        inner = _TrainingShift()(inner)
+    inner_model = keras.Model(inner_in, inner, name="inner")
+    inputs = keras.Input(shape=(1,))
+    x = keras_stage.layers.StagedInput(adaptive=False)(inputs)
+    outputs = keras.layers.Dense(1, name="head")(inner_model(x))
+    model = keras_stage.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    split = model._stage_plan()[1]
+    assert list(split.plan.staged_layers)[-1] == "inner"
+    shared = split.stage_fn(True) is split.stage_fn(False)
+    assert shared is not shifts
+
+
 def test_a_readapted_lookup_is_traced_again_and_used():
     model = _model(adaptive=False)
     model.fit(WORDS, LABELS, batch_size=16, epochs=1, verbose=0)
