@@ -1,7 +1,5 @@
 """Tests of `keras_stage.data.packing.Packer`: exact round trips, counts."""
 
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -9,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 from keras_stage.data.packing import Packer
+from tests.helpers import run_forked
 
 NUMERIC_DTYPES = [
     tf.int8,
@@ -416,12 +415,8 @@ def test_packed_element_crosses_to_another_device():
         print("batches", count)
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
+    # Forked from a process that imported TensorFlow and ran no op.
+    result = run_forked(["-c"], code=script, timeout=110)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "batches 3" in result.stdout
 

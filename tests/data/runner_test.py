@@ -1,7 +1,5 @@
 """Tests of the stage's Python boundary: `StageRunner` and error annotation."""
 
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -12,7 +10,7 @@ from keras_stage.data import runner as runner_module
 from keras_stage.data.errors import annotate
 from keras_stage.data.runner import EndOfData, SkipElement, StageRunner
 from keras_stage.data.stats import StageStats
-from tests.helpers import counters_with
+from tests.helpers import counters_with, run_forked
 
 
 def _runner(**options):
@@ -190,15 +188,12 @@ except StageTimeoutError:
 """
 
 
-@pytest.mark.slow  # a fresh interpreter imports TensorFlow
+@pytest.mark.slow  # a process of its own
 @pytest.mark.timeout(120)
 def test_a_call_abandoned_on_a_hung_source_does_not_block_exit():
-    done = subprocess.run(
-        [sys.executable, "-c", _ABANDONED_AT_EXIT],
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
+    # A process of its own, forked from one that imported TensorFlow: it
+    # ends as a fresh interpreter does (atexit, threads joined).
+    done = run_forked(["-c"], code=_ABANDONED_AT_EXIT, timeout=100)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "timed out; thread left: True" in done.stdout
 
