@@ -12,7 +12,6 @@ import io
 import os
 import re
 import struct
-import subprocess
 import sys
 import wave
 
@@ -26,7 +25,7 @@ from keras_stage.data.tfio_support import (
     explain_tfio_error,
     require_tensorflow_io,
 )
-from tests.helpers import printed_in_fresh_python
+from tests.helpers import printed_in_forked_python, run_forked
 
 # tensorflow-io 0.37.1 is built for TensorFlow 2.16.
 where_ops_do_not_load = pytest.mark.skipif(
@@ -90,12 +89,14 @@ def test_require_names_versions_and_pairing_without_importing_tfio():
 @pytest.mark.timeout(600)
 def test_import_cases_in_a_fresh_process():
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", __file__],
+    # `python -m pytest` in a process of its own, forked from one that
+    # imported TensorFlow (not tensorflow-io): what tensorflow-io's import
+    # does to TensorFlow stays there.
+    done = run_forked(
+        ["-m", "-q", "-p", "no:randomly", __file__],
+        module="pytest",
         cwd=root,
-        env={**os.environ, _CHILD: "1"},
-        capture_output=True,
-        text=True,
+        env={_CHILD: "1"},
         timeout=580,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
@@ -186,7 +187,7 @@ def test_missing_tensorflow_io_names_the_pairing():
         "except ImportError as e:\n"
         "    print(e)\n"
     )
-    out = printed_in_fresh_python(code)
+    out = printed_in_forked_python(code)
     assert f"tensorflow-io is not installed (TensorFlow {tf.__version__})" in (
         out
     )
