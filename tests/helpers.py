@@ -309,6 +309,22 @@ def run_forked(argv, code=None, module=None, cwd=None, env=None, timeout=100):
         )
 
 
+def printed_in_forked_python(code, timeout=100):
+    """What `code` prints in a process of its own (which must exit cleanly).
+
+    `printed_in_fresh_python`, forked (`run_forked`) from a process that
+    imported TensorFlow, Keras and NumPy and nothing of keras_stage: for
+    what keras_stage's own imports do, or a module blocked with
+    `sys.modules[name] = None` that TensorFlow does not import itself.
+    """
+    done = run_forked(["-c"], code=code, timeout=timeout)
+    if done.returncode:
+        raise subprocess.CalledProcessError(
+            done.returncode, ["-c", code], done.stdout, done.stderr
+        )
+    return done.stdout
+
+
 def write_script(folder, template, **values):
     """`folder/train.py`: `template` filled in with `values` and `root`.
 
