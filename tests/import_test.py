@@ -1,4 +1,10 @@
-"""Importing keras_stage without TensorFlow names the fix."""
+"""Importing keras_stage without TensorFlow names the fix.
+
+What keras_stage's own import loads is checked in a process forked from
+one that imported TensorFlow, Keras and NumPy but no keras_stage module
+(`printed_in_forked_python`); an import blocked before TensorFlow's, in a
+fresh interpreter.
+"""
 
 import configparser
 import pathlib
@@ -6,7 +12,7 @@ import re
 
 import pytest
 
-from tests.helpers import printed_in_fresh_python
+from tests.helpers import printed_in_forked_python, printed_in_fresh_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -79,7 +85,7 @@ def test_importing_the_engine_loads_none_of_the_keras_half():
         "print(sorted(m for m in sys.modules if m.startswith('keras_stage.')"
         " and not m.startswith(('keras_stage.data', 'keras_stage._compat'))))\n"
     )
-    assert printed_in_fresh_python(code).splitlines()[-2:] == ["[]", "[]"]
+    assert printed_in_forked_python(code).splitlines()[-2:] == ["[]", "[]"]
 
 
 @pytest.mark.timeout(120)
@@ -96,7 +102,7 @@ def test_import_keras_stage_gives_the_whole_package():
         "from keras_stage import Model, layers\n"
         "print(Model is keras_stage.models.Model)\n"
     )
-    assert printed_in_fresh_python(code).splitlines()[-5:] == [
+    assert printed_in_forked_python(code).splitlines()[-5:] == [
         "[]",
         "keras_stage.models.model Sequential",
         "StagedInput PrefetchCallback StagePlan",
@@ -113,7 +119,7 @@ def test_after_the_engine_alone_the_keras_names_load_on_first_use():
         "print(keras_stage.Model.__module__)\n"
         "print(keras_stage.layers.StagedInput.__name__)\n"
     )
-    assert printed_in_fresh_python(code).splitlines()[-2:] == [
+    assert printed_in_forked_python(code).splitlines()[-2:] == [
         "keras_stage.models.model",
         "StagedInput",
     ]
@@ -147,6 +153,6 @@ def test_a_saved_model_loads_in_a_script_that_imports_keras_stage(tmp_path):
         f"model = keras.saving.load_model({str(path)!r})\n"
         "print(type(model).__module__, model.layers[1].__class__.__name__)\n"
     )
-    assert printed_in_fresh_python(code).splitlines()[-1] == (
+    assert printed_in_forked_python(code).splitlines()[-1] == (
         "keras_stage.models.model StagedInput"
     )
