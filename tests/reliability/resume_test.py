@@ -19,7 +19,7 @@ from collections import Counter
 
 import pytest
 
-from tests.helpers import write_script
+from tests.helpers import run_forked, write_script
 
 NUM_EXAMPLES = 96
 BATCH = 4
@@ -362,8 +362,10 @@ def test_a_resumed_run_ends_with_the_uninterrupted_run_s_iterations_and_weights(
     script = _write_script(tmp_path, SAME_RUN_SCRIPT)
 
     def run(backup, out, kill_at=""):
-        args = [sys.executable, str(script), backup, str(out), kill_at, source]
-        return subprocess.run(args, capture_output=True, text=True, timeout=240)
+        # `python train.py ...` in a process of its own, forked from one
+        # that imported TensorFlow (run_forked): killed, it dies alone.
+        args = [str(script), backup, str(out), kill_at, source]
+        return run_forked(args, code=script.read_text(), timeout=240)
 
     reference = run("-", tmp_path / "reference.npz")
     assert reference.returncode == 0, reference.stderr[-3000:]
