@@ -25,7 +25,7 @@ from keras_stage.callbacks.prefetch_callback import epoch_statistics, verdict
 from keras_stage.data import StageOptions
 from keras_stage.layers import StagedInput
 from keras_stage.models.decision import epochs as epoch_switch
-from tests.helpers import printed_in_fresh_python, tensorboard_scalars
+from tests.helpers import printed_in_forked_python, tensorboard_scalars
 
 SLEEP_SECONDS = 0.03
 # Enough batches that one scheduling stall of a loaded machine cannot
@@ -1108,8 +1108,10 @@ def test_callback_of_epochs_the_switch_runs_unstaged_is_not_warned(
 
 @pytest.mark.timeout(120)
 def test_log_dir_without_tensorboard_names_the_fix():
-    # TensorFlow has tf.summary's scalars from TensorBoard: blocked before
-    # TensorFlow loads, they are missing, as in an environment without it.
+    # TensorFlow has tf.summary's scalars from TensorBoard, which it loads
+    # on first use: blocked before that, they are missing, as in an
+    # environment without it. (The forking process imported TensorFlow,
+    # not TensorBoard.)
     code = (
         "import sys; sys.modules['tensorboard'] = None\n"
         "from keras_stage.callbacks import PrefetchCallback\n"
@@ -1119,7 +1121,7 @@ def test_log_dir_without_tensorboard_names_the_fix():
         "except ImportError as e:\n"
         "    print(e)\n"
     )
-    out = printed_in_fresh_python(code)
+    out = printed_in_forked_python(code)
     assert out.startswith(
         "PrefetchCallback(log_dir=...) writes TensorBoard event files, "
         "which needs the `tensorboard` package, and it is not installed. "
