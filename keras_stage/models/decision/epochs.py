@@ -53,8 +53,10 @@ import keras
 
 from keras_stage.data.eager_iterated import EagerIterated
 from keras_stage.models.call.epoch_iterators import ResolvingIterator, resolve
-from keras_stage.models.decision.calls import may_skip_stage
-from keras_stage.models.model_state import UNSTAGED_STEPS
+from keras_stage.models.decision.calls import (
+    may_skip_stage,
+    traces_whole_step,
+)
 from keras_stage.models.model_state import state as model_state
 
 logger = logging.getLogger("keras_stage")
@@ -182,6 +184,7 @@ class EpochSwitch:
     """
 
     def __init__(self, model, name, epochs, stats, staged_before_trial):
+        self._model = model
         self._state = model_state(model)
         self.model_name = model.name
         self.name = name
@@ -258,7 +261,7 @@ class EpochSwitch:
         costs about what the call's first staged step took over its warm
         ones (that step traced the trunk's step, if this call did).
         """
-        if (TRAIN, UNSTAGED_STEPS) in self._state.staged_functions:
+        if not traces_whole_step(self._model, TRAIN):
             return False
         first = staged[0]
         trace = max(first.steps[0] - first.warm_step, 0.0) if first.timed else 0
