@@ -14,6 +14,7 @@ from tests.helpers import (
     GcClock,
     busiest_threads,
     record_hang,
+    run_forked,
     wait_until,
 )
 
@@ -118,3 +119,50 @@ def test_a_hang_report_reaches_the_summary_from_an_xdist_worker(tmp_path):
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     tail = done.stdout[done.stdout.rindex("hang watchdog") :]
     assert "the worker test: threads when the watchdog fired" in tail
+
+
+@pytest.mark.timeout(120)
+def test_run_forked_runs_code_and_modules_as_fresh_processes(tmp_path):
+    # No keras_stage module and no TensorFlow device yet: the child starts
+    # as `python -c` would after TensorFlow's import.
+    code = (
+        "import sys, warnings\n"
+        "import tensorflow as tf\n"
+        "mine = [m for m in sys.modules if m.startswith('keras_stage')]\n"
+        "print(sys.argv, mine)\n"
+        "cpu, = tf.config.list_physical_devices('CPU')\n"
+        "tf.config.set_logical_device_configuration(\n"
+        "    cpu, [tf.config.LogicalDeviceConfiguration()] * 2)\n"
+        "print(len(tf.config.list_logical_devices('CPU')))\n"
+        "import atexit; atexit.register(lambda: print('at exit'))\n"
+        "print('to stderr', file=sys.stderr)\n"
+        "raise SystemExit(3)\n"
+    )
+    done = run_forked(["-c", "x"], code=code, env={"ONLY_HERE": "1"})
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.splitlines() == ["['-c', 'x'] []", "2", "at exit"]
+    assert done.stderr.endswith("to stderr\n")
+    # An uncaught error: its traceback, exit status 1; each child starts
+    # from the forking process, not from the one before.
+    done = run_forked(
+        ["-c"],
+        code="import os; print(os.environ.get('ONLY_HERE')); 1 / 0",
+        cwd=str(tmp_path),
+    )
+    assert done.returncode == 1
+    assert done.stdout == "None\n"
+    assert "ZeroDivisionError" in done.stderr
+    # A module, as `python -m`; killed by a signal, a negative status.
+    (tmp_path / "forked_module.py").write_text(
+        "import os, sys\nprint(sys.argv[1:])\nos.kill(os.getpid(), 9)\n"
+    )
+    done = run_forked(["-m", "a"], module="forked_module", cwd=str(tmp_path))
+    assert done.stdout == "['a']\n" and done.returncode == -9
+
+
+@pytest.mark.timeout(120)
+def test_run_forked_kills_a_child_past_its_timeout():
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_forked(["-c"], code="import time; time.sleep(60)", timeout=1)
+    # The next call starts a new forking process.
+    assert run_forked(["-c"], code="print(2)").stdout == "2\n"
