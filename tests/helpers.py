@@ -200,6 +200,7 @@ def child(request, out, err):
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(out, 1)
     os.dup2(err, 2)
+    os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     sys.argv = request["argv"]
@@ -267,11 +268,13 @@ def run_forked(argv, code=None, module=None, cwd=None, env=None, timeout=100):
 
     Runs `code` (as `python -c code` would) or `module` (as `python -m
     module`) in a child of the forking process above, with `sys.argv` set
-    to `argv` and `env` added to its environment; returns a
-    `subprocess.CompletedProcess`. For the checks that need a process of
-    their own (TensorFlow's devices not initialised yet, warnings given once
-    per process, a script run from the start) but not a fresh import of
-    TensorFlow; what an import itself does is checked in a fresh `python`.
+    to `argv` and this process's environment, `env` added, as its own;
+    returns a `subprocess.CompletedProcess`. For the checks that need a
+    process of their own (TensorFlow's devices not initialised yet,
+    warnings given once per process, a script run from the start, what
+    keras_stage's import loads) but not a fresh import of TensorFlow;
+    what blocking a module before TensorFlow's import does is checked in
+    a fresh `python`.
     A child still running after `timeout` seconds is killed, with the
     forking process, and `subprocess.TimeoutExpired` raised.
     """
@@ -285,7 +288,7 @@ def run_forked(argv, code=None, module=None, cwd=None, env=None, timeout=100):
             "code": code,
             "module": module,
             "cwd": cwd or os.getcwd(),
-            "env": dict(env or {}),
+            "env": {**os.environ, **(env or {})},
             "out": out,
             "err": err,
         }
