@@ -292,10 +292,16 @@ def run_forked(argv, code=None, module=None, cwd=None, env=None, timeout=100):
             "out": out,
             "err": err,
         }
-        server.stdin.write(json.dumps(request) + "\n")
-        server.stdin.flush()
-        ready, _, _ = select.select([server.stdout], [], [], timeout)
-        line = server.stdout.readline() if ready else ""
+        try:
+            server.stdin.write(json.dumps(request) + "\n")
+            server.stdin.flush()
+            ready, _, _ = select.select([server.stdout], [], [], timeout)
+            line = server.stdout.readline() if ready else ""
+        except BaseException:
+            # Interrupted (a test's timeout, Ctrl+C): the child may still
+            # run, and its answer must not reach the next call.
+            _stop_forking_process(server)
+            raise
         if not line:
             _stop_forking_process(server)
             if ready:
