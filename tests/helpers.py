@@ -220,18 +220,21 @@ def child(request, out, err):
 
 def serve():
     for line in sys.stdin:
-        request = json.loads(line)
-        out = os.open(request["out"], os.O_WRONLY | os.O_CREAT, 0o600)
-        err = os.open(request["err"], os.O_WRONLY | os.O_CREAT, 0o600)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            child(request, out, err)  # raises SystemExit: this process ends
-        os.close(out)
-        os.close(err)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps(os.waitstatus_to_exitcode(status)), flush=True)
+        pids = []
+        for request in json.loads(line):  # children that run at once
+            out = os.open(request["out"], os.O_WRONLY | os.O_CREAT, 0o600)
+            err = os.open(request["err"], os.O_WRONLY | os.O_CREAT, 0o600)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                child(request, out, err)  # raises SystemExit: it ends
+            os.close(out)
+            os.close(err)
+            pids.append(pid)
+        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+                 for pid in pids]
+        print(json.dumps(codes), flush=True)
 
 serve()
 """
@@ -278,27 +281,41 @@ def run_forked(argv, code=None, module=None, cwd=None, env=None, timeout=100):
     A child still running after `timeout` seconds is killed, with the
     forking process, and `subprocess.TimeoutExpired` raised.
     """
+    job = dict(argv=argv, code=code, module=module, cwd=cwd, env=env)
+    return run_forked_together([job], timeout)[0]
+
+
+def run_forked_together(jobs, timeout=100):
+    """`run_forked` of each of `jobs` (dicts of its arguments), all at once.
+
+    The children run side by side (the processes of one cluster); returns
+    their `subprocess.CompletedProcess`es once all have ended, or kills
+    them all after `timeout` seconds.
+    """
     import tempfile
 
     server = _forking_process()
     with tempfile.TemporaryDirectory() as folder:
-        out, err = os.path.join(folder, "out"), os.path.join(folder, "err")
-        request = {
-            "argv": list(argv),
-            "code": code,
-            "module": module,
-            "cwd": cwd or os.getcwd(),
-            "env": {**os.environ, **(env or {})},
-            "out": out,
-            "err": err,
-        }
+        requests = []
+        for i, job in enumerate(jobs):
+            requests.append(
+                {
+                    "argv": list(job["argv"]),
+                    "code": job.get("code"),
+                    "module": job.get("module"),
+                    "cwd": job.get("cwd") or os.getcwd(),
+                    "env": {**os.environ, **(job.get("env") or {})},
+                    "out": os.path.join(folder, f"{i}.out"),
+                    "err": os.path.join(folder, f"{i}.err"),
+                }
+            )
         try:
-            server.stdin.write(json.dumps(request) + "\n")
+            server.stdin.write(json.dumps(requests) + "\n")
             server.stdin.flush()
             ready, _, _ = select.select([server.stdout], [], [], timeout)
             line = server.stdout.readline() if ready else ""
         except BaseException:
-            # Interrupted (a test's timeout, Ctrl+C): the child may still
+            # Interrupted (a test's timeout, Ctrl+C): a child may still
             # run, and its answer must not reach the next call.
             _stop_forking_process(server)
             raise
@@ -306,16 +323,19 @@ def run_forked(argv, code=None, module=None, cwd=None, env=None, timeout=100):
             _stop_forking_process(server)
             if ready:
                 raise RuntimeError("the forking process ended unexpectedly")
-            raise subprocess.TimeoutExpired(argv, timeout)
-        returncode = json.loads(line)
+            raise subprocess.TimeoutExpired(requests[0]["argv"], timeout)
 
         def read(path):
             with open(path, errors="replace") as f:
                 return f.read()
 
-        return subprocess.CompletedProcess(
-            argv, returncode, read(out), read(err)
-        )
+        codes = json.loads(line)
+        return [
+            subprocess.CompletedProcess(
+                r["argv"], code, read(r["out"]), read(r["err"])
+            )
+            for r, code in zip(requests, codes, strict=True)
+        ]
 
 
 def printed_in_forked_python(code, timeout=100):

@@ -15,6 +15,7 @@ from tests.helpers import (
     busiest_threads,
     record_hang,
     run_forked,
+    run_forked_together,
     wait_until,
 )
 
@@ -166,3 +167,26 @@ def test_run_forked_kills_a_child_past_its_timeout():
         run_forked(["-c"], code="import time; time.sleep(60)", timeout=1)
     # The next call starts a new forking process.
     assert run_forked(["-c"], code="print(2)").stdout == "2\n"
+
+
+@pytest.mark.timeout(120)
+def test_run_forked_together_runs_its_children_side_by_side(tmp_path):
+    # Each child waits for the other's file: they run at the same time.
+    code = (
+        "import os, sys, time\n"
+        "me, other = sys.argv[1:3]\n"
+        "open(me, 'w').close()\n"
+        "deadline = time.monotonic() + 30\n"
+        "while not os.path.exists(other) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.01)\n"
+        "print(os.path.exists(other)); raise SystemExit(int(sys.argv[3]))\n"
+    )
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    done = run_forked_together(
+        [
+            dict(argv=["-c", a, b, "0"], code=code),
+            dict(argv=["-c", b, a, "4"], code=code),
+        ]
+    )
+    assert [d.stdout for d in done] == ["True\n", "True\n"]
+    assert [d.returncode for d in done] == [0, 4]

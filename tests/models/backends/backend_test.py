@@ -87,39 +87,35 @@ else:
 
 
 @pytest.mark.timeout(180)
-def test_a_staged_fit_with_two_real_workers_says_what_works(tmp_path):
+def test_a_staged_fit_with_two_real_workers_says_what_works():
     # Two worker processes of one MultiWorkerMirroredStrategy cluster on
     # this machine: Keras 3 cannot fit there (keras-team/keras#20585), and
     # the staged fit says so at once instead of failing in its first step.
-    import os
     import socket
-    import subprocess
-    import sys
+
+    from tests.helpers import run_forked_together
 
     ports = []
     for _ in range(2):
         with socket.socket() as s:
             s.bind(("localhost", 0))
             ports.append(str(s.getsockname()[1]))
-    script = tmp_path / "worker.py"
-    script.write_text(_TWO_WORKERS)
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    workers = [
-        subprocess.Popen(
-            [sys.executable, str(script), *ports, str(index)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for index in range(2)
-    ]
-    try:
-        outputs = [worker.communicate(timeout=150) for worker in workers]
-    finally:
-        for worker in workers:
-            worker.kill()
-    for (out, err), worker in zip(outputs, workers, strict=True):
+    # Two processes of their own, forked side by side from one that
+    # imported TensorFlow (run_forked_together): the script sets TF_CONFIG
+    # before it makes the strategy, which reads it.
+    workers = run_forked_together(
+        [
+            dict(
+                argv=["worker.py", *ports, str(index)],
+                code=_TWO_WORKERS,
+                env={"TF_CPP_MIN_LOG_LEVEL": "2"},
+            )
+            for index in range(2)
+        ],
+        timeout=150,
+    )
+    for worker in workers:
+        out, err = worker.stdout, worker.stderr
         assert worker.returncode == 0, err[-3000:]
         assert "REFUSED" in out, (out, err[-3000:])
         assert "2 workers" in out
