@@ -317,6 +317,20 @@ def test_no_trial_whose_trace_would_outweigh_what_it_can_gain(
     assert history.history["stage_unstaged"] == [0, 0, 1, 1, 1, 1]
 
 
+def _iterators_noted(model):
+    """The phases of the stage iterators `model`'s calls make, as made."""
+    made = []
+    costs = calls.costs(model)
+    original = costs.note_iterator
+
+    def note(phase, seconds):
+        made.append(phase)
+        original(phase, seconds)
+
+    costs.note_iterator = note
+    return made
+
+
 @pytest.mark.parametrize("stage_pays", [False, True])
 def test_a_reshuffling_dataset_keeps_plain_orders_on_few_iterators(
     stage_pays, monkeypatch, caplog
@@ -329,15 +343,7 @@ def test_a_reshuffling_dataset_keeps_plain_orders_on_few_iterators(
     monkeypatch.setattr(epoch_switch, "MARGIN", 1.0 if stage_pays else -1e9)
     plain, staged = _models()
     expected = _fit(plain)
-    made = []
-    costs = calls.costs(staged)
-    original = costs.note_iterator
-
-    def note(phase, seconds):
-        made.append(phase)
-        original(phase, seconds)
-
-    costs.note_iterator = note
+    made = _iterators_noted(staged)
     history = _fit(staged)
     kept = staged._keras_stage_state.stages["train"]
     assert kept.long_lived.stop is not None
@@ -362,15 +368,7 @@ def test_a_trial_ruled_out_by_the_first_epoch_leaves_one_more_iterator(
     monkeypatch.setattr(epoch_switch, "TRACE_SHARE", 0.0)
     plain, staged = _models()
     expected = _fit(plain)
-    made = []
-    costs = calls.costs(staged)
-    original = costs.note_iterator
-
-    def note(phase, seconds):
-        made.append(phase)
-        original(phase, seconds)
-
-    costs.note_iterator = note
+    made = _iterators_noted(staged)
     history = _fit(staged)
     assert staged._keras_stage_state.stages["train"].long_lived.stop is not None
     _assert_same(plain, staged, expected, history)
