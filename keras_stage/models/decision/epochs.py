@@ -185,7 +185,6 @@ class EpochSwitch:
 
     def __init__(self, model, name, epochs, stats, staged_before_trial):
         self._model = model
-        self._state = model_state(model)
         self.model_name = model.name
         self.name = name
         self.epochs = epochs
@@ -209,7 +208,13 @@ class EpochSwitch:
             self._decide(staged[-1], trial[-1])
             return self.decision
         if len(staged) < self._staged_before_trial:
-            if staged and self._never_tried(staged):
+            # Before the last staged epoch the trial waits for (the first
+            # on a resized pool), the first epoch may rule it out already:
+            # decided now, the epochs left read one iterator (a drawing
+            # dataset's staged epochs each end theirs while the trial may
+            # come: see `LongLivedIterator`).
+            after_trial = self.epochs - self._staged_before_trial - 1
+            if staged and self._rules_out(staged, staged[0], after_trial):
                 self.decision = STAGED  # nothing tried: nothing to report
             return STAGED
         last = staged[-1]
@@ -217,11 +222,8 @@ class EpochSwitch:
         # A wait not measured (None, see the module docstring): the trial
         # then tells alone whether the stage pays.
         ratio = last.wait_ratio
-        if (
-            not last.timed
-            or (ratio is not None and ratio > TRIAL_WAIT_RATIO)
-            or left < 2
-            or self._trace_outweighs(staged, last, left - 1)
+        if (ratio is not None and ratio > TRIAL_WAIT_RATIO) or self._rules_out(
+            staged, last, left - 1
         ):
             self.decision = STAGED  # nothing tried: nothing to report
             logger.debug(
@@ -235,22 +237,16 @@ class EpochSwitch:
             return STAGED
         return UNSTAGED
 
-    def _never_tried(self, staged):
-        """Whether the epochs measured so far already rule the trial out.
+    def _rules_out(self, staged, clock, after_trial):
+        """Whether `clock`'s staged epoch rules the trial out.
 
-        Before the last staged epoch the trial waits for (the first on a
-        resized pool): epochs too short to time, or a trace that would
-        outweigh the epochs left after the trial at the measured pace,
-        tell now. Decided now, the epochs left read one iterator (a
-        drawing dataset's staged epochs each end theirs while the trial
-        may come: see `LongLivedIterator`).
+        Epochs too short to time, no epoch after the trial to gain, or a
+        trace that would outweigh the `after_trial` epochs at its pace.
         """
-        first = staged[0]
-        after_trial = self.epochs - self._staged_before_trial - 1
         return (
-            not first.timed
+            not clock.timed
             or after_trial < 1
-            or self._trace_outweighs(staged, first, after_trial)
+            or self._trace_outweighs(staged, clock, after_trial)
         )
 
     def _trace_outweighs(self, staged, last, after_trial):
@@ -291,7 +287,7 @@ class EpochSwitch:
             )
         else:
             self.decision = STAGED
-            self._state.switch_verdicts[TRAIN] = STAGED
+            model_state(self._model).switch_verdicts[TRAIN] = STAGED
             self.message = (
                 f"Stage '{self.name}' of model '{self.model_name}' pays "
                 f"({figures}): the rest of this fit, and later fits of "
