@@ -364,6 +364,17 @@ class CallCosts:
         )
         return prefix + costs.step_trace_seconds
 
+    def _set_up(self, costs, iterators, plans, traces, compiles):
+        """What a call pays for its stage by `costs` (see `decide`)."""
+        set_up = costs.cost(iterators)
+        if plans:
+            set_up += self.plan_seconds
+        if traces:
+            set_up += costs.trace_seconds
+        if compiles:
+            set_up += costs.step_call_seconds
+        return set_up
+
     def stages(self, *args, **kwargs):
         """Whether a call should be staged: `decide(...)`'s first part."""
         return self.decide(*args, **kwargs)[0]
@@ -424,18 +435,34 @@ class CallCosts:
             )
         costs = self.measured_like(phase)
         if not costs.measured():
+            if costs.build_seconds is None or costs.iterator_seconds is None:
+                return (
+                    True,
+                    "nothing is measured on a model with this stage yet",
+                    0.0,
+                )
+            # Its staged steps are timed, its staged work is not (op
+            # determinism where tf.data's model cannot be read) and the
+            # trial's trace outweighs this call: the stage's set-up, which
+            # an unstaged call would not pay, is rent toward that trace
+            # (see `trace_owed`), so a later call runs the trial.
+            set_up = self._set_up(costs, iterators, plans, traces, compiles)
+            trace = (
+                f" and tracing its step ({1000 * owed:.1f} ms) outweighs "
+                "this call"
+                if owed > 0
+                else ""
+            )
             return (
                 True,
-                "nothing is measured on a model with this stage yet",
-                0.0,
+                (
+                    f"the whole model's steps are not timed yet{trace}; the "
+                    f"stage's {1000 * set_up:.1f} ms of set-up count toward "
+                    "the trial's trace"
+                ),
+                set_up,
             )
-        set_up = costs.cost(iterators)
-        if plans:
-            set_up += self.plan_seconds
-        if traces:
-            set_up += costs.trace_seconds
-        if compiles:
-            set_up += costs.step_call_seconds
+        set_up = self._set_up(costs, iterators, plans, traces, compiles)
         saving = costs.saving(batches)
         trace = (
             f" and the {1000 * owed:.1f} ms of tracing the whole model's "

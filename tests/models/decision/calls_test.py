@@ -90,6 +90,38 @@ def test_untimed_staged_work_is_weighed_from_host_timed_steps():
     assert not costs.stages("train", 10_000, 1)
 
 
+def test_untimed_staged_work_pays_its_set_up_toward_the_trials_trace():
+    # Op determinism where tf.data's model cannot be read (TF 2.16): the
+    # staged work is never measured, so until the trial times the whole
+    # model's steps, a staged call's set-up is its only known rent toward
+    # the trace the trial owes; without it no trial ever runs.
+    costs = CallCosts()
+    assert costs.decide("train", 100, 1, owed=1.0)[2] == 0.0  # nothing known
+    costs.note_build("train", 0.05)
+    costs.note_iterator("train", 0.02)
+    costs.note_steps("train", [1.0] + [0.004] * 5, staged=True)
+    # 100 steps of 4 ms allow 40 ms of trace: 50 owed keep the call staged,
+    # paying its 2 iterators and its build, 90 ms.
+    staged, why, rent = costs.decide("train", 100, 2, owed=0.05)
+    assert staged and rent == pytest.approx(0.09)
+    assert why == (
+        "the whole model's steps are not timed yet and tracing its step "
+        "(50.0 ms) outweighs this call; the stage's 90.0 ms of set-up count "
+        "toward the trial's trace"
+    )
+    # Its first staged calls also pay the plan, the prefix's trace and the
+    # trunk's first call.
+    costs.note_plan(0.1)
+    costs.note_trace("train", 0.2)
+    costs.phase("train").note(step_call=0.3)
+    rent = costs.decide(
+        "train", 100, 1, owed=0.05, plans=True, traces=True, compiles=True
+    )[2]
+    assert rent == pytest.approx(0.67)
+    # Once paid, nothing is owed and the trial runs.
+    assert not costs.stages("train", 100, 1, owed=0.0)
+
+
 def test_host_timed_steps_bound_the_timed_work():
     # The staged work per batch bounds what a stage saves; on busy cores
     # the steps, timed staged and unstaged, may show it saves less.
