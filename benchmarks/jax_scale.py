@@ -1,9 +1,10 @@
 """keras_stage on JAX over one device, two devices and two processes.
 
 `KERAS_BACKEND=jax python -m benchmarks.jax_scale [--rounds N] [--quick]
-[--concurrent] [--out PATH]` (in the `.venv-jax` environment) times whole
-`fit` calls of two models with string features in the model, in three
-configurations, each in fresh child processes (JAX's devices are fixed
+[--concurrent] [--configs 1x1,1x2,2x1] [--out PATH]` (in the `.venv-jax`
+environment) times whole `fit` calls of two models with string features in
+the model, in three configurations (or those `--configs` names), each in
+fresh child processes (JAX's devices are fixed
 when it starts):
 
 - `1x1`: one process, one CPU device, no distribution;
@@ -553,6 +554,12 @@ def parse_args(argv=None):
         "smoke run with --quick; the figures then share the cores)",
     )
     parser.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"comma-separated configurations to run (default: all, "
+        f"{','.join(CONFIGS)})",
+    )
+    parser.add_argument(
         "--out",
         default=DEFAULT_OUT,
         help="results file (default: benchmarks/results/jax_scale.json)",
@@ -566,6 +573,13 @@ def parse_args(argv=None):
         args.rounds = QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    args.configs = tuple(c for c in args.configs.split(",") if c)
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    if unknown or not args.configs:
+        parser.error(
+            f"--configs must name some of {', '.join(CONFIGS)}; "
+            f"received {args.configs or 'none'}"
+        )
     if os.environ.get("KERAS_BACKEND") != "jax":
         parser.error(
             "Keras must run on the JAX backend: run with KERAS_BACKEND=jax "
@@ -592,6 +606,7 @@ def main(argv=None):
         args.quick,
         log=lambda line: print(line, flush=True),
         argv=["benchmarks.jax_scale", *argv],
+        configs=args.configs,
         concurrent=args.concurrent,
     )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -87,3 +87,18 @@ def test_the_figures_are_positive_numbers(results):
     ]
     assert len(rows) == 2 * 2 * len(jax_scale.CONFIGS), table
     assert "ran at once" in table
+
+
+def test_configs_names_the_configurations_to_run(capsys):
+    from benchmarks import jax_scale
+
+    assert jax_scale.parse_args([]).configs == tuple(jax_scale.CONFIGS)
+    assert jax_scale.parse_args(["--configs", "1x1,2x1"]).configs == (
+        "1x1",
+        "2x1",
+    )
+    with pytest.raises(SystemExit):
+        jax_scale.parse_args(["--configs", "1x1,3x3"])
+    assert (
+        "--configs must name some of 1x1, 1x2, 2x1" in capsys.readouterr().err
+    )
