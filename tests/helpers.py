@@ -222,6 +222,11 @@ def child(request, out, err):
     elif not isinstance(status, int):
         print(status, file=sys.stderr)
         status = 1
+    if request.get("interpreter_exit"):
+        # The interpreter's whole exit, as a fresh `python` ends: out of
+        # serve() and this script, then the modules' teardown with the
+        # finalizers it runs.
+        sys.exit(status)
     # What an interpreter's exit does, in its order (non-daemon threads
     # joined, atexit handlers, the streams flushed), less tearing down
     # the modules of TensorFlow and Keras: a second of CPU, seen by no one.
@@ -280,7 +285,15 @@ def _stop_forking_process(server):
         _fork_server = None
 
 
-def run_forked(argv, code=None, module=None, cwd=None, env=None, timeout=100):
+def run_forked(
+    argv,
+    code=None,
+    module=None,
+    cwd=None,
+    env=None,
+    timeout=100,
+    interpreter_exit=False,
+):
     """`subprocess.run(argv, capture_output=True, text=True)`, forked.
 
     Runs `code` (as `python -c code` would) or `module` (as `python -m
@@ -293,9 +306,19 @@ def run_forked(argv, code=None, module=None, cwd=None, env=None, timeout=100):
     what blocking a module before TensorFlow's import does is checked in
     a fresh `python`.
     A child still running after `timeout` seconds is killed and
-    `subprocess.TimeoutExpired` raised.
+    `subprocess.TimeoutExpired` raised. With `interpreter_exit` the child
+    ends as a fresh interpreter does, tearing down the modules (and running
+    the finalizers that runs) rather than skipping that teardown: for what
+    happens at a process's exit.
     """
-    job = dict(argv=argv, code=code, module=module, cwd=cwd, env=env)
+    job = dict(
+        argv=argv,
+        code=code,
+        module=module,
+        cwd=cwd,
+        env=env,
+        interpreter_exit=interpreter_exit,
+    )
     return run_forked_together([job], timeout)[0]
 
 
@@ -319,6 +342,7 @@ def run_forked_together(jobs, timeout=100):
                     "module": job.get("module"),
                     "cwd": job.get("cwd") or os.getcwd(),
                     "env": {**os.environ, **(job.get("env") or {})},
+                    "interpreter_exit": job.get("interpreter_exit", False),
                     "out": os.path.join(folder, f"{i}.out"),
                     "err": os.path.join(folder, f"{i}.err"),
                 }

@@ -162,6 +162,30 @@ def test_run_forked_runs_code_and_modules_as_fresh_processes(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_run_forked_with_interpreter_exit_tears_down_the_modules():
+    # A finalizer that fails in the modules' teardown: reported only when
+    # the child exits as an interpreter does, not by the usual quick end.
+    code = (
+        "class Failing:\n"
+        "    def __del__(self):\n"
+        "        raise RuntimeError('in the teardown')\n"
+        "kept = Failing()\n"
+        "print('ended')\n"
+    )
+    quick = run_forked(["-c"], code=code)
+    assert (quick.returncode, quick.stdout) == (0, "ended\n")
+    assert "in the teardown" not in quick.stderr
+    whole = run_forked(["-c"], code=code, interpreter_exit=True)
+    assert (whole.returncode, whole.stdout) == (0, "ended\n")
+    assert "Exception ignored" in whole.stderr
+    assert "in the teardown" in whole.stderr
+    # Its exit status is the code's, and the forking process serves on.
+    done = run_forked(["-c"], code="raise SystemExit(5)", interpreter_exit=True)
+    assert done.returncode == 5
+    assert run_forked(["-c"], code="print(1)").stdout == "1\n"
+
+
+@pytest.mark.timeout(120)
 def test_run_forked_kills_a_child_past_its_timeout():
     code = "import os, time; print(os.getppid(), flush=True); time.sleep(60)"
     forking = int(

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage.models.call.epoch_iterators import DeferredPipeline, resolve
+from tests.helpers import run_forked
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -683,16 +684,14 @@ print("ended")
 def test_an_iterator_running_on_with_python_lets_the_process_exit(drop):
     # The kept iterator's map calls Python (a py_function); torn down in
     # the thread that drops it, or by the interpreter's exit, it could wait
-    # for that Python while holding the interpreter lock.
-    import subprocess
-    import sys
-
-    done = subprocess.run(
-        [sys.executable, "-c", _EXITS_SCRIPT.format(drop=drop)],
-        capture_output=True,
-        text=True,
+    # for that Python while holding the interpreter lock. Forked from a
+    # process that imported TensorFlow (not a fresh `python`, which imports
+    # it again), and ended by the interpreter's whole exit.
+    done = run_forked(
+        ["-c"],
+        code=_EXITS_SCRIPT.format(drop=drop),
         timeout=120,
-        check=False,
+        interpreter_exit=True,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "ended" in done.stdout
