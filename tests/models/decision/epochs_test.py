@@ -68,6 +68,35 @@ def _fit(model, epochs=6, callbacks=(), batch_size=8, validation=None):
     )
 
 
+# `_plain_fit`'s fits: {op determinism on: (initial weights, final
+# weights, History)}.
+_PLAIN_FITS = {}
+
+
+def _plain_fit(plain):
+    """`_fit(plain)`'s History, fit once per test process.
+
+    The plain model of `_models()` starts from the same weights in every
+    test, and the same fit from the same weights trains the same: a later
+    test (with op determinism on or off alike) gets the first one's History
+    and `plain` the weights it ended with. Other starting weights are fit
+    afresh.
+    """
+    from tests.op_determinism import enabled
+
+    start = plain.get_weights()
+    if enabled() in _PLAIN_FITS:
+        initial, final, history = _PLAIN_FITS[enabled()]
+        if all(
+            np.array_equal(a, b) for a, b in zip(initial, start, strict=True)
+        ):
+            plain.set_weights(final)
+            return history
+    history = _fit(plain)
+    _PLAIN_FITS[enabled()] = (start, plain.get_weights(), history)
+    return history
+
+
 @pytest.fixture(autouse=True)
 def calls_staged(monkeypatch):
     """Every fit of several batches is staged: the epochs are decided here.
@@ -114,7 +143,7 @@ def test_a_stage_that_does_not_pay_leaves_the_rest_of_the_fit(
     unstaged_wins, caplog
 ):
     plain, staged = _models()
-    expected = _fit(plain)
+    expected = _plain_fit(plain)
     callback = keras_stage.callbacks.PrefetchCallback()
     stats = []
 
@@ -141,7 +170,7 @@ def test_a_stage_that_does_not_pay_leaves_the_rest_of_the_fit(
 
 def test_a_stage_that_pays_keeps_the_fit_and_later_fits(staged_wins):
     plain, staged = _models()
-    expected = _fit(plain)
+    expected = _plain_fit(plain)
     history = _fit(staged)
     # The trial epoch alone ran without the stage.
     assert history.history["stage_unstaged"] == [0, 0, 1, 0, 0, 0]
@@ -214,7 +243,7 @@ def test_under_op_determinism_the_trial_decides_alone(unstaged_wins):
 
     plain, staged = _models()
     with op_determinism():
-        expected = _fit(plain)
+        expected = _plain_fit(plain)
         history = _fit(
             staged, callbacks=[keras_stage.callbacks.PrefetchCallback()]
         )
@@ -237,7 +266,7 @@ def test_under_op_determinism_a_step_that_waits_is_not_tried(monkeypatch):
     monkeypatch.setattr(epoch_switch, "MARGIN", -1e9)
     plain, staged = _models()
     with op_determinism():
-        expected = _fit(plain)
+        expected = _plain_fit(plain)
         history = _fit(staged)
     assert history.history["stage_unstaged"] == [0] * 6
     assert all(0.0 <= r <= 1.0 for r in history.history["stage_wait_ratio"])
@@ -251,7 +280,7 @@ def test_under_op_determinism_a_stage_that_pays_keeps_its_epochs(
 
     plain, staged = _models()
     with op_determinism():
-        expected = _fit(plain)
+        expected = _plain_fit(plain)
         history = _fit(staged)
     assert history.history["stage_unstaged"] == [0, 0, 1, 0, 0, 0]
     _assert_same(plain, staged, expected, history)
@@ -342,7 +371,7 @@ def test_a_reshuffling_dataset_keeps_plain_orders_on_few_iterators(
     monkeypatch.setattr(epoch_switch, "TRACE_SHARE", float("inf"))
     monkeypatch.setattr(epoch_switch, "MARGIN", 1.0 if stage_pays else -1e9)
     plain, staged = _models()
-    expected = _fit(plain)
+    expected = _plain_fit(plain)
     made = _iterators_noted(staged)
     history = _fit(staged)
     kept = staged._keras_stage_state.stages["train"]
@@ -367,7 +396,7 @@ def test_a_trial_ruled_out_by_the_first_epoch_leaves_one_more_iterator(
     monkeypatch.setattr(epoch_switch, "TRIAL_WAIT_RATIO", float("inf"))
     monkeypatch.setattr(epoch_switch, "TRACE_SHARE", 0.0)
     plain, staged = _models()
-    expected = _fit(plain)
+    expected = _plain_fit(plain)
     made = _iterators_noted(staged)
     history = _fit(staged)
     assert staged._keras_stage_state.stages["train"].long_lived.stop is not None
