@@ -8,10 +8,12 @@ import path are checked here without TensorFlow; the runs of the harness
 import logging
 import pathlib
 import shutil
+import sys
 
 import pytest
 
 from benchmarks import first_calls, scripts
+from tests.helpers import run_forked
 
 
 def test_every_script_has_a_module_with_run():
@@ -237,10 +239,30 @@ def test_package_root_must_hold_keras_stage(tmp_path):
         pass
 
 
-def test_a_failing_child_says_which_and_why():
+def test_a_failing_child_says_which_and_why(monkeypatch):
+    # The child is forked from a process that imported TensorFlow
+    # (`run_forked`), not started as a fresh `python` that imports it
+    # again: what is tested is what its failure is reported as. A child of
+    # `subprocess.run` itself is the next test's and the harness runs'.
+    def forked(command, capture_output, text, cwd, env, timeout):
+        assert capture_output and text
+        python, flag, module, *arguments = command
+        assert (python, flag) == (sys.executable, "-m")
+        return run_forked(
+            ["-m", *arguments],
+            module=module,
+            cwd=str(cwd),
+            env=env,
+            timeout=timeout,
+        )
+
+    monkeypatch.setattr(first_calls.subprocess, "run", forked)
     env = first_calls.child_environment()
-    with pytest.raises(first_calls.ChildFailed, match="Unknown script 'nope'"):
+    with pytest.raises(first_calls.ChildFailed) as info:
         first_calls.run_child(["--child-script", "nope", "plain"], env)
+    message = str(info.value)
+    assert message.startswith("--child-script nope plain: exit status 1, ")
+    assert "Unknown script 'nope'" in message
 
 
 def test_a_child_is_killed_at_its_timeout():
