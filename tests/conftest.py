@@ -83,6 +83,20 @@ def _a_test_s_iterators_die_with_it():
         _TEST_ITERATORS.clear()
 
 
+# Modules of the longest single tests (the examples' runs, a demo of half a
+# minute, a fresh interpreter's TensorFlow import): run first. pytest-xdist's
+# worksteal hands each worker a contiguous share of the collection and
+# lets an idle worker take the end of another's, so a long test late in a
+# share could start when the other workers have little left, and the run
+# wait for it alone.
+_RUN_FIRST = ("tests/examples_test.py", "tests/import_test.py")
+
+
+def pytest_collection_modifyitems(items):
+    # A stable sort: the order within each part stays the collection's.
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in _RUN_FIRST)
+
+
 def pytest_collection_finish(session):
     # What the imports and the collection made (TensorFlow, Keras, the test
     # modules: hundreds of thousands of objects that live as long as the
