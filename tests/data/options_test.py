@@ -444,28 +444,36 @@ def _combinations(draw):
     return kwargs, invalid
 
 
+# 10 drawn combinations in `make test`, the sweep of 30 in `make test-long`
+# (both derandomized: the same combinations every run).
 @pytest.mark.timeout(120)
-@settings(
-    max_examples=30,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
+@pytest.mark.parametrize(
+    "examples", [10, pytest.param(30, marks=pytest.mark.long)]
 )
-@given(_combinations())
-def test_option_combinations(combination):
-    kwargs, invalid = combination
-    if invalid:
-        with pytest.raises((ValueError, TypeError)) as info:
-            stage(DATASET, lambda x: x * 10, **kwargs)
-        message = str(info.value)
-        named = {a for a in invalid if f"`{a}`" in message}
-        assert named, f"{message!r} names none of {sorted(invalid)}"
-        return
-    staged = stage(DATASET, lambda x: x * 10, **kwargs)
-    try:
-        assert sorted(int(x) for x in staged) == [0, 10, 20, 30, 40]
-        if kwargs.get("deterministic", True):
-            assert [int(x) for x in staged] == [0, 10, 20, 30, 40]
-    finally:
-        staged.close()
+def test_option_combinations(examples):
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture],
+    )
+    @given(_combinations())
+    def check(combination):
+        kwargs, invalid = combination
+        if invalid:
+            with pytest.raises((ValueError, TypeError)) as info:
+                stage(DATASET, lambda x: x * 10, **kwargs)
+            message = str(info.value)
+            named = {a for a in invalid if f"`{a}`" in message}
+            assert named, f"{message!r} names none of {sorted(invalid)}"
+            return
+        staged = stage(DATASET, lambda x: x * 10, **kwargs)
+        try:
+            assert sorted(int(x) for x in staged) == [0, 10, 20, 30, 40]
+            if kwargs.get("deterministic", True):
+                assert [int(x) for x in staged] == [0, 10, 20, 30, 40]
+        finally:
+            staged.close()
+
+    check()
