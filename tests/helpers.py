@@ -307,9 +307,9 @@ def run_forked(
     a fresh `python`.
     A child still running after `timeout` seconds is killed and
     `subprocess.TimeoutExpired` raised. With `interpreter_exit` the child
-    ends as a fresh interpreter does, tearing down the modules (and running
-    the finalizers that runs) rather than skipping that teardown: for what
-    happens at a process's exit.
+    ends as a fresh interpreter does, its modules torn down and the
+    finalizers that calls run, rather than skipping that teardown: for
+    what happens at a process's exit.
     """
     job = dict(
         argv=argv,
