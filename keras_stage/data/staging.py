@@ -365,7 +365,8 @@ def _build_pipeline(
         lean = produced.apply(to_device(device, size))
         host = produced.prefetch(capacity, name=f"{name}_buffer")
         pair = lean, measure(host).apply(to_device(device, 1))
-    return tuple(_Windowed(dataset, stats, window) for dataset in pair)
+    windowed = {id(d): _Windowed(d, stats, window) for d in pair}
+    return tuple(windowed[id(d)] for d in pair)
 
 
 class _Windowed(EagerIterated):

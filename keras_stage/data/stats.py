@@ -313,10 +313,10 @@ class StageStats:
         of the elements counted and not consumed, all but `window` are in
         the buffer or finished in order behind it (see `ready_lag`).
         Counting them after the map instead would take a second map over
-        the element, whose tracing and instantiation, for a wide element,
-        cost each pipeline build about as much as the staged work's (a
-        few milliseconds per column). Noted when the pipeline is built and
-        whenever an eager iterator of it is made.
+        the element, whose tracing and instantiation grow with its
+        components: for a wide element, about what the staged work's own
+        cost each pipeline build (see docs/engine.md). Noted when the
+        pipeline is built and whenever an eager iterator of it is made.
         """
         self._ready_lag = int(window)
 

@@ -308,8 +308,8 @@ def long_lived_source(
 def _unconverted(fn):
     """`fn` (no control flow) for tf.data without AutoGraph's conversion.
 
-    Converting a function costs tens of milliseconds, the first in a
-    process about 0.1 s (measured on the README's example), which plain
-    Keras's steps and adapters never pay.
+    AutoGraph's conversion of a function costs more than its trace (the
+    first in a process most), and plain Keras's steps and adapters never
+    pay it.
     """
     return tf.autograph.experimental.do_not_convert(fn)
