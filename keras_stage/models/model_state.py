@@ -37,6 +37,11 @@ class StagingState:
         # fetches in: kept across calls, since a traced step captures
         # them, and replaced (with a retrace) once closed by a timeout.
         self.step_stats = {}
+        # Where a call's stages count in stats of their own (every JAX
+        # stage, a predict's), the size each role's adaptive pool ended the
+        # last call with: the next call's pool starts there rather than
+        # growing again, since each resize restarts the stage.
+        self.pool_sizes = {}
         # The stats of the phases whose step records during this call.
         self.recording = {}
         # SmartStage: the plan and split (computed on first use after

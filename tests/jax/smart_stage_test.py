@@ -243,6 +243,34 @@ def test_arrays_with_validation_train_on_jax():
     assert model.predict(x, batch_size=32, verbose=0).shape == (96, 1)
 
 
+def test_a_later_call_starts_its_pool_where_the_last_one_ended(monkeypatch):
+    # A JAX stage counts in stats of its own, so each call builds a new
+    # pool: it starts at the size the model's last call of the role ended
+    # with, not at the cores again (each resize restarts the stage).
+    from keras_stage.data import pool as pool_module
+    from keras_stage.models.model_state import state as model_state
+
+    starts = []
+    original = pool_module.StagePool.__init__
+
+    def recording(self, *args, start=None, **kwargs):
+        starts.append(start)
+        original(self, *args, start=start, **kwargs)
+
+    monkeypatch.setattr(pool_module.StagePool, "__init__", recording)
+    x, y = make_data(64)
+    model = staged_model(x)
+    data = raw_dataset(x, y, shuffle=False)
+    model.fit(data, epochs=1, verbose=0, shuffle=False)
+    sizes = model_state(model).pool_sizes
+    assert set(sizes) == {"train"} and sizes["train"] >= 1
+    model_state(model).pool_sizes["train"] = 3
+    data = raw_dataset(x, y, shuffle=False)
+    model.fit(data, epochs=1, verbose=0, shuffle=False)
+    assert starts[-1] == 3
+    assert model_state(model).pool_sizes["train"] >= 3  # JAX's only grow
+
+
 def test_saved_on_jax_serves_raw_strings_on_tensorflow(tmp_path):
     x, y = make_data(64)
     model = staged_model(x)

@@ -98,6 +98,8 @@ class StagedCall:
                 ordered=layer.stage_options.deterministic,
             )
         self.built = []
+        # The roles and pools of the stages counting in stats of their own.
+        self._own_pools = []
         self._state = model_state(model)
         # Per bound phase: the outer call's (runner, recording, placement).
         self._outer = {}
@@ -143,8 +145,12 @@ class StagedCall:
             strategy=model.distribute_strategy if stepped else None,
             kept=self._state.stages,
             reads_in_python=not stepped,
+            # A compiled step's stats keep their pool across calls.
+            pool_start=None if stepped else self._state.pool_sizes.get(role),
             **kwargs,
         )
+        if not stepped:
+            self._own_pools.append((role, data.staged.thread_pool))
         if switch_epochs is not None:
             data.switch = epoch_switch(
                 model, self.layer, data, switch_epochs, self.callbacks
@@ -311,6 +317,9 @@ class StagedCall:
             self._outer.clear()
         finally:
             try:
+                for role, pool in self._own_pools:
+                    if pool is not None:
+                        state.pool_sizes[role] = pool.size
                 for data in self.built:
                     if data.owned:
                         calls.note_work(self.model, data)

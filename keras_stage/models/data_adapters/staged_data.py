@@ -899,6 +899,7 @@ def stage_data(
     alongside=(),
     kept=None,
     reads_in_python=False,
+    pool_start=None,
 ):
     """Stages the data of one phase ("train", "val", "test", "predict").
 
@@ -926,6 +927,9 @@ def stage_data(
     `StagedData.eager_dataset` (predict; every phase on JAX), whose
     iterators record their fetches on the host: the stage builds only its
     lean pipeline (the fetch records' functions are not traced).
+    `pool_start`: the threads a new stage's adaptive pool starts with (the
+    size a model's last call ended with, see `StagingState.pool_sizes`),
+    or None for the backend's (`backend.pool_start`).
 
     `kept`: the model's stages kept between calls, by role (a dict this
     updates), or None. A stage over a user's `tf.data.Dataset` is built
@@ -1155,7 +1159,11 @@ def stage_data(
             distributed=distributed or not backend.uses_device_buffer(),
             unpacks=True,
             reads_in_python=reads_in_python,
-            pool_start=backend.pool_start(layer.stage_options),
+            pool_start=(
+                backend.pool_start(layer.stage_options)
+                if pool_start is None
+                else min(pool_start, layer.stage_options.most_pool_size())
+            ),
             **overrides,
         )
         if entry is not None:
