@@ -161,10 +161,11 @@ def tensorboard_scalars(folder):
 def counters_with(stats, unconsumed):
     """The counters of `stats` with `unconsumed` elements not consumed.
 
-    Finished (slot 0), with the orphans of slot 7.
+    Finished (slot 0, with the orphans of slot 7) and ready (slot 8).
     """
     counters = stats._counters.numpy()
     counters[0] = counters[2] + counters[7] + unconsumed  # produced
+    counters[8] = counters[2] + unconsumed  # ready
     return counters
 
 

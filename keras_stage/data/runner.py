@@ -15,9 +15,8 @@ stops waiting (the timeout, or Ctrl-C in the waiting thread) abandons the
 call: its thread ends once the call returns, and the next call gets a fresh
 one. That hand-off costs two thread wake-ups per call, a share of a short
 training step worth saving, so a call whose elements are already buffered
-(counted finished, beyond those an ordered map finished out of order), and
-so cannot wait on the source, runs in the caller's thread (see
-`ReadyElements`).
+(counted ready, in the order the consumer gets them), and so cannot wait
+on the source, runs in the caller's thread (see `ReadyElements`).
 """
 
 import logging
@@ -197,14 +196,12 @@ class _CallThread:
 class ReadyElements:
     """Finished elements a consumer's next calls can take without waiting.
 
-    The stage counts each element as it finishes and each fetch (its own
-    fetch map, or a consumer recording in its step). An ordered map may
-    finish a few elements ahead of an unfinished one, never more than
-    `StageStats.ready_lag`; so of the current iterator's elements counted
-    and not consumed, all but that many are in the buffer or on their way
-    there, and no fetch of them can wait on the source: a call that needs
-    no more than that many elements cannot time out, and needs no helper
-    thread.
+    The stage counts each element ready as it enters the buffer, in the
+    order the consumer gets them (`StageStats.count_ready`), and each fetch
+    (its own fetch map, or a consumer recording in its step). So one
+    counted ready and not consumed is in the buffer or on its way there,
+    and no fetch of it can wait on the source: a call that needs no more
+    than that many elements cannot time out, and needs no helper thread.
 
     The counters are the stage's, shared by every iterator of its
     pipeline (Keras makes one per epoch), so a count is trusted only for
@@ -256,8 +253,8 @@ class ReadyElements:
                 # (a subclass's own) counts none, and the count of
                 # unconsumed elements would grow for ever.
                 return False
-            self._level = self.stats.unconsumed() - self._left_behind
-            self._ready = self._level - self.stats.ready_lag
+            self._ready = self.stats.unconsumed() - self._left_behind
+            self._level = self._ready
             if self._ready < elements:
                 return False
         self._ready -= elements
@@ -276,7 +273,7 @@ class ReadyElements:
             return
         self._noted = True
         self._level = int(unconsumed) - self._left_behind
-        self._ready = max(self._ready, self._level - self.stats.ready_lag)
+        self._ready = max(self._ready, self._level)
 
     def fill(self, others=True):
         """The buffer fill a fetch of a ready element saw, estimated.

@@ -213,7 +213,7 @@ def _build_pipeline(
         # Count only elements whose computation finished; tf.data runs the
         # counter op with the map (no identity ops are needed to keep it).
         with tf.control_dependencies(tf.nest.flatten(out, True)):
-            stats.count_produced(started, gate)
+            stats.count_produced(started, gate, ready=not count_after)
         return out
 
     if fn is None or graph_ready(fn):
@@ -241,11 +241,13 @@ def _build_pipeline(
         staged_fn = fn = None
 
     # An ordered parallel map finishes elements out of order: a later one
-    # done says nothing of a hung earlier one. It holds at most as many
-    # started and undelivered elements as it runs at once, so the consumer
-    # trusts all but that many of those counted (`ready_lag`, read by
-    # `runner.ReadyElements`).
-    in_order = fn is None or not options.deterministic or bare
+    # done says nothing of a hung earlier one. So its elements are also
+    # counted ready after the map, in the order it delivers them (one op in
+    # the buffer's thread), which tells the consumer which fetches cannot
+    # wait on the source (`runner.ReadyElements`). The busy time and the
+    # finished count stay in the map, where the computation ran: the
+    # verdict and the buffer fill read them.
+    count_after = fn is not None and options.deterministic and not bare
 
     # No timestamp is taken before each pull from the source: that needs a
     # zip with a dataset of markers, work on the path of every element that
@@ -260,29 +262,35 @@ def _build_pipeline(
             # counter runs in the buffer's own thread, op by op, and no
             # element waits for a hand-off to a worker thread.
             return _compat.inline_map(dataset, produce, f"{name}_map")
-        return dataset.map(
+        mapped = dataset.map(
             produce,
             num_parallel_calls=parallel,
             deterministic=options.deterministic,
             name=f"{name}_map",
         )
+        if not count_after:
+            return mapped
+        # A tuple element comes as separate arguments (see `unpacked`).
+        tupled = type(mapped.element_spec) is tuple
+
+        def count_ready(*args):
+            # Run whether or not the element depends on it (see `produce`).
+            stats.count_ready()
+            return args if tupled else args[0]
+
+        return _compat.inline_map(mapped, count_ready, f"{name}_ready")
 
     threads = options.resolved_pool_size()
     if pool is None:
-        parallel = num_threads
+        produced = staged(num_threads)
     else:
         # At its largest the pool runs the work autotuned; at any other
         # size as many elements at once as it has threads (the autotuner's
         # guess for a stage waiting on IO runs behind the threads it has).
         threads = pool_size
-        parallel = tf.data.AUTOTUNE if pool_size == pool.largest else pool_size
-    produced = staged(parallel)
-    # Autotuned, the map runs at most the pipeline's private pool's threads
-    # at once (set below).
-    window = 0
-    if not in_order:
-        window = threads if parallel == tf.data.AUTOTUNE else parallel
-    stats.finishes_out_of_order(window)
+        produced = staged(
+            tf.data.AUTOTUNE if pool_size == pool.largest else pool_size
+        )
     # Packing (for a device buffer) is a copy, not the stage's work: it
     # runs after the adaptive pool, on the pipeline's own.
     packer = placement.packer_for(produced.element_spec)
@@ -352,39 +360,16 @@ def _build_pipeline(
         return watched, watched
     if device is None:
         lean = produced.prefetch(capacity, name=f"{name}_buffer")
-        pair = lean, measure(lean) if measured else lean
-    elif not measured:
-        # The buffer on the device: tf.data copies each element there
-        # ahead of the consumer (the copy overlaps the step).
-        lean = produced.apply(to_device(device, size))
-        pair = lean, lean
-    else:
-        # The copy must end the pipeline, so a consumer counting in the
-        # pipeline measures the host side of the copy, with one element in
-        # flight to the device.
-        lean = produced.apply(to_device(device, size))
-        host = produced.prefetch(capacity, name=f"{name}_buffer")
-        pair = lean, measure(host).apply(to_device(device, 1))
-    windowed = {id(d): _Windowed(d, stats, window) for d in pair}
-    return tuple(windowed[id(d)] for d in pair)
-
-
-class _Windowed(EagerIterated):
-    """A stage's pipeline whose eager iterators note its map's window.
-
-    The pool runs its pipelines at different sizes, so each iterator tells
-    the stats how far its map may finish elements out of order when it is
-    made (`StageStats.finishes_out_of_order`).
-    """
-
-    def __init__(self, base, stats, window):
-        self._stats = stats
-        self._window = window
-        super().__init__(base)
-
-    def eager_iter(self):
-        self._stats.finishes_out_of_order(self._window)
-        return iter(self._base)
+        return lean, measure(lean) if measured else lean
+    # The buffer on the device: tf.data copies each element there ahead of
+    # the consumer (the copy overlaps the step). It must end the pipeline,
+    # so a consumer counting in the pipeline measures the host side of the
+    # copy, with one element in flight to the device.
+    lean = produced.apply(to_device(device, size))
+    if not measured:
+        return lean, lean
+    host = produced.prefetch(capacity, name=f"{name}_buffer")
+    return lean, measure(host).apply(to_device(device, 1))
 
 
 class _Watched(EagerIterated):

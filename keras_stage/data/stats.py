@@ -57,7 +57,10 @@ _DONE_FETCH = 5
 # the arrival of a batch that was ready, and the elements produced but left
 # in the buffers of iterators dropped before an epoch began.
 _BASELINE, _ORPHANS = 6, 7
-_SLOTS = 8
+# Elements that entered the buffer, counted in the order the consumer gets
+# them (see `count_ready`); `_PRODUCED` counts them as they finish.
+_READY = 8
+_SLOTS = 9
 # Weight of one ready fetch in the moving baseline.
 _BASELINE_WEIGHT = 0.1
 
@@ -250,9 +253,6 @@ class StageStats:
         self._host_waits = False
         # Whether the pipeline counts its elements (see `count_nothing`).
         self._pipeline_counts = True
-        # Finished elements that may still wait behind an unfinished one
-        # (see `finishes_out_of_order`).
-        self._ready_lag = 0
         # tf.data's model of the watched iterators, when it does not.
         self._host_model = None
 
@@ -304,32 +304,6 @@ class StageStats:
         """Whether the stage's pipeline counts its elements."""
         return self._pipeline_counts
 
-    def finishes_out_of_order(self, window):
-        """Notes the ordered map of the pipeline iterated now (0: none).
-
-        Its elements are counted as they finish, out of order, but it
-        delivers them in order and holds at most `window` of them (the
-        elements it runs at once) finished ahead of an unfinished one: so
-        of the elements counted and not consumed, all but `window` are in
-        the buffer or finished in order behind it (see `ready_lag`).
-        Counting them after the map instead would take a second map over
-        the element, whose tracing and instantiation grow with its
-        components: for a wide element, about what the staged work's own
-        cost each pipeline build (see docs/engine.md). Noted when the
-        pipeline is built and whenever an eager iterator of it is made.
-        """
-        self._ready_lag = int(window)
-
-    @property
-    def ready_lag(self):
-        """Elements counted finished that may not be ready in order.
-
-        The `window` last noted by `finishes_out_of_order`: a consumer's
-        fetch can wait on the source unless more than this many of the
-        current iterator's elements are counted and not consumed.
-        """
-        return self._ready_lag
-
     # -- graph side: called inside tf.data functions -------------------------
 
     def start_busy(self):
@@ -355,7 +329,7 @@ class StageStats:
             ],
         )
 
-    def count_produced(self, started, gate):
+    def count_produced(self, started, gate, ready=True):
         """Counts one finished element; fails it if its pipeline was closed.
 
         Args:
@@ -366,6 +340,9 @@ class StageStats:
                 (see `staging.build_stage`): an iterator a finished call
                 left alive must not count its elements in stats the next
                 call's iterator shares, nor deliver them late.
+            ready: Whether to count it ready too (see `count_ready`): the
+                stage finishes its elements in the order it delivers them.
+                Defaults to `True`.
         """
         check = tf.debugging.Assert(
             gate,
@@ -376,10 +353,24 @@ class StageStats:
             ],
         )
         values = {_PRODUCED: 1}
+        if ready:
+            values[_READY] = 1
         with tf.control_dependencies([check]):
             if started is not None:
                 values[_BUSY] = tf.timestamp() - started
             return self._counters.assign_add(_slots(values))
+
+    def count_ready(self):
+        """Counts one element entering the buffer, in delivery order.
+
+        For a stage whose ordered parallel map finishes elements out of
+        order (`count_produced(..., ready=False)` counts them there): run
+        after the map, in the order it delivers them, so a counted element
+        is in the buffer or on its way there, and a fetch of it cannot
+        wait on the source, however long an earlier-numbered one hangs
+        (see `runner.ReadyElements`).
+        """
+        return self._counters.assign_add(_slots({_READY: 1}))
 
     def _wait_clock(self):
         """Whether the consumer's side being traced may take timestamps."""
@@ -573,10 +564,9 @@ class StageStats:
                 learnt from the gaps would take real waits for overhead.
 
         Returns:
-            The elements finished and not consumed once the step was done
-            (see `unconsumed`): with `ready_lag`, a floor for the next
-            call, since finished elements only grow and only the consumer
-            consumes them.
+            The elements ready and not consumed once the step was done
+            (see `unconsumed`): a floor for the next call, since ready
+            elements only grow and only the consumer consumes them.
         """
         if len(values) == _REPORT_SIZE:
             self._take_fetch(values, called)
@@ -680,11 +670,9 @@ class StageStats:
             self._counters.assign_add(_slots(update))
 
     def unconsumed(self):
-        """Elements finished and not consumed, ever (0 if not counted).
+        """Elements counted ready (see `count_ready`) and not consumed, ever.
 
-        Includes those left in the buffers of dropped iterators, and those
-        an ordered map finished ahead of an unfinished one (see
-        `ready_lag`). One raw
+        Includes those left in the buffers of dropped iterators. One raw
         read, called between training steps: `Variable.numpy()` adds name
         scopes and an identity op to each read.
         """
@@ -712,7 +700,7 @@ class StageStats:
     def _ready(self, counters):
         if not self._pipeline_counts:
             return 0  # nothing is known to be buffered
-        return self._unconsumed(counters)
+        return int(counters[_READY] - counters[_CONSUMED]) - self._taken
 
     @property
     def closed(self):

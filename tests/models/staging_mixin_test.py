@@ -609,9 +609,9 @@ def test_step_reports_reach_the_stage_and_never_the_logs(
     assert len(train) == calls and len(test) == calls, sorted(set(reports))
     # One batch per call: the fetch's facts go to Python; several: the step
     # counted them in the graph and reports its count only.
-    # (The counter vector has 8 slots; a fetch's report adds its mark,
+    # (The counter vector has 9 slots; a fetch's report adds its mark,
     # arrival time and the counters at its arrival.)
-    assert set(train) == set(test) == {18 if steps_per_execution == 1 else 8}
+    assert set(train) == set(test) == {20 if steps_per_execution == 1 else 9}
     # Either way every fetch is counted.
     snapshot = _step_stats(staged, "train").snapshot()
     assert snapshot["consumed"] - consumed == 2 * NUM_SAMPLES // 2
