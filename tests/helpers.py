@@ -277,11 +277,41 @@ def _forking_process():
     return _fork_server
 
 
+# What was read from each forking process past its last whole line.
+_unread = {}
+
+
+def _next_line(server, seconds):
+    """The forking process's next line, or None after `seconds`.
+
+    Read from its pipe's file descriptor, not with `server.stdout.readline`:
+    a buffered readline can take both of a call's lines (the pids and, once
+    a quick child has ended, the exit codes) off the pipe at once, and a
+    `select` on the pipe then waits for a line already read.
+    """
+    fd = server.stdout.fileno()
+    deadline = time.monotonic() + seconds
+    pending = _unread.get(server.pid, b"")
+    while b"\n" not in pending:
+        left = deadline - time.monotonic()
+        ready, _, _ = select.select([fd], [], [], max(left, 0))
+        if not ready:
+            _unread[server.pid] = pending
+            return None
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            raise EOFError
+        pending += chunk
+    line, _unread[server.pid] = pending.split(b"\n", 1)
+    return line.decode()
+
+
 def _stop_forking_process(server):
     global _fork_server
     if server.poll() is None:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
+    _unread.pop(server.pid, None)
     if _fork_server is server:
         _fork_server = None
 
@@ -350,12 +380,14 @@ def run_forked_together(jobs, timeout=100):
             )
 
         def answer(seconds):
-            ready, _, _ = select.select([server.stdout], [], [], seconds)
-            line = server.stdout.readline() if ready else ""
-            if ready and not line:
+            try:
+                line = _next_line(server, seconds)
+            except EOFError:
                 _stop_forking_process(server)
-                raise RuntimeError("the forking process ended unexpectedly")
-            return json.loads(line) if line else None
+                raise RuntimeError(
+                    "the forking process ended unexpectedly"
+                ) from None
+            return json.loads(line) if line is not None else None
 
         try:
             server.stdin.write(json.dumps(requests) + "\n")

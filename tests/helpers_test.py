@@ -6,9 +6,11 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 
+from tests import helpers
 from tests.helpers import (
     HANG_REPORTS,
     GcClock,
@@ -198,6 +200,30 @@ def test_run_forked_kills_a_child_past_its_timeout():
     # The same forking process serves the next call.
     done = run_forked(["-c"], code="import os; print(os.getppid())")
     assert int(done.stdout) == forking
+
+
+@pytest.mark.timeout(120)
+def test_run_forked_answers_when_it_reads_after_a_quick_child_ended(
+    monkeypatch,
+):
+    # A loaded machine: the caller reads the forking process's answers only
+    # after the child has ended, so both of them (the pid and the exit
+    # code) are on the pipe at once. A buffered readline took both and the
+    # next select waited for the second until the timeout (a 120 s hang).
+    run_forked(["-c"], code="pass")  # the forking process, TF imported
+    real_select = helpers.select.select
+
+    def late_select(*args):
+        time.sleep(0.5)
+        return real_select(*args)
+
+    monkeypatch.setattr(
+        helpers, "select", types.SimpleNamespace(select=late_select)
+    )
+    started = time.monotonic()
+    done = run_forked(["-c"], code="print(1)", timeout=20)
+    assert done.stdout == "1\n"
+    assert time.monotonic() - started < 15
 
 
 @pytest.mark.timeout(120)
