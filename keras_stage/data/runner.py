@@ -19,6 +19,7 @@ training step worth saving, so a call whose elements are already buffered
 on the source, runs in the caller's thread (see `ReadyElements`).
 """
 
+import atexit
 import logging
 import re
 import threading
@@ -36,6 +37,24 @@ _POLL_SECONDS = 0.5
 # One call in this many whose elements are buffered still runs the
 # consumer's recording step (see `StageRunner.call`'s `ready_fn`).
 READY_SAMPLE = 16
+# How long the interpreter's exit waits for helper threads still in a call.
+_EXIT_WAIT_SECONDS = 10.0
+# Every helper thread (`_CallThread`) not yet ended.
+_call_threads = weakref.WeakSet()
+
+
+@atexit.register
+def _end_call_threads():
+    # A daemon thread still inside a TensorFlow call when the interpreter
+    # finalizes is ended as it takes the interpreter lock back, and ended
+    # inside TensorFlow's C++ (a destructor that takes the lock) that
+    # aborts the whole process ("terminate called ..."): a script's last
+    # call would fail its exit. Each helper is told to end and waited for,
+    # but for one a timeout left blocked on its source (`stalled`).
+    deadline = time.monotonic() + _EXIT_WAIT_SECONDS
+    for caller in list(_call_threads):
+        wait = 0.0 if caller.stalled else deadline - time.monotonic()
+        caller.close(max(0.0, wait))
 
 
 _NODE = re.compile(r"\{\{node ([^}]+)\}\}")
@@ -135,10 +154,13 @@ class _CallThread:
         self._job = None
         self._result = None
         self._closed = False
+        # Left blocked on its source by a timeout: nothing waits for it.
+        self.stalled = False
         self._thread = threading.Thread(
             target=self._loop, name=name, daemon=True
         )
         self._thread.start()
+        _call_threads.add(self)
 
     def _loop(self):
         while True:
@@ -605,6 +627,7 @@ class StageRunner:
                     self.close_gate()
                     # Blocked on the source: `close` need not wait for it.
                     self._stalled.add(caller)
+                    caller.stalled = True
                     raise self._timeout_error(waited)
         except BaseException:
             # Nobody will read the call's result: the wait timed out, or

@@ -1425,8 +1425,11 @@ def test_strategy_calls_times_both_modes_on_two_replicas(method):
         "print(json.dumps(r))\n"
     )
     root = pathlib.Path(__file__).resolve().parents[2]
+    # With faulthandler, an abort (as at a helper thread's exit inside
+    # TensorFlow, tests/reliability/exit_test.py) prints every Python
+    # thread's stack.
     done = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, "-X", "faulthandler", "-c", script],
         capture_output=True,
         text=True,
         timeout=540,

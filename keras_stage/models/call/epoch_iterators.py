@@ -72,6 +72,7 @@ Python to finish an epoch Keras left are not counted as consumed.
 """
 
 import atexit
+import sys
 import threading
 import time
 import weakref
@@ -203,14 +204,19 @@ RELEASE_THREAD = "tf.data-iterator-release"
 # How long the interpreter's exit waits for teardowns still running.
 _EXIT_WAIT_SECONDS = 10.0
 _releases = weakref.WeakSet()
+# Set once the interpreter's exit began waiting for the releases.
+_exiting = []
 
 
 @atexit.register
 def _finish_releases():
     # A daemon thread is stopped wherever it is when the interpreter
-    # exits; one stopped inside TensorFlow's teardown while TensorFlow's
-    # own state is destroyed could crash the exit of a script whose last
-    # line was a fit. They end on their own, in well under a second.
+    # finalizes: one inside TensorFlow's teardown is stopped as a C++
+    # destructor there takes the interpreter lock back, which aborts the
+    # process ("terminate called ...", seen in an iterator's function
+    # library's stack traces) after a script's last line. They end on their
+    # own, in well under a second.
+    _exiting.append(True)
     deadline = time.monotonic() + _EXIT_WAIT_SECONDS
     for thread in list(_releases):
         thread.join(max(0.0, deadline - time.monotonic()))
@@ -235,8 +241,19 @@ def release(held):
         held.clear()
 
     thread = threading.Thread(target=drop, name=RELEASE_THREAD, daemon=True)
+    if sys.is_finalizing():
+        # No new thread runs Python any more (it would never start).
+        drop()
+        return thread
     thread.start()
     _releases.add(thread)
+    if _exiting:
+        # A release once the exit's wait began (the cyclic garbage
+        # collector ending a call's context in a later exit hook, or a
+        # finalizer that `atexit` runs later) is waited for here: left
+        # running into the interpreter's finalization, its teardown would
+        # abort the process (see `_finish_releases`).
+        thread.join(_EXIT_WAIT_SECONDS)
     return thread
 
 

@@ -1,0 +1,84 @@
+"""A process's exit waits for keras_stage's helper threads still in a call.
+
+A daemon thread still inside a TensorFlow call when the interpreter
+finalizes is ended as it takes the interpreter lock back; ended inside a
+C++ destructor, that aborts the process ("terminate called after throwing
+...", exit code -6) after the script's last line ran. Each child here ends
+as a fresh interpreter does (`interpreter_exit`), with a helper thread
+still busy when its script's last line has run.
+"""
+
+import pytest
+
+from tests.helpers import run_forked
+
+_BUSY_HELPER = """
+import time
+from keras_stage.data import runner
+
+caller = runner._CallThread("keras_stage-exit-test")
+caller.stalled = {stalled}
+
+def call():
+    time.sleep({seconds})
+    print("call ended", flush=True)
+
+caller.submit(call, ())
+print("script ended", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_exit_waits_for_a_helper_thread_still_in_a_call():
+    done = run_forked(
+        ["-c"],
+        code=_BUSY_HELPER.format(stalled=False, seconds=0.5),
+        timeout=60,
+        interpreter_exit=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["script", "ended", "call", "ended"]
+
+
+@pytest.mark.timeout(120)
+def test_the_exit_does_not_wait_for_a_helper_left_blocked_by_a_timeout():
+    # Its source never answers: waiting for it would hang the exit.
+    done = run_forked(
+        ["-c"],
+        code=_BUSY_HELPER.format(stalled=True, seconds=600),
+        timeout=60,
+        interpreter_exit=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["script", "ended"]
+
+
+_LATE_RELEASE = """
+import atexit, time
+
+class Pipeline:
+    def __del__(self):
+        time.sleep(0.5)
+        print("dropped", flush=True)
+
+def late():
+    from keras_stage.models.call import epoch_iterators
+    held = [Pipeline()]
+    epoch_iterators.release(held)
+
+# Registered before the module's own exit hooks, so run after them (as
+# `weakref.finalize`'s hook is when something used it before keras_stage
+# was imported): a release the exit's wait has already passed.
+atexit.register(late)
+from keras_stage.models.call import epoch_iterators  # noqa: F401
+print("script ended", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_release_after_the_exits_wait_is_waited_for():
+    done = run_forked(
+        ["-c"], code=_LATE_RELEASE, timeout=60, interpreter_exit=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["script", "ended", "dropped"]
