@@ -204,8 +204,6 @@ RELEASE_THREAD = "tf.data-iterator-release"
 # How long the interpreter's exit waits for teardowns still running.
 _EXIT_WAIT_SECONDS = 10.0
 _releases = weakref.WeakSet()
-# Set once the interpreter's exit began waiting for the releases.
-_exiting = []
 
 
 @atexit.register
@@ -216,10 +214,14 @@ def _finish_releases():
     # process ("terminate called ...", seen in an iterator's function
     # library's stack traces) after a script's last line. They end on their
     # own, in well under a second.
-    _exiting.append(True)
     deadline = time.monotonic() + _EXIT_WAIT_SECONDS
     for thread in list(_releases):
         thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _exiting():
+    """Whether the interpreter's exit has begun (its main thread ended)."""
+    return sys.is_finalizing() or not threading.main_thread().is_alive()
 
 
 def release(held):
@@ -233,27 +235,24 @@ def release(held):
     delete it there. The
     caller must hold no other reference to what the list holds.
 
+    Once the interpreter's exit has begun, `held` is emptied in the
+    calling thread: a thread started then (by an exit hook or finalizer
+    after `_finish_releases`, or by the garbage collector) could still be
+    in the teardown when the interpreter finalizes.
+
     Returns:
-        The thread (tests join it).
+        The thread (tests join it), or None when emptied in place.
     """
+    if _exiting():
+        held.clear()
+        return None
 
     def drop():
         held.clear()
 
     thread = threading.Thread(target=drop, name=RELEASE_THREAD, daemon=True)
-    if sys.is_finalizing():
-        # No new thread runs Python any more (it would never start).
-        drop()
-        return thread
     thread.start()
     _releases.add(thread)
-    if _exiting:
-        # A release once the exit's wait began (the cyclic garbage
-        # collector ending a call's context in a later exit hook, or a
-        # finalizer that `atexit` runs later) is waited for here: left
-        # running into the interpreter's finalization, its teardown would
-        # abort the process (see `_finish_releases`).
-        thread.join(_EXIT_WAIT_SECONDS)
     return thread
 
 
@@ -271,10 +270,10 @@ def _release_box(box):
 
 @atexit.register
 def _close_running_on():
-    # Registered after `_finish_releases`, so run before it (atexit runs
-    # last-registered first): the iterators that ran on past their calls
-    # are torn down on release threads, which that then waits for, while
-    # the interpreter can still run the Python a staged map calls.
+    # The iterators that ran on past their calls are torn down here, in
+    # the exiting thread (see `release`), while the interpreter can still
+    # run the Python a staged map calls (tearing one down gives the
+    # interpreter lock up while TensorFlow waits for its threads).
     for shared in list(_running_on):
         shared.close()
 
@@ -588,7 +587,7 @@ class LongLivedIterator:
         element it still finishes out of the stage's counts.
 
         Returns:
-            The thread that drops it.
+            The thread that drops it (None once the interpreter exits).
         """
         self.closed = True
         self._count_taken()
