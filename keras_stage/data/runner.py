@@ -37,24 +37,34 @@ _POLL_SECONDS = 0.5
 # One call in this many whose elements are buffered still runs the
 # consumer's recording step (see `StageRunner.call`'s `ready_fn`).
 READY_SAMPLE = 16
-# How long the interpreter's exit waits for helper threads still in a call.
-_EXIT_WAIT_SECONDS = 10.0
+# How long the interpreter's exit waits for keras_stage's threads still
+# running (the helpers here, `epoch_iterators`' teardowns).
+EXIT_WAIT_SECONDS = 10.0
 # Every helper thread (`_CallThread`) not yet ended.
 _call_threads = weakref.WeakSet()
 
 
+def wait_at_exit(waits):
+    """Calls each `wait(seconds)` of `waits`, all within `EXIT_WAIT_SECONDS`.
+
+    A daemon thread still inside a TensorFlow call when the interpreter
+    finalizes is ended as it takes the interpreter lock back; ended inside
+    TensorFlow's C++ (a destructor that takes the lock), that aborts the
+    whole process ("terminate called ...") after the script's last line.
+    """
+    deadline = time.monotonic() + EXIT_WAIT_SECONDS
+    for wait in waits:
+        wait(max(0.0, deadline - time.monotonic()))
+
+
 @atexit.register
 def _end_call_threads():
-    # A daemon thread still inside a TensorFlow call when the interpreter
-    # finalizes is ended as it takes the interpreter lock back, and ended
-    # inside TensorFlow's C++ (a destructor that takes the lock) that
-    # aborts the whole process ("terminate called ..."): a script's last
-    # call would fail its exit. Each helper is told to end and waited for,
-    # but for one a timeout left blocked on its source (`stalled`).
-    deadline = time.monotonic() + _EXIT_WAIT_SECONDS
-    for caller in list(_call_threads):
-        wait = 0.0 if caller.stalled else deadline - time.monotonic()
-        caller.close(max(0.0, wait))
+    # Each helper is told to end and waited for (see `wait_at_exit`), but
+    # for one a timeout left blocked on its source (`stalled`).
+    wait_at_exit(
+        (lambda seconds, c=caller: c.close(0.0 if c.stalled else seconds))
+        for caller in list(_call_threads)
+    )
 
 
 _NODE = re.compile(r"\{\{node ([^}]+)\}\}")

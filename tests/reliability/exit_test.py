@@ -29,28 +29,27 @@ print("script ended", flush=True)
 
 
 @pytest.mark.timeout(120)
-def test_the_exit_waits_for_a_helper_thread_still_in_a_call():
+@pytest.mark.parametrize(
+    "stalled, seconds, printed",
+    [
+        # A helper still in its call is waited for.
+        (False, 0.5, ["script ended", "call ended"]),
+        # One a timeout left blocked on a source that never answers is
+        # not: waiting for it would hang the exit.
+        (True, 600, ["script ended"]),
+    ],
+)
+def test_the_exit_waits_for_a_busy_helper_thread_unless_stalled(
+    stalled, seconds, printed
+):
     done = run_forked(
         ["-c"],
-        code=_BUSY_HELPER.format(stalled=False, seconds=0.5),
+        code=_BUSY_HELPER.format(stalled=stalled, seconds=seconds),
         timeout=60,
         interpreter_exit=True,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["script", "ended", "call", "ended"]
-
-
-@pytest.mark.timeout(120)
-def test_the_exit_does_not_wait_for_a_helper_left_blocked_by_a_timeout():
-    # Its source never answers: waiting for it would hang the exit.
-    done = run_forked(
-        ["-c"],
-        code=_BUSY_HELPER.format(stalled=True, seconds=600),
-        timeout=60,
-        interpreter_exit=True,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["script", "ended"]
+    assert done.stdout.splitlines() == printed
 
 
 _LATE_RELEASE = """

@@ -80,6 +80,7 @@ import weakref
 import tensorflow as tf
 
 from keras_stage.data.eager_iterated import EagerIterated
+from keras_stage.data.runner import wait_at_exit
 
 
 class ResolvingIterator:
@@ -201,22 +202,15 @@ class _OrderedIterator(DeferredIterator):
 # The name of `release`'s threads: not a stage's helper thread
 # (`keras_stage-<stage>`), as it holds no stage, only a dropped iterator.
 RELEASE_THREAD = "tf.data-iterator-release"
-# How long the interpreter's exit waits for teardowns still running.
-_EXIT_WAIT_SECONDS = 10.0
 _releases = weakref.WeakSet()
 
 
 @atexit.register
 def _finish_releases():
-    # A daemon thread is stopped wherever it is when the interpreter
-    # finalizes: one inside TensorFlow's teardown is stopped as a C++
-    # destructor there takes the interpreter lock back, which aborts the
-    # process ("terminate called ...", seen in an iterator's function
-    # library's stack traces) after a script's last line. They end on their
-    # own, in well under a second.
-    deadline = time.monotonic() + _EXIT_WAIT_SECONDS
-    for thread in list(_releases):
-        thread.join(max(0.0, deadline - time.monotonic()))
+    # Teardowns still running are waited for (see `runner.wait_at_exit`:
+    # seen aborting in an iterator's function library's stack traces).
+    # They end on their own, in well under a second.
+    wait_at_exit(thread.join for thread in list(_releases))
 
 
 def _exiting():
