@@ -408,8 +408,6 @@ class StageRunner:
         self.staged_layers = ()
         self._caller = None
         self._abandoned = []
-        # Abandoned threads known to be blocked on a stalled source.
-        self._stalled = set()
         self._ready = ReadyElements(stats) if counts_in_order else None
         self._ready_calls = 0  # see `_sample_ready`
         # The most elements the call under way fetches (see `call`).
@@ -636,7 +634,6 @@ class StageRunner:
                     self.stats.close()
                     self.close_gate()
                     # Blocked on the source: `close` need not wait for it.
-                    self._stalled.add(caller)
                     caller.stalled = True
                     raise self._timeout_error(waited)
         except BaseException:
@@ -710,8 +707,7 @@ class StageRunner:
         # not for one a timeout left blocked on the source: that would only
         # hold the timeout error back from the user.
         for caller in self._abandoned:
-            wait = 0.0 if caller in self._stalled else timeout
+            wait = 0.0 if caller.stalled else timeout
             caller.close(max(0.0, min(wait, deadline - time.monotonic())))
         self._abandoned = [c for c in self._abandoned if c.alive]
-        self._stalled &= set(self._abandoned)
         return not self._abandoned
