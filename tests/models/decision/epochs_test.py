@@ -19,12 +19,16 @@ from keras_stage.models.decision import epochs as epoch_switch
 
 pytestmark = pytest.mark.timeout(180)
 
-WORDS = np.array([f"w{i % 7}" for i in range(96)], dtype=object)
-LABELS = np.linspace(0.0, 1.0, 96, dtype="float32").reshape(-1, 1)
+# 8 steps an epoch at 8 (`epochs.MIN_STEPS`, the fewest a trial times).
+ROWS = 64
+WORDS = np.array([f"w{i % 7}" for i in range(ROWS)], dtype=object)
+LABELS = np.linspace(0.0, 1.0, ROWS, dtype="float32").reshape(-1, 1)
+# What validation reads: 4 steps at 8.
+VALIDATION_ROWS = 32
 
 
 def _models(**staged_input):
-    """A plain model and a staged one with its weights (8+ steps an epoch)."""
+    """A plain model and a staged one with its weights."""
     built = []
     for staged in (False, True):
         inputs = keras.Input(shape=(), dtype="string")
@@ -48,11 +52,11 @@ def _models(**staged_input):
     return plain, staged
 
 
-def _dataset(seed=None, batch_size=8):
-    ds = tf.data.Dataset.from_tensor_slices((WORDS, LABELS))
+def _dataset(seed=None, batch_size=8, rows=ROWS):
+    ds = tf.data.Dataset.from_tensor_slices((WORDS[:rows], LABELS[:rows]))
     if seed is not None:
-        ds = ds.shuffle(96, seed=seed)
-    return ds.batch(batch_size)  # 12 steps at 8
+        ds = ds.shuffle(rows, seed=seed)
+    return ds.batch(batch_size)
 
 
 def _fit(model, epochs=6, callbacks=(), batch_size=8, validation=None):
@@ -61,7 +65,11 @@ def _fit(model, epochs=6, callbacks=(), batch_size=8, validation=None):
     return model.fit(
         train,
         epochs=epochs,
-        validation_data=_dataset() if validation is None else validation(train),
+        validation_data=(
+            _dataset(rows=VALIDATION_ROWS)
+            if validation is None
+            else validation(train)
+        ),
         callbacks=list(callbacks),
         shuffle=False,
         verbose=0,
@@ -228,7 +236,7 @@ def test_steps_per_execution_and_an_unstaged_evaluate_after(unstaged_wins):
         )
     staged.set_weights(plain.get_weights())
     expected = _fit(plain, batch_size=4)
-    history = _fit(staged, batch_size=4)  # 12 calls of the step an epoch
+    history = _fit(staged, batch_size=4)  # 8 calls of the step an epoch
     assert history.history["stage_unstaged"] == [0, 0, 1, 1, 1, 1]
     _assert_same(plain, staged, expected, history)
     np.testing.assert_allclose(
@@ -316,7 +324,10 @@ def test_arrays_on_one_iterator_skip_the_epochs_run_without_the_stage(
                 batch_size=8,
                 epochs=6,
                 shuffle=shuffle,
-                validation_data=(WORDS[:32], LABELS[:32]),
+                validation_data=(
+                    WORDS[:VALIDATION_ROWS],
+                    LABELS[:VALIDATION_ROWS],
+                ),
                 verbose=0,
             )
         )
