@@ -281,6 +281,10 @@ def test_under_op_determinism_a_step_that_waits_is_not_tried(monkeypatch):
     _assert_same(plain, staged, expected, history)
 
 
+# `make test` keeps the trial under op determinism (the test above) and a
+# trial that finds the stage pays (without it, at the top); the two
+# together are in `make test-long`.
+@pytest.mark.long
 def test_under_op_determinism_a_stage_that_pays_keeps_its_epochs(
     staged_wins,
 ):
