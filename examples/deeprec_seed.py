@@ -175,7 +175,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a smoke run")
     args = parser.parse_args(argv)
-    count, epochs = (224, 2) if args.tiny else (7000, 4)
+    count, epochs = (544, 2) if args.tiny else (7000, 4)
     keras.utils.set_random_seed(0)
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "1.txt")

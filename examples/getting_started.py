@@ -82,7 +82,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a smoke run")
     args = parser.parse_args(argv)
-    train_count, epochs = (256, 2) if args.tiny else (8192, 5)
+    train_count, epochs = (1088, 2) if args.tiny else (8192, 5)
     keras.utils.set_random_seed(SEED)
 
     x_train, y_train = make_reviews(train_count, seed=1)

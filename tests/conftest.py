@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 from tensorflow.python.data.ops import iterator_ops  # noqa: E402
 
 from keras_stage.data import live_stages  # noqa: E402
+from keras_stage.models.decision import calls  # noqa: E402
 from keras_stage.models.decision.calls import forget_shared_costs  # noqa: E402
 from tests.helpers import HANG_REPORTS, stage_threads  # noqa: E402
 
@@ -30,6 +31,18 @@ def _measure_costs_afresh():
     # Staged-call costs are shared between models with the same stage
     # (`decision.calls.costs`): each test starts as a fresh process would.
     forget_shared_costs()
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _first_calls_staged(request, monkeypatch):
+    # Most tests check the staged path on a few in-memory batches, which a
+    # first call skips by default (`decision.calls.FIRST_CALL_BATCHES`):
+    # they run with such calls staged, as before that rule. The rule's own
+    # tests (marked `first_call_rule`) and every test run in a fresh
+    # process (the examples, the README's) keep it.
+    if request.node.get_closest_marker("first_call_rule") is None:
+        monkeypatch.setattr(calls, "FIRST_CALL_BATCHES", 0)
     yield
 
 

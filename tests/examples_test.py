@@ -84,7 +84,7 @@ def test_getting_started_round_trips_the_preprocessing():
     assert "word_emb" in _line(out, "Runs in the train step:")
     # The PrefetchCallback(verbose=1) prints one verdict per epoch (2).
     assert out.count("Stage 'staged_input_train': ") == 2
-    assert "evaluate on 64 held-out examples: mse" in out
+    assert "evaluate on 272 held-out examples: mse" in out
     assert "a keras_stage.Model: True, smart_stage=True" in out
     assert _line(out, "preprocessing kept:") == "True"
     assert _line(out, "loaded.predict(raw strings) equals model.predict:") == (

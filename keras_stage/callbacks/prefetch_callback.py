@@ -169,7 +169,10 @@ class PrefetchCallback(keras.callbacks.Callback):
     - `stage_unstaged`: in a fit whose epochs may run without the stage
       where it does not pay (see `keras_stage.models.decision.epochs`), 1
       for an epoch that ran the whole model in Keras's step (its other
-      `stage_*` figures are then 0: nothing was staged), else 0.
+      `stage_*` figures are then 0: nothing was staged), else 0. A fit
+      the model runs wholly without its stage (a call too short to repay
+      it, see `keras_stage.models.decision.calls`) logs 1 every epoch,
+      and its verdict says why.
 
     With `verbose=1` it prints a one-line verdict per epoch: input-bound or
     compute-bound, and what to change, by DeepRec's rules of thumb
@@ -225,7 +228,8 @@ class PrefetchCallback(keras.callbacks.Callback):
 
     >>> import numpy as np, keras, keras_stage
     >>> inputs = keras.Input(shape=(2,))
-    >>> x = keras_stage.layers.StagedInput(num_threads=2, capacity=2)(inputs)
+    >>> x = keras_stage.layers.StagedInput(
+    ...     num_threads=2, capacity=2, adaptive=False)(inputs)
     >>> model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
     >>> model.compile(optimizer="sgd", loss="mse")
     >>> cb = keras_stage.callbacks.PrefetchCallback()
@@ -256,6 +260,9 @@ class PrefetchCallback(keras.callbacks.Callback):
         self._warned_without_stage = False
         self.verdict = None
         self._bindings = {}
+        # Why the model runs this fit without its stage, or None (see
+        # `attach_unstaged`).
+        self._unstaged_call = None
         self._epoch_start = None
         self._train_time = None
         self._train_cpu = None
@@ -308,6 +315,15 @@ class PrefetchCallback(keras.callbacks.Callback):
             iterator_cost,
         )
 
+    def attach_unstaged(self, reason):
+        """Registers a fit the model runs without its stage, and why.
+
+        Its epochs log the `stage_*` keys as an unstaged epoch does, and
+        the verdict says why the call skipped its stage. Called by
+        `keras_stage.Model`; users do not need it.
+        """
+        self._unstaged_call = reason
+
     def close(self, timeout=5.0):
         """Ends the sources' epochs and stops every stage thread.
 
@@ -321,6 +337,7 @@ class PrefetchCallback(keras.callbacks.Callback):
             finally:
                 clean = binding.staged.close(timeout) and clean
         self._bindings = {}
+        self._unstaged_call = None
         return clean
 
     # -- Keras hooks ----------------------------------------------------------
@@ -463,6 +480,9 @@ class PrefetchCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         binding = self._bindings.get("train")
+        if binding is None and self._unstaged_call is not None:
+            self._end_epoch_of_unstaged_call(epoch, logs)
+            return
         if binding is None or self._snapshot is None:
             return
         binding.end_epoch()
@@ -544,6 +564,39 @@ class PrefetchCallback(keras.callbacks.Callback):
         else:
             logger.debug(self.verdict["message"])
         self._report_skips(binding, now, stats["skipped"])
+
+    def _end_epoch_of_unstaged_call(self, epoch, logs):
+        """The logs and verdict of an epoch of a fit run without its stage.
+
+        As an unstaged epoch's (see `on_epoch_end`): the `stage_*` keys
+        are logged, 0 as nothing was staged, so that every fit's history
+        has them; the verdict has no figures and says why, printed with
+        the first epoch's.
+        """
+        if logs is not None:
+            logs["stage_wait_ratio"] = 0.0
+            logs["stage_buffer_fill"] = 0.0
+            logs["stage_skipped"] = 0
+            logs["stage_unstaged"] = 1.0
+        first = self.verdict is None
+        self.verdict = {
+            **{key: None for key in _VERDICT_FIGURES},
+            "thread_pool_size": None,
+            "cpu_load": None,
+            "cores_busy": None,
+            "message": (
+                f"Model '{self.model.name}': this fit runs the whole model in "
+                f"Keras's step, without its stage: {self._unstaged_call}."
+            ),
+            "epoch": epoch,
+            "next_thread_pool_size": None,
+            "staged": False,
+            "call": self._unstaged_call,
+        }
+        if self.verbose and first:
+            print(self.verdict["message"])
+        else:
+            logger.debug(self.verdict["message"])
 
     def _end_unstaged_epoch(self, epoch, stats, binding, switch):
         """The verdict of an epoch that ran the whole model in the step.

@@ -331,7 +331,7 @@ class StagingMixin:
         validation_batch_size=None,
         validation_freq=1,
     ):
-        def unstaged():
+        def unstaged(callbacks=callbacks):
             return super(StagingMixin, self).fit(
                 x=x,
                 y=y,

@@ -380,9 +380,14 @@ def test_callback_on_a_plain_model_with_a_staged_input_warns_once(caplog):
 
 
 @pytest.mark.timeout(120)
-def test_callback_of_calls_run_unstaged_by_their_model_is_not_warned(caplog):
+@pytest.mark.first_call_rule
+def test_callback_of_calls_run_unstaged_by_their_model_is_not_warned(
+    caplog, capsys
+):
     # Calls too short to repay their stage run unstaged, and the model logs
-    # why at info level: the callback adds no warning to that.
+    # why at info level: the callback adds no warning to that. The fit's
+    # epochs log the stage's keys as unstaged, and its verdict says why
+    # (printed once, with the first epoch's).
     inputs = keras.Input(shape=(2,))
     x = StagedInput(name="short")(inputs)
     model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
@@ -390,12 +395,23 @@ def test_callback_of_calls_run_unstaged_by_their_model_is_not_warned(caplog):
     x, y = np.ones((4, 2), "float32"), np.ones((4, 1), "float32")
     cb = PrefetchCallback(verbose=1)
     with caplog.at_level(logging.INFO, logger="keras_stage"):
-        model.fit(x, y, batch_size=4, verbose=0, callbacks=[cb])
+        history = model.fit(
+            x, y, batch_size=4, epochs=2, verbose=0, callbacks=[cb]
+        ).history
+        verdict = cb.verdict
         model.evaluate(x, y, batch_size=4, verbose=0, callbacks=[cb])
         model.predict(x, batch_size=4, verbose=0, callbacks=[cb])
     assert caplog.text.count("runs the whole model in Keras's step") == 3
     assert _warnings(caplog) == []
-    assert cb.verdict is None
+    assert history["stage_unstaged"] == [1.0, 1.0]
+    assert history["stage_wait_ratio"] == [0.0, 0.0]
+    assert history["stage_buffer_fill"] == [0.0, 0.0]
+    assert history["stage_skipped"] == [0, 0]
+    assert verdict["staged"] is False and verdict["epoch"] == 1
+    assert verdict["wait_ratio"] is None and verdict["input_bound"] is None
+    assert "without its stage: a first call of 2 batches" in verdict["message"]
+    assert verdict["call"] in verdict["message"]
+    assert capsys.readouterr().out.count("without its stage") == 1
 
 
 @pytest.mark.timeout(120)

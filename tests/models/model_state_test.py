@@ -232,7 +232,7 @@ def test_an_unstaged_call_records_nothing_in_the_stage():
     stats = model._keras_stage_state.step_stats["train"]
     consumed = stats.snapshot()["consumed"]
     unstaged = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
-    assert "stage_wait_ratio" not in unstaged.history
+    assert unstaged.history["stage_unstaged"] == [1.0, 1.0]
     # The unstaged steps are traced apart: no fetch counted in the stage.
     assert stats.snapshot()["consumed"] == consumed
     model.train_on_batch(x[:16], y[:16])
@@ -256,7 +256,7 @@ def test_a_fresh_model_decides_from_what_models_like_it_measured(caplog):
     measured = fresh._keras_stage_state.costs.phase("train")
     assert measured.unstaged_step_seconds is not None
     assert measured.unstaged_trace_seconds is not None
-    assert "stage_wait_ratio" not in history.history
+    assert history.history["stage_unstaged"] == [1.0, 1.0]
     # ...so it ran unstaged: nothing planned, the same weights as plain.
     assert fresh._keras_stage_state.plan is None
     for a, b in zip(plain.get_weights(), fresh.get_weights(), strict=True):
@@ -273,7 +273,7 @@ def test_a_fresh_model_decides_from_what_models_like_it_measured(caplog):
     # unstaged is about what its stage costs to set up.)
     assert "measured on a model with this stage" in caplog.text
     assert "times the whole model's steps once" not in caplog.text
-    assert "stage_wait_ratio" not in history.history
+    assert history.history["stage_unstaged"] == [1.0, 1.0]
 
 
 def test_a_model_with_another_stage_measures_its_own_costs():

@@ -85,6 +85,8 @@ class StagedCall:
         self.callbacks, self.prefetch = _with_prefetch_callback(
             callbacks, progbar=verbose != 0
         )
+        # A fit run unstaged gets these: its PrefetchCallback logs why.
+        self._unstaged_fit_callbacks = self.callbacks
         # Per phase: the `StagedData` Keras iterates (its split is the one
         # the phase's step runs; see also `_reopen`).
         self._fed = {}
@@ -269,16 +271,23 @@ class StagedCall:
     def run_unstaged(self, keras_call):
         """Runs `keras_call()` (the user's call as given) with no stage.
 
-        The whole model runs in Keras's step (see `decision/calls.py`); the
-        call's `PrefetchCallback` reports nothing and is closed.
+        The whole model runs in Keras's step (see `decision/calls.py`). A
+        fit's is given `callbacks=`, the user's with the call's
+        `PrefetchCallback` first, which logs its epochs as unstaged and
+        says why (`PrefetchCallback.attach_unstaged`); the callback is
+        closed after.
         """
         clocks = {
             phase: []
             for phase in calls.timed_unstaged_phases(self.model, self.phases)
         }
+        kwargs = {}
+        if "train" in self.phases:
+            self.prefetch.attach_unstaged(self._state.call_reasons["train"])
+            kwargs["callbacks"] = self._unstaged_fit_callbacks
         try:
             with _unstaged_steps(self.model, self.phases, clocks):
-                result = keras_call()
+                result = keras_call(**kwargs)
             calls.note_unstaged_steps(self.model, clocks)
             return result
         finally:

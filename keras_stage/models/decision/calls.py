@@ -25,12 +25,16 @@ rather than trace the whole model's test step for one call. Under op
 determinism the staged work is read from tf.data's own model of the
 stage's iterators (`data.pipeline_model`); where that cannot be read, the
 steps alone decide.
-A call is never skipped on a guess: only what was
-measured counts, on this model or on one with the same stage
-(`stage_signature`: a fresh model per trial pays its stage once per
-process, not once per model), and what cannot be bounded (a dataset
-that maps or reads files, a generator or a `PyDataset`, whose reading the
-stage also overlaps; a dataset of unknown length) is always staged. A
+Only what was measured counts, on this model or on one with the same
+stage (`stage_signature`: a fresh model per trial pays its stage once per
+process, not once per model), with one exception before anything is
+measured: a first call of at most `FIRST_CALL_BATCHES` in-memory batches
+runs unstaged, unplanned, at plain Keras's cost (no stage set-up is
+repaid by so few batches of in-memory preprocessing). What cannot be
+bounded (a dataset that maps or reads files, a generator or a
+`PyDataset`, whose reading the stage also overlaps; a dataset of
+unknown length) is always staged, and so is every call of a model
+compiled with `jit_compile=True` (its whole step may not compile). A
 model's first staged call also pays its SmartStage plan and the trace of
 its prefix, once per model: those are noted apart and added only for a
 model that has not paid them yet.
@@ -68,6 +72,13 @@ TIMED_PHASES = ("train", "test")
 # The most of a call's own step time that tracing the whole model's step
 # for an unstaged trial may cost (as `epochs.TRACE_SHARE` for an epoch).
 TRACE_SHARE = 0.1
+# The most batches a first call from in-memory data (nothing measured on a
+# model with its stage yet) may read and still run unstaged: a stage's
+# set-up (plan, pipeline, traces, iterators) is repaid by in-memory
+# preprocessing only over more batches than this (docs/smart-stage.md,
+# calls that skip their stage). Unstaged, such a call costs what plain
+# Keras's does.
+FIRST_CALL_BATCHES = 32
 
 
 def may_skip_stage(layer):
@@ -436,6 +447,19 @@ class CallCosts:
         costs = self.measured_like(phase)
         if not costs.measured():
             if costs.build_seconds is None or costs.iterator_seconds is None:
+                if batches <= FIRST_CALL_BATCHES:
+                    return (
+                        False,
+                        (
+                            f"a first call of {batches} batches from "
+                            "in-memory data is too short to repay a stage's "
+                            "set-up (the model's plan, its pipeline and "
+                            "their traces); calls of more than "
+                            f"{FIRST_CALL_BATCHES} batches are staged and "
+                            "measured"
+                        ),
+                        0.0,
+                    )
                 return (
                     True,
                     "nothing is measured on a model with this stage yet",
@@ -638,6 +662,17 @@ def _decide(model, layer, phase, batches, iterators, x):
     if batches is None:
         # Never skipped (and the signature is not computed).
         return True, _always_staged(x), 0.0
+    state = model_state(model)
+    if state.smart_stage and state.requested_jit is True:
+        return (
+            True,
+            (
+                "it is compiled with jit_compile=True, which its staged "
+                "trunk takes and its whole model's step may not (XLA "
+                "compiles no string ops or lookups)"
+            ),
+            0.0,
+        )
     if _random_prefix(model, phase):
         return (
             True,

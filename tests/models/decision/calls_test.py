@@ -462,6 +462,59 @@ def test_unmeasured_phases_and_unbounded_data_are_staged():
     assert calls.stages(model, layer, "train", None)  # not arrays
 
 
+@pytest.mark.first_call_rule
+def test_a_first_call_of_few_in_memory_batches_skips_its_stage():
+    # Nothing measured on a model with its stage: a call of at most
+    # FIRST_CALL_BATCHES batches from in-memory data runs unstaged (what
+    # plain Keras costs), without planning the model; a longer one is
+    # staged and measured; data read by a pipeline is always staged.
+    model, layer = _model([keras.layers.Rescaling(0.5)], smart_stage=True)
+    few = calls.FIRST_CALL_BATCHES
+    assert few == 32
+    for phase in ("train", "test", "predict"):
+        assert not calls.stages(model, layer, phase, few)
+        assert "a first call of 32 batches" in (
+            model_state(model).call_reasons[phase]
+        )
+        assert calls.stages(model, layer, phase, few + 1)
+        assert calls.stages(model, layer, phase, None)
+    assert model_state(model).plan is None
+    # Once a model with this stage is measured, its costs decide instead.
+    _note(model, phase="train")
+    assert "measured on a model with this stage" in calls.costs(
+        model
+    ).describe("train", few, 1)
+
+
+@pytest.mark.first_call_rule
+def test_a_first_fit_of_few_batches_trains_unstaged_as_plain_keras():
+    # The README's case: a first fit on a few in-memory batches runs the
+    # whole model in Keras's step, unplanned, to plain Keras's weights.
+    def build(model_class, staged):
+        keras.utils.set_random_seed(4)
+        inputs = keras.Input(shape=(2,))
+        x = StagedInput(name="stage")(inputs) if staged else inputs
+        x = keras.layers.Rescaling(0.5)(x)
+        model = model_class(inputs, keras.layers.Dense(1, name="head")(x))
+        kwargs = {"smart_stage": True} if staged else {}
+        model.compile(optimizer="sgd", loss="mse", **kwargs)
+        return model
+
+    staged = build(keras_stage.Model, True)
+    plain = build(keras.Model, False)
+    histories = []
+    for model in (staged, plain):
+        keras.utils.set_random_seed(5)
+        histories.append(
+            model.fit(X, Y, batch_size=16, epochs=2, verbose=0).history
+        )
+    assert histories[0]["stage_unstaged"] == [1.0, 1.0]
+    assert histories[0]["loss"] == pytest.approx(histories[1]["loss"])
+    for a, b in zip(staged.get_weights(), plain.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert model_state(staged).plan is None  # nothing planned
+
+
 def test_one_batch_is_never_staged():
     model, layer = _model()
     assert not calls.stages(model, layer, "predict", 1)
