@@ -473,17 +473,15 @@ def test_a_first_call_of_few_in_memory_batches_skips_its_stage():
     assert few == 32
     for phase in ("train", "test", "predict"):
         assert not calls.stages(model, layer, phase, few)
-        assert "a first call of 32 batches" in (
-            model_state(model).call_reasons[phase]
-        )
+        reason = model_state(model).call_reasons[phase]
+        assert "a first call of 32 batches" in reason
         assert calls.stages(model, layer, phase, few + 1)
         assert calls.stages(model, layer, phase, None)
     assert model_state(model).plan is None
     # Once a model with this stage is measured, its costs decide instead.
     _note(model, phase="train")
-    assert "measured on a model with this stage" in calls.costs(
-        model
-    ).describe("train", few, 1)
+    reason = calls.costs(model).describe("train", few, 1)
+    assert "measured on a model with this stage" in reason
 
 
 @pytest.mark.first_call_rule
