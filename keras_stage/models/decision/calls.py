@@ -28,9 +28,11 @@ steps alone decide.
 Only what was measured counts, on this model or on one with the same
 stage (`stage_signature`: a fresh model per trial pays its stage once per
 process, not once per model), with one exception before anything is
-measured: a first call of at most `FIRST_CALL_BATCHES` in-memory batches
-runs unstaged, unplanned, at plain Keras's cost (no stage set-up is
-repaid by so few batches of in-memory preprocessing). What cannot be
+measured: the first call of a phase of at most `FIRST_CALL_BATCHES`
+in-memory batches runs unstaged, unplanned, at plain Keras's cost (no
+stage set-up is repaid by so few batches of in-memory preprocessing), and
+the next is staged and measured (a loop of short calls whose model reads
+or waits in its prefix still gets its stage). What cannot be
 bounded (a dataset that maps or reads files, a generator or a
 `PyDataset`, whose reading the stage also overlaps; a dataset of
 unknown length) is always staged, and so is every call of a model
@@ -79,6 +81,8 @@ TRACE_SHARE = 0.1
 # calls that skip their stage). Unstaged, such a call costs what plain
 # Keras's does.
 FIRST_CALL_BATCHES = 32
+# How the reason of such a call begins (see `stages`).
+FIRST_CALL_REASON = "a first call"
 
 
 def may_skip_stage(layer):
@@ -190,6 +194,9 @@ class PhaseCosts:
         # saved a step (`batch_saving`).
         self.staged_step_seconds = None
         self.unstaged_step_seconds = None
+        # Whether a first call of the phase ran unstaged, unmeasured (see
+        # `FIRST_CALL_BATCHES`): the next short one is staged and measured.
+        self.first_call_skipped = False
 
     def _median(self, key, default=None):
         samples = self._samples[key]
@@ -447,16 +454,20 @@ class CallCosts:
         costs = self.measured_like(phase)
         if not costs.measured():
             if costs.build_seconds is None or costs.iterator_seconds is None:
-                if batches <= FIRST_CALL_BATCHES:
+                first = self.phase(phase)
+                if (
+                    batches <= FIRST_CALL_BATCHES
+                    and not first.first_call_skipped
+                ):
                     return (
                         False,
                         (
-                            f"a first call of {batches} batches from "
+                            f"{FIRST_CALL_REASON} of {batches} batches from "
                             "in-memory data is too short to repay a stage's "
                             "set-up (the model's plan, its pipeline and "
-                            "their traces); calls of more than "
-                            f"{FIRST_CALL_BATCHES} batches are staged and "
-                            "measured"
+                            "their traces); a later call, or one of more "
+                            f"than {FIRST_CALL_BATCHES} batches, is staged "
+                            "and measured"
                         ),
                         0.0,
                     )
@@ -620,6 +631,9 @@ def stages(model, layer, phase, batches, iterators=1, x=None):
     staged, reason, rent = _decide(model, layer, phase, batches, iterators, x)
     state = model_state(model)
     state.call_reasons[phase] = reason
+    if not staged and reason.startswith(FIRST_CALL_REASON):
+        # Once: a loop of short calls stages its next one and measures it.
+        costs(model).phase(phase).first_call_skipped = True
     if staged:
         state.stage_rent[phase] = state.stage_rent.get(phase, 0.0) + rent
     logger.info(
