@@ -579,20 +579,12 @@ class PrefetchCallback(keras.callbacks.Callback):
             logs["stage_skipped"] = 0
             logs["stage_unstaged"] = 1.0
         first = self.verdict is None
-        self.verdict = {
-            **{key: None for key in _VERDICT_FIGURES},
-            "thread_pool_size": None,
-            "cpu_load": None,
-            "cores_busy": None,
-            "message": (
-                f"Model '{self.model.name}': this fit runs the whole model in "
-                f"Keras's step, without its stage: {self._unstaged_call}."
-            ),
-            "epoch": epoch,
-            "next_thread_pool_size": None,
-            "staged": False,
-            "call": self._unstaged_call,
-        }
+        self.verdict = _unstaged_verdict(
+            f"Model '{self.model.name}': this fit runs the whole model in "
+            f"Keras's step, without its stage: {self._unstaged_call}.",
+            epoch,
+        )
+        self.verdict["call"] = self._unstaged_call
         if self.verbose and first:
             print(self.verdict["message"])
         else:
@@ -614,16 +606,12 @@ class PrefetchCallback(keras.callbacks.Callback):
                 else ", as measured to be faster."
             )
         )
-        self.verdict = {
-            **{key: None for key in _VERDICT_FIGURES},
-            "thread_pool_size": None if pool is None else pool.size,
-            "cpu_load": stats.get("cpu_load"),
-            "cores_busy": None,
-            "message": message,
-            "epoch": epoch,
-            "next_thread_pool_size": None,
-            "staged": False,
-        }
+        self.verdict = _unstaged_verdict(
+            message,
+            epoch,
+            thread_pool_size=None if pool is None else pool.size,
+            cpu_load=stats.get("cpu_load"),
+        )
         self._add_call_reason(binding)
         self._add_switch_report(switch)
         if self.verbose:
@@ -768,6 +756,20 @@ _VERDICT_FIGURES = (
     "suggested_num_threads",
     "suggested_capacity",
 )
+
+
+def _unstaged_verdict(message, epoch, thread_pool_size=None, cpu_load=None):
+    """The verdict of an epoch run without the stage: no figures."""
+    return {
+        **{key: None for key in _VERDICT_FIGURES},
+        "thread_pool_size": thread_pool_size,
+        "cpu_load": cpu_load,
+        "cores_busy": None,
+        "message": message,
+        "epoch": epoch,
+        "next_thread_pool_size": None,
+        "staged": False,
+    }
 
 
 def _measured(seconds):
