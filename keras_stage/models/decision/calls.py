@@ -46,6 +46,7 @@ import collections
 import logging
 import statistics
 import time
+import typing
 
 import keras
 import tensorflow as tf
@@ -81,8 +82,27 @@ TRACE_SHARE = 0.1
 # calls that skip their stage). Unstaged, such a call costs what plain
 # Keras's does.
 FIRST_CALL_BATCHES = 32
-# How the reason of such a call begins (see `stages`).
-FIRST_CALL_REASON = "a first call"
+
+
+class Decision(typing.NamedTuple):
+    """Whether a call is staged (`staged`), why in a sentence (`reason`).
+
+    `rent`: what a staged call pays over an unstaged, traced step by the
+    measured costs (0 when not measured, or when staging saves more than
+    it costs). `first_call`: whether it is a phase's first short call from
+    in-memory data, run unstaged before anything is measured (see
+    `FIRST_CALL_BATCHES`). `gain`: by the measured costs, the seconds
+    staging saves the call (its staged work and the whole step's trace it
+    avoids) less its stage's set-up, or None when not weighed so. `trial`:
+    whether the call runs unstaged to time the whole model's steps.
+    """
+
+    staged: bool
+    reason: str
+    rent: float = 0.0
+    first_call: bool = False
+    gain: float | None = None
+    trial: bool = False
 
 
 def may_skip_stage(layer):
@@ -352,6 +372,14 @@ class CallCosts:
         else:
             costs.unstaged_step_seconds = median
 
+    def note_step_pair(self, phase, staged, unstaged):
+        """Notes a staged and a whole-model warm step, seconds per batch,
+        timed in one call (an `EpochSwitch`'s staged epoch and its trial).
+        """
+        costs = self.phase(phase)
+        costs.staged_step_seconds = staged
+        costs.unstaged_step_seconds = unstaged
+
     def measured_like(self, phase):
         """The costs `phase`'s calls are weighed by.
 
@@ -411,7 +439,7 @@ class CallCosts:
         owed=0.0,
         compiles=False,
     ):
-        """`(staged, why, rent)`: whether a call of `phase` should be
+        """The `Decision` on a call of `phase`: whether it should be
         staged, why in a sentence, and what a staged call pays over an
         unstaged, traced step by the measured costs (0 when not measured,
         or when staging saves more than it costs).
@@ -427,7 +455,7 @@ class CallCosts:
         model has no staged step of the phase).
         """
         if batches is None:
-            return (
+            return Decision(
                 True,
                 (
                     "its data is read by a pipeline the stage overlaps (a "
@@ -437,12 +465,14 @@ class CallCosts:
                 0.0,
             )
         if batches <= 1:
-            return False, "a call of one batch has nothing to overlap", 0.0
+            return Decision(
+                False, "a call of one batch has nothing to overlap", 0.0
+            )
         costs = self.phase(phase)
         if costs.trial_due() and owed <= TRACE_SHARE * costs.step_seconds(
             batches
         ):
-            return (
+            return Decision(
                 False,
                 (
                     "this call times the whole model's steps once, to weigh "
@@ -450,6 +480,7 @@ class CallCosts:
                     "step on this machine's cores)"
                 ),
                 0.0,
+                trial=True,
             )
         costs = self.measured_like(phase)
         if not costs.measured():
@@ -459,10 +490,10 @@ class CallCosts:
                     batches <= FIRST_CALL_BATCHES
                     and not first.first_call_skipped
                 ):
-                    return (
+                    return Decision(
                         False,
                         (
-                            f"{FIRST_CALL_REASON} of {batches} batches from "
+                            f"a first call of {batches} batches from "
                             "in-memory data is too short to repay a stage's "
                             "set-up (the model's plan, its pipeline and "
                             "their traces); a later call, or one of more "
@@ -470,8 +501,9 @@ class CallCosts:
                             "and measured"
                         ),
                         0.0,
+                        first_call=True,
                     )
-                return (
+                return Decision(
                     True,
                     "nothing is measured on a model with this stage yet",
                     0.0,
@@ -488,7 +520,7 @@ class CallCosts:
                 if owed > 0
                 else ""
             )
-            return (
+            return Decision(
                 True,
                 (
                     f"the whole model's steps are not timed yet{trace}; the "
@@ -506,7 +538,7 @@ class CallCosts:
             else ""
         )
         if saving + owed <= set_up:
-            return (
+            return Decision(
                 False,
                 (
                     f"staging {batches} batches can save at most "
@@ -515,8 +547,9 @@ class CallCosts:
                     "(measured on a model with this stage)"
                 ),
                 0.0,
+                gain=saving + owed - set_up,
             )
-        return (
+        return Decision(
             True,
             (
                 f"staging {batches} batches can save up to "
@@ -525,6 +558,7 @@ class CallCosts:
                 "(measured on a model with this stage)"
             ),
             max(set_up - saving, 0.0),
+            gain=saving + owed - set_up,
         )
 
 
@@ -628,24 +662,31 @@ def stages(model, layer, phase, batches, iterators=1, x=None):
     `call_reasons[phase]` for the verdict (`x`, the call's data, tells a
     dataset of unknown length from one that maps or reads files).
     """
-    staged, reason, rent = _decide(model, layer, phase, batches, iterators, x)
+    decision = _decide(model, layer, phase, batches, iterators, x)
+    _keep(model, phase, decision)
+    return decision.staged
+
+
+def _keep(model, phase, decision):
+    """Keeps and logs the `Decision` taken on a call of `phase`."""
     state = model_state(model)
-    state.call_reasons[phase] = reason
-    if not staged and reason.startswith(FIRST_CALL_REASON):
+    state.call_reasons[phase] = decision.reason
+    if decision.first_call:
         # Once: a loop of short calls stages its next one and measures it.
         costs(model).phase(phase).first_call_skipped = True
-    if staged:
-        state.stage_rent[phase] = state.stage_rent.get(phase, 0.0) + rent
+    if decision.staged:
+        state.stage_rent[phase] = (
+            state.stage_rent.get(phase, 0.0) + decision.rent
+        )
     logger.info(
         "Model '%s': %s %s: %s.",
         model.name,
         phase,
         "is staged"
-        if staged
+        if decision.staged
         else ("runs the whole model in Keras's step, unstaged"),
-        reason,
+        decision.reason,
     )
-    return staged
 
 
 def trace_owed(model, phase, measured):
@@ -665,7 +706,7 @@ def trace_owed(model, phase, measured):
 
 def _decide(model, layer, phase, batches, iterators, x):
     if not may_skip_stage(layer):
-        return (
+        return Decision(
             True,
             (
                 "StagedInput(adaptive=False), an exception policy or the "
@@ -675,10 +716,10 @@ def _decide(model, layer, phase, batches, iterators, x):
         )
     if batches is None:
         # Never skipped (and the signature is not computed).
-        return True, _always_staged(x), 0.0
+        return Decision(True, _always_staged(x), 0.0)
     state = model_state(model)
     if state.smart_stage and state.requested_jit is True:
-        return (
+        return Decision(
             True,
             (
                 "it is compiled with jit_compile=True, which its staged "
@@ -688,7 +729,7 @@ def _decide(model, layer, phase, batches, iterators, x):
             0.0,
         )
     if _random_prefix(model, phase):
-        return (
+        return Decision(
             True,
             (
                 "its staged random layers draw from seeds of the stage's "
@@ -811,7 +852,12 @@ def note_work(model, data):
         snapshot["produced"] - produced,
         has_work=data.split is not None,
     )
-    if data.step_clock is not None:
+    switch = data.switch
+    if switch is not None and switch.step_seconds is not None:
+        # Its trial epoch ran the whole model's steps: the call's clock
+        # holds both kinds, the switch's epochs tell them apart.
+        measured.note_step_pair(data.cost_phase, *switch.step_seconds)
+    elif data.step_clock is not None:
         measured.note_steps(data.cost_phase, data.step_clock, staged=True)
 
 
@@ -901,15 +947,20 @@ def _iterators(model, layer, role, x, batches, epochs, steps, long_lived):
 def fit_stages(model, layer, x, validation_data, long_lived=True, **kwargs):
     """Whether a fit is staged: its training or its validation can pay.
 
-    `long_lived`: whether the fit may run its epochs on one iterator.
+    A staged fit stages both, so where its training alone would not pay
+    by the measured costs, its validation stages it only if what staging
+    gains the validation outweighs what it loses the training; a training
+    that runs unstaged to time the whole model's steps (the trial) runs
+    so whatever its validation. `long_lived`: whether the fit may run its
+    epochs on one iterator.
     """
     (train, epochs), (val, runs) = fit_batches(x, validation_data, **kwargs)
-    if stages(
+    training = _decide(
         model,
         layer,
         "train",
         train,
-        iterators=_iterators(
+        _iterators(
             model,
             layer,
             "train",
@@ -919,18 +970,18 @@ def fit_stages(model, layer, x, validation_data, long_lived=True, **kwargs):
             kwargs["steps_per_epoch"],
             long_lived,
         ),
-        x=x,
-    ):
-        return True
-    if validation_data is None:
-        return False
+        x,
+    )
+    if training.staged or validation_data is None or training.trial:
+        _keep(model, "train", training)
+        return training.staged
     val_x = keras.utils.unpack_x_y_sample_weight(validation_data)[0]
-    staged = stages(
+    validation = _decide(
         model,
         layer,
         "test",
         val,
-        iterators=_iterators(
+        _iterators(
             model,
             layer,
             "val",
@@ -940,12 +991,35 @@ def fit_stages(model, layer, x, validation_data, long_lived=True, **kwargs):
             kwargs["validation_steps"],
             long_lived,
         ),
-        x=val_x,
+        val_x,
     )
-    if staged:
-        reasons = model_state(model).call_reasons
-        reasons["train"] = (
-            f"its training alone would not ({reasons['train']}), but its "
-            f"validation can: {reasons['test']}"
+    if (
+        validation.staged
+        and training.gain is not None
+        and (validation.gain is not None or val is not None)
+        and training.gain + (validation.gain or 0.0) <= 0
+    ):
+        # Measured: staging the training loses more than the validation
+        # gains (a validation in memory not measured yet gains nothing
+        # known).
+        validation = validation._replace(
+            staged=False,
+            rent=0.0,
+            reason=(
+                f"staging its validation would stage its training too, "
+                f"which loses more than the validation gains "
+                f"({validation.reason}; its training: {training.reason})"
+            ),
         )
-    return staged
+    _keep(model, "test", validation)
+    if validation.staged:
+        training = training._replace(
+            staged=True,
+            first_call=False,
+            reason=(
+                f"its training alone would not ({training.reason}), but its "
+                f"validation can: {validation.reason}"
+            ),
+        )
+    _keep(model, "train", training)
+    return training.staged

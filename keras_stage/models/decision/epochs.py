@@ -194,6 +194,9 @@ class EpochSwitch:
         self.decision = None
         self.message = None
         self._announced = False
+        # `(staged, whole)`: the warm step per batch of the last staged
+        # epoch and of the trial, once a timed trial decided; else None.
+        self.step_seconds = None
 
     # -- decisions ----------------------------------------------------------
 
@@ -271,6 +274,11 @@ class EpochSwitch:
             return
         with_stage = staged.seconds(batches)
         whole = trial.seconds(batches)
+        per_execution = max(int(self._model.steps_per_execution), 1)
+        self.step_seconds = (
+            staged.warm_step / per_execution,
+            trial.warm_step / per_execution,
+        )
         ms = 1000.0 / batches
         figures = (
             f"{with_stage * ms:.2f} ms a step staged, {whole * ms:.2f} ms "

@@ -96,15 +96,16 @@ def test_untimed_staged_work_pays_its_set_up_toward_the_trials_trace():
     # model's steps, a staged call's set-up is its only known rent toward
     # the trace the trial owes; without it no trial ever runs.
     costs = CallCosts()
-    assert costs.decide("train", 100, 1, owed=1.0)[2] == 0.0  # nothing known
+    assert costs.decide("train", 100, 1, owed=1.0).rent == 0.0  # nothing known
     costs.note_build("train", 0.05)
     costs.note_iterator("train", 0.02)
     costs.note_steps("train", [1.0] + [0.004] * 5, staged=True)
     # 100 steps of 4 ms allow 40 ms of trace: 50 owed keep the call staged,
     # paying its 2 iterators and its build, 90 ms.
-    staged, why, rent = costs.decide("train", 100, 2, owed=0.05)
-    assert staged and rent == pytest.approx(0.09)
-    assert why == (
+    decision = costs.decide("train", 100, 2, owed=0.05)
+    assert not decision.first_call and not decision.trial
+    assert decision.staged and decision.rent == pytest.approx(0.09)
+    assert decision.reason == (
         "the whole model's steps are not timed yet and tracing its step "
         "(50.0 ms) outweighs this call; the stage's 90.0 ms of set-up count "
         "toward the trial's trace"
@@ -116,7 +117,7 @@ def test_untimed_staged_work_pays_its_set_up_toward_the_trials_trace():
     costs.phase("train").note(step_call=0.3)
     rent = costs.decide(
         "train", 100, 1, owed=0.05, plans=True, traces=True, compiles=True
-    )[2]
+    ).rent
     assert rent == pytest.approx(0.67)
     # Once paid, nothing is owed and the trial runs.
     assert not costs.stages("train", 100, 1, owed=0.0)
@@ -475,9 +476,11 @@ def test_a_first_call_of_few_in_memory_batches_skips_its_stage():
     for phase in ("train", "test", "predict"):
         assert calls.stages(model, layer, phase, few + 1)
         assert calls.stages(model, layer, phase, None)
+        assert calls.costs(model).decide(phase, few, 1).first_call
         assert not calls.stages(model, layer, phase, few)
         reason = model_state(model).call_reasons[phase]
         assert reason.startswith("a first call of 32 batches")
+        assert not calls.costs(model).decide(phase, few, 1).first_call
         assert calls.stages(model, layer, phase, few)
         assert "nothing is measured" in model_state(model).call_reasons[phase]
     assert model_state(model).plan is None
@@ -591,13 +594,39 @@ def test_a_fit_whose_epochs_share_one_iterator_pays_one_set_up():
     )
 
 
-def test_a_fit_is_staged_when_only_its_validation_can_pay():
+def test_a_fit_is_staged_when_its_validation_gains_more_than_training_loses():
+    # A staged fit stages both phases. Its training alone loses 21 ms (29
+    # batches of 1 ms of staged work against 50 ms of set-up); a free
+    # validation stage gains its 29 ms: staged, and both halves are said.
     model, layer = _model()
-    _note(model, phase="train", build=10.0)
+    _note(model, phase="train", build=0.03)
     _note(model, phase="test", build=0.0, iterator=0.0)
     kwargs = _fit_kwargs()
     assert not calls.fit_stages(model, layer, X, None, **kwargs)
     assert calls.fit_stages(model, layer, X, (X, Y), **kwargs)
+    assert _reason(model).startswith("its training alone would not")
+    assert "validation can" in _reason(model)
+    # A training that loses 10 s is not staged for its validation's 29 ms.
+    model, layer = _model(capacity=3)
+    _note(model, phase="train", build=10.0)
+    _note(model, phase="test", build=0.0, iterator=0.0)
+    assert not calls.fit_stages(model, layer, X, (X, Y), **kwargs)
+    assert "would stage its training too" in _reason(model, "test")
+    assert "less than" in _reason(model)
+    # Nor for a validation in memory not measured yet.
+    model, layer = _model(capacity=4)
+    _note(model, phase="train", build=0.03)
+    assert not calls.fit_stages(model, layer, X, (X, Y), **kwargs)
+
+
+def test_a_fit_whose_training_is_due_a_trial_runs_it_whatever_its_validation():
+    model, layer = _model()
+    costs = _note(model, phase="train")
+    costs.note_steps("train", [1.0] + [0.004] * 5, staged=True)
+    _note(model, phase="test", build=0.0, iterator=0.0)
+    assert costs.phase("train").trial_due()
+    assert not calls.fit_stages(model, layer, X, (X, Y), **_fit_kwargs())
+    assert "times the whole model's steps once" in _reason(model)
 
 
 def test_a_fit_on_a_dataset_that_maps_is_always_staged():
@@ -641,11 +670,6 @@ def test_the_decision_says_why_a_call_on_a_dataset_keeps_its_stage():
     assert "runs functions or reads files" in _reason(model)
     assert not calls.fit_stages(model, layer, dataset, None, **_fit_kwargs())
     assert "less than" in _reason(model)  # measured: cannot repay
-    # Staged for its validation alone: both halves are said.
-    _note(model, phase="test", build=0.0, iterator=0.0)
-    assert calls.fit_stages(model, layer, X, (X, Y), **_fit_kwargs())
-    assert _reason(model).startswith("its training alone would not")
-    assert "validation can" in _reason(model)
 
 
 @pytest.mark.timeout(120)

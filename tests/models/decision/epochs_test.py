@@ -116,7 +116,7 @@ def calls_staged(monkeypatch):
 
     def staged(self, phase, batches, *args):
         if batches is not None and batches > 1:
-            return True, "staged by the test", 0.0
+            return calls.Decision(True, "staged by the test")
         return decide(self, phase, batches, *args)
 
     monkeypatch.setattr(calls.CallCosts, "decide", staged)
@@ -174,6 +174,12 @@ def test_a_stage_that_does_not_pay_leaves_the_rest_of_the_fit(
     assert "does not pay" in caplog.text
     assert callback.verdict["staged"] is False
     assert "without the stage" in callback.verdict["message"]
+    # Later calls weigh the switch's two kinds of steps (the call's own
+    # clock mixed them): no trial is due again.
+    train = calls.costs(staged).phase("train")
+    assert train.unstaged_step_seconds is not None
+    assert train.staged_step_seconds is not None
+    assert not train.trial_due()
 
 
 def test_a_stage_that_pays_keeps_the_fit_and_later_fits(staged_wins):
