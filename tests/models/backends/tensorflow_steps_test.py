@@ -152,9 +152,17 @@ def test_timeout_fires_after_steps_ran_unrecorded(twin_calls, release):
     data = tf.data.Dataset.from_generator(generate, output_signature=spec)
     model = _model(staged=True, name="twin_hang", timeout=1.0)
     model.compile(optimizer="sgd", loss="mse")
+
+    class SlowSteps(keras.callbacks.Callback):
+        # Steps slower than the source: the stage's buffer holds the next
+        # batch, which the twin then runs on (on a loaded machine the
+        # generator could otherwise lag every step and never be buffered).
+        def on_train_batch_end(self, batch, logs=None):
+            time.sleep(0.03)
+
     started = time.monotonic()
     with pytest.raises(StageTimeoutError, match="twin_hang_train"):
-        model.fit(data, verbose=0, shuffle=False)
+        model.fit(data, verbose=0, shuffle=False, callbacks=[SlowSteps()])
     assert time.monotonic() - started < 30
     assert twin_calls["train"] > 0
 
