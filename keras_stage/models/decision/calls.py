@@ -20,8 +20,10 @@ against running unstaged, less what the model's staged calls of the
 phase have paid over an unstaged traced step so far (`trace_owed`: as
 renting against buying, the trace is paid once the rent reaches it), and
 a trial runs only once what is owed is at most `TRACE_SHARE` of the
-call: a short script's evaluate after a staged fit keeps its stage
-rather than trace the whole model's test step for one call. Under op
+call, or once the phase has had `LOOP_CALLS` staged calls: a short
+script's evaluate after a staged fit keeps its stage rather than trace
+the whole model's test step for one call, and a loop of calls runs its
+trial by its third. Under op
 determinism the staged work is read from tf.data's own model of the
 stage's iterators (`data.pipeline_model`); where that cannot be read, the
 steps alone decide.
@@ -75,6 +77,11 @@ TIMED_PHASES = ("train", "test")
 # The most of a call's own step time that tracing the whole model's step
 # for an unstaged trial may cost (as `epochs.TRACE_SHARE` for an epoch).
 TRACE_SHARE = 0.1
+# The staged calls of a phase (on models with its stage) after which its
+# trial runs whatever tracing the whole step costs: calls that repeat (a
+# loop of fits or evaluates) repay the trace, and a stage that slows their
+# steps costs each of them more than its set-up says.
+LOOP_CALLS = 3
 # The most batches a first call from in-memory data (nothing measured on a
 # model with its stage yet) may read and still run unstaged: a stage's
 # set-up (plan, pipeline, traces, iterators) is repaid by in-memory
@@ -217,6 +224,8 @@ class PhaseCosts:
         # Whether a first call of the phase ran unstaged, unmeasured (see
         # `FIRST_CALL_BATCHES`): the next short one is staged and measured.
         self.first_call_skipped = False
+        # The staged calls of the phase whose work was noted (`LOOP_CALLS`).
+        self.staged_calls = 0
 
     def _median(self, key, default=None):
         samples = self._samples[key]
@@ -350,6 +359,7 @@ class CallCosts:
         nothing to overlap.
         """
         costs = self.phase(phase)
+        costs.staged_calls += 1
         if not has_work:
             costs.batch_seconds = 0.0
         elif produced > 0 and busy_seconds > 0:
@@ -469,8 +479,9 @@ class CallCosts:
                 False, "a call of one batch has nothing to overlap", 0.0
             )
         costs = self.phase(phase)
-        if costs.trial_due() and owed <= TRACE_SHARE * costs.step_seconds(
-            batches
+        if costs.trial_due() and (
+            owed <= TRACE_SHARE * costs.step_seconds(batches)
+            or costs.staged_calls >= LOOP_CALLS
         ):
             return Decision(
                 False,

@@ -179,6 +179,14 @@ def test_a_trial_runs_only_where_tracing_the_whole_step_costs_little():
     )
     # Owed or not, a call that cannot repay its stage runs unstaged.
     assert not costs.stages("train", 20, 1, owed=0.041)
+    # Calls that repeat repay the trace: by the phase's LOOP_CALLS-th
+    # staged call the trial runs whatever is owed.
+    assert costs.phase("train").staged_calls == 1
+    while costs.phase("train").staged_calls < calls.LOOP_CALLS:
+        assert costs.stages("train", 100, 1, owed=10.0)
+        costs.note_work("train", 0.01, 10, has_work=True)
+    decision = costs.decide("train", 100, 1, owed=10.0)
+    assert not decision.staged and decision.trial
 
 
 def test_the_whole_steps_trace_counts_against_running_unstaged():
