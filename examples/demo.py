@@ -415,11 +415,16 @@ def plural(count, noun):
     return f"{count} {noun}" + ("s" if count != 1 else "")
 
 
-def print_timings(modes, reps, seconds):
+def print_timings(modes, reps, seconds, warmed=True):
+    after = (
+        "after one warm-up epoch each"
+        if warmed
+        else "no warm-up: the smoke run's steps include their tracing"
+    )
     print(
         f"\nSpeed in ms per training step: median and range of "
-        f"{plural(reps, 'timed epoch')} per mode\n  (interleaved, after one "
-        f"warm-up epoch each; {seconds:.0f} s in all):"
+        f"{plural(reps, 'timed epoch')} per mode\n  (interleaved, {after}; "
+        f"{seconds:.0f} s in all):"
     )
     base = modes[0].milliseconds()[0]
     print(f"  {'mode':<32}{'median':>8}{'min-max':>15}{'vs plain':>10}")
@@ -501,12 +506,15 @@ def main(argv=None):
     print_staged(modes)
 
     start = time.perf_counter()
-    for mode in modes:
-        mode.fit_epoch(timed=False)  # traces the train step
+    # A smoke run (--tiny) times nothing worth a warm-up epoch.
+    warm = size != "tiny"
+    if warm:
+        for mode in modes:
+            mode.fit_epoch(timed=False)  # traces the train step
     for _ in range(reps):
         for mode in modes:
             mode.fit_epoch(timed=True)
-    print_timings(modes, reps, time.perf_counter() - start)
+    print_timings(modes, reps, time.perf_counter() - start, warmed=warm)
     print_callback_report(modes)
 
     same, diff, moved = check_same_weights(

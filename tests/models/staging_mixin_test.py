@@ -102,13 +102,14 @@ def _build_subclassed(staged):
 
 
 def _twins(build, **compile_kwargs):
-    """A plain and a staged model with the same initial weights."""
+    """A plain and a staged model with the same initial weights (SGD: as
+    `tests/models/smart_stage_test.py`'s twins)."""
     plain = build(staged=False)
     staged = build(staged=True)
     staged.set_weights(plain.get_weights())
     for model in (plain, staged):
         model.compile(
-            optimizer=keras.optimizers.Adam(learning_rate=0.01),
+            optimizer=keras.optimizers.SGD(learning_rate=0.05),
             loss="mse",
             **compile_kwargs,
         )
