@@ -83,11 +83,20 @@ except NotImplementedError as e:
     print("REFUSED", str(e).replace("\n", " "))
 else:
     print("TRAINED")
+# Neither worker exits before both are done: the other may still be pulling
+# a collective's buffer (compile's broadcast of the initial weights) from
+# this one's server ("Socket closed" otherwise, under load).
+import time
+done = sys.argv[4]
+open(os.path.join(done, sys.argv[3]), "w").close()
+deadline = time.monotonic() + 60
+while len(os.listdir(done)) < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
 """
 
 
 @pytest.mark.timeout(180)
-def test_a_staged_fit_with_two_real_workers_says_what_works():
+def test_a_staged_fit_with_two_real_workers_says_what_works(tmp_path):
     # Two worker processes of one MultiWorkerMirroredStrategy cluster on
     # this machine: Keras 3 cannot fit there (keras-team/keras#20585), and
     # the staged fit says so at once instead of failing in its first step.
@@ -106,7 +115,7 @@ def test_a_staged_fit_with_two_real_workers_says_what_works():
     workers = run_forked_together(
         [
             dict(
-                argv=["worker.py", *ports, str(index)],
+                argv=["worker.py", *ports, str(index), str(tmp_path)],
                 code=_TWO_WORKERS,
                 env={"TF_CPP_MIN_LOG_LEVEL": "2"},
             )
