@@ -45,8 +45,8 @@ def compare(name, quick=False, log=print, size=None):
 
     Each mode traces its step in one untimed epoch (but in a "tiny" smoke
     run), then the timed epochs alternate between the modes so that drift
-    hits both alike. `size` is a
-    key of `SIZES` ("quick" with `quick`, else "full", by default).
+    hits both alike. `size` is a key of `SIZES` ("quick" with `quick`, else
+    "full", by default).
     """
     steps, reps, warm = SIZES[size or ("quick" if quick else "full")]
     workload = WORKLOADS[name](steps=steps or WORKLOADS[name].quick_steps)

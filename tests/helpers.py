@@ -15,6 +15,20 @@ import time
 import traceback
 
 
+def twin_optimizer():
+    """The optimizer of a test that trains a staged model beside plain Keras.
+
+    SGD: equal batches give equal weights with any optimizer, and Adam's
+    slot variables and update would about double what each fit traces.
+    Adam's state is tested where it is the point: the `.keras` round trips
+    (smart_stage_test, model_test, staged_input_test) and determinism_test's
+    model fit before op determinism.
+    """
+    import keras
+
+    return keras.optimizers.SGD(learning_rate=0.05)
+
+
 def stage_threads():
     """The keras_stage helper threads alive now."""
     return {

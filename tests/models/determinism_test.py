@@ -24,7 +24,7 @@ from keras_stage.data import pipeline_model
 from keras_stage.data.stats import NO_CLOCK_NOTE
 from keras_stage.layers import StagedInput
 from keras_stage.models.decision import calls
-from tests.helpers import tensorboard_scalars
+from tests.helpers import tensorboard_scalars, twin_optimizer
 from tests.op_determinism import needs_tf_data_model, op_determinism
 
 pytestmark = pytest.mark.timeout(180)
@@ -84,20 +84,14 @@ def _words(model_class):
 
 
 def _twins(build, smart_stage=False, **compile_kwargs):
-    """A staged model and a plain `keras.Model` with the same weights.
-
-    SGD: Adam's slots would double what each test traces; the test of a
-    model fit before determinism compiles Adam, bit for bit too.
-    """
+    """A staged model and a plain `keras.Model` with the same weights."""
     staged, plain = build(keras_stage.Model), build(keras.Model)
     plain.set_weights(staged.get_weights())
     for model in (staged, plain):
         kwargs = dict(compile_kwargs)
         if model is staged:
             kwargs["smart_stage"] = smart_stage
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.05), loss="mse", **kwargs
-        )
+        model.compile(optimizer=twin_optimizer(), loss="mse", **kwargs)
     return staged, plain
 
 

@@ -18,7 +18,7 @@ import tensorflow as tf
 import keras_stage
 from keras_stage.data import stage
 from keras_stage.layers import StagedInput
-from tests.helpers import staged_prefix_outputs
+from tests.helpers import staged_prefix_outputs, twin_optimizer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,18 +46,13 @@ class SplitHalves(keras.layers.Layer):
 
 
 def _twins(build, **compile_kwargs):
-    """A smart-staged model and a plain one with the same weights.
-
-    SGD: equal batches give equal weights with any optimizer, and Adam's
-    slots double what each test traces (the round trip below keeps Adam,
-    whose state a `.keras` file must carry).
-    """
+    """A smart-staged model and a plain one with the same weights."""
     staged, plain = build(), build()
     plain.set_weights(staged.get_weights())
-    kwargs = {"optimizer": keras.optimizers.SGD(0.05), "loss": "mse"}
+    kwargs = {"optimizer": twin_optimizer(), "loss": "mse"}
     kwargs.update(compile_kwargs)
     staged.compile(**kwargs, smart_stage=True)
-    kwargs["optimizer"] = keras.optimizers.SGD(0.05)
+    kwargs["optimizer"] = twin_optimizer()
     plain.compile(**kwargs, smart_stage=False)
     return staged, plain
 
@@ -317,12 +312,12 @@ def test_jit_compile_applies_to_a_string_free_trunk():
     staged, plain = build(), build()
     plain.set_weights(staged.get_weights())
     staged.compile(
-        optimizer=keras.optimizers.SGD(0.05),
+        optimizer=twin_optimizer(),
         loss="mse",
         jit_compile=True,
         smart_stage=True,
     )
-    plain.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    plain.compile(optimizer=twin_optimizer(), loss="mse")
     seen = {}
 
     class JitProbe(keras.callbacks.Callback):

@@ -22,6 +22,7 @@ import pytest
 import tensorflow as tf
 
 import keras_stage
+from tests.helpers import twin_optimizer
 from tests.models import workloads
 
 BUILD_SEED = 11
@@ -203,12 +204,8 @@ def _as_tensors(x):
 def _build_and_compile(workload, x, smart_stage):
     keras.utils.set_random_seed(BUILD_SEED)
     model = workload.build(x)
-    # SGD: equal batches give equal weights with any optimizer, and Adam's
-    # slots would double what each fit traces (Adam's state is covered by
-    # tests/models/determinism_test.py and the `.keras` round trips of
-    # tests/models/smart_stage_test.py and model_test.py).
     model.compile(
-        optimizer=keras.optimizers.SGD(learning_rate=0.05),
+        optimizer=twin_optimizer(),
         loss=workload.loss,
         metrics=workload.metrics,
         smart_stage=smart_stage,

@@ -20,6 +20,7 @@ from keras_stage.callbacks import PrefetchCallback
 from keras_stage.data.runner import StageRunner
 from keras_stage.layers import StagedInput
 from keras_stage.models.model_state import state as model_state
+from tests.helpers import twin_optimizer
 
 FIT_SEED = 7
 NUM_SAMPLES = 40
@@ -102,14 +103,13 @@ def _build_subclassed(staged):
 
 
 def _twins(build, **compile_kwargs):
-    """A plain and a staged model with the same initial weights (SGD: as
-    `tests/models/smart_stage_test.py`'s twins)."""
+    """A plain and a staged model with the same initial weights."""
     plain = build(staged=False)
     staged = build(staged=True)
     staged.set_weights(plain.get_weights())
     for model in (plain, staged):
         model.compile(
-            optimizer=keras.optimizers.SGD(learning_rate=0.05),
+            optimizer=twin_optimizer(),
             loss="mse",
             **compile_kwargs,
         )

@@ -16,6 +16,7 @@ import tensorflow as tf
 import keras_stage
 from keras_stage.models.decision import calls
 from keras_stage.models.decision import epochs as epoch_switch
+from tests.helpers import twin_optimizer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -45,8 +46,7 @@ def _models(**staged_input):
         cls = keras_stage.Model if staged else keras.Model
         model = cls(inputs, outputs)
         kwargs = {"smart_stage": True} if staged else {}
-        # SGD: Adam's slots would double what each test traces.
-        model.compile(optimizer="sgd", loss="mse", **kwargs)
+        model.compile(optimizer=twin_optimizer(), loss="mse", **kwargs)
         built.append(model)
     plain, staged = built
     staged.set_weights(plain.get_weights())
@@ -194,7 +194,7 @@ def test_a_stage_that_pays_keeps_the_fit_and_later_fits(staged_wins):
     again = _fit(staged, epochs=5)
     assert "stage_unstaged" not in again.history
     # ...until compile.
-    staged.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    staged.compile(optimizer=twin_optimizer(), loss="mse", smart_stage=True)
     assert _fit(staged, epochs=5).history["stage_unstaged"] == [0, 0, 1, 0, 0]
 
 
@@ -236,7 +236,7 @@ def test_steps_per_execution_and_an_unstaged_evaluate_after(unstaged_wins):
     plain, staged = _models()
     for model in (plain, staged):
         model.compile(
-            optimizer="sgd",
+            optimizer=twin_optimizer(),
             loss="mse",
             steps_per_execution=2,
             **({"smart_stage": True} if model is staged else {}),
