@@ -142,6 +142,18 @@ def _is_clock_refused(error):
     )
 
 
+def _is_short_epoch(error):
+    """Whether `error` is an epoch that ended before its asserted count.
+
+    (`tf.data.experimental.assert_cardinality`'s error.)
+    """
+    message = getattr(error, "message", None) or ""
+    return (
+        isinstance(error, tf.errors.FailedPreconditionError)
+        and "was expected to contain" in message
+    )
+
+
 class SkipElement(Exception):
     """Raised by `StageRunner.call` when the element was ignored."""
 
@@ -596,6 +608,17 @@ class StageRunner:
                 "the stage, and any step recording it, again after "
                 "tf.config.experimental.enable_op_determinism() (a "
                 "keras_stage model: compile it again)"
+            )
+        elif _is_short_epoch(error):
+            advice = (
+                "its source ended before the batch count it was given for "
+                "an epoch; across jax.distributed processes that count is "
+                "the dataset's global batches, which each process's shard "
+                "has only if the last global batch gives every process a "
+                "share (otherwise plain Keras's processes wait on each "
+                "other at the epoch's end): batch with "
+                "drop_remainder=True, or give it a row count the global "
+                "batch size divides"
             )
         elif _is_per_record(error):
             advice = (

@@ -237,9 +237,20 @@ PROCESSES = (
         raw = tf.data.Dataset.from_tensor_slices((words.astype(str), y))
         staged = staged_model()
         out = {"processes": jax.process_count()}
+        from keras_stage.data import staging
+
+        made = []
+
+        class Counted(staging.StageIterator):
+            def __init__(self, staged):
+                made.append(staged.name)
+                super().__init__(staged)
+
+        staging.StageIterator = Counted
         fit = staged.fit(
             raw.batch(64), epochs=2, validation_data=raw.batch(64), verbose=0
         )
+        out["staged_iterators"] = len(made)
         out["staged_loss"] = fit.history["loss"]
         out["staged_val_loss"] = fit.history["val_loss"]
         out["staged_eval"] = staged.evaluate(raw.batch(64), verbose=0)
@@ -423,6 +434,10 @@ def test_two_processes_each_stage_a_shard_and_train_as_the_hand_split(
             run["hand_val_loss"], rel=1e-6
         )
         assert run["staged_eval"] == pytest.approx(run["hand_eval"], rel=1e-6)
+        # Each process's stage knows its shard's batch count (Keras's
+        # shard of the dataset does not say it): the fit's two epochs
+        # run on one stage iterator, its two validations on another.
+        assert run["staged_iterators"] == 2
     # Both processes end with the same weights.
     first, second = (run["weights"] for run in processes)
     for a, b in zip(first, second, strict=True):
@@ -511,3 +526,92 @@ def test_the_example_runs(args, expected):
     for line in expected:
         assert line in lines, done.stdout
     assert "staged: ['staged_input', 'hashing', 'string_lookup']" in lines
+
+
+# The second of two processes, as Keras's adapter shards for it: two host
+# devices, and JAX made to report two processes with this one second
+# (Keras's DataParallel then rebatches each global batch of 16 into two of
+# 8 and keeps every other). `python -c SECOND_SHARD <rows>` prints
+# "RESULT {...}": the steps of each epoch and the stage iterators made, or
+# the error.
+SECOND_SHARD = textwrap.dedent(
+    """
+    import json
+    import sys
+    import jax
+    jax.process_count = lambda: 2
+    jax.process_index = lambda: 1
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    import keras_stage
+    from keras_stage.data import staging
+
+    rows = int(sys.argv[1])
+    made = []
+
+    class Counted(staging.StageIterator):
+        def __init__(self, staged):
+            made.append(staged.name)
+            super().__init__(staged)
+
+    staging.StageIterator = Counted
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(devices=jax.devices())
+    )
+    inputs = keras.Input(shape=(), dtype="int32")
+    x = keras_stage.layers.StagedInput(name="stage")(inputs)
+    x = keras.layers.IntegerLookup(vocabulary=[1, 2])(x)
+    out = keras.layers.Dense(1)(keras.layers.Embedding(3, 2)(x))
+    model = keras_stage.Model(inputs, out)
+    model.compile("sgd", "mse", smart_stage=True)
+    data = tf.data.Dataset.from_tensor_slices(
+        (np.array([1, 2] * (rows // 2), "int32"), np.zeros((rows, 1)))
+    ).batch(16)
+    steps = []
+    counter = keras.callbacks.LambdaCallback(
+        on_epoch_begin=lambda epoch, logs: steps.append(0),
+        on_train_batch_end=lambda batch, logs: steps.__setitem__(
+            -1, steps[-1] + 1
+        ),
+    )
+    result = {}
+    try:
+        model.fit(data, epochs=2, verbose=0, callbacks=[counter])
+    except Exception as error:
+        result["error"] = str(error)
+    result.update(steps=steps, iterators=len(made))
+    print("RESULT " + json.dumps(result), flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("rows", [124, 120])
+def test_a_process_stages_its_shards_batches_on_one_iterator(rows):
+    """The count of a shard: the dataset's global batches, or a clear error.
+
+    124 rows in batches of 16: the last global batch (12 rows) gives both
+    processes a share, so this process's shard has the dataset's 8
+    batches, and the fit's epochs run on one stage iterator. 120 rows: the
+    last (8 rows) reaches only the first process, which plain Keras's
+    processes cannot train on (they wait on each other at the epoch's
+    end); the stage says so.
+    """
+    if keras.backend.backend() != "jax":
+        pytest.skip("the child runs on JAX: `make test-jax`")
+    done = subprocess.run(
+        [sys.executable, "-c", SECOND_SHARD, str(rows)],
+        capture_output=True,
+        text=True,
+        env=jax_env(XLA_FLAGS="--xla_force_host_platform_device_count=2"),
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    run = parse_result(done.stdout)
+    if rows == 124:
+        assert "error" not in run, run
+        assert run["steps"] == [8, 8]
+        assert run["iterators"] == 1
+    else:
+        assert "drop_remainder=True" in run["error"]
+        assert "expected to contain 8 elements" in run["error"]

@@ -88,6 +88,29 @@ def eager_feed(dataset):
     return _compat.distributed_dataset_adapter(dataset)
 
 
+def shard_batches(dataset):
+    """The batches of this process's shard of `dataset`, or None.
+
+    Across processes (`jax.distributed`) under a `keras.distribution` that
+    auto-shards, Keras's adapter re-forms each global batch into the
+    processes' shares (`Dataset.rebatch`), then shards them, and tf.data
+    knows no length after a rebatch; plain Keras then finds each epoch's
+    end by running out. A global batch that fills every process's share
+    gives each process exactly one batch, so every shard of a dataset of
+    `C` batches has `C`; a last batch too short to reach the last
+    processes would leave them a step short of the first, which no
+    process group can train on (plain Keras's processes would wait on
+    each other). None when Keras does not shard `dataset` per process
+    or its length is not known.
+    """
+    if not isinstance(dataset, tf.data.Dataset) or not _across_processes():
+        return None
+    if not keras.distribution.distribution().auto_shard_dataset:
+        return None
+    batches = int(dataset.cardinality())
+    return batches if batches >= 0 else None
+
+
 def _across_processes():
     """Whether a keras.distribution spans several JAX processes."""
     if keras.distribution.distribution() is None:

@@ -996,15 +996,17 @@ def stage_data(
     else:
         dataset = batches.dataset()
     num_batches = adapter.num_batches
+    if num_batches is None:
+        num_batches = backend.shard_batches(x)
     if (
         num_batches is not None
         and dataset.cardinality() == tf.data.UNKNOWN_CARDINALITY
         and not layer.stage_options.ignored_exception_types
         and not served
     ):
-        # Keras knows the batch count of arrays but its dataset does not
-        # carry it; without it the progress bar and the epoch end would
-        # be guessed. Skipped batches would make the count wrong, so it is
+        # Keras knows the batch count of arrays (and keras_stage that of
+        # a process's shard) but the dataset does not carry it; without
+        # it the progress bar and the epoch end would be guessed. Skipped batches would make the count wrong, so it is
         # asserted only when nothing can be skipped; and not on the
         # tf.data service, whose workers each see a share of the epoch.
         dataset = dataset.apply(
