@@ -29,6 +29,23 @@ def twin_optimizer():
     return keras.optimizers.SGD(learning_rate=0.05)
 
 
+def sweep(cases, kept):
+    """`cases` for `pytest.mark.parametrize`, those not in `kept` long.
+
+    A behaviour's cases beyond those `make test` keeps to guard it run in
+    `make test-long` (CI runs both): each stays tested, and the default
+    suite gives its verdict in minutes.
+    """
+    import pytest
+
+    missing = set(kept) - set(cases)
+    assert not missing, f"kept cases not among the cases: {missing}"
+    return [
+        case if case in kept else pytest.param(case, marks=pytest.mark.long)
+        for case in cases
+    ]
+
+
 def stage_threads():
     """The keras_stage helper threads alive now."""
     return {

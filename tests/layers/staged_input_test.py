@@ -20,6 +20,7 @@ import tensorflow as tf
 import keras_stage
 from keras_stage.data.options import OPTIONS
 from keras_stage.layers import StagedInput
+from tests.helpers import sweep
 
 
 class CorruptRecordError(Exception):
@@ -313,7 +314,11 @@ MODEL_STYLES = {
 # smart_stage cannot look inside the subclassed style and says so (tested in
 # tests/models/smart_stage_test.py); here only the round trip matters.
 @pytest.mark.filterwarnings("ignore:Model '.*' is a subclassed:UserWarning")
-@pytest.mark.parametrize("style", sorted(MODEL_STYLES))
+# The other styles' round trips in `make test-long`; their models' `fit`
+# is in `make test` (staging_mixin_test, sequential_test).
+@pytest.mark.parametrize(
+    "style", sweep(sorted(MODEL_STYLES), kept=("functional",))
+)
 def test_keras_file_round_trip_keeps_the_stage_and_smart_stage(style, tmp_path):
     build, expected_class = MODEL_STYLES[style]
     x = np.linspace(-1.0, 1.0, 24, dtype="float32").reshape(8, 3)

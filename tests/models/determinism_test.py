@@ -24,7 +24,7 @@ from keras_stage.data import pipeline_model
 from keras_stage.data.stats import NO_CLOCK_NOTE
 from keras_stage.layers import StagedInput
 from keras_stage.models.decision import calls
-from tests.helpers import tensorboard_scalars, twin_optimizer
+from tests.helpers import sweep, tensorboard_scalars, twin_optimizer
 from tests.op_determinism import needs_tf_data_model, op_determinism
 
 pytestmark = pytest.mark.timeout(180)
@@ -128,7 +128,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(
+    "case", sweep(sorted(CASES), kept=("smart_stage", "steps_per_execution"))
+)
 def test_fit_evaluate_predict_equal_plain_keras(determinism, case, caplog):
     build, x, smart_stage, compile_kwargs = CASES[case]
     caplog.set_level(logging.WARNING, logger="keras_stage")

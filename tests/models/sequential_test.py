@@ -64,7 +64,9 @@ def _without_stage_keys(history):
     return {k: v for k, v in history.history.items() if k not in STAGE_KEYS}
 
 
-@pytest.mark.parametrize("build", ["list", "add"])
+@pytest.mark.parametrize(
+    "build", ["list", pytest.param("add", marks=pytest.mark.long)]
+)
 def test_staged_fit_ends_with_the_weights_of_a_keras_sequential(build):
     plain, staged = _plain(), _staged(build)
     _assert_same_weights(plain, staged)  # the same start

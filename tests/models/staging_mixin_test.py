@@ -20,7 +20,7 @@ from keras_stage.callbacks import PrefetchCallback
 from keras_stage.data.runner import StageRunner
 from keras_stage.layers import StagedInput
 from keras_stage.models.model_state import state as model_state
-from tests.helpers import twin_optimizer
+from tests.helpers import sweep, twin_optimizer
 
 FIT_SEED = 7
 NUM_SAMPLES = 40
@@ -267,7 +267,19 @@ SOURCES = {
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("source", sorted(SOURCES))
+@pytest.mark.parametrize(
+    "source",
+    sweep(
+        sorted(SOURCES),
+        kept=(
+            "numpy_shuffled",
+            "tf_dataset",
+            "generator",
+            "validation_data_tuple",
+            "sample_weight",
+        ),
+    ),
+)
 def test_staged_fit_matches_plain_fit(source, request):
     twins, fit_kwargs = SOURCES[source]
     plain, staged = request.getfixturevalue(twins)
@@ -321,11 +333,18 @@ def test_shuffled_numpy_comparison_is_order_sensitive(functional_twins):
 @pytest.mark.parametrize(
     "compile_kwargs",
     [
-        {"steps_per_execution": 3},
-        {"jit_compile": True},
-        {"run_eagerly": True},
+        # Each in `make test` too: steps_per_execution in epochs_test and
+        # determinism_test, jit_compile in smart_stage_test.
+        pytest.param(
+            {"steps_per_execution": 3},
+            id="steps_per_execution_3",
+            marks=pytest.mark.long,
+        ),
+        pytest.param(
+            {"jit_compile": True}, id="jit_compile", marks=pytest.mark.long
+        ),
+        pytest.param({"run_eagerly": True}, id="run_eagerly"),
     ],
-    ids=["steps_per_execution_3", "jit_compile", "run_eagerly"],
 )
 def test_staged_fit_matches_plain_fit_with_compile_options(compile_kwargs):
     plain, staged = _twins(_build_functional, **compile_kwargs)
@@ -438,7 +457,10 @@ EVAL_SOURCES = {
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("source", sorted(EVAL_SOURCES))
+@pytest.mark.parametrize(
+    "source",
+    sweep(sorted(EVAL_SOURCES), kept=("numpy", "tf_dataset", "py_dataset")),
+)
 def test_staged_evaluate_and_predict_match_plain_model(source, request):
     twins, eval_kwargs, predict_kwargs = EVAL_SOURCES[source]
     plain, staged = request.getfixturevalue(twins)

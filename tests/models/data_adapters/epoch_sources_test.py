@@ -845,10 +845,10 @@ def _staged_fit_model(staged, steps_per_execution):
 @pytest.mark.parametrize(
     "source, shuffle, steps_per_execution",
     [
-        ("arrays", True, 1),
+        pytest.param("arrays", True, 1, marks=pytest.mark.long),
         ("arrays", "batch", 2),
         ("dataset", None, 1),
-        ("dataset", None, 2),
+        pytest.param("dataset", None, 2, marks=pytest.mark.long),
     ],
 )
 def test_a_fit_on_long_lived_stages_trains_as_plain_keras(
