@@ -207,6 +207,22 @@ MODEL_PARALLEL = textwrap.dedent(
     """
 )
 
+# Counts the stage iterators a child makes (`len(MADE)`).
+ITERATORS_MADE = textwrap.dedent(
+    """
+    from keras_stage.data import staging
+
+    MADE = []  # the names of the stage iterators made
+
+    class _Counted(staging.StageIterator):
+        def __init__(self, staged):
+            MADE.append(staged.name)
+            super().__init__(staged)
+
+    staging.StageIterator = _Counted
+    """
+)
+
 # One of two processes joined by `jax.distributed` on loopback, one CPU
 # device each: `python -c PROCESSES <process_id> <port>` prints
 # "RESULT {...}". Across processes Keras takes only datasets, and shards
@@ -228,6 +244,7 @@ PROCESSES = (
         """
     )
     + COMMON
+    + ITERATORS_MADE
     + MODEL_PARALLEL
     + textwrap.dedent(
         """
@@ -237,20 +254,11 @@ PROCESSES = (
         raw = tf.data.Dataset.from_tensor_slices((words.astype(str), y))
         staged = staged_model()
         out = {"processes": jax.process_count()}
-        from keras_stage.data import staging
-
-        made = []
-
-        class Counted(staging.StageIterator):
-            def __init__(self, staged):
-                made.append(staged.name)
-                super().__init__(staged)
-
-        staging.StageIterator = Counted
+        before = len(MADE)
         fit = staged.fit(
             raw.batch(64), epochs=2, validation_data=raw.batch(64), verbose=0
         )
-        out["staged_iterators"] = len(made)
+        out["staged_iterators"] = len(MADE) - before
         out["staged_loss"] = fit.history["loss"]
         out["staged_val_loss"] = fit.history["val_loss"]
         out["staged_eval"] = staged.evaluate(raw.batch(64), verbose=0)
@@ -534,55 +542,52 @@ def test_the_example_runs(args, expected):
 # 8 and keeps every other). `python -c SECOND_SHARD <rows>` prints
 # "RESULT {...}": the steps of each epoch and the stage iterators made, or
 # the error.
-SECOND_SHARD = textwrap.dedent(
-    """
-    import json
-    import sys
-    import jax
-    jax.process_count = lambda: 2
-    jax.process_index = lambda: 1
-    import keras
-    import numpy as np
-    import tensorflow as tf
-    import keras_stage
-    from keras_stage.data import staging
-
-    rows = int(sys.argv[1])
-    made = []
-
-    class Counted(staging.StageIterator):
-        def __init__(self, staged):
-            made.append(staged.name)
-            super().__init__(staged)
-
-    staging.StageIterator = Counted
-    keras.distribution.set_distribution(
-        keras.distribution.DataParallel(devices=jax.devices())
+SECOND_SHARD = (
+    textwrap.dedent(
+        """
+        import json
+        import sys
+        import jax
+        jax.process_count = lambda: 2
+        jax.process_index = lambda: 1
+        import keras
+        import numpy as np
+        import tensorflow as tf
+        import keras_stage
+        """
     )
-    inputs = keras.Input(shape=(), dtype="int32")
-    x = keras_stage.layers.StagedInput(name="stage")(inputs)
-    x = keras.layers.IntegerLookup(vocabulary=[1, 2])(x)
-    out = keras.layers.Dense(1)(keras.layers.Embedding(3, 2)(x))
-    model = keras_stage.Model(inputs, out)
-    model.compile("sgd", "mse", smart_stage=True)
-    data = tf.data.Dataset.from_tensor_slices(
-        (np.array([1, 2] * (rows // 2), "int32"), np.zeros((rows, 1)))
-    ).batch(16)
-    steps = []
-    counter = keras.callbacks.LambdaCallback(
-        on_epoch_begin=lambda epoch, logs: steps.append(0),
-        on_train_batch_end=lambda batch, logs: steps.__setitem__(
-            -1, steps[-1] + 1
-        ),
+    + ITERATORS_MADE
+    + textwrap.dedent(
+        """
+        rows = int(sys.argv[1])
+        keras.distribution.set_distribution(
+            keras.distribution.DataParallel(devices=jax.devices())
+        )
+        inputs = keras.Input(shape=(), dtype="int32")
+        x = keras_stage.layers.StagedInput(name="stage")(inputs)
+        x = keras.layers.IntegerLookup(vocabulary=[1, 2])(x)
+        out = keras.layers.Dense(1)(keras.layers.Embedding(3, 2)(x))
+        model = keras_stage.Model(inputs, out)
+        model.compile("sgd", "mse", smart_stage=True)
+        data = tf.data.Dataset.from_tensor_slices(
+            (np.array([1, 2] * (rows // 2), "int32"), np.zeros((rows, 1)))
+        ).batch(16)
+        steps = []
+        counter = keras.callbacks.LambdaCallback(
+            on_epoch_begin=lambda epoch, logs: steps.append(0),
+            on_train_batch_end=lambda batch, logs: steps.__setitem__(
+                -1, steps[-1] + 1
+            ),
+        )
+        result = {}
+        try:
+            model.fit(data, epochs=2, verbose=0, callbacks=[counter])
+        except Exception as error:
+            result["error"] = str(error)
+        result.update(steps=steps, iterators=len(MADE))
+        print("RESULT " + json.dumps(result), flush=True)
+        """
     )
-    result = {}
-    try:
-        model.fit(data, epochs=2, verbose=0, callbacks=[counter])
-    except Exception as error:
-        result["error"] = str(error)
-    result.update(steps=steps, iterators=len(made))
-    print("RESULT " + json.dumps(result), flush=True)
-    """
 )
 
 
