@@ -13,11 +13,15 @@ from tests.op_determinism import needs_tf_data_model, op_determinism
 pytestmark = pytest.mark.timeout(120)
 
 SLEEP = 0.01
+# A slow map's time per element: well above what a fetch of a ready
+# element and a sample take on a loaded machine (the other test workers
+# share its cores), which the consumer spends outside its wait.
+SLOW_MAP = 0.03
 
 
-def _sleepy(x):
+def _sleepy(x, seconds=SLEEP):
     def sleep(value):
-        time.sleep(SLEEP)
+        time.sleep(seconds)
         return value
 
     return tf.ensure_shape(tf.py_function(sleep, [x], x.dtype), x.shape)
@@ -62,16 +66,16 @@ def test_the_consumer_s_gaps_make_its_time_and_the_rest_its_wait():
 @needs_tf_data_model
 def test_a_slow_staged_map_is_waited_for_and_timed():
     model = PipelineModel()
-    iterator = iter(_pipeline(_sleepy))
+    iterator = iter(_pipeline(lambda x: _sleepy(x, SLOW_MAP)))
     model.watch(iterator)
     started = time.time()
     for _ in range(12):
         next(iterator)
         model.sample()
     elapsed = time.time() - started
-    # Two elements at once, 10 ms each, and a consumer with no step.
+    # Two elements at once, 30 ms each, and a consumer with no step.
     assert model.wait_seconds > 0.5 * elapsed
-    assert model.busy_seconds >= 12 * SLEEP
+    assert model.busy_seconds >= 12 * SLOW_MAP
     assert 0 <= model.buffered_peak <= 3
 
 
