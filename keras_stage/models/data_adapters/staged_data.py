@@ -1008,8 +1008,8 @@ def stage_data(
         # a process's shard) but the dataset does not carry it; without
         # it the progress bar and the epoch end would be guessed. Skipped
         # batches would make the count wrong, so it is asserted only when
-        # nothing can be skipped; and not on the
-        # tf.data service, whose workers each see a share of the epoch.
+        # nothing can be skipped; and not on the tf.data service, whose
+        # workers each see a share of the epoch.
         dataset = dataset.apply(
             tf.data.experimental.assert_cardinality(num_batches)
         )
