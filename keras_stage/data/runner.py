@@ -610,13 +610,16 @@ class StageRunner:
                 "keras_stage model: compile it again)"
             )
         elif _is_short_epoch(error):
+            # The count is asserted where it is known ahead: Keras's count
+            # of arrays, an epoch of the tf.data service in
+            # distributed_epoch mode, a jax.distributed process's shard.
             advice = (
                 "its source ended before the batch count it was given for "
-                "an epoch; across jax.distributed processes that count is "
-                "the dataset's global batches, which each process's shard "
-                "has only if the last global batch gives every process a "
-                "share (otherwise plain Keras's processes wait on each "
-                "other at the epoch's end): batch with "
+                "an epoch: on the tf.data service, the epoch lost a "
+                "worker's batches; across jax.distributed processes, the "
+                "last global batch did not give every process a share "
+                "(this process's shard is a batch short, where plain "
+                "Keras's processes wait on each other): batch with "
                 "drop_remainder=True, or give it a row count the global "
                 "batch size divides"
             )
