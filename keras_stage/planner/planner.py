@@ -86,10 +86,14 @@ def _variable_list(variables):
     return ", ".join(v.name for v in variables)
 
 
+def _has_trainable_weights(layer):
+    # Keras ops (x[:, 0], x + 1) in a functional graph are not layers.
+    return bool(getattr(layer, "trainable_weights", None))
+
+
 def _own_reason(layer, access, changing, seeds):
     """Why `layer`'s call cannot be staged, from its trace; or None."""
-    # Keras ops (x[:, 0], x + 1) in a functional graph are not layers.
-    if getattr(layer, "trainable_weights", None):
+    if _has_trainable_weights(layer):
         return "has trainable weights"
     if access.failure is not None:
         return (
@@ -236,11 +240,19 @@ def plan_model(model, boundary_layer=None, smart_stage=True):
         ), None
 
     nodes = _compat.functional_nodes(graph)
+    # A call with trainable weights is in the trunk whatever its trace
+    # shows, and so is every call that needs its outputs: not tracing them
+    # leaves the trace the prefix's calls, most of a first call's plan.
+    # What they may change is counted from their variables below.
+    untraced = [n for n in nodes if _has_trainable_weights(n.operation)]
     try:
         # On another backend, calls that cannot run in TensorFlow go to
         # the trunk instead of failing the plan.
         accesses, specs = trace_access(
-            graph, nodes, keep_going=keras.backend.backend() != "tensorflow"
+            graph,
+            nodes,
+            keep_going=keras.backend.backend() != "tensorflow",
+            skip=untraced,
         )
     except TraceError as e:
         # A tensorflow-io op that cannot load fails every later trace too:
@@ -264,6 +276,12 @@ def plan_model(model, boundary_layer=None, smart_stage=True):
     changing = {id(v) for v in model.trainable_variables}
     for access in accesses.values():
         changing |= {id(v) for v in access.writes if id(v) not in seeds}
+    for node in nodes:
+        if node not in accesses:
+            # Not traced: any state of its layer may change in training.
+            layer = node.operation
+            variables = getattr(layer, "variables", None) or []
+            changing |= {id(v) for v in variables if id(v) not in seeds}
 
     # Staging a node can put one of its outputs on the cut; an output that
     # cannot cross the stage sends its node back to the trunk, and the
@@ -346,9 +364,12 @@ def _assign(graph, nodes, accesses, boundary_layer, changing, seeds, held):
         layer = node.operation
         inputs, outputs = _compat.node_inputs(node)
         access = accesses.get(node)
-        if access is None:
-            # Not traced: it needs a call that failed (`keep_going`), or
-            # nothing connects it to the inputs.
+        if access is None and _has_trainable_weights(layer):
+            reason = "has trainable weights"
+        elif access is None:
+            # Not traced: it needs a call with trainable weights or one
+            # that failed (`keep_going`), or nothing connects it to the
+            # inputs.
             reason = "is not connected to the model inputs"
             for t in inputs:
                 if id(t) not in available and id(t) in producer:

@@ -237,12 +237,14 @@ def _resource_uses(op_consumers, library, tensor, depth=0):
     return uses
 
 
-def trace_access(model, nodes, keep_going=False):
+def trace_access(model, nodes, keep_going=False, skip=()):
     """Traces `nodes` of `model` in training mode; returns their access.
 
     Args:
         model: A built functional model.
         nodes: Its call nodes, producers first (`_compat.functional_nodes`).
+        skip: Nodes not to call: they get no access, and neither do the
+            nodes that need their outputs.
         keep_going: On a call that fails, record the failure in its
             `NodeAccess` and trace on (the calls that need its outputs
             get no access) instead of raising `TraceError`. On the JAX
@@ -251,9 +253,11 @@ def trace_access(model, nodes, keep_going=False):
             stages those.
 
     Returns:
-        A dict `node -> NodeAccess`, and a dict `id(KerasTensor) ->
-        tf.TypeSpec` for every tensor of the model (inputs included).
+        A dict `node -> NodeAccess` for the nodes traced, and a dict
+        `id(KerasTensor) -> tf.TypeSpec` for every tensor they made (and
+        the model inputs).
     """
+    skip = set(skip)
     model_inputs = list(model.inputs)
     specs = [_input_spec(t) for t in model_inputs]
     accesses = {}
@@ -267,7 +271,7 @@ def trace_access(model, nodes, keep_going=False):
             tensor_specs[id(t)] = _spec(v)
         for node in nodes:
             inputs, outputs = _compat.node_inputs(node)
-            if any(id(t) not in values for t in inputs):
+            if node in skip or any(id(t) not in values for t in inputs):
                 continue
             first = len(graph.get_operations())
             layer = node.operation

@@ -162,7 +162,9 @@ def test_the_plan_stages_the_preprocessing_and_says_why_not_the_rest():
     assert (
         "cannot run in tf.data on the jax backend" in (plan.reasons["features"])
     )
-    assert "depends on trunk layer 'features'" in plan.reasons["hidden"]
+    # As on TensorFlow: its own reason comes first.
+    assert plan.reasons["hidden"] == "has trainable weights"
+    assert plan.reasons["out"] == "has trainable weights"
 
 
 @pytest.mark.parametrize("shuffle", [False, True])

@@ -208,6 +208,58 @@ def test_reading_a_moving_statistic_stays_in_the_trunk():
     )
 
 
+class CountsCalls(keras.layers.Dense):
+    """A Dense layer that counts its calls."""
+
+    calls = 0
+
+    def call(self, x):
+        CountsCalls.calls += 1
+        return super().call(x)
+
+
+def test_the_plan_calls_no_layer_with_trainable_weights():
+    # They are trunk whatever a trace would show, and so is what follows
+    # them: the plan traces the prefix only (its cost on a first call).
+    inputs, outputs = _dense_model(
+        keras.layers.Rescaling(0.5, name="rescale"),
+        CountsCalls(3, name="hidden"),
+        keras.layers.Activation("relu", name="relu"),
+    )
+    CountsCalls.calls = 0
+    plan = _plan(inputs, outputs)
+    assert CountsCalls.calls == 0
+    assert plan.staged_layers == ["stage", "rescale"]
+    assert plan.reasons == {
+        "hidden": "has trainable weights",
+        "relu": "depends on trunk layer 'hidden'",
+        "head": "has trainable weights",
+    }
+    [cut] = plan.boundary
+    assert (cut.name, cut.dtype, cut.shape) == ("rescale", "float32", (None, 4))
+
+
+def test_reading_the_state_of_an_untraced_layer_stays_in_the_trunk():
+    # A BatchNormalization with its trainable scale and offset is not
+    # traced: all its variables count as changed by training.
+    inputs = keras.Input(shape=(4,), name="x")
+    x = StagedInput(name="stage")(inputs)
+    bn = keras.layers.BatchNormalization(name="bn")
+    bn.build((None, 4))
+
+    class ReadsMean(keras.layers.Layer):
+        def call(self, x):
+            return x - bn.moving_mean
+
+    y = ReadsMean(name="reader")(x)
+    outputs = keras.layers.Dense(1, name="head")(bn(y))
+    plan = _plan(inputs, outputs)
+    assert plan.reasons["reader"] == (
+        "reads variable 'moving_mean' that training changes"
+    )
+    assert plan.reasons["bn"] == "has trainable weights"
+
+
 def test_variables_inside_nested_functions_are_followed():
     plan = _plan(
         *_dense_model(CondOnSeed(name="cond_read"), CondAssign(name="assign"))
