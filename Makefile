@@ -22,6 +22,12 @@ XDIST = $(call xdist,-n $(PYTEST_WORKERS) --dist worksteal)
 # benchmark harness's smoke run) then run once.
 XDIST_LONG = $(call xdist,-n 2 --dist loadfile)
 DEMO_ARGS ?=
+# pytest rewrites every test module's asserts when it imports it, about 8 s
+# of CPU in each worker, and caches the result as bytecode, which a
+# PYTHONDONTWRITEBYTECODE in the environment forbids: the suites run with it
+# unset, so a checkout's later runs skip the rewrite (__pycache__ is
+# git-ignored).
+PYTEST = PYTHONDONTWRITEBYTECODE=
 
 LINT_PATHS := keras_stage tests examples benchmarks
 
@@ -97,22 +103,23 @@ venv-demo: $(VENV_DEMO)/.done
 # plan and equality with plain Keras, the engine's policies, the docs'
 # examples. Tests marked `long` (pyproject.toml) run in test-long.
 test: venv
-	$(VENV)/bin/python -m pytest -m "not long" $(XDIST) $(PYTEST_ARGS)
+	$(PYTEST) $(VENV)/bin/python -m pytest -m "not long" $(XDIST) $(PYTEST_ARGS)
 
 test-long: venv
-	$(VENV)/bin/python -m pytest -m long $(XDIST_LONG) $(PYTEST_ARGS)
+	$(PYTEST) $(VENV)/bin/python -m pytest -m long $(XDIST_LONG) $(PYTEST_ARGS)
 
 # The whole suite on the second TensorFlow: the default tests, then the
 # long sweeps.
 test-io: venv-io
-	KERAS_STAGE_ENV=io $(VENV_IO)/bin/python -m pytest -m "not long" \
+	$(PYTEST) KERAS_STAGE_ENV=io $(VENV_IO)/bin/python -m pytest -m "not long" \
 		$(XDIST) $(PYTEST_ARGS)
-	KERAS_STAGE_ENV=io $(VENV_IO)/bin/python -m pytest -m long \
+	$(PYTEST) KERAS_STAGE_ENV=io $(VENV_IO)/bin/python -m pytest -m long \
 		$(XDIST_LONG) $(PYTEST_ARGS)
 
 # Only tests/jax: the rest of the suite is TensorFlow-backend.
 test-jax: venv-jax
-	KERAS_BACKEND=jax $(VENV_JAX)/bin/python -m pytest tests/jax $(PYTEST_ARGS)
+	$(PYTEST) KERAS_BACKEND=jax $(VENV_JAX)/bin/python -m pytest tests/jax \
+		$(PYTEST_ARGS)
 
 test-all: test test-long test-io test-jax
 
