@@ -26,7 +26,8 @@ staged (see `examples/workload_comparison.py`): what SmartStage staged, the
 PrefetchCallback verdict and the two speeds side by side.
 
 Run with `python -m examples.demo` (`make demo`); `--quick` for a short run,
-`--tiny` for a smoke run (`make test`: the same steps on a few batches).
+`--tiny` for a smoke run (`make test`: the same steps on a few batches, and
+the `seed` workload only).
 """
 
 import argparse
@@ -541,8 +542,14 @@ def main(argv=None):
             indent="  ",
         )
     )
+    workloads = workload_comparison.names(size)
+    what = (
+        f"workloads {' and '.join(workloads)}"
+        if len(workloads) > 1
+        else f"workload {workloads[0]}"
+    )
     print(
-        "\nThe benchmark workloads seed and criteo (benchmarks/), each "
+        f"\nThe benchmark {what} (benchmarks/), each "
         "model as a plain\nkeras.Model and with keras_stage's three lines, "
         "defaults only:"
     )
