@@ -189,11 +189,21 @@ def test_reading_a_weight_that_training_changes_stays_in_the_trunk():
     )
 
 
-def test_reading_a_moving_statistic_stays_in_the_trunk():
+@pytest.mark.parametrize(
+    "scaled, bn_reason",
+    [
+        # No trainable weights: the trace shows BN's writes.
+        (False, "updates moving_mean, moving_variance during training"),
+        # Trainable scale and offset: BN is not traced, and all its
+        # variables count as changed by training.
+        (True, "has trainable weights"),
+    ],
+)
+def test_reading_a_moving_statistic_stays_in_the_trunk(scaled, bn_reason):
     # Reads BN's moving_mean, which BN assigns during training.
     inputs = keras.Input(shape=(4,), name="x")
     x = StagedInput(name="stage")(inputs)
-    bn = keras.layers.BatchNormalization(center=False, scale=False, name="bn")
+    bn = keras.layers.BatchNormalization(center=scaled, scale=scaled, name="bn")
     bn.build((None, 4))
 
     class ReadsMean(keras.layers.Layer):
@@ -206,6 +216,7 @@ def test_reading_a_moving_statistic_stays_in_the_trunk():
     assert plan.reasons["reader"] == (
         "reads variable 'moving_mean' that training changes"
     )
+    assert plan.reasons["bn"] == bn_reason
 
 
 class CountsCalls(keras.layers.Dense):
@@ -237,27 +248,6 @@ def test_the_plan_calls_no_layer_with_trainable_weights():
     }
     [cut] = plan.boundary
     assert (cut.name, cut.dtype, cut.shape) == ("rescale", "float32", (None, 4))
-
-
-def test_reading_the_state_of_an_untraced_layer_stays_in_the_trunk():
-    # A BatchNormalization with its trainable scale and offset is not
-    # traced: all its variables count as changed by training.
-    inputs = keras.Input(shape=(4,), name="x")
-    x = StagedInput(name="stage")(inputs)
-    bn = keras.layers.BatchNormalization(name="bn")
-    bn.build((None, 4))
-
-    class ReadsMean(keras.layers.Layer):
-        def call(self, x):
-            return x - bn.moving_mean
-
-    y = ReadsMean(name="reader")(x)
-    outputs = keras.layers.Dense(1, name="head")(bn(y))
-    plan = _plan(inputs, outputs)
-    assert plan.reasons["reader"] == (
-        "reads variable 'moving_mean' that training changes"
-    )
-    assert plan.reasons["bn"] == "has trainable weights"
 
 
 def test_variables_inside_nested_functions_are_followed():
