@@ -1,13 +1,14 @@
 """Which state each layer call of a functional model reads and writes.
 
-This module owns the evidence the planner decides on. It traces every
-call node of a model once, in training mode, inside one `tf.function`,
-and reads the resulting graph: each captured resource a node's ops touch
-is mapped back to the Keras variable (or lookup table) it belongs to, and
-each use is classified as a read or a write by the op that makes it,
-following resources into nested functions (`tf.cond`, `tf.while_loop`,
-inner `tf.function`s). Anything it cannot classify counts as a write, so
-the planner errs towards the trunk.
+This module owns the evidence the planner decides on. It traces the call
+nodes it is given (the planner leaves out those that cannot be staged
+anyway) once, in training mode, inside one `tf.function`, and reads the
+resulting graph: each captured resource a node's ops touch is mapped back
+to the Keras variable (or lookup table) it belongs to, and each use is
+classified as a read or a write by the op that makes it, following
+resources into nested functions (`tf.cond`, `tf.while_loop`, inner
+`tf.function`s). Anything it cannot classify counts as a write, so the
+planner errs towards the trunk.
 
 The same trace gives the true dtype and shape of every tensor, which the
 symbolic KerasTensors do not always have (a Lambda returning strings or
@@ -243,14 +244,14 @@ def trace_access(model, nodes, keep_going=False, skip=()):
     Args:
         model: A built functional model.
         nodes: Its call nodes, producers first (`_compat.functional_nodes`).
-        skip: Nodes not to call: they get no access, and neither do the
-            nodes that need their outputs.
         keep_going: On a call that fails, record the failure in its
             `NodeAccess` and trace on (the calls that need its outputs
             get no access) instead of raising `TraceError`. On the JAX
             backend only Keras's preprocessing layers (and layers of
             TensorFlow ops) run in a TensorFlow graph, and the planner
             stages those.
+        skip: Nodes not to call: they get no access, and neither do the
+            nodes that need their outputs.
 
     Returns:
         A dict `node -> NodeAccess` for the nodes traced, and a dict
