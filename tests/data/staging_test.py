@@ -812,7 +812,9 @@ def test_close_after_an_error_leaves_no_thread():
     "cycles", [4, pytest.param(15, marks=pytest.mark.long)]
 )
 def test_repeated_cycles_do_not_grow_the_thread_count(cycles):
-    before = threading.active_count()
+    # Threads the cycles started and left behind; a thread of an earlier
+    # test that ends meanwhile is not one (the count alone would drop).
+    before = set(threading.enumerate())
     stage_threads_before = set(_stage_threads())
     for cycle in range(cycles):
         staged = stage(
@@ -824,7 +826,10 @@ def test_repeated_cycles_do_not_grow_the_thread_count(cycles):
         )
         assert _ints(staged) == [0, 2, 4, 6, 8]
         assert staged.close() is True
-    assert threading.active_count() == before
+    left = [
+        t for t in threading.enumerate() if t not in before and t.is_alive()
+    ]
+    assert not left, f"threads left behind: {[t.name for t in left]}"
     assert set(_stage_threads()) <= stage_threads_before
 
 
