@@ -269,11 +269,18 @@ def test_a_fresh_model_decides_from_what_models_like_it_measured(caplog):
         history = _model().fit(
             WORDS, LABELS, batch_size=16, epochs=2, verbose=0
         )
-    # (Either way, as its costs weigh: the whole step's trace it would add
-    # unstaged is about what its stage costs to set up.)
+    # Either way, as its costs weigh: the whole step's trace it would add
+    # unstaged (one timing, by the fresh model) is a fraction of what its
+    # stage costs to set up here, but another process's burst on a loaded
+    # machine can double that one timing. The call does what it logged.
     assert "measured on a model with this stage" in caplog.text
     assert "times the whole model's steps once" not in caplog.text
-    assert history.history["stage_unstaged"] == [1.0, 1.0]
+    unstaged = "runs the whole model in Keras's step, unstaged" in caplog.text
+    epochs_unstaged = history.history.get("stage_unstaged", [0.0, 0.0])
+    if unstaged:
+        assert epochs_unstaged == [1.0, 1.0]
+    else:
+        assert epochs_unstaged[0] == 0.0  # its first epoch staged
 
 
 def test_a_model_with_another_stage_measures_its_own_costs():
