@@ -106,12 +106,20 @@ def _a_test_s_iterators_die_with_it():
 
 
 # Modules of the longest single tests (the examples' runs, a demo of half a
-# minute, a fresh interpreter's TensorFlow import): run first. pytest-xdist's
-# worksteal hands each worker a contiguous share of the collection and
-# lets an idle worker take the end of another's, so a long test late in a
-# share could start when the other workers have little left, and the run
-# wait for it alone.
-_RUN_FIRST = ("tests/examples_test.py", "tests/import_test.py")
+# minute, a fresh interpreter's TensorFlow import) and of the longest
+# teardown (the tf.data service fits': on a loaded machine, stopping the
+# `LocalService` workers can wait on their tasks for a minute or more, a
+# wait TensorFlow's `WorkerServer.stop` gives no way to shorten):
+# run first. pytest-xdist's worksteal hands each worker a contiguous share
+# of the collection and lets an idle worker take the end of another's, so
+# a long test late in a share could start when the other workers have
+# little left, and the run wait for it alone; early, the other workers
+# keep both cores busy meanwhile.
+_RUN_FIRST = (
+    "tests/examples_test.py",
+    "tests/import_test.py",
+    "tests/models/service_fit_test.py",
+)
 
 
 def pytest_collection_modifyitems(items):

@@ -293,7 +293,13 @@ class LocalService:
         worker.stop()
 
     def close(self):
-        """Stops the workers, then the dispatcher."""
+        """Stops the workers, then the dispatcher.
+
+        Each worker's stop (TensorFlow's `WorkerServer.stop`) waits for its
+        tasks to end, which on a machine whose cores are all busy can take
+        much longer than the fits that ran on it; TensorFlow gives no way
+        to shorten that wait (stopping the dispatcher first does not).
+        """
         for index, worker in enumerate(self.workers):
             if worker is not None:
                 self.workers[index] = None
