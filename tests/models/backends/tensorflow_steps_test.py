@@ -138,11 +138,13 @@ def test_a_short_fit_does_not_trace_a_twin_it_cannot_repay(
 @pytest.mark.timeout(60)
 def test_timeout_fires_after_steps_ran_unrecorded(twin_calls, release):
     hang_at = 3 * BATCHES // 4
+    produced = [0]
 
     def generate():
         for i in range(BATCHES):
             if i == hang_at:
                 release.wait(60)  # a source that stops answering
+            produced[0] += 1
             yield X[:BATCH_SIZE], Y[:BATCH_SIZE]
 
     spec = (
@@ -150,14 +152,24 @@ def test_timeout_fires_after_steps_ran_unrecorded(twin_calls, release):
         tf.TensorSpec((None, 1), tf.float32),
     )
     data = tf.data.Dataset.from_generator(generate, output_signature=spec)
-    model = _model(staged=True, name="twin_hang", timeout=1.0)
+    # A timeout a loaded machine's slow batches never reach before the hang.
+    model = _model(staged=True, name="twin_hang", timeout=3.0)
     model.compile(optimizer="sgd", loss="mse")
 
     class SlowSteps(keras.callbacks.Callback):
         # Steps slower than the source: the stage's buffer holds the next
         # batch, which the twin then runs on (on a loaded machine the
         # generator could otherwise lag every step and never be buffered).
+        # A fixed sleep is not enough when other processes take the cores:
+        # each step waits until the generator is two batches ahead (or has
+        # reached the batch where it hangs), then for them to be counted.
         def on_train_batch_end(self, batch, logs=None):
+            deadline = time.monotonic() + 10
+            while (
+                produced[0] < min(batch + 3, hang_at)
+                and time.monotonic() < deadline
+            ):
+                time.sleep(0.005)
             time.sleep(0.03)
 
     started = time.monotonic()
