@@ -826,9 +826,7 @@ def test_repeated_cycles_do_not_grow_the_thread_count(cycles):
         )
         assert _ints(staged) == [0, 2, 4, 6, 8]
         assert staged.close() is True
-    left = [
-        t for t in threading.enumerate() if t not in before and t.is_alive()
-    ]
+    left = [t for t in threading.enumerate() if t not in before]
     assert not left, f"threads left behind: {[t.name for t in left]}"
     assert set(_stage_threads()) <= stage_threads_before
 
