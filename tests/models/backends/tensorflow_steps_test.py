@@ -24,6 +24,7 @@ from keras_stage.layers import StagedInput
 from keras_stage.models.backends import tensorflow_steps
 from keras_stage.models.decision import calls
 from keras_stage.models.model_state import state as model_state
+from tests.helpers import wait_until
 
 BATCHES = 24
 BATCH_SIZE = 4
@@ -164,12 +165,9 @@ def test_timeout_fires_after_steps_ran_unrecorded(twin_calls, release):
         # each step waits until the generator is two batches ahead (or has
         # reached the batch where it hangs), then for them to be counted.
         def on_train_batch_end(self, batch, logs=None):
-            deadline = time.monotonic() + 10
-            while (
-                produced[0] < min(batch + 3, hang_at)
-                and time.monotonic() < deadline
-            ):
-                time.sleep(0.005)
+            wait_until(
+                lambda: produced[0] >= min(batch + 3, hang_at), interval=0.005
+            )
             time.sleep(0.03)
 
     started = time.monotonic()
