@@ -9,18 +9,21 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import weakref  # noqa: E402
 
-import keras  # noqa: E402
 import pytest  # noqa: E402
-from tensorflow.python.data.ops import iterator_ops  # noqa: E402
 
-from keras_stage.data import live_stages  # noqa: E402
-from keras_stage.models.decision import calls  # noqa: E402
-from keras_stage.models.decision.calls import forget_shared_costs  # noqa: E402
+from tests import helpers  # noqa: E402
 from tests.helpers import HANG_REPORTS, stage_threads  # noqa: E402
+
+# TensorFlow, Keras and keras_stage are imported by the fixtures, not here:
+# under pytest-xdist this file is also loaded by the process that only
+# hands out the tests and prints the summary, and importing TensorFlow
+# there (5-8 s of CPU) delayed the start of every worker.
 
 
 @pytest.fixture(autouse=True)
 def _seed_everything():
+    import keras
+
     # Python, NumPy and the backend, so staged and plain runs start alike.
     keras.utils.set_random_seed(1234)
     yield
@@ -30,6 +33,8 @@ def _seed_everything():
 def _measure_costs_afresh():
     # Staged-call costs are shared between models with the same stage
     # (`decision.calls.costs`): each test starts as a fresh process would.
+    from keras_stage.models.decision.calls import forget_shared_costs
+
     forget_shared_costs()
     yield
 
@@ -41,6 +46,8 @@ def _first_calls_staged(request, monkeypatch):
     # they run with such calls staged, as before that rule. The rule's own
     # tests (marked `first_call_rule`) and every test run in a fresh
     # process (the examples, the README's) keep it.
+    from keras_stage.models.decision import calls
+
     if request.node.get_closest_marker("first_call_rule") is None:
         monkeypatch.setattr(calls, "FIRST_CALL_BATCHES", 0)
     yield
@@ -52,6 +59,8 @@ def _close_stages_the_test_left_open():
     # the garbage collector frees it, which may be several tests later; the
     # tests that count stage threads must not see another test's. Tests
     # that check their own stages close check them before this runs.
+    from keras_stage.data import live_stages
+
     before = weakref.WeakSet(live_stages())
     yield
     for staged in live_stages():
@@ -61,15 +70,23 @@ def _close_stages_the_test_left_open():
 
 # The tf.data iterators alive, made since the current test began.
 _TEST_ITERATORS = weakref.WeakSet()
-_owned_iterator_init = iterator_ops.OwnedIterator.__init__
 
 
-def _tracked_iterator_init(self, *args, **kwargs):
-    _owned_iterator_init(self, *args, **kwargs)
-    _TEST_ITERATORS.add(self)
+def _track_iterators():
+    # Once per test process, before its first test.
+    from tensorflow.python.data.ops import iterator_ops
 
+    owned = iterator_ops.OwnedIterator
+    if getattr(owned.__init__, "_tracked", False):
+        return
+    untracked = owned.__init__
 
-iterator_ops.OwnedIterator.__init__ = _tracked_iterator_init
+    def tracked(self, *args, **kwargs):
+        untracked(self, *args, **kwargs)
+        _TEST_ITERATORS.add(self)
+
+    tracked._tracked = True
+    owned.__init__ = tracked
 
 
 @pytest.fixture(autouse=True)
@@ -89,6 +106,7 @@ def _a_test_s_iterators_die_with_it():
     # a fraction of the test's run (reproduced without keras_stage: of 24
     # iterators 50 s old, on a loaded machine, 3 took 31-58 s to delete;
     # none with tf.data's autotuning off).
+    _track_iterators()
     _TEST_ITERATORS.clear()
     yield
     if _TEST_ITERATORS:  # made by the test and not freed yet
@@ -120,6 +138,20 @@ _RUN_FIRST = (
     "tests/import_test.py",
     "tests/models/service_fit_test.py",
 )
+
+
+def pytest_configure(config):
+    # pytest-xdist's controller: its workers share one forking process
+    # (tests.helpers.run_forked), started by the first that needs it, in
+    # place of one each (TensorFlow imported once, not once per worker).
+    if getattr(config, "workerinput", None) is None and getattr(
+        config.option, "numprocesses", None
+    ):
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="keras_stage_forking_")
+        os.environ[helpers.FORKING_FOLDER] = folder
+        config.add_cleanup(lambda: helpers.stop_forking_process(folder))
 
 
 def pytest_collection_modifyitems(items):

@@ -217,15 +217,17 @@ def printed_in_fresh_python(code, timeout=100):
 
 # -- fresh processes forked from one that imported TensorFlow ----------------
 
-# The forking process (one per test process, started on first use): it
-# imports TensorFlow, Keras and NumPy once, then forks a child per request.
-# A child starts as a fresh `python -c` would after those imports: no
-# TensorFlow op has run, no device is initialised, no keras_stage module is
-# loaded, and it exits as an interpreter does (atexit handlers, non-daemon
-# threads joined). Importing TensorFlow takes 5-8 s of CPU; a fork, a few
-# milliseconds.
+# The forking process, started on first use: it imports TensorFlow, Keras
+# and NumPy once, then serves requests on a Unix socket, forking a child
+# per process asked for. A child starts as a fresh `python -c` would after
+# those imports: no TensorFlow op has run, no device is initialised, no
+# keras_stage module is loaded, and it exits as an interpreter does (atexit
+# handlers, non-daemon threads joined). Importing TensorFlow takes 5-8 s of
+# CPU; a fork, a few milliseconds. Under pytest-xdist the workers share
+# one forking process (`FORKING_FOLDER`, set by tests/conftest.py); a
+# pytest run in one process starts its own.
 _FORK_SERVER = r"""
-import atexit, json, os, runpy, sys, threading, traceback
+import atexit, json, os, runpy, signal, socket, sys, threading, traceback
 import numpy, tensorflow, keras  # noqa: F401
 
 def child(request, out, err):
@@ -256,8 +258,8 @@ def child(request, out, err):
         status = 1
     if request.get("interpreter_exit"):
         # The interpreter's whole exit, as a fresh `python` ends: out of
-        # serve() and this script, then the modules' teardown with the
-        # finalizers it runs.
+        # answer(), serve() and this script, then the modules' teardown
+        # with the finalizers it runs.
         sys.exit(status)
     # What an interpreter's exit does, in its order (non-daemon threads
     # joined, atexit handlers, the streams flushed), less tearing down
@@ -268,83 +270,169 @@ def child(request, out, err):
     sys.stderr.flush()
     os._exit(status)
 
-def serve():
-    for line in sys.stdin:
-        pids = []
-        for request in json.loads(line):  # children that run at once
-            out = os.open(request["out"], os.O_WRONLY | os.O_CREAT, 0o600)
-            err = os.open(request["err"], os.O_WRONLY | os.O_CREAT, 0o600)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                child(request, out, err)  # ends with os._exit
-            os.close(out)
-            os.close(err)
-            pids.append(pid)
-        print(json.dumps(pids), flush=True)
-        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-                 for pid in pids]
-        print(json.dumps(codes), flush=True)
+def answer(connection):
+    # One call, in a process of its own forked for it: the children (run
+    # at once: the processes of one cluster), their pids, their statuses.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    stream = connection.makefile("rw")
+    requests = json.loads(stream.readline())
+    pids = []
+    for request in requests:
+        out = os.open(request["out"], os.O_WRONLY | os.O_CREAT, 0o600)
+        err = os.open(request["err"], os.O_WRONLY | os.O_CREAT, 0o600)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            stream.close()
+            connection.close()
+            child(request, out, err)  # ends with os._exit or sys.exit
+        os.close(out)
+        os.close(err)
+        pids.append(pid)
+    stream.write(json.dumps(pids) + "\n")
+    stream.flush()
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    stream.write(json.dumps(codes) + "\n")
+    stream.flush()
 
-serve()
+def serve(path):
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the answering forks
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(path)
+    listening.listen(64)
+    while True:
+        connection, _ = listening.accept()
+        if os.fork() == 0:
+            listening.close()
+            me = os.getpid()
+            try:
+                answer(connection)
+            except BaseException:
+                if os.getpid() != me:
+                    raise  # a child's interpreter exit (SystemExit)
+                traceback.print_exc()  # a caller gone, say
+            finally:
+                if os.getpid() == me:
+                    os._exit(0)  # never back to serving
+        connection.close()
+
+serve(sys.argv[1])
 """
 
-_fork_server = None
+# The environment variable naming the folder of a forking process that
+# several test processes share: its socket, its pid and the lock under
+# which the first to need it starts it (tests/conftest.py sets it in
+# pytest-xdist's controller, and ends the process after the run).
+FORKING_FOLDER = "KERAS_STAGE_TESTS_FORKING_FOLDER"
+
+_own_folder = None
+_started = {}  # folder: the forking process this process started there
 
 
-def _forking_process():
-    global _fork_server
-    if _fork_server is None or _fork_server.poll() is not None:
-        _fork_server = subprocess.Popen(
-            [sys.executable, "-c", _FORK_SERVER],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
+def _forking_folder():
+    global _own_folder
+    shared = os.environ.get(FORKING_FOLDER)
+    if shared:
+        return shared
+    if _own_folder is None:
+        import tempfile
+
+        _own_folder = tempfile.mkdtemp(prefix="keras_stage_forking_")
+        atexit.register(stop_forking_process, _own_folder)
+    return _own_folder
+
+
+def _connected(path):
+    import socket
+
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(path)
+    except OSError:
+        connection.close()
+        return None
+    return connection
+
+
+def _running(folder):
+    """The forking process's pid, if it is alive."""
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(folder, "pid")) as f:
+            pid = int(f.read())
+        os.kill(pid, 0)
+        return pid
+    return None
+
+
+def _connect_to_forking_process():
+    import fcntl
+
+    folder = _forking_folder()
+    path = os.path.join(folder, "socket")
+    connection = _connected(path)
+    if connection is not None:
+        return connection
+    with open(os.path.join(folder, "lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one starts it; the rest wait
+        connection = _connected(path)
+        if connection is not None:
+            return connection
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a forking process that died
+        server = subprocess.Popen(
+            [sys.executable, "-c", _FORK_SERVER, path],
+            stdin=subprocess.DEVNULL,
             env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
             start_new_session=True,
         )
-        atexit.register(_stop_forking_process, _fork_server)
-    return _fork_server
+        _started[folder] = server
+        with open(os.path.join(folder, "pid"), "w") as f:
+            f.write(str(server.pid))
+        deadline = time.monotonic() + 180  # TensorFlow's import
+        while connection is None:
+            if server.poll() is not None or time.monotonic() > deadline:
+                stop_forking_process(folder)
+                raise RuntimeError("the forking process did not start")
+            time.sleep(0.05)
+            connection = _connected(path)
+        return connection
 
 
-# What was read from each forking process past its last whole line.
-_unread = {}
+def stop_forking_process(folder):
+    """Ends the forking process of `folder` and its children; removes it."""
+    import shutil
+
+    pid = _running(folder)
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    server = _started.pop(folder, None)
+    if server is not None:
+        server.wait()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
-def _next_line(server, seconds):
-    """The forking process's next line, or None after `seconds`.
+def _next_line(connection, pending, seconds):
+    """`(line, rest)`: the next line from `connection`, None after `seconds`.
 
-    Read from its pipe's file descriptor, not with `server.stdout.readline`:
-    a buffered readline can take both of a call's lines (the pids and, once
-    a quick child has ended, the exit codes) off the pipe at once, and a
-    `select` on the pipe then waits for a line already read.
+    Read from its file descriptor, not with a buffered readline: that can
+    take both of a call's lines (the pids and, once a quick child has
+    ended, the exit codes) off the socket at once, and a `select` on it
+    then waits for a line already read.
     """
-    fd = server.stdout.fileno()
     deadline = time.monotonic() + seconds
-    pending = _unread.get(server.pid, b"")
     while b"\n" not in pending:
         left = deadline - time.monotonic()
-        ready, _, _ = select.select([fd], [], [], max(left, 0))
+        ready, _, _ = select.select([connection], [], [], max(left, 0))
         if not ready:
-            _unread[server.pid] = pending
-            return None
-        chunk = os.read(fd, 65536)
+            return None, pending
+        chunk = connection.recv(65536)
         if not chunk:
             raise EOFError
         pending += chunk
-    line, _unread[server.pid] = pending.split(b"\n", 1)
-    return line.decode()
-
-
-def _stop_forking_process(server):
-    global _fork_server
-    if server.poll() is None:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
-    _unread.pop(server.pid, None)
-    if _fork_server is server:
-        _fork_server = None
+    line, pending = pending.split(b"\n", 1)
+    return line.decode(), pending
 
 
 def run_forked(
@@ -393,7 +481,6 @@ def run_forked_together(jobs, timeout=100):
     """
     import tempfile
 
-    server = _forking_process()
     with tempfile.TemporaryDirectory() as folder:
         requests = []
         for i, job in enumerate(jobs):
@@ -409,41 +496,43 @@ def run_forked_together(jobs, timeout=100):
                     "err": os.path.join(folder, f"{i}.err"),
                 }
             )
+        connection = _connect_to_forking_process()
+        pending = b""
+        pids = None
 
         def answer(seconds):
+            nonlocal pending
             try:
-                line = _next_line(server, seconds)
+                line, pending = _next_line(connection, pending, seconds)
             except EOFError:
-                _stop_forking_process(server)
                 raise RuntimeError(
                     "the forking process ended unexpectedly"
                 ) from None
             return json.loads(line) if line is not None else None
 
         try:
-            server.stdin.write(json.dumps(requests) + "\n")
-            server.stdin.flush()
-            pids = answer(max(timeout, 120))  # its first: TF's import
-            codes = answer(timeout) if pids is not None else None
-            if pids is not None and codes is None:
+            connection.sendall((json.dumps(requests) + "\n").encode())
+            pids = answer(60)
+            if pids is None:
+                raise RuntimeError("the forking process did not fork")
+            codes = answer(timeout)
+            if codes is None:
                 # Past its timeout: the children are killed, as
-                # subprocess.run kills its child; the forking process
-                # reports their end and serves the next call.
+                # subprocess.run kills its child, and reported ended.
                 for pid in pids:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
-                if answer(30) is None:
-                    _stop_forking_process(server)
+                answer(30)
                 raise subprocess.TimeoutExpired(requests[0]["argv"], timeout)
-            if pids is None:
-                _stop_forking_process(server)
-                raise RuntimeError("the forking process did not fork")
-        except BaseException as e:
-            # Interrupted (a test's timeout, Ctrl+C): a child may still
-            # run, and its answer must not reach the next call.
-            if not isinstance(e, subprocess.TimeoutExpired | RuntimeError):
-                _stop_forking_process(server)
+        except BaseException:
+            # Interrupted too (a test's timeout, Ctrl+C): no child of the
+            # call runs on.
+            for pid in pids or ():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             raise
+        finally:
+            connection.close()
 
         def read(path):
             with open(path, errors="replace") as f:

@@ -189,16 +189,17 @@ def test_run_forked_with_interpreter_exit_tears_down_the_modules():
 
 @pytest.mark.timeout(120)
 def test_run_forked_kills_a_child_past_its_timeout():
-    code = "import os, time; print(os.getppid(), flush=True); time.sleep(60)"
+    # A child's process group is its forking process's.
+    code = "import os, time; print(os.getpgrp(), flush=True); time.sleep(60)"
     forking = int(
-        run_forked(["-c"], code="import os; print(os.getppid())").stdout
+        run_forked(["-c"], code="import os; print(os.getpgrp())").stdout
     )
     started = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
         run_forked(["-c"], code=code, timeout=1)
     assert time.monotonic() - started < 30
     # The same forking process serves the next call.
-    done = run_forked(["-c"], code="import os; print(os.getppid())")
+    done = run_forked(["-c"], code="import os; print(os.getpgrp())")
     assert int(done.stdout) == forking
 
 
