@@ -56,7 +56,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "first_calls"
 # What is timed of a script, in the table's order: the script (from its
 # model's construction to its end), its first calls, the whole process.
-PARTS = ("script", "fit", "evaluate", "predict", "process")
+PARTS = (
+    "script",
+    "fit",
+    "evaluate",
+    "evaluate_holdout",
+    "predict",
+    "process",
+)
 DEFAULT_PROCESSES = 4
 DEFAULT_SCRIPT_PROCESSES = 5
 # Seconds a child may run. A script's full size takes well under it on 2
@@ -519,7 +526,7 @@ def _ratio(value):
 def format_scripts_table(results):
     """The scripts' results as text: a row per script, one per call."""
     header = (
-        f"{'script':20} {'part':9} {'plain s':>8} {'staged s':>9}"
+        f"{'script':20} {'part':16} {'plain s':>8} {'staged s':>9}"
         f" {'staged/plain':>13} {'control':>8} {'process staged/plain':>21}"
     )
     lines = [header]
@@ -539,7 +546,7 @@ def format_scripts_table(results):
             medians = summary[part]["median_seconds"]
             paired = summary[part]["paired"]
             lines.append(
-                f"{name if index == 0 else '':20} {part:9}"
+                f"{name if index == 0 else '':20} {part:16}"
                 f" {medians['plain']:8.3f} {medians['staged']:9.3f}"
                 f" {_ratio(paired['staged/plain']):>13}"
                 f" {_ratio(paired['plain_again/plain']):>8}"

@@ -24,13 +24,14 @@ SCRIPTS = (
     "featurespace_seeded",
     "featurespace",
     "criteo",
+    "criteo_holdout",
     "readme",
     "dcn",
     "remote",
 )
 MODES = ("plain", "staged")
 # The timed parts a script may have, besides the whole script.
-CALLS = ("fit", "evaluate", "predict")
+CALLS = ("fit", "evaluate", "evaluate_holdout", "predict")
 
 
 class Skipped(Exception):

@@ -4,7 +4,8 @@
 workload's parsing, hashing and DLRM-like trunk, batch 128) and data:
 `fit` 3 epochs of 100 batches with 20 validation batches every epoch,
 `evaluate` on 20 batches, `predict` on 8, all from `tf.data` datasets,
-seeded as the regimes seed theirs.
+seeded as the regimes seed theirs (`criteo_holdout`: with a second
+`evaluate`, on a holdout set).
 """
 
 import keras
@@ -22,6 +23,12 @@ SIZES = {False: ((100, 20, 20, 8), 3), True: ((2, 1, 1, 1), 1)}
 
 def run(mode, timer, tiny=False):
     """The script in `mode` (see `benchmarks.scripts`)."""
+    script(mode, timer, tiny)
+
+
+def script(mode, timer, tiny=False, holdout=False):
+    """`run`; with `holdout`, a second `evaluate` after the first (as many
+    batches, of other rows)."""
     staged = is_staged(mode)
     keras.utils.set_random_seed(regimes.SEED)
     batches, epochs = SIZES[tiny]
@@ -33,6 +40,8 @@ def run(mode, timer, tiny=False):
         for count, seed in zip(batches, (4, 1, 2, 3), strict=True)
     ]
     (train_x, train_y), val, test, (predict_x, _) = parts
+    # Rows no other part has (the regimes' seeds are 1 to 4).
+    held_out = SPEC.make_data(batches[2] * batch_size, 5)
     train_ds = (
         tf.data.Dataset.from_tensor_slices((train_x, train_y))
         .shuffle(len(train_y))
@@ -56,5 +65,11 @@ def run(mode, timer, tiny=False):
         model.fit(train_ds, epochs=epochs, validation_data=val_ds, verbose=0)
     with timer.measure("evaluate"):
         model.evaluate(test_ds, verbose=0)
+    if holdout:
+        holdout_ds = tf.data.Dataset.from_tensor_slices(held_out).batch(
+            batch_size
+        )
+        with timer.measure("evaluate_holdout"):
+            model.evaluate(holdout_ds, verbose=0)
     with timer.measure("predict"):
         model.predict(predict_ds, verbose=0)

@@ -407,9 +407,13 @@ class CallCosts:
     def whole_trace(self, phase):
         """About what tracing the whole model's `phase` step costs.
 
-        As measured in an unstaged call of a model with this stage; before
-        that, what tracing its staged prefix and its trunk's step took (the
-        whole step traces both).
+        As measured in an unstaged call of a model with this stage (its
+        step's first call: the trace, the graph's set-up and one step);
+        before that, what tracing its staged prefix and the trunk's step's
+        first call took (the whole step traces both and sets up a graph
+        holding both). Not the trunk's trace alone: the graph's set-up is
+        often more than the trace, and an estimate short of it would run a
+        call unstaged to pay more than the stage it avoids.
         """
         costs = self.measured_like(phase)
         if costs.unstaged_trace_seconds is not None:
@@ -418,7 +422,7 @@ class CallCosts:
             (other.trace_seconds for other in self._phases.values()),
             default=0.0,
         )
-        return prefix + costs.step_trace_seconds
+        return prefix + costs.step_call_seconds
 
     def _set_up(self, costs, iterators, plans, traces, compiles):
         """What a call pays for its stage by `costs` (see `decide`)."""

@@ -204,8 +204,10 @@ def test_the_whole_steps_trace_counts_against_running_unstaged():
     costs.phase("train").note(step_call=0.05)
     assert not costs.stages("train", 62, 1, owed=0.03, compiles=True)
     assert costs.stages("train", 92, 1, owed=0.03, compiles=True)
-    # The whole step's trace is still estimated from the trunk's Python.
-    assert costs.whole_trace("train") == pytest.approx(0.02)
+    # The whole step's first call is estimated from the trunk's first call
+    # once that is timed (its Python's trace alone would leave out the
+    # graph's set-up, often the larger part).
+    assert costs.whole_trace("train") == pytest.approx(0.05)
 
 
 def test_the_whole_steps_trace_is_measured_or_estimated():
