@@ -40,8 +40,6 @@ def script(mode, timer, tiny=False, holdout=False):
         for count, seed in zip(batches, (4, 1, 2, 3), strict=True)
     ]
     (train_x, train_y), val, test, (predict_x, _) = parts
-    # Rows no other part has (the regimes' seeds are 1 to 4).
-    held_out = SPEC.make_data(batches[2] * batch_size, 5)
     train_ds = (
         tf.data.Dataset.from_tensor_slices((train_x, train_y))
         .shuffle(len(train_y))
@@ -50,6 +48,11 @@ def script(mode, timer, tiny=False, holdout=False):
     val_ds = tf.data.Dataset.from_tensor_slices(val).batch(batch_size)
     test_ds = tf.data.Dataset.from_tensor_slices(test).batch(batch_size)
     predict_ds = tf.data.Dataset.from_tensor_slices(predict_x).batch(batch_size)
+    if holdout:
+        # Rows no other part has (the regimes' seeds are 1 to 4).
+        holdout_ds = tf.data.Dataset.from_tensor_slices(
+            SPEC.make_data(batches[2] * batch_size, 5)
+        ).batch(batch_size)
 
     timer.start()
     inputs = SPEC.inputs()
@@ -66,9 +69,6 @@ def script(mode, timer, tiny=False, holdout=False):
     with timer.measure("evaluate"):
         model.evaluate(test_ds, verbose=0)
     if holdout:
-        holdout_ds = tf.data.Dataset.from_tensor_slices(held_out).batch(
-            batch_size
-        )
         with timer.measure("evaluate_holdout"):
             model.evaluate(holdout_ds, verbose=0)
     with timer.measure("predict"):
