@@ -261,7 +261,7 @@ class StagedCall:
         ):
             if self.built and "predict" not in self.phases:
                 if backend.graph_steps():
-                    _build_for_strategy(model, self.built[0])
+                    _build_before_trace(model, self.built[0])
                 else:
                     backend.build_as_keras_would(
                         model, self.built[0], self.phases[0]
@@ -470,21 +470,26 @@ def _trunk_jit(model, splits):
     return True
 
 
-def _build_for_strategy(model, data):
-    """Builds metrics from the raw data when a strategy would use the cut.
+def _build_before_trace(model, data):
+    """Builds the metrics, loss and optimizer before the first step's trace.
 
-    See `_compat.symbolic_build`. Without a strategy Keras builds them
-    inside the traced step, where the model's call runs the trunk.
+    Without a strategy Keras builds them inside the first traced step, and
+    a `tf.function` that creates variables in its first trace is traced a
+    second time (TensorFlow traces it again without creating them): a
+    model's first fit traced its train step twice. Built first from the
+    raw data's specs (`_compat.symbolic_build`, Keras's own build under a
+    strategy, which would otherwise call the model on the cut), the step is
+    traced once, with the same variables and values.
     """
-    if data.split is None or data.element_spec is None:
+    if data.element_spec is None:
         return
-    strategy = model.distribute_strategy
-    if (
-        tf.distribute.has_strategy()
-        or strategy is not tf.distribute.get_strategy()
+    optimizer = getattr(model, "optimizer", None)
+    if not _compat.builds_from_data(model) and (
+        optimizer is None or optimizer.built
     ):
-        with strategy.scope():
-            _compat.symbolic_build(model, data.element_spec)
+        return
+    with model.distribute_strategy.scope():
+        _compat.symbolic_build(model, data.element_spec)
 
 
 @contextlib.contextmanager
