@@ -30,7 +30,6 @@ import functools
 import warnings
 
 import keras
-import tensorflow as tf
 
 from keras_stage import _compat
 from keras_stage.callbacks.data_backup import DataBackup
