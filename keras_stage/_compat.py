@@ -235,14 +235,16 @@ def builds_from_data(model):
 
 
 def symbolic_build(model, data_spec):
-    """Builds the model's compile metrics and loss from raw-data specs.
+    """Builds the compile metrics, loss and optimizer from raw-data specs.
 
-    Under a tf.distribute strategy Keras builds them before the first step
-    by calling the model on a batch of the data it iterates; with SmartStage
-    that data holds the cut tensors, not the model's inputs. Building first
-    from the raw data's `element_spec` makes Keras's own build a no-op. A
-    resumed epoch builds them so too, before the first step's trace, to
-    give them the values saved with its position (`DataBackup`).
+    Without a strategy Keras builds them inside the first traced step
+    (where creating variables makes TensorFlow trace the step twice); under
+    a tf.distribute strategy before the first step, by calling the model on
+    a batch of the data it iterates, which with SmartStage holds the cut
+    tensors, not the model's inputs. Building first from the raw data's
+    `element_spec` makes Keras's own build a no-op. A resumed epoch builds
+    them so too, before the first step's trace, to give them the values
+    saved with its position (`DataBackup`).
     """
     model._symbolic_build(data_batch=data_spec)
 
