@@ -228,10 +228,18 @@ def builds_from_data(model):
     metrics = model._compile_metrics
     loss = model._compile_loss
     return (
-        not all(layer.built for layer in model._flatten_layers())
+        not layers_built(model)
         or (metrics is not None and not metrics.built)
         or (loss is not None and not loss.built)
     )
+
+
+def layers_built(model):
+    """Whether every layer of `model`, nested ones too, is built.
+
+    Keras lists a model's nested layers only through `_flatten_layers`.
+    """
+    return all(layer.built for layer in model._flatten_layers())
 
 
 def symbolic_build(model, data_spec):

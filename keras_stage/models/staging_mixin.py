@@ -290,6 +290,8 @@ class StagingMixin:
     # -- compiled steps ---------------------------------------------------
 
     def make_train_function(self, force=False):
+        if backend.graph_steps():
+            tensorflow_steps.build_optimizer(self)
         super().make_train_function(force=force)
         # On JAX the stage's eager iterator applies its runner instead.
         if backend.graph_steps() and not tensorflow_steps.guarded(

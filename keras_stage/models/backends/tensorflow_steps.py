@@ -25,6 +25,7 @@ import weakref
 import keras
 import tensorflow as tf
 
+from keras_stage import _compat
 from keras_stage.data.errors import StageTimeoutError
 from keras_stage.data.runner import EndOfData, SkipElement
 from keras_stage.data.stats import StageStats
@@ -143,6 +144,30 @@ def guard(model, phase, function):
     guarded.keras_stage_guarded = True
     guarded.step = function  # Keras's own, for `whole_model_step`
     return guarded
+
+
+def build_optimizer(model):
+    """Builds `model`'s optimizer before its train step is first traced.
+
+    Keras on TensorFlow, without a strategy, builds it inside the step's
+    first trace, and a `tf.function` whose first trace creates variables
+    is traced a second time. A staged call builds it with the metrics and
+    the loss (`staged_call._build_before_trace`); this covers the calls
+    that run the whole model's step unstaged. Its variables are the same
+    (`optimizer.build` on the model's trainable variables, as Keras's own
+    build under a strategy); a model with a layer not built yet is left to
+    Keras.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if (
+        optimizer is None
+        or optimizer.built
+        or not model.built
+        or not _compat.layers_built(model)
+    ):
+        return
+    with model.distribute_strategy.scope():
+        optimizer.build(model.trainable_variables)
 
 
 def guarded(function):

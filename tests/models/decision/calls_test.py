@@ -16,6 +16,7 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage.layers import StagedInput
+from keras_stage.models.backends import tensorflow_steps
 from keras_stage.models.decision import calls
 from keras_stage.models.decision.calls import (
     CallCosts,
@@ -501,9 +502,24 @@ def test_a_first_call_of_few_in_memory_batches_skips_its_stage():
 
 
 @pytest.mark.first_call_rule
-def test_a_first_fit_of_few_batches_trains_unstaged_as_plain_keras():
+def test_a_first_fit_of_few_batches_trains_unstaged_as_plain_keras(
+    monkeypatch,
+):
     # The README's case: a first fit on a few in-memory batches runs the
     # whole model in Keras's step, unplanned, to plain Keras's weights.
+    # Its step is traced once: the optimizer is built before (Keras builds
+    # Adam's slots inside the first trace, which makes TensorFlow trace it
+    # twice).
+    traced = []
+    calling_trunk = tensorflow_steps.calling_trunk
+
+    def counting(model, phase):
+        if model is staged and not tf.executing_eagerly():
+            traced.append(phase)
+        return calling_trunk(model, phase)
+
+    monkeypatch.setattr(tensorflow_steps, "calling_trunk", counting)
+
     def build(model_class, staged):
         keras.utils.set_random_seed(4)
         inputs = keras.Input(shape=(2,))
@@ -511,7 +527,7 @@ def test_a_first_fit_of_few_batches_trains_unstaged_as_plain_keras():
         x = keras.layers.Rescaling(0.5)(x)
         model = model_class(inputs, keras.layers.Dense(1, name="head")(x))
         kwargs = {"smart_stage": True} if staged else {}
-        model.compile(optimizer="sgd", loss="mse", **kwargs)
+        model.compile(optimizer="adam", loss="mse", **kwargs)
         return model
 
     staged = build(keras_stage.Model, True)
@@ -527,6 +543,10 @@ def test_a_first_fit_of_few_batches_trains_unstaged_as_plain_keras():
     for a, b in zip(staged.get_weights(), plain.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert model_state(staged).plan is None  # nothing planned
+    assert traced == ["train"]
+    assert [v.name for v in staged.optimizer.variables] == [
+        v.name for v in plain.optimizer.variables
+    ]
 
 
 def test_one_batch_is_never_staged():
