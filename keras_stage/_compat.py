@@ -234,6 +234,16 @@ def builds_from_data(model):
     )
 
 
+def metrics_unbuilt(model):
+    """Whether `model` has compile metrics that are not built yet.
+
+    Keras keeps them only in `Trainer._compile_metrics` (None without
+    metrics); they are built on their first update, creating variables.
+    """
+    metrics = model._compile_metrics
+    return metrics is not None and not metrics.built
+
+
 def layers_built(model):
     """Whether every layer of `model`, nested ones too, is built.
 

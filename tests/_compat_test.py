@@ -388,12 +388,16 @@ def test_builds_from_data_until_the_metrics_are_built():
             + UPDATE.format("builds_from_data")
         )
     assert _compat.builds_from_data(model)
+    assert _compat.layers_built(model)
+    assert _compat.metrics_unbuilt(model)
     spec = (
         tf.TensorSpec((None, 3), tf.float32),
         tf.TensorSpec((None, 1), tf.float32),
     )
     _compat.symbolic_build(model, spec)
     assert not _compat.builds_from_data(model)
+    assert not _compat.metrics_unbuilt(model)
+    assert model.optimizer.built
 
 
 def test_symbolic_build_builds_metrics_from_specs():

@@ -30,6 +30,7 @@ import functools
 import warnings
 
 import keras
+import tensorflow as tf
 
 from keras_stage import _compat
 from keras_stage.callbacks.data_backup import DataBackup
@@ -470,25 +471,34 @@ def _trunk_jit(model, splits):
 
 
 def _build_before_trace(model, data):
-    """Builds the metrics, loss and optimizer before the first step's trace.
+    """Builds what the first step's trace would create variables for.
 
-    Without a strategy Keras builds them inside the first traced step, and
-    a `tf.function` that creates variables in its first trace is traced a
-    second time (TensorFlow traces it again without creating them): a
-    model's first fit traced its train step twice. Built first from the
-    raw data's specs (`_compat.symbolic_build`, Keras's own build under a
-    strategy, which would otherwise call the model on the cut), the step is
-    traced once, with the same variables and values.
+    Without a strategy Keras builds the optimizer and the compile metrics
+    inside the first traced step, and a `tf.function` that creates variables
+    in its first trace is traced a second time: a model's first fit traced
+    its train step twice. So the metrics (and an unbuilt model) are built
+    first from the raw data's specs (`_compat.symbolic_build`, one symbolic
+    call of the model), else only the optimizer (`build_optimizer`), with
+    the same variables and values. Under a strategy Keras builds all of it
+    before the first step by calling the model on a batch of the data it
+    iterates, which with SmartStage holds the cut tensors: built first from
+    the raw data's specs, as above.
     """
     if data.element_spec is None:
         return
-    optimizer = getattr(model, "optimizer", None)
-    if not _compat.builds_from_data(model) and (
-        optimizer is None or optimizer.built
+    strategy = model.distribute_strategy
+    if (
+        tf.distribute.has_strategy()
+        or strategy is not tf.distribute.get_strategy()
     ):
+        if data.split is not None:
+            with strategy.scope():
+                _compat.symbolic_build(model, data.element_spec)
         return
-    with model.distribute_strategy.scope():
+    if not _compat.layers_built(model) or _compat.metrics_unbuilt(model):
         _compat.symbolic_build(model, data.element_spec)
+    else:
+        tensorflow_steps.build_optimizer(model)
 
 
 @contextlib.contextmanager
