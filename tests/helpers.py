@@ -15,6 +15,29 @@ import time
 import traceback
 
 
+def count_step_traces(monkeypatch):
+    """The traces of keras_stage models' steps from now on, as they happen.
+
+    A list of `(model name, phase)`, one per trace of a `keras_stage.Model`'s
+    train/test/predict step (the trunk's, or the whole model's when it runs
+    unstaged), kept for the test's duration.
+    """
+    import tensorflow as tf
+
+    from keras_stage.models.backends import tensorflow_steps
+
+    traced = []
+    calling_trunk = tensorflow_steps.calling_trunk
+
+    def counting(model, phase):
+        if not tf.executing_eagerly():
+            traced.append((model.name, phase))
+        return calling_trunk(model, phase)
+
+    monkeypatch.setattr(tensorflow_steps, "calling_trunk", counting)
+    return traced
+
+
 def twin_optimizer():
     """The optimizer of a test that trains a staged model beside plain Keras.
 

@@ -16,7 +16,6 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage.layers import StagedInput
-from keras_stage.models.backends import tensorflow_steps
 from keras_stage.models.decision import calls
 from keras_stage.models.decision.calls import (
     CallCosts,
@@ -27,6 +26,7 @@ from keras_stage.models.decision.calls import (
 )
 from keras_stage.models.model_state import UNSTAGED_STEPS
 from keras_stage.models.model_state import state as model_state
+from tests.helpers import count_step_traces
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -510,15 +510,7 @@ def test_a_first_fit_of_few_batches_trains_unstaged_as_plain_keras(
     # Its step is traced once: the optimizer is built before (Keras builds
     # Adam's slots inside the first trace, which makes TensorFlow trace it
     # twice).
-    traced = []
-    calling_trunk = tensorflow_steps.calling_trunk
-
-    def counting(model, phase):
-        if model is staged and not tf.executing_eagerly():
-            traced.append(phase)
-        return calling_trunk(model, phase)
-
-    monkeypatch.setattr(tensorflow_steps, "calling_trunk", counting)
+    traced = count_step_traces(monkeypatch)
 
     def build(model_class, staged):
         keras.utils.set_random_seed(4)
@@ -543,7 +535,7 @@ def test_a_first_fit_of_few_batches_trains_unstaged_as_plain_keras(
     for a, b in zip(staged.get_weights(), plain.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert model_state(staged).plan is None  # nothing planned
-    assert traced == ["train"]
+    assert traced == [(staged.name, "train")]
     assert [v.name for v in staged.optimizer.variables] == [
         v.name for v in plain.optimizer.variables
     ]
