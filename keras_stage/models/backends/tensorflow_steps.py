@@ -151,9 +151,9 @@ def build_optimizer(model):
 
     Keras on TensorFlow, without a strategy, builds it inside the step's
     first trace, and a `tf.function` whose first trace creates variables
-    is traced a second time. A staged call builds it with the metrics and
-    the loss (`staged_call._build_before_trace`); this covers the calls
-    that run the whole model's step unstaged. Its variables are the same
+    is traced a second time. Called as the train function is made, before
+    any trace, staged or not (a staged call with unbuilt metrics builds it
+    with them: `staged_call._build_before_trace`). Its variables are the same
     (`optimizer.build` on the model's trainable variables, as Keras's own
     build under a strategy); a model with a layer not built yet is left to
     Keras.

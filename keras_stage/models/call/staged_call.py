@@ -478,11 +478,12 @@ def _build_before_trace(model, data):
     in its first trace is traced a second time: a model's first fit traced
     its train step twice. So the metrics (and an unbuilt model) are built
     first from the raw data's specs (`_compat.symbolic_build`, one symbolic
-    call of the model), else only the optimizer (`build_optimizer`), with
-    the same variables and values. Under a strategy Keras builds all of it
-    before the first step by calling the model on a batch of the data it
-    iterates, which with SmartStage holds the cut tensors: built first from
-    the raw data's specs, as above.
+    call of the model), with the same variables and values; the optimizer
+    alone is built when the train function is made
+    (`tensorflow_steps.build_optimizer`). Under a strategy Keras builds all
+    of it before the first step by calling the model on a batch of the data
+    it iterates, which with SmartStage holds the cut tensors: built first
+    from the raw data's specs, as above.
     """
     if data.element_spec is None:
         return
@@ -497,8 +498,6 @@ def _build_before_trace(model, data):
         return
     if not _compat.layers_built(model) or _compat.metrics_unbuilt(model):
         _compat.symbolic_build(model, data.element_spec)
-    else:
-        tensorflow_steps.build_optimizer(model)
 
 
 @contextlib.contextmanager
