@@ -225,11 +225,10 @@ def builds_from_data(model):
     batch from an iterator of its own before the epochs begin: the model
     or its compiled metrics or loss are not built yet.
     """
-    metrics = model._compile_metrics
     loss = model._compile_loss
     return (
         not layers_built(model)
-        or (metrics is not None and not metrics.built)
+        or metrics_unbuilt(model)
         or (loss is not None and not loss.built)
     )
 
