@@ -35,17 +35,16 @@ Results: a table, and `benchmarks/results/first_calls/<name>.json`.
 import argparse
 import contextlib
 import json
-import logging
 import os
 import pathlib
 import platform
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
+from benchmarks.decisions import agree, decisions_logged
 from benchmarks.environment import git
 from benchmarks.paired import paired_ratio
 from benchmarks.scripts import SCRIPTS
@@ -120,61 +119,19 @@ def one_script_process(name, mode, tiny=False):
     return {**record, "decisions": decisions, **_imported()}
 
 
-# keras_stage's log line for each call it decides (`decision.calls.stages`).
-_DECISION = re.compile(
-    r"^Model '[^']*': (\w+) (is staged|runs the whole model in Keras's step,"
-    r" unstaged): (.*)$",
-    re.DOTALL,
-)
-
-
-@contextlib.contextmanager
-def decisions_logged():
-    """Within, each call keras_stage decides is appended to the list.
-
-    As `{"phase", "staged", "why"}`, from the `keras_stage` logger's INFO
-    line for it: the same work should get the same decision in every
-    process (`decisions_agree`).
-    """
-    decisions = []
-
-    class Handler(logging.Handler):
-        def emit(self, record):
-            match = _DECISION.match(record.getMessage())
-            if match:
-                phase, verb, why = match.groups()
-                decisions.append(
-                    {"phase": phase, "staged": verb == "is staged", "why": why}
-                )
-
-    logger = logging.getLogger("keras_stage")
-    handler, level = Handler(logging.INFO), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield decisions
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
 def decisions_agree(runs):
     """How the staged processes of a script decided its calls.
 
     Returns:
         `{"sequences": [[[phase, staged], ...], ...], "counts": [n, ...],
         "same": bool}`: each distinct sequence of decisions, how many
-        processes made it, and whether all made the same one.
+        processes made it, and whether all made the same one
+        (`benchmarks.decisions.agree`).
     """
-    sequences, counts = [], []
-    for run in runs:
-        sequence = [[d["phase"], d["staged"]] for d in run.get("decisions", ())]
-        if sequence in sequences:
-            counts[sequences.index(sequence)] += 1
-        else:
-            sequences.append(sequence)
-            counts.append(1)
-    return {"sequences": sequences, "counts": counts, "same": len(counts) <= 1}
+    return agree(
+        [[d["phase"], d["staged"]] for d in run.get("decisions", ())]
+        for run in runs
+    )
 
 
 def _imported():

@@ -66,6 +66,11 @@ import tensorflow as tf  # noqa: E402
 
 import keras_stage  # noqa: E402
 from benchmarks import environment  # noqa: E402
+from benchmarks.decisions import (  # noqa: E402
+    agree,
+    compact,
+    decisions_logged,
+)
 from benchmarks.paired import paired_ratio  # noqa: E402
 from benchmarks.workloads import heart  # noqa: E402
 from benchmarks.workloads.criteo import (  # noqa: E402
@@ -975,11 +980,12 @@ def make_data(spec, sizes, parts=None):
 def measure(regime, mode, sizes):
     """One timed pass of `regime` in `mode`, then an untimed collection."""
     clock = StepClock()
-    cpu_started = time.process_time()
-    started = time.perf_counter()
-    regime.run(mode, clock, sizes)
-    seconds = time.perf_counter() - started
-    cpu_seconds = time.process_time() - cpu_started
+    with decisions_logged() as decisions:
+        cpu_started = time.process_time()
+        started = time.perf_counter()
+        regime.run(mode, clock, sizes)
+        seconds = time.perf_counter() - started
+        cpu_seconds = time.process_time() - cpu_started
     started = time.perf_counter()
     gc.collect()
     return {
@@ -990,6 +996,9 @@ def measure(regime, mode, sizes):
         "steps_seconds": clock.seconds,
         "steps": clock.steps,
         "gc_seconds": time.perf_counter() - started,
+        # What keras_stage decided for each call, in order ("" for a
+        # plain model): the same work should get the same decision.
+        "decisions": compact(decisions),
     }
 
 
@@ -1023,6 +1032,16 @@ def check(ratio, bound, value, control):
             else value <= bound + distance
         ),
     }
+
+
+def decisions_summary(rounds):
+    """How the staged rounds of a regime decided its calls.
+
+    `rounds`: each round's `measure(...)["decisions"]`. `agree`'s summary
+    of them, and whether the rounds after the first decided alike (the
+    first timed round may still learn the stage's costs).
+    """
+    return {**agree(rounds), "same_after_first": agree(rounds[1:])["same"]}
 
 
 def summarize_regime(
@@ -1083,6 +1102,10 @@ def summarize_regime(
             control,
         ),
     }
+    if "staged" in records:
+        out["decisions"] = decisions_summary(
+            [r.get("decisions", "") for r in records["staged"]]
+        )
     if versus_expert:
         out["expert_target"] = check(
             "staged/expert, whole calls (paired)",
@@ -1257,6 +1280,23 @@ def _verdict(check):
     return text
 
 
+def _decisions_line(decisions):
+    """`summarize_regime`'s decisions of the staged rounds, in words."""
+    sequences, counts = decisions["sequences"], decisions["counts"]
+    rounds = sum(counts)
+    if decisions["same"]:
+        return f"the same in all {rounds} rounds ({sequences[0] or 'none'})"
+    if decisions["same_after_first"]:
+        return (
+            f"round 1: {sequences[0] or 'none'}; rounds 2-{rounds}: "
+            f"{sequences[1] or 'none'}"
+        )
+    return "DIFFER: " + "; ".join(
+        f"{count} rounds: {sequence or 'none'}"
+        for sequence, count in zip(sequences, counts, strict=True)
+    )
+
+
 def format_table(results):
     """The results as text: per model, a row per regime."""
     lines = []
@@ -1323,6 +1363,10 @@ def format_table(results):
                         if control
                         else ""
                     )
+                )
+            if "decisions" in result:
+                lines.append(
+                    f"{'':16} decisions: {_decisions_line(result['decisions'])}"
                 )
             if "expert_target" in result:
                 pair = ratios["staged/expert"]

@@ -849,10 +849,20 @@ def test_regimes_time_every_regime_and_mode(tmp_path, capsys):
         for name, regime in model["regimes"].items():
             assert name in table
             assert list(regime["modes"]) == list(regimes.MODES)
-            for mode in regime["modes"].values():
+            for mode_name, mode in regime["modes"].items():
                 (record,) = mode["rounds"]
                 assert 0 < mode["steps_seconds_median"] < mode["seconds_median"]
                 assert record["seconds"] == mode["seconds_median"]
+                # keras_stage decides (and logs) every call of a staged
+                # model; a plain model's calls decide nothing.
+                assert bool(record["decisions"]) == (mode_name == "staged")
+            (staged,) = regime["modes"]["staged"]["rounds"]
+            assert regime["decisions"] == {
+                "sequences": [staged["decisions"]],
+                "counts": [1],
+                "same": True,
+                "same_after_first": True,
+            }
             # The same batches in every mode.
             assert len({m["steps"] for m in regime["modes"].values()}) == 1
             ratios = regime["paired_ratios"]
@@ -867,6 +877,7 @@ def test_regimes_time_every_regime_and_mode(tmp_path, capsys):
     assert len(results["targets"]) == sum(
         len(regimes.MODELS[name].regimes) for name in regimes.DEFAULT_MODELS
     )
+    assert "decisions: the same in all 1 rounds (train " in table
 
 
 @pytest.mark.long
