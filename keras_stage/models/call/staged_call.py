@@ -282,13 +282,19 @@ class StagedCall:
             for phase in calls.timed_unstaged_phases(self.model, self.phases)
         }
         kwargs = {}
+        starts = None
         if "train" in self.phases:
             self.prefetch.attach_unstaged(self._state.call_reasons["train"])
-            kwargs["callbacks"] = self._unstaged_fit_callbacks
+            # What Keras's epochs cost to start (their iterators), which a
+            # stage's epochs on one iterator would not pay.
+            starts = calls.EpochStartClock()
+            kwargs["callbacks"] = [*self._unstaged_fit_callbacks, starts]
         try:
             with _unstaged_steps(self.model, self.phases, clocks):
                 result = keras_call(**kwargs)
             calls.note_unstaged_steps(self.model, clocks)
+            if starts is not None:
+                calls.note_epoch_starts(self.model, starts.seconds)
             return result
         finally:
             self.prefetch.close()

@@ -23,7 +23,10 @@ a trial runs only once what is owed is at most `TRACE_SHARE` of the
 call, or once the phase has had `LOOP_CALLS` staged calls: a short
 script's evaluate after a staged fit keeps its stage rather than trace
 the whole model's test step for one call, and a loop of calls runs its
-trial by its third. Under op
+trial by its third. Unstaged, Keras starts each of a fit's epochs with
+an iterator of its own, which a stage's epochs on one iterator do not
+(`EpochStartClock` times those starts in unstaged fits; `decide` counts
+them). Under op
 determinism the staged work is read from tf.data's own model of the
 stage's iterators (`data.pipeline_model`); where that cannot be read, the
 steps alone decide.
@@ -197,8 +200,10 @@ class PhaseCosts:
     def __init__(self):
         # Seconds to build a call's stage, to make one iterator of it, of
         # the first call of the whole model's step and of the trunk's (its
-        # trace, graph set-up and one step), and of the trunk's step's
-        # Python while traced (see `note_traces`): the last few measured.
+        # trace, graph set-up and one step), of the trunk's step's Python
+        # while traced (see `note_traces`), and of what Keras spends
+        # starting each epoch of an unstaged fit (`EpochStartClock`): the
+        # last few measured.
         self._samples = {
             key: collections.deque(maxlen=self.SAMPLES)
             for key in (
@@ -207,6 +212,7 @@ class PhaseCosts:
                 "whole_trace",
                 "step_call",
                 "step_trace",
+                "epoch_start",
             )
         }
         # Seconds of staged work per batch; None when not measured (no
@@ -242,6 +248,16 @@ class PhaseCosts:
         return self._median("iterator")
 
     @property
+    def epoch_start_seconds(self):
+        """Seconds an unstaged fit's epoch takes to start, or None.
+
+        Keras makes each epoch's iterator of the data (for arrays, a
+        shuffled and sliced pipeline) before its first step; a stage whose
+        epochs run on one iterator makes one for them all.
+        """
+        return self._median("epoch_start")
+
+    @property
     def unstaged_trace_seconds(self):
         """Seconds the whole model's step took to trace, or None."""
         return self._median("whole_trace")
@@ -262,7 +278,7 @@ class PhaseCosts:
 
     def note(self, **seconds):
         """Notes measured seconds: `build`, `iterator`, `whole_trace`,
-        `step_call`, `step_trace` (see `__init__`)."""
+        `step_call`, `step_trace`, `epoch_start` (see `__init__`)."""
         for key, value in seconds.items():
             self._samples[key].append(value)
 
@@ -452,6 +468,7 @@ class CallCosts:
         traces=False,
         owed=0.0,
         compiles=False,
+        unstaged_epochs=0,
     ):
         """The `Decision` on a call of `phase`: whether it should be
         staged, why in a sentence, and what a staged call pays over an
@@ -466,7 +483,10 @@ class CallCosts:
         staged calls). `owed`: the seconds of tracing the whole model's
         step that running unstaged would add (see `trace_owed`).
         `compiles`: whether the call would trace the trunk's step (the
-        model has no staged step of the phase).
+        model has no staged step of the phase). `unstaged_epochs`: the
+        epochs Keras would start unstaged, each making its own iterator of
+        the data (a fit's training; see `PhaseCosts.epoch_start_seconds`),
+        which a stage's epochs on one iterator do not.
         """
         if batches is None:
             return Decision(
@@ -546,12 +566,19 @@ class CallCosts:
             )
         set_up = self._set_up(costs, iterators, plans, traces, compiles)
         saving = costs.saving(batches)
+        starts = unstaged_epochs * (costs.epoch_start_seconds or 0.0)
         trace = (
             f" and the {1000 * owed:.1f} ms of tracing the whole model's "
             "step it would add unstaged"
             if owed > 0
             else ""
         )
+        if starts > 0:
+            trace += (
+                f" and the {1000 * starts:.1f} ms Keras would spend starting "
+                f"its {unstaged_epochs} epochs unstaged"
+            )
+        owed += starts
         if saving + owed <= set_up:
             return Decision(
                 False,
@@ -719,7 +746,7 @@ def trace_owed(model, phase, measured):
     return max(measured.whole_trace(phase) - paid, 0.0)
 
 
-def _decide(model, layer, phase, batches, iterators, x):
+def _decide(model, layer, phase, batches, iterators, x, unstaged_epochs=0):
     if not may_skip_stage(layer):
         return Decision(
             True,
@@ -761,6 +788,7 @@ def _decide(model, layer, phase, batches, iterators, x):
         *_first_costs(model, phase),
         trace_owed(model, phase, measured),
         not _has_staged_step(model, phase),
+        unstaged_epochs=unstaged_epochs,
     )
 
 
@@ -903,6 +931,35 @@ def traces_whole_step(model, phase):
     return (phase, UNSTAGED_STEPS) not in model_state(model).staged_functions
 
 
+class EpochStartClock(keras.callbacks.Callback):
+    """Times how long each epoch of an unstaged fit takes to start.
+
+    From the epoch's begin to its first step's: Keras making the epoch's
+    iterator of the data (`PhaseCosts.epoch_start_seconds`). Given to a fit
+    that runs unstaged (`StagedCall.run_unstaged`), after the user's
+    callbacks; `seconds` holds one figure per epoch.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = []
+        self._begun = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._begun = time.perf_counter()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._begun is not None:
+            self.seconds.append(time.perf_counter() - self._begun)
+            self._begun = None
+
+
+def note_epoch_starts(model, seconds):
+    """Notes the epoch starts an `EpochStartClock` timed (their median)."""
+    if seconds:
+        costs(model).phase("train").note(epoch_start=statistics.median(seconds))
+
+
 def note_unstaged_steps(model, clocks):
     """Notes the host-timed steps of an unstaged call, per phase."""
     for phase, seconds in clocks.items():
@@ -986,6 +1043,7 @@ def fit_stages(model, layer, x, validation_data, long_lived=True, **kwargs):
             long_lived,
         ),
         x,
+        unstaged_epochs=epochs,
     )
     if training.staged or validation_data is None or training.trial:
         _keep(model, "train", training)

@@ -211,6 +211,46 @@ def test_the_whole_steps_trace_counts_against_running_unstaged():
     assert costs.whole_trace("train") == pytest.approx(0.05)
 
 
+def test_the_epochs_keras_would_start_unstaged_count_against_it():
+    # Unstaged, Keras makes each epoch's iterator of the data (for arrays,
+    # a shuffled, sliced pipeline); a stage's epochs on one iterator make
+    # one in all. Once an unstaged fit timed those starts, a fit's epochs
+    # weigh them.
+    costs = CallCosts()  # 70 ms of set-up, no staged work to overlap
+    costs.note_build("train", 0.05)
+    costs.note_iterator("train", 0.02)
+    costs.note_work("train", 0.0, 10, has_work=False)
+    assert costs.phase("train").epoch_start_seconds is None
+    assert not costs.stages("train", 240, 1, unstaged_epochs=8)
+    costs.phase("train").note(epoch_start=0.012)
+    decision = costs.decide("train", 240, 1, unstaged_epochs=8)
+    assert decision.staged  # 96 ms of epoch starts > 70 ms of set-up
+    assert "96.0 ms Keras would spend starting its 8 epochs" in (
+        decision.reason
+    )
+    assert decision.gain == pytest.approx(0.096 - 0.07)
+    # Fewer epochs, or a stage that makes an iterator per epoch too.
+    assert not costs.stages("train", 240, 1, unstaged_epochs=5)
+    assert not costs.stages("train", 240, 8, unstaged_epochs=8)
+    assert not costs.stages("train", 240, 1)  # an evaluate: one either way
+
+
+@pytest.mark.first_call_rule
+def test_an_unstaged_fit_times_its_epochs_starts():
+    model, layer = _model([keras.layers.Rescaling(0.5)], smart_stage=True)
+    # A first fit of few batches runs unstaged (`FIRST_CALL_BATCHES`).
+    history = model.fit(X, Y, batch_size=48, epochs=3, verbose=0).history
+    assert history["stage_unstaged"] == [1.0, 1.0, 1.0]
+    started = calls.costs(model).phase("train").epoch_start_seconds
+    assert started is not None and 0 < started < 10
+    clock = calls.EpochStartClock()
+    for epoch in range(2):
+        clock.on_epoch_begin(epoch)
+        clock.on_train_batch_begin(0)
+        clock.on_train_batch_begin(1)  # not an epoch's first: not timed
+    assert len(clock.seconds) == 2
+
+
 def test_the_whole_steps_trace_is_measured_or_estimated():
     costs = _measured()
     costs.note_trace("test", 0.03)  # the prefix, traced for inference

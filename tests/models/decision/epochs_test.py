@@ -115,10 +115,10 @@ def calls_staged(monkeypatch):
     """
     decide = calls.CallCosts.decide
 
-    def staged(self, phase, batches, *args):
+    def staged(self, phase, batches, *args, **kwargs):
         if batches is not None and batches > 1:
             return calls.Decision(True, "staged by the test")
-        return decide(self, phase, batches, *args)
+        return decide(self, phase, batches, *args, **kwargs)
 
     monkeypatch.setattr(calls.CallCosts, "decide", staged)
 
