@@ -599,7 +599,8 @@ class CallCosts:
                 f"the {1000 * set_up:.1f} ms its stage costs to set up "
                 "(measured on a model with this stage)"
             ),
-            max(set_up - saving, 0.0),
+            # Over an unstaged call, which would start its epochs too.
+            max(set_up - saving - starts, 0.0),
             gain=saving + owed - set_up,
         )
 

@@ -229,6 +229,13 @@ def test_the_epochs_keras_would_start_unstaged_count_against_it():
         decision.reason
     )
     assert decision.gain == pytest.approx(0.096 - 0.07)
+    assert decision.rent == 0.0  # nothing paid over an unstaged fit
+    costs.phase("train").note(epoch_start=0.002, build=0.05)
+    costs.phase("train").note(epoch_start=0.002, build=0.05)
+    # Medians of 0.012, 0.002, 0.002: 16 ms of starts, less than the set-up.
+    decision = costs.decide("train", 240, 1, unstaged_epochs=8, owed=0.1)
+    assert decision.staged
+    assert decision.rent == pytest.approx(0.07 - 0.016)
     # Fewer epochs, or a stage that makes an iterator per epoch too.
     assert not costs.stages("train", 240, 1, unstaged_epochs=5)
     assert not costs.stages("train", 240, 8, unstaged_epochs=8)
