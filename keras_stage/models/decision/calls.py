@@ -574,9 +574,14 @@ class CallCosts:
             else ""
         )
         if starts > 0:
+            epochs = (
+                "its epoch"
+                if unstaged_epochs == 1
+                else f"its {unstaged_epochs} epochs"
+            )
             trace += (
                 f" and the {1000 * starts:.1f} ms Keras would spend starting "
-                f"its {unstaged_epochs} epochs unstaged"
+                f"{epochs} unstaged"
             )
         owed += starts
         if saving + owed <= set_up:

@@ -238,6 +238,9 @@ def test_the_epochs_keras_would_start_unstaged_count_against_it():
     assert decision.rent == pytest.approx(0.07 - 0.016)
     # Fewer epochs, or a stage that makes an iterator per epoch too.
     assert not costs.stages("train", 240, 1, unstaged_epochs=5)
+    assert "starting its epoch unstaged" in costs.describe(
+        "train", 30, 1, unstaged_epochs=1
+    )
     assert not costs.stages("train", 240, 8, unstaged_epochs=8)
     assert not costs.stages("train", 240, 1)  # an evaluate: one either way
 
