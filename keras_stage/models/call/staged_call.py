@@ -30,13 +30,13 @@ import functools
 import warnings
 
 import keras
-import tensorflow as tf
 
 from keras_stage import _compat
 from keras_stage.callbacks.data_backup import DataBackup
 from keras_stage.callbacks.prefetch_callback import PrefetchCallback
 from keras_stage.models.backends import backend, tensorflow_steps
 from keras_stage.models.call.epoch_iterators import DistributedEpochPipeline
+from keras_stage.models.data_adapters.staged_data import default_strategy
 from keras_stage.models.decision import calls
 from keras_stage.models.decision.epochs import epoch_switch
 from keras_stage.models.model_state import (
@@ -494,10 +494,7 @@ def _build_before_trace(model, data):
     if data.element_spec is None:
         return
     strategy = model.distribute_strategy
-    if (
-        tf.distribute.has_strategy()
-        or strategy is not tf.distribute.get_strategy()
-    ):
+    if not default_strategy(strategy):
         if data.split is not None:
             with strategy.scope():
                 _compat.symbolic_build(model, data.element_spec)
