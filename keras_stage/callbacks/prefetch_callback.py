@@ -113,6 +113,9 @@ class _Binding:
         # Busy seconds per element the stage last measured in an epoch
         # that made elements (see `_rates_of_batches_read_ahead`).
         self.busy_rate = None
+        # The least staged seconds per batch an epoch after the first
+        # measured (see `PrefetchCallback._shrink_cannot_pay`).
+        self.least_prepare = None
         # Skips counted before this epoch: the stage's counter is cumulative.
         self.skipped_before = 0
 
@@ -667,8 +670,11 @@ class PrefetchCallback(keras.callbacks.Callback):
         (`iterator_cost`: none where the next epoch makes one anyway); a
         smaller pool saves at most the cores the stage's threads take from
         the step while they work, which is the staged work of the batches
-        left (the verdict's `prepare_seconds_per_batch` each). None when
-        either is unknown.
+        left. Per batch, the least of the verdicts'
+        `prepare_seconds_per_batch` since the iterator's first epoch: each
+        is wall time, which threads contending for the cores (the very
+        contention a smaller pool removes) stretch, and the first epoch's
+        also holds the stage's start. None when either is unknown.
         """
         cost = (
             None if binding.iterator_cost is None else binding.iterator_cost()
@@ -681,11 +687,24 @@ class PrefetchCallback(keras.callbacks.Callback):
         left = (epochs - epoch - 1) * steps
         # At a fit's last epoch the next iterator is the next call's, made
         # either way: the size it gets is free.
-        if not left or left * prepare >= cost:
+        if not left or not cost:
+            return None
+        if binding.epochs_begun == 1 and not binding.carried:
+            # Its first elements run the staged layers' first-time work,
+            # which no later epoch pays: the figure can overstate the work
+            # left several times over.
+            return (
+                "the staged work per batch of an iterator's first epoch "
+                "includes its start; the next epoch's figure decides"
+            )
+        least = binding.least_prepare
+        least = prepare if least is None else min(least, prepare)
+        binding.least_prepare = least
+        if left * least >= cost:
             return None
         return (
-            f"the {left} batches left in this fit hold "
-            f"{1000 * left * prepare:.1f} ms of staged work, less than the "
+            f"the {left} batches left in this fit hold at most "
+            f"{1000 * left * least:.1f} ms of staged work, less than the "
             f"{1000 * cost:.1f} ms a new iterator of the stage costs"
         )
 

@@ -528,8 +528,10 @@ def test_a_fit_epoch_runs_on_the_pool_its_verdict_sized(monkeypatch):
 def test_a_shrink_the_fit_cannot_repay_keeps_the_pool(capsys):
     # The staged Rescaling's work in the batches left is far less than a
     # new iterator of the stage costs (measured as the first was made): the
-    # pool keeps its size for the fit's next epoch, on the same iterator,
-    # and shrinks after the last, for the next call.
+    # pool keeps its size for the fit's next epochs, on the same iterator,
+    # and shrinks after the last, for the next call. After the iterator's
+    # first epoch, whose figure holds the stage's start, it waits for the
+    # next epoch's figure.
     inputs = keras.Input(shape=(2,))
     x = StagedInput(name="kept_pool")(inputs)
     x = keras.layers.Rescaling(2.0)(x)
@@ -538,15 +540,54 @@ def test_a_shrink_the_fit_cannot_repay_keeps_the_pool(capsys):
     model.compile(optimizer="sgd", loss="mse", smart_stage=True)
     largest = StageOptions().resolved_pool_size()
     cb = PrefetchCallback(verbose=1)
-    model.fit(_dataset(), epochs=2, verbose=0, shuffle=False, callbacks=[cb])
+    model.fit(_dataset(), epochs=3, verbose=0, shuffle=False, callbacks=[cb])
     out = capsys.readouterr().out
     assert cb.verdict["input_bound"] is False, cb.verdict
-    assert out.count(f"Its thread pool stays at {largest} threads") == 1
-    assert "a new iterator of the stage costs" in out
+    assert out.count(f"Its thread pool stays at {largest} threads") == 2
+    assert out.count("an iterator's first epoch includes its start") == 1
+    assert out.count("a new iterator of the stage costs") == 1
     # The last epoch ran on the pool the first did; the next call's gets 1.
     assert cb.verdict["thread_pool_size"] == largest, cb.verdict
     assert cb.verdict["next_thread_pool_size"] == 1
     assert out.count(f"Its thread pool goes from {largest} to 1 threads") == 1
+
+
+class _Binding:
+    """What `PrefetchCallback._shrink_cannot_pay` reads of a stage's binding."""
+
+    def __init__(self, cost, carried=False):
+        self.iterator_cost = lambda: cost
+        self.carried = carried
+        self.epochs_begun = 0
+        self.least_prepare = None
+
+
+@pytest.mark.parametrize("carried", [False, True])
+def test_a_shrink_weighs_the_least_work_an_epoch_measured(carried):
+    # 10 epochs of 10 batches; a new iterator costs 100 ms. Per batch the
+    # epochs measure 2 ms (the first, holding the stage's start), 0.5 ms,
+    # then 1.5 ms (threads contending): the least, 0.5 ms, decides.
+    cb = PrefetchCallback()
+    cb.set_params({"epochs": 10, "steps": 10})
+    binding = _Binding(cost=0.1, carried=carried)
+    reasons = []
+    for epoch, prepare in enumerate((0.002, 0.0005, 0.0015)):
+        binding.epochs_begun += 1
+        cb.verdict = {"prepare_seconds_per_batch": prepare}
+        reasons.append(cb._shrink_cannot_pay(epoch, binding))
+    first, second, third = reasons
+    if carried:
+        # An iterator an earlier call left starts nothing in this epoch.
+        assert first is None
+    else:
+        assert "an iterator's first epoch includes its start" in first
+    assert "hold at most 40.0 ms of staged work" in second, second
+    assert "hold at most 35.0 ms of staged work" in third, third
+    assert "the 100.0 ms a new iterator of the stage costs" in third
+    # A new iterator that costs nothing (the next epoch makes one anyway).
+    binding = _Binding(cost=0.0)
+    binding.epochs_begun = 1
+    assert cb._shrink_cannot_pay(0, binding) is None
 
 
 # -- epoch_statistics ----------------------------------------------------------

@@ -30,6 +30,7 @@ import functools
 import warnings
 
 import keras
+import tensorflow as tf
 
 from keras_stage import _compat
 from keras_stage.callbacks.data_backup import DataBackup
@@ -261,7 +262,7 @@ class StagedCall:
         ):
             if self.built and "predict" not in self.phases:
                 if backend.graph_steps():
-                    _build_before_trace(model, self.built[0])
+                    _build_before_trace(model, self.built[0], self.phases[0])
                 else:
                     backend.build_as_keras_would(
                         model, self.built[0], self.phases[0]
@@ -476,20 +477,20 @@ def _trunk_jit(model, splits):
     return True
 
 
-def _build_before_trace(model, data):
+def _build_before_trace(model, data, phase):
     """Builds what the first step's trace would create variables for.
 
     Without a strategy Keras builds the optimizer and the compile metrics
     inside the first traced step, and a `tf.function` that creates variables
     in its first trace is traced a second time: a model's first fit traced
     its train step twice. So the metrics (and an unbuilt model) are built
-    first from the raw data's specs (`_compat.symbolic_build`, one symbolic
-    call of the model), with the same variables and values; the optimizer
-    alone is built when the train function is made
-    (`tensorflow_steps.build_optimizer`). Under a strategy Keras builds all
-    of it before the first step by calling the model on a batch of the data
-    it iterates, which with SmartStage holds the cut tensors: built first
-    from the raw data's specs, as above.
+    first from specs (`_compat.symbolic_build`, one symbolic call of the
+    model), with the same variables and values; the optimizer alone is
+    built when the train function is made (`tensorflow_steps.build_optimizer`).
+    Under a strategy Keras builds all of it before the first step by calling
+    the model on a batch of the data it iterates, which with SmartStage
+    holds the cut tensors: built first from specs, as above
+    (`_build_from_specs` says which).
     """
     if data.element_spec is None:
         return
@@ -497,10 +498,38 @@ def _build_before_trace(model, data):
     if not default_strategy(strategy):
         if data.split is not None:
             with strategy.scope():
-                _compat.symbolic_build(model, data.element_spec)
+                _build_from_specs(model, data, phase)
         return
     if not _compat.layers_built(model) or _compat.metrics_unbuilt(model):
-        _compat.symbolic_build(model, data.element_spec)
+        _build_from_specs(model, data, phase)
+
+
+def _build_from_specs(model, data, phase):
+    """`_compat.symbolic_build` from the cheapest specs that build it all.
+
+    With every layer built and a SmartStage split, from the stage's own
+    element (the cut tensors) with the model's call running the trunk, as
+    the staged step calls it: the metrics and the loss see the `y_pred` the
+    step will give them, and the staged layers, already traced by the
+    stage, are not traced a third time (after the plan's and the stage's).
+    Otherwise (an unbuilt layer; a packed element; a cut tensor that is
+    not dense, which a symbolic call would see as dense) from the raw
+    data's specs through the whole model.
+    """
+    staged_spec = data.staged.element_spec
+    if (
+        data.split is not None
+        and not data.staged.packed
+        and _compat.layers_built(model)
+        and all(
+            isinstance(spec, tf.TensorSpec)
+            for spec in tf.nest.flatten(staged_spec)
+        )
+    ):
+        with tensorflow_steps.calling_trunk(model, phase):
+            _compat.symbolic_build(model, staged_spec)
+        return
+    _compat.symbolic_build(model, data.element_spec)
 
 
 @contextlib.contextmanager
