@@ -546,9 +546,65 @@ class ParsePairs(keras.layers.Layer):
         return keras.KerasTensor((lines.shape[0], 2), "float32")
 
 
-def test_split_under_a_distribution_strategy_builds_from_raw_inputs():
+class CountedRescaling(keras.layers.Rescaling):
+    """A Rescaling counting its calls (each trace runs it once)."""
+
+    calls = 0
+
+    def call(self, inputs):
+        type(self).calls += 1
+        return super().call(inputs)
+
+
+def test_a_first_fit_runs_the_staged_layers_python_twice(monkeypatch):
+    # Once in the plan's trace, once in the stage's: the metrics and loss
+    # are built through the trunk from the stage's element, not by a third,
+    # symbolic, call of the whole model (what a FeatureSpace prefix pays
+    # most for). They are the variables plain Keras builds.
+    monkeypatch.setattr(CountedRescaling, "calls", 0)
+
+    def build():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input(shape=(4,), name="x")
+        x = StagedInput(capacity=2, num_threads=2)(inputs)
+        x = CountedRescaling(2.0, name="rescale")(x)
+        outputs = keras.layers.Dense(1, name="head")(x)
+        return keras_stage.Model(inputs, outputs)
+
+    staged, plain = _twins(build, metrics=["mae"])
+    data = tf.data.Dataset.from_tensor_slices((X, Y)).batch(8)
+    histories = []
+    calls = []
+    for model in (staged, plain):
+        before = CountedRescaling.calls
+        keras.utils.set_random_seed(FIT_SEED)
+        histories.append(
+            model.fit(
+                data,
+                epochs=1,
+                validation_data=data.take(1),
+                shuffle=False,
+                verbose=0,
+            )
+        )
+        calls.append(CountedRescaling.calls - before)
+    _assert_same_training(staged, plain, *(h.history for h in histories))
+    # The fit ran staged (an unstaged fit logs `stage_unstaged` 1).
+    assert histories[0].history.get("stage_unstaged", [0]) == [0]
+    assert histories[0].history["stage_skipped"] == [0]
+    assert [v.name for v in staged.metrics_variables] == [
+        v.name for v in plain.metrics_variables
+    ]
+    # Plain Keras traces its train step twice (its first trace creates
+    # variables) and its test step once.
+    assert calls == [2, 3], calls
+
+
+def test_split_under_a_distribution_strategy_builds_before_keras_does():
     # Under a strategy Keras builds metrics by calling the model on a batch
-    # before the first step; that batch must be raw lines, not the cut.
+    # before the first step, which with SmartStage would be the cut; the
+    # staged call builds them first (through the trunk, from the stage's
+    # element), and Keras's build then has nothing to do.
     lines = np.array([f"{a:.3f},{b:.3f}" for a, b in X[:, :2]], dtype=object)
     strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
 
