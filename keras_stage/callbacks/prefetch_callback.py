@@ -671,7 +671,7 @@ class PrefetchCallback(keras.callbacks.Callback):
         smaller pool saves at most the cores the stage's threads take from
         the step while they work, which is the staged work of the batches
         left. Per batch, the least of the verdicts'
-        `prepare_seconds_per_batch` since the iterator's first epoch: each
+        `prepare_seconds_per_batch` after the iterator's first epoch: each
         is wall time, which threads contending for the cores (the very
         contention a smaller pool removes) stretch, and the first epoch's
         also holds the stage's start. None when either is unknown.
@@ -682,24 +682,28 @@ class PrefetchCallback(keras.callbacks.Callback):
         prepare = self.verdict["prepare_seconds_per_batch"]
         params = self.params or {}
         epochs, steps = params.get("epochs"), params.get("steps")
-        if cost is None or prepare is None or not epochs or not steps:
+        if prepare is None:
+            return None
+        # Its first elements run the staged layers' first-time work, which
+        # no later epoch pays: the figure can overstate the work left
+        # several times over.
+        first = binding.epochs_begun == 1 and not binding.carried
+        least = binding.least_prepare
+        if not first:
+            least = prepare if least is None else min(least, prepare)
+            binding.least_prepare = least
+        if cost is None or not epochs or not steps:
             return None
         left = (epochs - epoch - 1) * steps
         # At a fit's last epoch the next iterator is the next call's, made
         # either way: the size it gets is free.
         if not left or not cost:
             return None
-        if binding.epochs_begun == 1 and not binding.carried:
-            # Its first elements run the staged layers' first-time work,
-            # which no later epoch pays: the figure can overstate the work
-            # left several times over.
+        if first:
             return (
                 "the staged work per batch of an iterator's first epoch "
                 "includes its start; the next epoch's figure decides"
             )
-        least = binding.least_prepare
-        least = prepare if least is None else min(least, prepare)
-        binding.least_prepare = least
         if left * least >= cost:
             return None
         return (
