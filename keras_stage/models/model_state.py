@@ -89,6 +89,10 @@ class StagingState:
         # running its whole model's step would have cost, once traced (see
         # `decision.calls.trace_due`): what tracing that step may cost.
         self.stage_rent = {}
+        # Per phase, while a call staged before anything was measured runs:
+        # whether it plans the model's SmartStage (its rent is added to
+        # `stage_rent` when it ends, see `decision.calls.note_work`).
+        self.unmeasured_rent = {}
         # `(phase, kind, seconds)` of each step traced since the last call
         # ended, until `decision.calls.note_traces` notes them: the whole
         # model's step's first call ("whole_trace"), the trunk's step's

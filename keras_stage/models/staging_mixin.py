@@ -113,6 +113,7 @@ class StagingMixin:
         state.staged_functions.clear()
         # Paid towards tracing steps that compile drops (`decision.calls`).
         state.stage_rent.clear()
+        state.unmeasured_rent.clear()
         state.step_traces.clear()
         for entry in state.stages.values():
             entry.retire()  # its iterator, if it outlived its call

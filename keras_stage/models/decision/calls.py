@@ -18,7 +18,8 @@ step unstaged first traces it (once per model and phase); a plain model
 traced it in its first call, a staged one did not. So that trace counts
 against running unstaged, less what the model's staged calls of the
 phase have paid over an unstaged traced step so far (`trace_owed`: as
-renting against buying, the trace is paid once the rent reaches it), and
+renting against buying, the trace is paid once the rent reaches it; a
+call staged before anything was measured pays its rent when it ends), and
 a trial runs only once what is owed is at most `TRACE_SHARE` of the
 call, or once the phase has had `LOOP_CALLS` staged calls: a short
 script's evaluate after a staged fit keeps its stage rather than trace
@@ -105,6 +106,8 @@ class Decision(typing.NamedTuple):
     staging saves the call (its staged work and the whole step's trace it
     avoids) less its stage's set-up, or None when not weighed so. `trial`:
     whether the call runs unstaged to time the whole model's steps.
+    `unmeasured`: whether it is staged before anything is measured (its
+    rent is noted when it ends, see `note_work`).
     """
 
     staged: bool
@@ -113,6 +116,7 @@ class Decision(typing.NamedTuple):
     first_call: bool = False
     gain: float | None = None
     trial: bool = False
+    unmeasured: bool = False
 
 
 def may_skip_stage(layer):
@@ -542,6 +546,7 @@ class CallCosts:
                     True,
                     "nothing is measured on a model with this stage yet",
                     0.0,
+                    unmeasured=True,
                 )
             # Its staged steps are timed, its staged work is not (op
             # determinism where tf.data's model cannot be read) and the
@@ -726,6 +731,8 @@ def _keep(model, phase, decision):
         state.stage_rent[phase] = (
             state.stage_rent.get(phase, 0.0) + decision.rent
         )
+        if decision.unmeasured:
+            state.unmeasured_rent[phase] = _first_costs(model, phase)[0]
     logger.info(
         "Model '%s': %s %s: %s.",
         model.name,
@@ -847,9 +854,12 @@ def staged_data(model, phase, *args, **kwargs):
         measured.note_trace(phase, split.trace_seconds - traced)
         seconds -= split.trace_seconds - traced
     measured.note_build(phase, seconds)
+    # This call's own set-up, for its rent if it was decided unmeasured.
+    data.set_up_seconds = seconds
 
     def made(seconds):
         measured.note_iterator(phase, seconds)
+        data.set_up_seconds += seconds
 
     data.on_iterator = made
     data.cost_phase = phase
@@ -893,14 +903,14 @@ def note_work(model, data):
         return
     snapshot = data.staged.stats.snapshot()
     busy, produced = data.work_before
+    busy = snapshot["busy_seconds"] - busy
+    produced = snapshot["produced"] - produced
     measured = costs(model)
     note_traces(model)
     measured.note_work(
-        data.cost_phase,
-        snapshot["busy_seconds"] - busy,
-        snapshot["produced"] - produced,
-        has_work=data.split is not None,
+        data.cost_phase, busy, produced, has_work=data.split is not None
     )
+    _note_unmeasured_rent(model, data, busy, produced)
     switch = data.switch
     if switch is not None and switch.step_seconds is not None:
         # Its trial epoch ran the whole model's steps: the call's clock
@@ -908,6 +918,29 @@ def note_work(model, data):
         measured.note_step_pair(data.cost_phase, *switch.step_seconds)
     elif data.step_clock is not None:
         measured.note_steps(data.cost_phase, data.step_clock, staged=True)
+
+
+def _note_unmeasured_rent(model, data, busy, produced):
+    """Adds what a call staged before anything was measured paid for its
+    stage to its phase's rent (`trace_owed`).
+
+    Decided unmeasured, it paid no rent then; what its stage cost over an
+    unstaged call (its build and iterators, its model's plan if it made
+    it, less the staged work of every batch but the first) is known now.
+    Its traces are not counted: an unstaged first call traces too.
+    """
+    state = model_state(model)
+    planned = state.unmeasured_rent.pop(data.cost_phase, None)
+    if planned is None:
+        return
+    rent = data.set_up_seconds
+    if planned:
+        rent += costs(model).plan_seconds
+    if data.split is not None and produced > 0:
+        rent -= busy * max(produced - 1, 0) / produced
+    state.stage_rent[data.cost_phase] = state.stage_rent.get(
+        data.cost_phase, 0.0
+    ) + max(rent, 0.0)
 
 
 def timed_unstaged_phases(model, phases):

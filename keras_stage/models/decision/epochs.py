@@ -18,10 +18,11 @@ the step's figures tell which, so a fit that may gain measures it:
 2. the next epoch runs the whole model in Keras's step (the trial), if
    tracing that step (once per model) costs at most `TRACE_SHARE` of the
    epochs left after it,
-3. the faster of the two, by the epochs' measured step times (medians of
-   the warm steps, plus what making the epoch's iterator cost), runs
-   every remaining epoch of the call; the stage keeps the epochs unless
-   the whole model saves at least `MARGIN` of its time.
+3. the faster of the two over the epochs left, by the measured step
+   times (medians of the warm steps) and the iterators those epochs make
+   (one each unstaged; staged, one more for a long-lived stage, else one
+   each), runs every remaining epoch of the call; the stage keeps the
+   epochs unless the whole model saves at least `MARGIN` of its time.
 
 An epoch is one iterator Keras reads, so switching changes nothing else:
 every epoch reads exactly the batches, in the order, that plain Keras's
@@ -54,7 +55,9 @@ import keras
 from keras_stage.data.eager_iterated import EagerIterated
 from keras_stage.models.call.epoch_iterators import ResolvingIterator, resolve
 from keras_stage.models.decision.calls import (
+    costs,
     may_skip_stage,
+    trace_owed,
     traces_whole_step,
 )
 from keras_stage.models.model_state import state as model_state
@@ -97,6 +100,7 @@ def epoch_switch(model, layer, data, epochs, callbacks):
         epochs,
         data.staged.stats,
         staged_before_trial=_staged_before_trial(data),
+        shares_iterator=data.long_lived,
     )
 
 
@@ -163,10 +167,11 @@ class _EpochClock:
         once per call, traces)."""
         return statistics.median(self.steps[1:])
 
-    def seconds(self, batches):
-        """The epoch's time at its warm pace: making its iterator and
-        `batches` steps."""
-        return self.made_seconds + batches * self.warm_step
+    def seconds(self, batches, epochs=1, iterators=None):
+        """`epochs` such epochs at their warm pace: `batches` steps each
+        and making `iterators` iterators (default: one per epoch)."""
+        iterators = epochs if iterators is None else iterators
+        return iterators * self.made_seconds + epochs * batches * self.warm_step
 
     @property
     def wait_ratio(self):
@@ -183,13 +188,18 @@ class EpochSwitch:
     then `STAGED` or `UNSTAGED`; `message` says why.
     """
 
-    def __init__(self, model, name, epochs, stats, staged_before_trial):
+    def __init__(
+        self, model, name, epochs, stats, staged_before_trial, shares_iterator
+    ):
         self._model = model
         self.model_name = model.name
         self.name = name
         self.epochs = epochs
         self._stats = stats
         self._staged_before_trial = staged_before_trial
+        # Whether the staged epochs after a decision read one iterator (a
+        # long-lived stage): they then make one more, not one each.
+        self._shares_iterator = shares_iterator
         self._clocks = []  # of the epochs read, in order
         self.decision = None
         self.message = None
@@ -258,28 +268,52 @@ class EpochSwitch:
 
         Not traced yet (no unstaged call or epoch of the model ran it), it
         costs about what the call's first staged step took over its warm
-        ones (that step traced the trunk's step, if this call did).
+        ones (that step traced the trunk's step, if this call did), and at
+        least what the calls' decisions count it at (`calls.trace_owed`:
+        measured on a model with this stage, less what its staged calls
+        paid toward it). A later fit, whose trunk's step is traced, would
+        otherwise read it as free and trace the whole step in a call that
+        was staged because that trace outweighs it.
         """
         if not traces_whole_step(self._model, TRAIN):
             return False
         first = staged[0]
         trace = max(first.steps[0] - first.warm_step, 0.0) if first.timed else 0
-        budget = TRACE_SHARE * after_trial * last.seconds(len(last.steps))
+        trace = max(trace, trace_owed(self._model, TRAIN, costs(self._model)))
+        budget = TRACE_SHARE * self._staged_seconds(
+            last, len(last.steps), after_trial
+        )
         return trace > budget
+
+    def _staged_seconds(self, clock, batches, epochs):
+        """`epochs` staged epochs of `batches` steps at `clock`'s pace.
+
+        A long-lived stage's epochs after the decision read one more
+        iterator, not one each; it costs about what the slowest staged
+        epoch took to start (its first made the stage's first iterator: a
+        later epoch on the same iterator made none).
+        """
+        if not self._shares_iterator:
+            return clock.seconds(batches, epochs)
+        made = max(c.made_seconds for c in self._clocks if c.mode == STAGED)
+        return made + epochs * batches * clock.warm_step
 
     def _decide(self, staged, trial):
         batches = max(len(staged.steps), len(trial.steps))
         if not trial.timed:
             self.decision = STAGED
             return
-        with_stage = staged.seconds(batches)
-        whole = trial.seconds(batches)
+        # Over the epochs the decision runs, each making its iterator
+        # unstaged, and staged one more (or one each, see `_staged_seconds`).
+        left = max(self.epochs - len(self._clocks), 1)
+        with_stage = self._staged_seconds(staged, batches, left)
+        whole = trial.seconds(batches, left)
         per_execution = max(int(self._model.steps_per_execution), 1)
         self.step_seconds = (
             staged.warm_step / per_execution,
             trial.warm_step / per_execution,
         )
-        ms = 1000.0 / batches
+        ms = 1000.0 / (batches * left)
         figures = (
             f"{with_stage * ms:.2f} ms a step staged, {whole * ms:.2f} ms "
             "with the whole model in the step"

@@ -789,3 +789,29 @@ def test_staged_data_and_note_work_note_what_a_staged_call_costs():
     assert costs.batch_seconds == 0.0
     assert costs.measured()
     data.end_call()
+
+
+def test_a_call_staged_unmeasured_pays_toward_the_trace_when_it_ends():
+    # Staged before anything was measured, a call pays no rent toward
+    # tracing the whole model's step when decided; when it ends, what its
+    # stage cost over an unstaged call (its build and iterators: these
+    # arrays have no staged work to subtract, no plan) is paid.
+    model, layer = _model()
+    state = model_state(model)
+    assert calls.stages(model, layer, "test", 30)
+    assert state.stage_rent["test"] == 0.0
+    assert state.unmeasured_rent == {"test": False}  # it plans nothing
+    data = calls.staged_data(model, "test", layer, "test", X, Y, batch_size=8)
+    list(data.pipeline)
+    calls.note_work(model, data)
+    costs = calls.costs(model).phase("test")
+    rent = state.stage_rent["test"]
+    assert rent == pytest.approx(costs.build_seconds + costs.iterator_seconds)
+    assert rent > 0 and state.unmeasured_rent == {}
+    data.end_call()
+    # A measured call's rent is its decision's: nothing is added at its end.
+    data = calls.staged_data(model, "test", layer, "test", X, Y, batch_size=8)
+    list(data.pipeline)
+    calls.note_work(model, data)
+    assert state.stage_rent["test"] == rent
+    data.end_call()

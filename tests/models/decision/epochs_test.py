@@ -16,6 +16,7 @@ import tensorflow as tf
 import keras_stage
 from keras_stage.models.decision import calls
 from keras_stage.models.decision import epochs as epoch_switch
+from keras_stage.models.model_state import state as model_state
 from tests.helpers import twin_optimizer
 
 pytestmark = pytest.mark.timeout(180)
@@ -427,3 +428,102 @@ def test_a_trial_ruled_out_by_the_first_epoch_leaves_one_more_iterator(
     assert made.count("train") == 2
     # Validation, whose pool nothing resizes, reads one iterator.
     assert made.count("test") == 1
+
+
+# -- the switch's arithmetic, on epochs timed by hand ----------------------
+
+
+class _NoWait:
+    """Stage stats whose step never waited."""
+
+    def snapshot(self):
+        return {"wait_seconds": 0.0}
+
+
+def _timed_switch(model, epochs, shares_iterator, staged, trial):
+    """An `EpochSwitch` that read two staged epochs and a trial.
+
+    `staged`: the two staged epochs' `(made_seconds, step_seconds)`;
+    `trial`: the trial's. Every epoch reads 8 steps. Returns the switch
+    and what it decides the next epoch runs.
+    """
+    switch = epoch_switch.EpochSwitch(
+        model,
+        "stage",
+        epochs,
+        _NoWait(),
+        staged_before_trial=2,
+        shares_iterator=shares_iterator,
+    )
+    for mode, (made, step) in [
+        (epoch_switch.STAGED, staged[0]),
+        (epoch_switch.STAGED, staged[1]),
+        (epoch_switch.UNSTAGED, trial),
+    ]:
+        assert switch.next_mode() == mode
+        clock = switch.begin(mode, made)
+        for _ in range(epoch_switch.MIN_STEPS):
+            clock.add(step)
+    return switch, switch.next_mode()
+
+
+@pytest.mark.parametrize("shares_iterator", [True, False])
+def test_the_epochs_after_the_trial_are_weighed_with_the_iterators_they_make(
+    shares_iterator,
+):
+    # A stage whose second epoch made an iterator of its own (a source
+    # that draws per iterator), 1 ms steps; the whole model's steps take
+    # 1.5 ms from a cheap iterator. Over the 27 epochs left, a long-lived
+    # stage makes one more iterator (0.1 + 27 * 8 ms = 0.32 s against 27 *
+    # 14 ms = 0.38 s unstaged): it keeps them. A stage that makes one per
+    # epoch would pay 27 of them: the whole model takes them.
+    _, staged = _models()
+    switch, mode = _timed_switch(
+        staged,
+        epochs=30,
+        shares_iterator=shares_iterator,
+        staged=[(0.1, 0.001), (0.085, 0.001)],
+        trial=(0.002, 0.0015),
+    )
+    expected = epoch_switch.STAGED if shares_iterator else epoch_switch.UNSTAGED
+    assert mode == switch.decision == expected
+    assert switch.step_seconds == (0.001, 0.0015)
+
+
+def _switch(model, epochs=6):
+    return epoch_switch.EpochSwitch(
+        model,
+        "stage",
+        epochs,
+        _NoWait(),
+        staged_before_trial=2,
+        shares_iterator=True,
+    )
+
+
+def _read_staged(switch, epochs=2):
+    """Reads `epochs` staged epochs of 8 steps of 1 ms, none tracing."""
+    for _ in range(epochs):
+        assert switch.next_mode() == epoch_switch.STAGED
+        clock = switch.begin(epoch_switch.STAGED, 0.0)
+        for _ in range(epoch_switch.MIN_STEPS):
+            clock.add(0.001)
+
+
+def test_no_trial_whose_trace_a_later_fit_still_owes():
+    # A later fit's trunk's step is traced already, so its first staged
+    # step shows no trace; the whole model's step is not, and what the
+    # calls' decisions count it at (measured on a model with this stage,
+    # less what its staged calls paid toward it) rules the trial out.
+    _, staged = _models()
+    calls.costs(staged).phase("train").note(whole_trace=0.5)
+    switch = _switch(staged)
+    _read_staged(switch)
+    assert switch.next_mode() == epoch_switch.STAGED
+    assert switch.decision == epoch_switch.STAGED
+    assert switch.message is None  # nothing tried, nothing to report
+    # Once its staged calls paid as much toward it, nothing is owed.
+    model_state(staged).stage_rent["train"] = 0.5
+    switch = _switch(staged)
+    _read_staged(switch)
+    assert switch.next_mode() == epoch_switch.UNSTAGED  # the trial
