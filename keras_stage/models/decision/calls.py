@@ -25,9 +25,9 @@ call, or once the phase has had `LOOP_CALLS` staged calls: a short
 script's evaluate after a staged fit keeps its stage rather than trace
 the whole model's test step for one call, and a loop of calls runs its
 trial by its third. Unstaged, Keras starts each of a fit's epochs with
-an iterator of its own, which a stage's epochs on one iterator do not
-(`EpochStartClock` times those starts in unstaged fits; `decide` counts
-them). Under op
+an iterator of its own and lets it go at the epoch's end, which a stage's
+epochs on one iterator do not (`EpochStartClock` times those starts and
+ends in unstaged fits; `decide` counts them). Under op
 determinism the staged work is read from tf.data's own model of the
 stage's iterators (`data.pipeline_model`); where that cannot be read, the
 steps alone decide.
@@ -206,7 +206,8 @@ class PhaseCosts:
         # the first call of the whole model's step and of the trunk's (its
         # trace, graph set-up and one step), of the trunk's step's Python
         # while traced (see `note_traces`), and of what Keras spends
-        # starting each epoch of an unstaged fit (`EpochStartClock`): the
+        # starting and ending each epoch of an unstaged fit
+        # (`EpochStartClock`): the
         # last few measured.
         self._samples = {
             key: collections.deque(maxlen=self.SAMPLES)
@@ -253,11 +254,12 @@ class PhaseCosts:
 
     @property
     def epoch_start_seconds(self):
-        """Seconds an unstaged fit's epoch takes to start, or None.
+        """Seconds an unstaged fit's epoch takes to start and end, or None.
 
         Keras makes each epoch's iterator of the data (for arrays, a
-        shuffled and sliced pipeline) before its first step; a stage whose
-        epochs run on one iterator makes one for them all.
+        shuffled and sliced pipeline) before its first step and lets it go
+        after its last; a stage whose epochs run on one iterator makes one
+        for them all.
         """
         return self._median("epoch_start")
 
@@ -586,7 +588,7 @@ class CallCosts:
             )
             trace += (
                 f" and the {1000 * starts:.1f} ms Keras would spend starting "
-                f"{epochs} unstaged"
+                f"and ending {epochs} unstaged"
             )
         owed += starts
         if saving + owed <= set_up:
@@ -971,30 +973,52 @@ def traces_whole_step(model, phase):
 
 
 class EpochStartClock(keras.callbacks.Callback):
-    """Times how long each epoch of an unstaged fit takes to start.
+    """Times how long each epoch of an unstaged fit takes to start and end.
 
-    From the epoch's begin to its first step's: Keras making the epoch's
-    iterator of the data (`PhaseCosts.epoch_start_seconds`). Given to a fit
-    that runs unstaged (`StagedCall.run_unstaged`), after the user's
-    callbacks; `seconds` holds one figure per epoch.
+    From the epoch's begin to its first step's (Keras making the epoch's
+    iterator of the data), and from its last step's end to its validation
+    or its end (Keras letting that iterator go): what an epoch costs
+    beyond its steps, which a stage whose epochs share one iterator pays
+    once (`PhaseCosts.epoch_start_seconds`). Given to a fit that runs
+    unstaged (`StagedCall.run_unstaged`), after the user's callbacks;
+    `seconds` holds one figure per epoch, once it ended.
     """
 
     def __init__(self):
         super().__init__()
         self.seconds = []
         self._begun = None
+        self._started = None  # this epoch's start, once its first step came
+        self._stepped = None  # when this epoch's last step so far ended
 
     def on_epoch_begin(self, epoch, logs=None):
         self._begun = time.perf_counter()
+        self._started = self._stepped = None
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._begun is not None:
-            self.seconds.append(time.perf_counter() - self._begun)
+            self._started = time.perf_counter() - self._begun
             self._begun = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._stepped = time.perf_counter()
+
+    def on_test_begin(self, logs=None):
+        # The fit's validation: not the training epoch's own end.
+        self._end()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._end()
+
+    def _end(self):
+        if self._started is not None and self._stepped is not None:
+            ending = time.perf_counter() - self._stepped
+            self.seconds.append(self._started + ending)
+        self._started = self._stepped = None
 
 
 def note_epoch_starts(model, seconds):
-    """Notes the epoch starts an `EpochStartClock` timed.
+    """Notes the epochs' starts and ends an `EpochStartClock` timed.
 
     Their lower median: now and then an epoch's start takes several times
     the others' (the previous epoch's iterator let go, a collection), and

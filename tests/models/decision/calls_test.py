@@ -225,7 +225,7 @@ def test_the_epochs_keras_would_start_unstaged_count_against_it():
     costs.phase("train").note(epoch_start=0.012)
     decision = costs.decide("train", 240, 1, unstaged_epochs=8)
     assert decision.staged  # 96 ms of epoch starts > 70 ms of set-up
-    assert "96.0 ms Keras would spend starting its 8 epochs" in (
+    assert "96.0 ms Keras would spend starting and ending its 8 epochs" in (
         decision.reason
     )
     assert decision.gain == pytest.approx(0.096 - 0.07)
@@ -238,7 +238,7 @@ def test_the_epochs_keras_would_start_unstaged_count_against_it():
     assert decision.rent == pytest.approx(0.07 - 0.016)
     # Fewer epochs, or a stage that makes an iterator per epoch too.
     assert not costs.stages("train", 240, 1, unstaged_epochs=5)
-    assert "starting its epoch unstaged" in costs.describe(
+    assert "starting and ending its epoch unstaged" in costs.describe(
         "train", 30, 1, unstaged_epochs=1
     )
     assert not costs.stages("train", 240, 8, unstaged_epochs=8)
@@ -246,7 +246,7 @@ def test_the_epochs_keras_would_start_unstaged_count_against_it():
 
 
 @pytest.mark.first_call_rule
-def test_an_unstaged_fit_times_its_epochs_starts():
+def test_an_unstaged_fit_times_its_epochs_starts(monkeypatch):
     model, layer = _model([keras.layers.Rescaling(0.5)], smart_stage=True)
     # A first fit of few batches runs unstaged (`FIRST_CALL_BATCHES`).
     history = model.fit(X, Y, batch_size=48, epochs=3, verbose=0).history
@@ -258,12 +258,25 @@ def test_an_unstaged_fit_times_its_epochs_starts():
     other, _ = _model()
     calls.note_epoch_starts(other, [0.003, 0.196])
     assert calls.costs(other).phase("train").epoch_start_seconds == 0.003
+    # Each epoch's start (to its first step) and end (from its last step to
+    # its validation or its end) are timed, not its steps.
     clock = calls.EpochStartClock()
-    for epoch in range(2):
+    now = [0.0]
+    monkeypatch.setattr(calls.time, "perf_counter", lambda: now[0])
+    for epoch, validation in enumerate((False, True)):
         clock.on_epoch_begin(epoch)
-        clock.on_train_batch_begin(0)
-        clock.on_train_batch_begin(1)  # not an epoch's first: not timed
-    assert len(clock.seconds) == 2
+        now[0] += 0.002  # making the iterator
+        for batch in range(2):
+            clock.on_train_batch_begin(batch)  # the second: not timed
+            now[0] += 0.05  # a step
+            clock.on_train_batch_end(batch)
+        now[0] += 0.003  # letting the iterator go
+        if validation:
+            clock.on_test_begin()
+            now[0] += 0.5
+            clock.on_test_end()
+        clock.on_epoch_end(epoch)
+    assert clock.seconds == pytest.approx([0.005, 0.005])
 
 
 def test_the_whole_steps_trace_is_measured_or_estimated():
