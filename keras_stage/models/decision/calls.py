@@ -734,7 +734,11 @@ def _keep(model, phase, decision):
             state.stage_rent.get(phase, 0.0) + decision.rent
         )
         if decision.unmeasured:
-            state.unmeasured_rent[phase] = _first_costs(model, phase)[0]
+            # A fit's training and validation plan once between them.
+            plans = _first_costs(model, phase)[0]
+            state.unmeasured_rent[phase] = plans and not any(
+                state.unmeasured_rent.values()
+            )
     logger.info(
         "Model '%s': %s %s: %s.",
         model.name,
@@ -938,7 +942,8 @@ def _note_unmeasured_rent(model, data, busy, produced):
     rent = data.set_up_seconds
     if planned:
         rent += costs(model).plan_seconds
-    if data.split is not None and produced > 0:
+    if data.split is not None and produced > 0 and busy == busy:
+        # Not timed (NaN) under op determinism: nothing known to subtract.
         rent -= busy * max(produced - 1, 0) / produced
     state.stage_rent[data.cost_phase] = state.stage_rent.get(
         data.cost_phase, 0.0

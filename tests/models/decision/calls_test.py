@@ -828,3 +828,25 @@ def test_a_call_staged_unmeasured_pays_toward_the_trace_when_it_ends():
     calls.note_work(model, data)
     assert state.stage_rent["test"] == rent
     data.end_call()
+
+
+def test_unmeasured_rent_counts_the_plan_once_and_untimed_work_as_none():
+    # A first fit's training and validation are both decided unmeasured;
+    # the plan they share is paid once. Under op determinism the staged
+    # work is not timed (NaN): the rent is the set-up, never NaN.
+    model, layer = _model([keras.layers.Rescaling(0.5)], smart_stage=True)
+    state = model_state(model)
+    calls.costs(model).note_plan(0.5)
+    for phase in ("train", "test"):
+        assert calls.stages(model, layer, phase, 30)
+    assert state.unmeasured_rent == {"train": True, "test": False}
+
+    class Data:
+        split = object()  # a SmartStage prefix: staged work to subtract
+        set_up_seconds = 0.1
+
+    for phase, busy in (("train", float("nan")), ("test", 0.05)):
+        Data.cost_phase = phase
+        calls._note_unmeasured_rent(model, Data, busy, 10)
+    assert state.stage_rent["train"] == pytest.approx(0.1 + 0.5)
+    assert state.stage_rent["test"] == pytest.approx(0.1 - 0.045)
