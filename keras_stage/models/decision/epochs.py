@@ -167,11 +167,10 @@ class _EpochClock:
         once per call, traces)."""
         return statistics.median(self.steps[1:])
 
-    def seconds(self, batches, epochs=1, iterators=None):
-        """`epochs` such epochs at their warm pace: `batches` steps each
-        and making `iterators` iterators (default: one per epoch)."""
-        iterators = epochs if iterators is None else iterators
-        return iterators * self.made_seconds + epochs * batches * self.warm_step
+    def seconds(self, batches, epochs=1):
+        """`epochs` such epochs at their warm pace, each making its
+        iterator and `batches` steps."""
+        return epochs * (self.made_seconds + batches * self.warm_step)
 
     @property
     def wait_ratio(self):
