@@ -730,9 +730,7 @@ def _keep(model, phase, decision):
         # Once: a loop of short calls stages its next one and measures it.
         costs(model).phase(phase).first_call_skipped = True
     if decision.staged:
-        state.stage_rent[phase] = (
-            state.stage_rent.get(phase, 0.0) + decision.rent
-        )
+        _pay_rent(model, phase, decision.rent)
         if decision.unmeasured:
             # A fit's training and validation plan once between them.
             plans = _first_costs(model, phase)[0]
@@ -945,9 +943,14 @@ def _note_unmeasured_rent(model, data, busy, produced):
     if data.split is not None and produced > 0 and busy == busy:
         # Not timed (NaN) under op determinism: nothing known to subtract.
         rent -= busy * max(produced - 1, 0) / produced
-    state.stage_rent[data.cost_phase] = state.stage_rent.get(
-        data.cost_phase, 0.0
-    ) + max(rent, 0.0)
+    _pay_rent(model, data.cost_phase, max(rent, 0.0))
+
+
+def _pay_rent(model, phase, seconds):
+    """Adds `seconds` to what `model`'s staged `phase` calls paid toward
+    tracing its whole step (`trace_owed`)."""
+    rent = model_state(model).stage_rent
+    rent[phase] = rent.get(phase, 0.0) + seconds
 
 
 def timed_unstaged_phases(model, phases):

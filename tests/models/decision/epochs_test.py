@@ -440,14 +440,9 @@ class _NoWait:
         return {"wait_seconds": 0.0}
 
 
-def _timed_switch(model, epochs, shares_iterator, staged, trial):
-    """An `EpochSwitch` that read two staged epochs and a trial.
-
-    `staged`: the two staged epochs' `(made_seconds, step_seconds)`;
-    `trial`: the trial's. Every epoch reads 8 steps. Returns the switch
-    and what it decides the next epoch runs.
-    """
-    switch = epoch_switch.EpochSwitch(
+def _switch(model, epochs=6, shares_iterator=True):
+    """An `EpochSwitch` whose trial waits for two staged epochs."""
+    return epoch_switch.EpochSwitch(
         model,
         "stage",
         epochs,
@@ -455,6 +450,16 @@ def _timed_switch(model, epochs, shares_iterator, staged, trial):
         staged_before_trial=2,
         shares_iterator=shares_iterator,
     )
+
+
+def _timed_switch(model, epochs, shares_iterator, staged, trial):
+    """An `EpochSwitch` that read two staged epochs and a trial.
+
+    `staged`: the two staged epochs' `(made_seconds, step_seconds)`;
+    `trial`: the trial's. Every epoch reads 8 steps. Returns the switch
+    and what it decides the next epoch runs.
+    """
+    switch = _switch(model, epochs, shares_iterator)
     for mode, (made, step) in [
         (epoch_switch.STAGED, staged[0]),
         (epoch_switch.STAGED, staged[1]),
@@ -488,17 +493,6 @@ def test_the_epochs_after_the_trial_are_weighed_with_the_iterators_they_make(
     expected = epoch_switch.STAGED if shares_iterator else epoch_switch.UNSTAGED
     assert mode == switch.decision == expected
     assert switch.step_seconds == (0.001, 0.0015)
-
-
-def _switch(model, epochs=6):
-    return epoch_switch.EpochSwitch(
-        model,
-        "stage",
-        epochs,
-        _NoWait(),
-        staged_before_trial=2,
-        shares_iterator=True,
-    )
 
 
 def _read_staged(switch, epochs=2):
