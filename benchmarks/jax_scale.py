@@ -109,7 +109,10 @@ TIMED = (
     "ratio within a round. The steady state: in each round, after those, "
     "one whole model.fit(dataset, epochs=E) call per mode (E per "
     "configuration, `steady_epochs`), timed and paired the same way: the "
-    "call's set-up spread over E epochs."
+    "call's set-up spread over E epochs. Each call's phases, from a "
+    "callback (the same in every mode): its set-up (to the first step's "
+    "start), its first epoch, the epochs after it, paired the same way "
+    "(after 1st epoch), and the medians of set-up + first epoch in ms."
 )
 
 
@@ -326,6 +329,8 @@ def _cell(section):
         },
         "staged/hand": section["paired_ratios"]["staged/hand"],
         "hand2/hand": section["paired_ratios"]["hand2/hand"],
+        # The calls' epochs after their first, and what came before.
+        **section["phases"],
     }
 
 
@@ -474,6 +479,8 @@ def format_table(results):
         f"{'config':6} {'workload':8} {'batch':>5} {'epochs':>6}"
         f" {'examples/s: staged':>18} {'hand':>8} {'hand2':>8}"
         f" {'staged/hand':>11} {'hand2/hand':>10} {'max |dw|':>8}"
+        f" {'after 1st epoch':>15} {'(control)':>9}"
+        f" {'set-up + 1st epoch ms: staged':>29} {'hand':>5}"
     ]
     notes = []
     for config, section in results["configs"].items():
@@ -487,6 +494,8 @@ def format_table(results):
                 fits.append((cell["steady"]["epochs"], cell["steady"]))
             for epochs, figures in fits:
                 eps = figures["examples_per_second"]
+                later = figures["after_first_epoch"]
+                first = figures["setup_and_first_epoch_ms"]
                 lines.append(
                     f"{config:6} {name:8} {workloads[name]['batch_size']:5d}"
                     f" {epochs:6d}"
@@ -495,6 +504,9 @@ def format_table(results):
                     f" {figures['staged/hand']:11.3f}"
                     f" {figures['hand2/hand']:10.3f}"
                     f" {cell['max_abs_weight_difference']:8.1e}"
+                    f" {later['staged/hand']:15.3f}"
+                    f" {'(' + format(later['hand2/hand'], '.3f') + ')':>9}"
+                    f" {first['staged']:29.0f} {first['hand']:5.0f}"
                 )
     ran = [s for s in results["configs"].values() if "processes" in s]
     for name, section in (
@@ -510,7 +522,9 @@ def format_table(results):
             "state's longer fits in the same rounds; staged/hand and the "
             "control hand2/hand: paired ratios of seconds, above 1 slower; "
             "max |dw|: staged against hand after the untimed fit, the "
-            "largest over the processes)"
+            "largest over the processes; after 1st epoch: the same ratios "
+            "of the calls' epochs after their first; set-up + 1st epoch: "
+            "medians, from the call to the end of its first epoch)"
         ]
         + (
             ["(the configurations ran at once: their figures share the cores)"]

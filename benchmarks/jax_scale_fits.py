@@ -148,8 +148,10 @@ class StagedMode:
             self.workload.batch_size
         )
 
-    def fit(self, epochs=EPOCHS):
-        return self.model.fit(self.dataset(), epochs=epochs, verbose=0)
+    def fit(self, epochs=EPOCHS, callbacks=None):
+        return self.model.fit(
+            self.dataset(), epochs=epochs, verbose=0, callbacks=callbacks
+        )
 
 
 class HandMode(StagedMode):
@@ -176,21 +178,58 @@ class HandMode(StagedMode):
         )
 
 
+class Phases(keras.callbacks.Callback):
+    """When a fit's first step began, and when each of its epochs ended.
+
+    `split(started, ended)` turns them into the call's phases: its set-up
+    (from the call to the first step: the dataset, or the stage, built),
+    its first epoch (the first iterator made and read), the later epochs
+    and the end (after the last epoch).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.first_step = None
+        self.epoch_ends = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.first_step is None:
+            self.first_step = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch_ends.append(time.perf_counter())
+
+    def split(self, started, ended):
+        """`{phase: seconds}` of a call from `started` to `ended`."""
+        first, ends = self.first_step, self.epoch_ends
+        return {
+            "setup_seconds": first - started,
+            "first_epoch_seconds": ends[0] - first,
+            "later_epochs_seconds": ends[-1] - ends[0],
+            "end_seconds": ended - ends[-1],
+        }
+
+
 def measure(mode, examples, epochs=EPOCHS, collect=True):
     """One timed `fit(epochs=epochs)` of `mode`, then an untimed collection.
 
+    Besides the whole call's seconds, its phases (`Phases`), timed by a
+    callback whose two clock reads per step are the same in every mode.
     `collect=False` leaves the collection out (a smoke run's: each takes
     a few tenths of a second of CPU with TensorFlow, JAX and Keras loaded).
     """
+    phases = Phases()
     started = time.perf_counter()
-    history = mode.fit(epochs)
-    seconds = time.perf_counter() - started
+    history = mode.fit(epochs, callbacks=[phases])
+    ended = time.perf_counter()
+    seconds = ended - started
     if collect:
         gc.collect()
     return {
         "seconds": seconds,
         "examples_per_second": examples / seconds,
         "loss": float(history.history["loss"][-1]),
+        **phases.split(started, ended),
     }
 
 
@@ -215,16 +254,37 @@ def _figures(records):
     }
 
 
-def _paired(records):
-    """staged/hand and the control hand2/hand, paired per round."""
+def _paired(records, key="seconds"):
+    """staged/hand and the control hand2/hand of `key`, paired per round."""
 
     def paired(name):
         return paired_ratio(
-            [r["seconds"] for r in records[name]],
-            [r["seconds"] for r in records["hand"]],
+            [r[key] for r in records[name]],
+            [r[key] for r in records["hand"]],
         )
 
     return {"staged/hand": paired("staged"), "hand2/hand": paired("hand2")}
+
+
+def _phases(records):
+    """What a call's phases say: its epochs after the first, paired as the
+    whole calls are, and the medians of its set-up and first epoch.
+
+    The epochs after the first are the steady state inside a call (one
+    iterator each in the hand split, the stage's one iterator read on);
+    the set-up and first epoch hold what a call builds once (a dataset's
+    map traced, or the stage built, and the first iterator made).
+    """
+    return {
+        "after_first_epoch": _paired(records, "later_epochs_seconds"),
+        "setup_and_first_epoch_ms": {
+            name: 1000
+            * statistics.median(
+                r["setup_seconds"] + r["first_epoch_seconds"] for r in rounds
+            )
+            for name, rounds in records.items()
+        },
+    }
 
 
 def run_workload(
@@ -307,6 +367,7 @@ def run_workload(
             for name in MODES
         },
         "paired_ratios": _paired(records),
+        "phases": _phases(records),
     }
     if steady_epochs:
         result["steady"] = {
@@ -319,5 +380,6 @@ def run_workload(
             ),
             "modes": {name: _figures(steady[name]) for name in MODES},
             "paired_ratios": _paired(steady),
+            "phases": _phases(steady),
         }
     return result

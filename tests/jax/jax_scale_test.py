@@ -79,6 +79,18 @@ def test_the_figures_are_positive_numbers(results):
                 assert all(
                     v > 0 for v in figures["examples_per_second"].values()
                 )
+                # The calls' phases: epochs after the first (2 and more
+                # epochs a call), and what came before them.
+                later = figures["after_first_epoch"]
+                assert later["staged/hand"] > 0 and later["hand2/hand"] > 0
+                assert set(figures["setup_and_first_epoch_ms"]) == {
+                    "staged",
+                    "hand",
+                    "hand2",
+                }
+                assert all(
+                    v > 0 for v in figures["setup_and_first_epoch_ms"].values()
+                )
     table = jax_scale.format_table(results)
     assert "staged/hand" in table and "hand2/hand" in table
     # A row per configuration, workload and fit, and the concurrent note.

@@ -246,9 +246,11 @@ def test_arrays_with_validation_train_on_jax():
 
 
 def test_a_later_call_starts_its_pool_where_the_last_one_ended(monkeypatch):
-    # A JAX stage counts in stats of its own, so each call builds a new
-    # pool: it starts at the size the model's last call of the role ended
-    # with, not at the cores again (each resize restarts the stage).
+    # A JAX stage counts in stats of its own, so each call that builds its
+    # stage builds a new pool: it starts at the size the model's last call
+    # of the role ended with, not at the cores again (each resize restarts
+    # the stage). (A call on a dataset of the kept stage's structure reads
+    # on from its iterator, on its pool: see the test of new datasets.)
     from keras_stage.data import pool as pool_module
     from keras_stage.models.model_state import state as model_state
 
@@ -267,7 +269,8 @@ def test_a_later_call_starts_its_pool_where_the_last_one_ended(monkeypatch):
     sizes = model_state(model).pool_sizes
     assert set(sizes) == {"train"} and sizes["train"] >= 1
     model_state(model).pool_sizes["train"] = 3
-    data = raw_dataset(x, y, shuffle=False)
+    # Fewer batches: not the kept stage's structure, a stage of its own.
+    data = raw_dataset(x, y, shuffle=False).take(3)
     model.fit(data, epochs=1, verbose=0, shuffle=False)
     assert starts[-1] == 3
     assert model_state(model).pool_sizes["train"] >= 3  # JAX's only grow
@@ -504,6 +507,89 @@ def test_calls_on_one_dataset_read_on_from_one_stage_iterator(monkeypatch):
     predicted = [model.predict(test, verbose=0) for _ in range(2)]
     np.testing.assert_allclose(predicted[0], predicted[1])
     assert [n.rsplit("_", 1)[1] for n in made].count("predict") == 1, made
+
+
+def test_calls_on_new_datasets_of_one_structure_read_on_from_one_iterator(
+    monkeypatch,
+):
+    # A loop that builds its dataset each call (and jax.distributed's
+    # per-process shard, which Keras makes anew each call): from the second
+    # call of a role on, each call feeds its passes to the kept stage's
+    # source (`FedSource`), read on by its one iterator; no later call
+    # builds a stage or makes an iterator again, and the weights are the
+    # hand split's.
+    made = stage_iterators_made(monkeypatch)
+    x, y = make_data(96)
+    model = staged_model(x, thread_pool_size=2)
+    preprocess, trunk = expert(x)
+
+    def mapped(dataset):
+        return dataset.map(lambda a, b: (preprocess(a), b))
+
+    for epochs in (2, 1, 3):
+        model.fit(
+            raw_dataset(x, y, False), epochs=epochs, shuffle=False, verbose=0
+        )
+        trunk.fit(
+            mapped(raw_dataset(x, y, False)),
+            epochs=epochs,
+            shuffle=False,
+            verbose=0,
+        )
+        staged_loss = model.evaluate(raw_dataset(x, y, False), verbose=0)[0]
+        assert staged_loss == pytest.approx(
+            trunk.evaluate(mapped(raw_dataset(x, y, False)), verbose=0)[0],
+            rel=1e-5,
+        )
+    # Per role: the first call's stage, and the one fed from the second.
+    roles = sorted(name.rsplit("_", 1)[1] for name in made)
+    assert roles == ["test", "test", "train", "train"], made
+    for a, b in zip(trunk_weights(model), trunk_weights(trunk), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # Calls on one dataset object: its one iterator runs on, unfed.
+    unlabelled = tf.data.Dataset.from_tensor_slices(as_tensors(x)).batch(16)
+    predicted = [model.predict(unlabelled, verbose=0) for _ in range(2)]
+    np.testing.assert_allclose(predicted[0], predicted[1])
+    assert [n.rsplit("_", 1)[1] for n in made].count("predict") == 1, made
+
+
+def test_a_call_that_stops_early_leaves_no_passes_to_the_next(monkeypatch):
+    # A fed call (the second on a new dataset) that stops after the first
+    # of its 3 epochs leaves 2 passes fed and unread: the next call (on
+    # another dataset) must not read them, so it builds its stage again,
+    # and every call trains as the hand split does.
+    made = stage_iterators_made(monkeypatch)
+    x, y = make_data(96)
+    model = staged_model(x, thread_pool_size=2)
+    preprocess, trunk = expert(x)
+
+    def mapped(dataset):
+        return dataset.map(lambda a, b: (preprocess(a), b))
+
+    def stop(model):
+        def on_epoch_end(epoch, logs):
+            model.stop_training = True
+
+        return keras.callbacks.LambdaCallback(on_epoch_end=on_epoch_end)
+
+    for seed, epochs, stops in ((0, 1, False), (1, 3, True), (2, 2, False)):
+        data = make_data(96, seed=seed)
+        for fitted, dataset in (
+            (model, raw_dataset(*data, False)),
+            (trunk, mapped(raw_dataset(*data, False))),
+        ):
+            fitted.fit(
+                dataset,
+                epochs=epochs,
+                shuffle=False,
+                callbacks=[stop(fitted)] if stops else [],
+                verbose=0,
+            )
+    # The first call's stage, the fed one the second built, and the one
+    # built again after that call stopped early.
+    assert [n.rsplit("_", 1)[1] for n in made] == ["train"] * 3, made
+    for a, b in zip(trunk_weights(model), trunk_weights(trunk), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(60)

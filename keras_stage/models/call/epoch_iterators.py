@@ -63,6 +63,14 @@ the calls its buffer fills with the next call's first batches. A call that
 left an epoch early, or a change of the staged layers' variables in between
 (`StagedData.end_call` compares them), starts a new real iterator instead.
 
+On JAX, once a role's call comes on another dataset object than its kept
+stage's, the stage it builds reads a fed source
+(`epoch_sources.FedSource`): each call, on any dataset of that structure,
+feeds its passes, and the one real iterator reads them on, without a
+stage built or an iterator made again. Its iterator reads only what was
+fed: a call must read all of it to be run on (`carries`), and no new
+iterator starts at an epoch (`restartable`).
+
 The batches a long-lived stage holds when an epoch begins are that
 epoch's, not left behind by a dropped iterator: a consumer that marks each
 epoch's start in the stage's stats (`StageStats.mark_request`, which counts
@@ -254,9 +262,12 @@ def release(held):
 _running_on = weakref.WeakSet()
 
 
-def _release_box(box):
+def _release_box(box, fed=None):
     """Finalizer of a `LongLivedIterator` that ran on: its iterator dropped
-    on a release thread (the box stays, for a still live owner at exit)."""
+    on a release thread (the box stays, for a still live owner at exit),
+    its fed source (if any) ended first."""
+    if fed is not None:
+        fed.close()
     if box[0] is not None:
         held, box[0] = [box[0]], None
         release(held)
@@ -334,6 +345,10 @@ class LongLivedIterator:
         order: With `stop`, the call's `DrawOrder`, which an iterator of
             the epochs run without the stage is read to its end in before
             this makes one.
+        fed: The `epoch_sources.FedSource` the pipeline reads, or None. Its
+            iterator reads the passes the calls fed (Keras may read fewer,
+            never more), and no new one starts at any epoch: it would read
+            the same queue of passes.
         ordinal: The staged random layers' count of numbered elements
             (`StageSplit.ordinal`), when the pipeline numbers them without
             writing it (`StageSplit.number(writes=False)`), else None. Its
@@ -359,6 +374,7 @@ class LongLivedIterator:
         stop=None,
         single_epochs=None,
         order=None,
+        fed=None,
     ):
         self._pipeline = pipeline
         self.batches = int(batches)
@@ -369,8 +385,11 @@ class LongLivedIterator:
         self._stop = stop
         self._single_epochs = single_epochs
         self._order = order
+        self._fed = fed
         # Whether a new iterator can start at any epoch.
-        self.restartable = restarts_anywhere(start, epochs, stop)
+        self.restartable = fed is None and restarts_anywhere(
+            start, epochs, stop
+        )
         # With `stop`: the epoch the real iterator ends before.
         self._segment_end = None
         self._pool = pool
@@ -410,6 +429,11 @@ class LongLivedIterator:
         return held[1]
 
     @property
+    def _limit(self):
+        """The epochs its source holds (None: as many as are read)."""
+        return self.epochs if self._fed is None else self._fed.passes
+
+    @property
     def epoch(self):
         """The epoch Keras reads now (0-based; the next, between epochs)."""
         return self.read_batches // self.batches
@@ -439,9 +463,9 @@ class LongLivedIterator:
                 for _ in range(left):
                     next(self._iterator)
             self.read_batches += left
-        if self.epochs is not None and self.epoch >= self.epochs:
+        if self._limit is not None and self.epoch >= self._limit:
             raise RuntimeError(
-                f"Stage '{self._name}' was built for {self.epochs} epochs "
+                f"Stage '{self._name}' was built for {self._limit} epochs "
                 "on one iterator, and Keras began one more: the caller of "
                 "stage_data(epochs=...) must pass an upper bound of the "
                 "epochs Keras reads."
@@ -490,9 +514,9 @@ class LongLivedIterator:
                 "cannot start at any epoch cannot be skipped."
             )
         self.read_batches += -self.read_batches % self.batches  # its end
-        if self.epochs is not None and self.epoch >= self.epochs:
+        if self._limit is not None and self.epoch >= self._limit:
             raise RuntimeError(
-                f"Stage '{self._name}' was built for {self.epochs} epochs "
+                f"Stage '{self._name}' was built for {self._limit} epochs "
                 "on one iterator, and Keras began one more."
             )
         if self._iterator is not None and self._segment_end is not None:
@@ -550,6 +574,8 @@ class LongLivedIterator:
             not self.closed
             and self._iterator is not None
             and self.read_batches % self.batches == 0
+            # A fed source's passes not read are not the next call's.
+            and (self._fed is None or self.epoch == self._fed.passes)
         )
 
     def _count_taken(self):
@@ -571,7 +597,7 @@ class LongLivedIterator:
         self._count_taken()
         if self not in _running_on:
             _running_on.add(self)
-            weakref.finalize(self, _release_box, self._box)
+            weakref.finalize(self, _release_box, self._box, self._fed)
 
     def close(self):
         """Drops the real iterator; nothing of it runs any more.
@@ -586,6 +612,9 @@ class LongLivedIterator:
         self.closed = True
         self._count_taken()
         _running_on.discard(self)
+        if self._fed is not None:
+            # Its source's wait for passes ends: nothing else is fed.
+            self._fed.close()
         held, self._iterator = [self._iterator], None
         self._view = None
         return release(held)

@@ -313,3 +313,100 @@ def _unconverted(fn):
     pay it.
     """
     return tf.autograph.experimental.do_not_convert(fn)
+
+
+# The calls' passes a fed source holds at once: each call feeds its own as
+# it begins, after the last call read all of its (see `FedSource.feed`).
+_FED_CAPACITY = 1
+
+
+class FedSource:
+    """A long-lived source that each call feeds its own passes (JAX).
+
+    A kept stage's iterator that runs on across calls (see
+    `epoch_iterators`, "Across calls") reads one dataset object's passes.
+    A call on a new dataset object of the same structure (a user's loop
+    that builds its dataset per call, or `jax.distributed`'s per-process
+    shard, which Keras makes anew each call) would build its stage again
+    and make a new iterator of it: a trace of the staged map and an
+    instantiation of its functions, tens of milliseconds that the hand
+    split's `map` pays only once per call, not for its buffer too. This
+    source is a queue of datasets read one after another: each call feeds
+    its passes (`feed`: `dataset.repeat(passes)`, as one element) and the
+    stage's one iterator reads them next, on the pipeline built for the
+    first call. Every pass reads a fresh iterator of its dataset (a pass
+    of `repeat`), as plain Keras's epochs do, so only sources of free
+    passes (`SourceFacts.free_passes`) are fed.
+
+    The iterator reads nothing past the passes fed: once they are read, its
+    source waits in the queue's dequeue (a tf.data thread, no CPU) for the
+    next call's. So a call must read every pass it fed, or the iterator is
+    not run on (`epoch_iterators.LongLivedIterator.carries`): its leftover
+    passes are not the next call's. `close` ends the wait, for the
+    iterator's teardown.
+
+    Args:
+        element_spec: The structure of the fed datasets' elements.
+        options: The fed datasets' `tf.data.Options`, the source's own.
+    """
+
+    def __init__(self, element_spec, options):
+        self.element_spec = element_spec
+        self.options = options
+        # Passes fed so far, by every call.
+        self.passes = 0
+        self.closed = False
+        with tf.init_scope(), tf.device("/CPU:0"):
+            self._queue = tf.queue.FIFOQueue(
+                _FED_CAPACITY, dtypes=[tf.variant], shapes=[[]]
+            )
+        queue = self._queue
+
+        def next_passes(_):
+            return queue.dequeue()
+
+        def passes(variant):
+            return tf.data.experimental.from_variant(variant, element_spec)
+
+        self.dataset = (
+            tf.data.Dataset.from_tensors(tf.constant(0, tf.int64))
+            .repeat()
+            .map(_unconverted(next_passes))
+            .flat_map(_unconverted(passes))
+            .with_options(options)
+        )
+
+    def accepts(self, dataset):
+        """Whether `dataset`'s passes can be fed here (same structure)."""
+        return (
+            not self.closed
+            and dataset.element_spec == self.element_spec
+            and dataset.options() == self.options
+        )
+
+    def feed(self, dataset, passes):
+        """Feeds `passes` passes of `dataset`, read after those fed before.
+
+        Raises:
+            RuntimeError: the passes fed before are not all read yet (the
+                queue is full: feeding would wait for ever).
+        """
+        if self.closed or int(self._queue.size()) >= _FED_CAPACITY:
+            raise RuntimeError(
+                "A fed stage source was fed while its last call's passes "
+                "were still unread (or after it was closed)."
+            )
+        self._queue.enqueue(
+            tf.data.experimental.to_variant(dataset.repeat(int(passes)))
+        )
+        self.passes += int(passes)
+
+    def close(self):
+        """Ends the source: an iterator waiting for passes ends instead."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._queue.close(cancel_pending_enqueues=True)
+        except tf.errors.OpError:  # its resource already gone at exit
+            pass

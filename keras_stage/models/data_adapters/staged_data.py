@@ -274,6 +274,7 @@ class StagedData:
                 # stage, each staged epoch ends its iterator.
                 single_epochs=self._undecided if segmented else None,
                 order=self._order if segmented else None,
+                fed=plan.fed,
             )
             if spans:
                 self.kept.keep_iterator(pipeline, self._shared)
@@ -312,8 +313,10 @@ class StagedData:
     def epochs_restartable(self):
         """Whether any epoch can start on a new iterator (see `start`)."""
         plan = self._long_lived
-        return plan is None or restarts_anywhere(
-            plan.start, plan.epochs, plan.stop
+        # A fed source's iterator reads the passes fed, and no other.
+        return plan is None or (
+            not plan.feeds
+            and restarts_anywhere(plan.start, plan.epochs, plan.stop)
         )
 
     @property
@@ -444,7 +447,11 @@ class _KeptStage:
             repr(sorted(layer.stage_options.get_config().items())),
             None
             if long_lived is None
-            else (long_lived.epochs, long_lived.steps_per_execution),
+            else (
+                long_lived.epochs,
+                long_lived.steps_per_execution,
+                long_lived.feeds,
+            ),
             # Keras weighs the batches in its dataset (a map over the
             # user's): a stage built with other weights is not this one.
             # Copied, as a user may change the dict between calls.
@@ -457,6 +464,9 @@ class _KeptStage:
         )
         # The `LongLivedEpochs` whose source the stage runs, or None.
         self.long_lived = long_lived
+        # One epoch of the call's source, which a fed stage's call feeds
+        # (see `epoch_sources.FedSource`); set by `stage_data`.
+        self.call_source = None
         # Whether its one iterator outlives calls (`epochs` None: see
         # `epoch_iterators`, "Across calls"): that iterator, the pipeline
         # it iterates, and the staged layers' variables' values when the
@@ -493,9 +503,21 @@ class _KeptStage:
         still hold what they held when the last call ended: its buffer
         was computed with those values.
         """
-        if self.values != other.values or not all(
-            a is b for a, b in zip(self.objects, other.objects, strict=True)
-        ):
+        if self.values != other.values:
+            return False
+        objects, others = self.objects, other.objects
+        if self.long_lived is not None and self.long_lived.feeds:
+            # Fed (see `epoch_sources.FedSource`): another dataset of the
+            # structure its source reads, while its iterator runs on.
+            fed = self.long_lived.fed
+            if (
+                fed is None
+                or not self.keeps_running()
+                or not fed.accepts(other.call_source)
+            ):
+                return False
+            objects, others = objects[:1] + objects[2:], others[:1] + others[2:]
+        if not all(a is b for a, b in zip(objects, others, strict=True)):
             return False
         if self._variables is None or not self.keeps_running():
             return True
@@ -509,7 +531,7 @@ class _KeptStage:
 
     def keep_iterator(self, pipeline, shared):
         """Keeps `shared`, the one iterator of `pipeline`, across calls."""
-        self.drop_iterator()
+        self.drop_iterator(ends_source=False)
         self._shared, self._shared_pipeline = shared, pipeline
 
     def keeps_running(self):
@@ -529,12 +551,19 @@ class _KeptStage:
         self._variables = values
         self.in_use = False
 
-    def drop_iterator(self):
-        """Drops the kept iterator, if any (torn down on another thread)."""
+    def drop_iterator(self, ends_source=True):
+        """Drops the kept iterator, if any (torn down on another thread).
+
+        A fed source ends with it (`ends_source`): a new iterator of its
+        pipeline would read the same queue of passes.
+        """
         shared, self._shared = self._shared, None
         self._shared_pipeline, self._variables = None, None
         if shared is not None and not shared.closed:
             self.released = shared.close()
+        fed = None if self.long_lived is None else self.long_lived.fed
+        if ends_source and fed is not None:
+            fed.close()
 
     def retire(self):
         """Ends this stage for good: a new one replaces it."""
@@ -620,6 +649,9 @@ class LongLivedEpochs:
             reusing a kept stage reads the one it was built on).
         ordinal: The staged random layers' count of numbered elements
             (`StageSplit.ordinal`) when the stage numbers them, else None.
+        feeds: Whether each call feeds its passes to the source (an
+            `epoch_sources.FedSource`, `fed` once built), read on across
+            calls on datasets of one structure.
     """
 
     def __init__(
@@ -631,6 +663,7 @@ class LongLivedEpochs:
         source,
         stop=None,
         opens=0,
+        feeds=False,
     ):
         self.epochs = epochs
         self.batches = batches
@@ -640,6 +673,8 @@ class LongLivedEpochs:
         self.opens = opens
         self._source = source  # or a function building it
         self.ordinal = None
+        self.feeds = feeds
+        self.fed = None
 
     @property
     def source(self):
@@ -652,6 +687,18 @@ def _keeps(kept, x):
     """Whether `stage_data(kept=kept)` keeps its stage over `x` for later
     calls (see there)."""
     return kept is not None and isinstance(x, tf.data.Dataset)
+
+
+def _switched(earlier, x):
+    """Whether a call on `x` follows calls of its role on other datasets.
+
+    `earlier`: the role's kept stage, or None. True once its stage is fed
+    (see `epoch_sources.FedSource`) or was built on another dataset object.
+    """
+    if earlier is None:
+        return False
+    plan = earlier.long_lived
+    return (plan is not None and plan.feeds) or earlier.objects[1] is not x
 
 
 def _draws_per_iterator(dataset, spans_calls):
@@ -780,6 +827,7 @@ def _long_lived_epochs(
     alongside,
     spans_calls=False,
     first_alone=False,
+    fed=False,
 ):
     """`(LongLivedEpochs, None)`, or `(None, why not)`, for a safe stage.
 
@@ -789,13 +837,33 @@ def _long_lived_epochs(
     of free passes (`SourceFacts.free_passes`). `first_alone`: whether the
     first epoch reads an iterator of its own, which ends with it, and the
     others one more (a drawing dataset's stage on an adaptive pool, sized
-    from its first epoch: see `LongLivedIterator`).
+    from its first epoch: see `LongLivedIterator`). `fed`: whether such a
+    source is fed each call's passes (`epoch_sources.FedSource`), so a
+    later call on another dataset of its structure reads on too.
     """
     if arrays is None and not isinstance(x, tf.data.Dataset):
         return None, "the data is not in-memory arrays or a tf.data.Dataset"
     facts = epoch_sources.inspect_source(dataset)
     if facts.refusal is not None:
         return None, f"its source cannot be read ahead: {facts.refusal}"
+    if spans_calls and facts.free_passes and fed:
+        # Any pass stands for a fresh iterator's: one iterator for the
+        # passes this call and later ones feed.
+        def fed_source():
+            plan.fed = epoch_sources.FedSource(
+                dataset.element_spec, dataset.options()
+            )
+            return plan.fed.dataset
+
+        plan = LongLivedEpochs(
+            None,
+            num_batches,
+            steps_per_execution,
+            None,
+            fed_source,
+            feeds=True,
+        )
+        return plan, None
     if spans_calls and facts.free_passes:
         # Any pass stands for a fresh iterator's: one iterator for as
         # many epochs as this call and later ones read.
@@ -938,7 +1006,10 @@ def stage_data(
     iterator (a new pipeline of the same dataset would only trace the same
     functions again), class weights, strategy and use of the tf.data
     service; each role keeps its latest. Under a strategy of several
-    replicas its distributed dataset is kept too.
+    replicas its distributed dataset is kept too. On JAX, from a role's
+    first call on another dataset object, its stage is fed each call's
+    passes (`epoch_sources.FedSource`) and run again by calls on any
+    dataset of the same structure (element spec, options, batch count).
     """
     if isinstance(x, StagedDataset):
         # Already staged by the user with keras_stage.data.stage.
@@ -1071,6 +1142,23 @@ def stage_data(
             )
         if refusal is None:
             arrays = (x, y, sample_weight) if in_memory(x) else None
+            # Fed across calls (see `epoch_sources.FedSource`) where every
+            # phase reads in Python (JAX), once a call of the role came on
+            # another dataset object than the kept stage's (a stage run on
+            # for one object reads its next pass ahead between calls); not
+            # a numbered split (its count runs per pipeline), nor under op
+            # determinism, where the queue's stateful dequeue would make
+            # tf.data run the whole pipeline one element at a time.
+            feeds = (
+                spans_calls
+                and _switched(kept.get(phase), x)
+                and reads_in_python
+                and not backend.graph_steps()
+                and not served
+                and not distributed
+                and not (split is not None and split.numbers(phase == "train"))
+                and not op_determinism_enabled()
+            )
             long_lived, refusal = _long_lived_epochs(
                 phase,
                 x,
@@ -1083,6 +1171,7 @@ def stage_data(
                 alongside,
                 spans_calls=spans_calls,
                 first_alone=first_alone,
+                fed=feeds,
             )
     fn = None
     # The long-lived source's too: it repeats, replays or flat-maps passes.
@@ -1121,6 +1210,7 @@ def stage_data(
             strategy=strategy if distributed else None,
             overrides=overrides,
         )
+        entry.call_source = dataset
         earlier = kept.get(phase)
         if earlier is not None and earlier.in_use:
             entry = None  # a call nested in the one running it: its own
@@ -1141,6 +1231,8 @@ def stage_data(
         else:
             entry.released = None
     carried = False
+    # One epoch of this call's source: a fed stage's call feeds its passes.
+    call_source = dataset
     if entry is not None and entry.staged is not None:
         staged = entry.staged
         staged.runner.open_gate()
@@ -1172,6 +1264,8 @@ def stage_data(
         if entry is not None:
             entry.staged = staged
             kept[phase] = entry
+    if long_lived is not None and long_lived.feeds:
+        long_lived.fed.feed(call_source, epochs)
     if split is not None:
         staged.runner.staged_layers = tuple(split.plan.staged_layers)
     if epochs is not None:
