@@ -574,8 +574,18 @@ class LongLivedIterator:
             not self.closed
             and self._iterator is not None
             and self.read_batches % self.batches == 0
-            # A fed source's passes not read are not the next call's.
-            and (self._fed is None or self.epoch == self._fed.passes)
+            and (self._fed is None or self._fed_read())
+        )
+
+    def _fed_read(self):
+        """Whether it read every pass fed, on the pool as sized now.
+
+        Passes fed and not read are not the next call's; and its pool was
+        fixed when it was made, so a pool resized since (grown after an
+        epoch that kept the step waiting) runs in a stage built anew.
+        """
+        return self.epoch == self._fed.passes and (
+            self._pool is None or self._pool.size == self._pool_size
         )
 
     def _count_taken(self):

@@ -326,17 +326,15 @@ class FedSource:
     A kept stage's iterator that runs on across calls (see
     `epoch_iterators`, "Across calls") reads one dataset object's passes.
     A call on a new dataset object of the same structure (a user's loop
-    that builds its dataset per call, or `jax.distributed`'s per-process
-    shard, which Keras makes anew each call) would build its stage again
-    and make a new iterator of it: a trace of the staged map and an
-    instantiation of its functions, tens of milliseconds that the hand
-    split's `map` pays only once per call, not for its buffer too. This
-    source is a queue of datasets read one after another: each call feeds
-    its passes (`feed`: `dataset.repeat(passes)`, as one element) and the
-    stage's one iterator reads them next, on the pipeline built for the
-    first call. Every pass reads a fresh iterator of its dataset (a pass
-    of `repeat`), as plain Keras's epochs do, so only sources of free
-    passes (`SourceFacts.free_passes`) are fed.
+    that builds its dataset per call) would build its stage again and
+    make a new iterator of it: the staged map traced, its counters and
+    functions instantiated again, more set-up than a hand-split `map`
+    has. This source is a queue of datasets read one after another: each
+    call feeds its passes (`feed`: `dataset.repeat(passes)`, as one
+    element) and the stage's one iterator reads them next, on the
+    pipeline built before. Every pass reads a fresh iterator of its
+    dataset (a pass of `repeat`), as plain Keras's epochs do, so only
+    sources of free passes (`SourceFacts.free_passes`) are fed.
 
     The iterator reads nothing past the passes fed: once they are read, its
     source waits in the queue's dequeue (a tf.data thread, no CPU) for the

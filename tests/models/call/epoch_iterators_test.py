@@ -263,6 +263,66 @@ def test_without_a_start_a_resized_pool_keeps_the_iterator():
     assert len(made) == 1
 
 
+def _fed(pool=None):
+    """A `LongLivedIterator` of a `FedSource` of `BATCHES`-element passes."""
+    from keras_stage.models.data_adapters.epoch_sources import FedSource
+
+    def epoch(k):
+        return tf.data.Dataset.range(k * BATCHES, (k + 1) * BATCHES)
+
+    fed = FedSource(epoch(0).element_spec, epoch(0).options())
+    made = []
+    shared = LongLivedIterator(
+        fed.dataset, BATCHES, None, made.append, pool=pool, name="fed", fed=fed
+    )
+    return fed, shared, epoch, made
+
+
+def test_a_fed_iterator_reads_each_calls_passes_in_turn():
+    fed, shared, epoch, made = _fed()
+    fed.feed(epoch(1), 2)
+    assert _read(EpochView(shared, None), BATCHES) == [3, 4, 5]
+    assert not shared.carries  # a pass fed and not read
+    assert _read(EpochView(shared, None), BATCHES) == [3, 4, 5]
+    assert shared.carries
+    shared.detach()
+    fed.feed(epoch(5), 1)  # the next call's, another dataset
+    assert _read(EpochView(shared, None), BATCHES) == [15, 16, 17]
+    assert len(made) == 1
+    # Nothing fed past that: Keras beginning an epoch more is refused,
+    # not left waiting for a pass.
+    with pytest.raises(RuntimeError, match="built for 3 epochs"):
+        resolve(EpochView(shared, None))
+    shared.close()
+    assert fed.closed
+
+
+def test_a_fed_iterator_starts_no_new_iterator_for_an_epoch():
+    # A new iterator would read the same queue: an epoch left early is
+    # read to its end, and a resized pool runs in a stage built anew.
+    pool = _Pool(2)
+    fed, shared, epoch, made = _fed(pool)
+    fed.feed(epoch(0), 2)
+    assert not shared.restartable
+    assert _read(EpochView(shared, None), 1) == [0]
+    assert _read(EpochView(shared, None), BATCHES) == [0, 1, 2]
+    assert shared.carries and len(made) == 1
+    pool.size = 4
+    assert not shared.carries
+    shared.close()
+
+
+def test_a_fed_source_holds_one_calls_passes_at_most():
+    # A second feed before the first was read would wait for ever.
+    fed, shared, epoch, made = _fed()
+    fed.feed(epoch(0), 1)
+    with pytest.raises(RuntimeError, match="fed while its last call"):
+        fed.feed(epoch(1), 1)
+    shared.close()
+    with pytest.raises(RuntimeError, match="after it was closed"):
+        fed.feed(epoch(1), 1)
+
+
 def test_a_skipped_epoch_is_passed_and_the_next_starts_after_it():
     start = tf.Variable(0, dtype=tf.int64)
     shared, made = _shared(start=start)
