@@ -509,23 +509,31 @@ def test_calls_on_one_dataset_read_on_from_one_stage_iterator(monkeypatch):
     assert [n.rsplit("_", 1)[1] for n in made].count("predict") == 1, made
 
 
-def test_calls_on_new_datasets_of_one_structure_read_on_from_one_iterator(
-    monkeypatch,
-):
-    # A loop that builds its dataset each call (and jax.distributed's
-    # per-process shard, which Keras makes anew each call): from the second
-    # call of a role on, each call feeds its passes to the kept stage's
-    # source (`FedSource`), read on by its one iterator; no later call
-    # builds a stage or makes an iterator again, and the weights are the
-    # hand split's.
-    made = stage_iterators_made(monkeypatch)
-    x, y = make_data(96)
-    model = staged_model(x, thread_pool_size=2)
-    preprocess, trunk = expert(x)
+def staged_and_hand(adapt):
+    """`(staged model, hand-split trunk, mapped)` on a fixed pool of 2.
+
+    `mapped(dataset)`: the hand split's preprocessing over `dataset`.
+    """
+    model = staged_model(adapt, thread_pool_size=2)
+    preprocess, trunk = expert(adapt)
 
     def mapped(dataset):
         return dataset.map(lambda a, b: (preprocess(a), b))
 
+    return model, trunk, mapped
+
+
+def test_calls_on_new_datasets_of_one_structure_read_on_from_one_iterator(
+    monkeypatch,
+):
+    # A loop that builds its dataset each call: from the second call of a
+    # role on, each call feeds its passes to the kept stage's source
+    # (`FedSource`), read on by its one iterator; no later call builds a
+    # stage or makes an iterator again, and the weights are the hand
+    # split's.
+    made = stage_iterators_made(monkeypatch)
+    x, y = make_data(96)
+    model, trunk, mapped = staged_and_hand(x)
     for epochs in (2, 1, 3):
         model.fit(
             raw_dataset(x, y, False), epochs=epochs, shuffle=False, verbose=0
@@ -559,12 +567,8 @@ def test_a_call_that_stops_early_leaves_no_passes_to_the_next(monkeypatch):
     # another dataset) must not read them, so it builds its stage again,
     # and every call trains as the hand split does.
     made = stage_iterators_made(monkeypatch)
-    x, y = make_data(96)
-    model = staged_model(x, thread_pool_size=2)
-    preprocess, trunk = expert(x)
-
-    def mapped(dataset):
-        return dataset.map(lambda a, b: (preprocess(a), b))
+    x, _ = make_data(96)
+    model, trunk, mapped = staged_and_hand(x)
 
     def stop(model):
         def on_epoch_end(epoch, logs):
