@@ -1210,7 +1210,7 @@ def stage_data(
             strategy=strategy if distributed else None,
             overrides=overrides,
         )
-        entry.call_source = dataset
+        entry.call_source = source
         earlier = kept.get(phase)
         if earlier is not None and earlier.in_use:
             entry = None  # a call nested in the one running it: its own
@@ -1231,8 +1231,6 @@ def stage_data(
         else:
             entry.released = None
     carried = False
-    # One epoch of this call's source: a fed stage's call feeds its passes.
-    call_source = dataset
     if entry is not None and entry.staged is not None:
         staged = entry.staged
         staged.runner.open_gate()
@@ -1265,7 +1263,8 @@ def stage_data(
             entry.staged = staged
             kept[phase] = entry
     if long_lived is not None and long_lived.feeds:
-        long_lived.fed.feed(call_source, epochs)
+        # A fed stage's call feeds its passes of one epoch's source.
+        long_lived.fed.feed(source, epochs)
     if split is not None:
         staged.runner.staged_layers = tuple(split.plan.staged_layers)
     if epochs is not None:
