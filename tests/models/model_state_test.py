@@ -14,6 +14,7 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage.models.call.epoch_iterators import DeferredPipeline, resolve
+from keras_stage.models.decision import calls
 from tests.helpers import run_forked
 
 pytestmark = pytest.mark.timeout(120)
@@ -22,11 +23,13 @@ WORDS = np.array([f"w{i % 7}" for i in range(64)], dtype=object)
 LABELS = np.linspace(0.0, 1.0, 64, dtype="float32").reshape(-1, 1)
 
 
-def _model(adaptive=True, staged=True):
+def _model(adaptive=True, staged=True, **options):
     inputs = keras.Input(shape=(), dtype="string")
     x = inputs
     if staged:
-        x = keras_stage.layers.StagedInput(adaptive=adaptive)(inputs)
+        x = keras_stage.layers.StagedInput(adaptive=adaptive, **options)(
+            inputs
+        )
     lookup = keras.layers.StringLookup(
         vocabulary=[f"w{i}" for i in range(7)], name="lookup"
     )
@@ -399,6 +402,104 @@ def _loop_as_plain(epochs, shuffle_seed=None):
     return staged
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_loop_on_new_datasets_feeds_one_stage_per_role_as_plain(
+    monkeypatch, shuffle
+):
+    # A loop that builds its datasets each call: from a role's second
+    # call on, its stage reads a fed source (`FedSource`) that each call
+    # feeds its passes, on one iterator; the third call builds nothing and
+    # makes no iterator. Training, validation and evaluation are plain's,
+    # on a seeded reshuffling dataset too: its passes draw in the order of
+    # plain's iterators, the unread ones Keras makes between epochs too.
+    built = _built_pipelines(monkeypatch)
+    plain = _model(staged=False)
+    # A fixed pool: a resized one ends the fed iterator (see `carries`).
+    staged = _model(adaptive=False, thread_pool_size=2)
+    staged.set_weights(plain.get_weights())
+    built_by_call = []
+    for model in (plain, staged):
+        logs = []
+        for call in range(3):
+            history = model.fit(
+                _dataset(shuffle_seed=call if shuffle else None),
+                epochs=2,
+                validation_data=_dataset(count=32),
+                shuffle=False,
+                verbose=0,
+            )
+            logs.append(history.history["loss"] + history.history["val_loss"])
+            logs.append([model.evaluate(_dataset(count=48), verbose=0)])
+            if model is staged:
+                built_by_call.append(list(built))
+        model.logs = logs
+    for a, b in zip(plain.get_weights(), staged.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        np.hstack(plain.logs), np.hstack(staged.logs), rtol=1e-6
+    )
+    kept = staged._keras_stage_state.stages
+    assert all(entry.long_lived.feeds for entry in kept.values())
+    # The second call builds each role's fed stage; the third nothing.
+    first, second, third = built_by_call
+    roles = sorted(name.rsplit("_", 1)[1] for name, _ in second[len(first) :])
+    assert roles == ["test", "train", "val"], built
+    assert third == second
+    assert all(entry._shared.iterators_made == 1 for entry in kept.values())
+
+
+def test_a_fed_fit_stopped_early_leaves_no_passes_to_the_next(monkeypatch):
+    # The second fit (fed) stops after 1 of its 3 epochs: its 2 unread
+    # passes are not the next fit's, which builds its stage again; every
+    # fit trains as plain's.
+    built = _built_pipelines(monkeypatch)
+    plain = _model(staged=False)
+    # A fixed pool: a resized one ends the fed iterator (see `carries`).
+    staged = _model(adaptive=False, thread_pool_size=2)
+    staged.set_weights(plain.get_weights())
+
+    def stop(model):
+        def on_epoch_end(epoch, logs):
+            model.stop_training = True
+
+        return keras.callbacks.LambdaCallback(on_epoch_end=on_epoch_end)
+
+    for model in (plain, staged):
+        for epochs, stops in ((1, False), (3, True), (2, False)):
+            model.fit(
+                _dataset(),
+                epochs=epochs,
+                shuffle=False,
+                callbacks=[stop(model)] if stops else [],
+                verbose=0,
+            )
+    for a, b in zip(plain.get_weights(), staged.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert [name.rsplit("_", 1)[1] for name, _ in built] == ["train"] * 3
+
+
+def test_training_that_may_switch_or_is_backed_up_is_not_fed(tmp_path):
+    # A fed source's epochs cannot start on a new iterator (an epoch run
+    # without the stage) and are not in a tf.data checkpoint.
+    switching = _model(adaptive=True)
+    for _ in range(2):
+        switching.fit(_dataset(), epochs=3, shuffle=False, verbose=0)
+    kept = switching._keras_stage_state.stages["train"]
+    assert kept.long_lived is not None and not kept.long_lived.feeds
+    backed_up = _model(adaptive=False)
+    for _ in range(2):
+        backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+        backed_up.fit(
+            _dataset(), epochs=1, shuffle=False, callbacks=[backup], verbose=0
+        )
+    kept = backed_up._keras_stage_state.stages.get("train")
+    assert kept is None or kept.long_lived is None or not kept.long_lived.feeds
+    fed = _model(adaptive=False)
+    for _ in range(2):
+        fed.fit(_dataset(), epochs=3, shuffle=False, verbose=0)
+    assert fed._keras_stage_state.stages["train"].long_lived.feeds
+
+
 def test_a_kept_stage_trains_as_plain_on_a_reshuffled_dataset():
     _loop_as_plain(epochs=2, shuffle_seed=5)
 
@@ -593,11 +694,19 @@ def test_a_fit_on_a_dataset_that_draws_nothing_makes_one_iterator(
     # was resized for it (its size usually settles in the first fit).
     assert made == ["train"] * (1 + sum(resizes.changed))
     made.clear()
-    model.fit(_dataset(shuffle_seed=1), epochs=3, shuffle=False, verbose=0)
-    # A reshuffling dataset on the adaptive pool: its first epoch on an
-    # iterator of its own, the others on one more, made on the pool sized
-    # from the first (its draws follow the iterators made before); a later
-    # resize makes none (an iterator of a drawing source keeps its pool).
+    # A reshuffling dataset on the adaptive pool, in a model's first fit
+    # (a later call on another dataset reads a fed source): its first
+    # epoch on an iterator of its own, the others on one more, made on the
+    # pool sized from the first (its draws follow the iterators made
+    # before); a later resize makes none (an iterator of a drawing source
+    # keeps its pool).
+    monkeypatch.setattr(
+        calls.CallCosts,
+        "note_iterator",
+        lambda self, phase, seconds: made.append(phase),
+    )
+    fresh = _model(adaptive=False)
+    fresh.fit(_dataset(shuffle_seed=1), epochs=3, shuffle=False, verbose=0)
     assert made == ["train"] * 2
 
 

@@ -39,7 +39,7 @@ from keras_stage.models.backends import backend, tensorflow_steps
 from keras_stage.models.call.epoch_iterators import DistributedEpochPipeline
 from keras_stage.models.data_adapters.staged_data import default_strategy
 from keras_stage.models.decision import calls
-from keras_stage.models.decision.epochs import epoch_switch
+from keras_stage.models.decision.epochs import epoch_switch, may_switch
 from keras_stage.models.model_state import (
     FUNCTIONS,
     UNSTAGED_STEPS,
@@ -148,6 +148,7 @@ class StagedCall:
             strategy=model.distribute_strategy if stepped else None,
             kept=self._state.stages,
             reads_in_python=not stepped,
+            feedable=self._feedable(phase, switch_epochs),
             # A compiled step's stats keep their pool across calls.
             pool_start=None if stepped else self._state.pool_sizes.get(role),
             **kwargs,
@@ -161,6 +162,22 @@ class StagedCall:
         self.built.append(data)
         self._bind(phase, data)
         return data
+
+    def _feedable(self, phase, switch_epochs):
+        """Whether `phase`'s stage may read a fed source across calls.
+
+        A fed source's epochs cannot start on a new iterator, and its queue
+        is not in a tf.data checkpoint: not for a compiled training step
+        that `BackupAndRestore` saves, or whose fit may run an epoch
+        without the stage (`epochs.may_switch`).
+        """
+        return phase != "train" or not (
+            any(isinstance(cb, DataBackup) for cb in self.callbacks)
+            or (
+                switch_epochs is not None
+                and may_switch(self.model, self.layer, switch_epochs)
+            )
+        )
 
     def _bind(self, phase, data):
         """Hands `data`'s stage to the callback and its runner to the step."""

@@ -321,7 +321,7 @@ _FED_CAPACITY = 1
 
 
 class FedSource:
-    """A long-lived source that each call feeds its own passes (JAX).
+    """A long-lived source that each call feeds its own passes.
 
     A kept stage's iterator that runs on across calls (see
     `epoch_iterators`, "Across calls") reads one dataset object's passes.
@@ -333,8 +333,11 @@ class FedSource:
     call feeds its passes (`feed`: `dataset.repeat(passes)`, as one
     element) and the stage's one iterator reads them next, on the
     pipeline built before. Every pass reads a fresh iterator of its
-    dataset (a pass of `repeat`), as plain Keras's epochs do, so only
-    sources of free passes (`SourceFacts.free_passes`) are fed.
+    dataset (a pass of `repeat`), as plain Keras's epochs do: a dataset
+    that draws per iterator (a seeded `shuffle`) draws as many times, in
+    the same order, with the unread iterators Keras makes between epochs
+    (`opens`); one whose kernels draw the same in every fresh iterator
+    (`SourceFacts.kernel_seeded`) is not fed.
 
     The iterator reads nothing past the passes fed: once they are read, its
     source waits in the queue's dequeue (a tf.data thread, no CPU) for the
@@ -382,8 +385,12 @@ class FedSource:
             and dataset.options() == self.options
         )
 
-    def feed(self, dataset, passes):
+    def feed(self, dataset, passes, opens=0):
         """Feeds `passes` passes of `dataset`, read after those fed before.
+
+        `opens`: the unread iterators of `dataset` plain Keras makes after
+        each pass it reads (see `long_lived_source`): a dataset that draws
+        per iterator takes its draws in plain Keras's order.
 
         Raises:
             RuntimeError: the passes fed before are not all read yet (the
@@ -395,7 +402,9 @@ class FedSource:
                 "were still unread (or after it was closed)."
             )
         self._queue.enqueue(
-            tf.data.experimental.to_variant(dataset.repeat(int(passes)))
+            tf.data.experimental.to_variant(
+                one_pass(dataset, opens).repeat(int(passes))
+            )
         )
         self.passes += int(passes)
 

@@ -846,24 +846,13 @@ def _long_lived_epochs(
     facts = epoch_sources.inspect_source(dataset)
     if facts.refusal is not None:
         return None, f"its source cannot be read ahead: {facts.refusal}"
-    if spans_calls and facts.free_passes and fed:
-        # Any pass stands for a fresh iterator's: one iterator for the
-        # passes this call and later ones feed.
-        def fed_source():
-            plan.fed = epoch_sources.FedSource(
-                dataset.element_spec, dataset.options()
-            )
-            return plan.fed.dataset
-
-        plan = LongLivedEpochs(
-            None,
-            num_batches,
-            steps_per_execution,
-            None,
-            fed_source,
-            feeds=True,
+    if spans_calls and fed and not facts.kernel_seeded:
+        # One iterator for the passes this call and later ones feed: each
+        # reads a fresh iterator's, and a source that draws per iterator
+        # makes the unread ones plain Keras makes too (`opens`).
+        return _fed_epochs(
+            dataset, facts, alongside, num_batches, steps_per_execution
         )
-        return plan, None
     if spans_calls and facts.free_passes:
         # Any pass stands for a fresh iterator's: one iterator for as
         # many epochs as this call and later ones read.
@@ -949,6 +938,39 @@ def _long_lived_epochs(
     return plan, None
 
 
+def _fed_epochs(dataset, facts, alongside, num_batches, steps_per_execution):
+    """`_long_lived_epochs`'s plan of a fed source (`FedSource`)."""
+    opens = 0
+    if not facts.free_passes:
+        for other in alongside:
+            if isinstance(other, tf.data.Dataset) and (
+                facts.objects & epoch_sources.inspect_source(other).objects
+            ):
+                return None, (
+                    "the call also reads another dataset built on the same "
+                    "datasets (their draws must keep their order)"
+                )
+        # As `_long_lived_epochs`'s: Keras's JAX trainer makes none.
+        opens = 1 if backend.graph_steps() else 0
+
+    def fed_source():
+        plan.fed = epoch_sources.FedSource(
+            dataset.element_spec, dataset.options()
+        )
+        return plan.fed.dataset
+
+    plan = LongLivedEpochs(
+        None,
+        num_batches,
+        steps_per_execution,
+        None,
+        fed_source,
+        opens=opens,
+        feeds=True,
+    )
+    return plan, None
+
+
 def stage_data(
     layer,
     phase,
@@ -968,6 +990,7 @@ def stage_data(
     kept=None,
     reads_in_python=False,
     pool_start=None,
+    feedable=True,
 ):
     """Stages the data of one phase ("train", "val", "test", "predict").
 
@@ -997,7 +1020,10 @@ def stage_data(
     lean pipeline (the fetch records' functions are not traced).
     `pool_start`: the threads a new stage's adaptive pool starts with (the
     size a model's last call ended with, see `StagingState.pool_sizes`),
-    or None for the backend's (`backend.pool_start`).
+    or None for the backend's (`backend.pool_start`). `feedable`: whether
+    the stage may read a fed source (below); False where its epochs must
+    start on new iterators or are checkpointed (see
+    `StagedCall._feedable`).
 
     `kept`: the model's stages kept between calls, by role (a dict this
     updates), or None. A stage over a user's `tf.data.Dataset` is built
@@ -1006,10 +1032,10 @@ def stage_data(
     iterator (a new pipeline of the same dataset would only trace the same
     functions again), class weights, strategy and use of the tf.data
     service; each role keeps its latest. Under a strategy of several
-    replicas its distributed dataset is kept too. On JAX, from a role's
-    first call on another dataset object, its stage is fed each call's
-    passes (`epoch_sources.FedSource`) and run again by calls on any
-    dataset of the same structure (element spec, options, batch count).
+    replicas its distributed dataset is kept too. From a role's first call
+    on another dataset object, its stage is fed each call's passes
+    (`epoch_sources.FedSource`) and run again by calls on any dataset of
+    the same structure (element spec, options, batch count).
     """
     if isinstance(x, StagedDataset):
         # Already staged by the user with keras_stage.data.stage.
@@ -1142,18 +1168,17 @@ def stage_data(
             )
         if refusal is None:
             arrays = (x, y, sample_weight) if in_memory(x) else None
-            # Fed across calls (see `epoch_sources.FedSource`) where every
-            # phase reads in Python (JAX), once a call of the role came on
-            # another dataset object than the kept stage's (a stage run on
-            # for one object reads its next pass ahead between calls); not
-            # a numbered split (its count runs per pipeline), nor under op
-            # determinism, where the queue's stateful dequeue would make
-            # tf.data run the whole pipeline one element at a time.
+            # Fed across calls (see `epoch_sources.FedSource`) once a call
+            # of the role came on another dataset object than the kept
+            # stage's (a stage run on for one object reads its next pass
+            # ahead between calls), where `feedable`; not a numbered split
+            # (its count runs per pipeline), nor under op determinism,
+            # where the queue's stateful dequeue would make tf.data run
+            # the whole pipeline one element at a time.
             feeds = (
                 spans_calls
+                and feedable
                 and _switched(kept.get(phase), x)
-                and reads_in_python
-                and not backend.graph_steps()
                 and not served
                 and not distributed
                 and not (split is not None and split.numbers(phase == "train"))
@@ -1196,6 +1221,7 @@ def stage_data(
         ):
             # Each batch once, in full batches again: the count is known.
             overrides["cardinality"] = num_batches
+    call_plan = long_lived  # a kept stage's replaces it below
     entry = None
     if _keeps(kept, x):
         entry = _KeptStage(
@@ -1263,8 +1289,9 @@ def stage_data(
             entry.staged = staged
             kept[phase] = entry
     if long_lived is not None and long_lived.feeds:
-        # A fed stage's call feeds its passes of one epoch's source.
-        long_lived.fed.feed(source, epochs)
+        # A fed stage's call feeds its passes of one epoch's source, with
+        # the unread iterators this call's source needs (`call_plan`).
+        long_lived.fed.feed(source, epochs, call_plan.opens)
     if split is not None:
         staged.runner.staged_layers = tuple(split.plan.staged_layers)
     if epochs is not None:

@@ -104,6 +104,20 @@ def epoch_switch(model, layer, data, epochs, callbacks):
     )
 
 
+def may_switch(model, layer, epochs):
+    """Whether a fit of `epochs` epochs might get an `EpochSwitch`.
+
+    Before its stage is built, from what does not depend on its data: a
+    stage whose epochs cannot skip one (a fed source, see
+    `epoch_sources.FedSource`) is built only where no switch could run.
+    """
+    return (
+        may_skip_stage(layer)
+        and epochs >= 3  # the trial, one epoch before and one to gain
+        and model_state(model).switch_verdicts.get(TRAIN) != STAGED
+    )
+
+
 def _staged_before_trial(data):
     """The staged epochs measured before the trial.
 
