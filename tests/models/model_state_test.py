@@ -27,9 +27,7 @@ def _model(adaptive=True, staged=True, **options):
     inputs = keras.Input(shape=(), dtype="string")
     x = inputs
     if staged:
-        x = keras_stage.layers.StagedInput(adaptive=adaptive, **options)(
-            inputs
-        )
+        x = keras_stage.layers.StagedInput(adaptive=adaptive, **options)(inputs)
     lookup = keras.layers.StringLookup(
         vocabulary=[f"w{i}" for i in range(7)], name="lookup"
     )
