@@ -1404,6 +1404,12 @@ def test_across_calls_times_each_call_of_both_modes():
     )
     assert "predict x3" in logged[0]
     assert all(len(results[mode]) == 3 for mode in ("plain", "staged"))
+    logged.clear()
+    results = across_calls.run(
+        "tabular", 3, log=logged.append, method="fit", new_datasets=True
+    )
+    assert "fit x3 on a new dataset each" in logged[0]
+    assert all(len(results[mode]) == 3 for mode in ("plain", "staged"))
 
 
 @pytest.mark.long

@@ -407,9 +407,10 @@ def test_a_loop_on_new_datasets_feeds_one_stage_per_role_as_plain(
     # A loop that builds its datasets each call: from a role's second
     # call on, its stage reads a fed source (`FedSource`) that each call
     # feeds its passes, on one iterator; the third call builds nothing and
-    # makes no iterator. Training, validation and evaluation are plain's,
-    # on a seeded reshuffling dataset too: its passes draw in the order of
-    # plain's iterators, the unread ones Keras makes between epochs too.
+    # makes no iterator. Training, validation, evaluation and predictions
+    # are plain's, on a seeded reshuffling dataset too: its passes draw in
+    # the order of plain's iterators, the unread ones Keras makes between
+    # epochs too.
     built = _built_pipelines(monkeypatch)
     plain = _model(staged=False)
     # A fixed pool: a resized one ends the fed iterator (see `carries`).
@@ -428,6 +429,7 @@ def test_a_loop_on_new_datasets_feeds_one_stage_per_role_as_plain(
             )
             logs.append(history.history["loss"] + history.history["val_loss"])
             logs.append([model.evaluate(_dataset(count=48), verbose=0)])
+            logs.append(model.predict(_dataset(count=48), verbose=0)[:, 0])
             if model is staged:
                 built_by_call.append(list(built))
         model.logs = logs
@@ -441,7 +443,7 @@ def test_a_loop_on_new_datasets_feeds_one_stage_per_role_as_plain(
     # The second call builds each role's fed stage; the third nothing.
     first, second, third = built_by_call
     roles = sorted(name.rsplit("_", 1)[1] for name, _ in second[len(first) :])
-    assert roles == ["test", "train", "val"], built
+    assert roles == ["predict", "test", "train", "val"], built
     assert third == second
     assert all(entry._shared.iterators_made == 1 for entry in kept.values())
 
