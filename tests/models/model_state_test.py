@@ -15,6 +15,8 @@ import tensorflow as tf
 import keras_stage
 from keras_stage.models.call.epoch_iterators import DeferredPipeline, resolve
 from keras_stage.models.decision import calls
+from keras_stage.models.decision.epochs import may_switch
+from keras_stage.models.staging_mixin import find_staged_input
 from tests.helpers import run_forked
 
 pytestmark = pytest.mark.timeout(120)
@@ -428,7 +430,7 @@ def test_a_loop_on_new_datasets_feeds_one_stage_per_role_as_plain(
                 verbose=0,
             )
             logs.append(history.history["loss"] + history.history["val_loss"])
-            logs.append([model.evaluate(_dataset(count=48), verbose=0)])
+            logs.append([model.evaluate(_dataset(count=32), verbose=0)])
             logs.append(model.predict(_dataset(count=48), verbose=0)[:, 0])
             if model is staged:
                 built_by_call.append(list(built))
@@ -440,12 +442,50 @@ def test_a_loop_on_new_datasets_feeds_one_stage_per_role_as_plain(
     )
     kept = staged._keras_stage_state.stages
     assert all(entry.long_lived.feeds for entry in kept.values())
-    # The second call builds each role's fed stage; the third nothing.
+    # The first call builds the validation's fed stage, which its evaluate
+    # feeds too; the second builds the fed stages of training and predict;
+    # the third nothing.
     first, second, third = built_by_call
+    assert sorted(n.rsplit("_", 1)[1] for n, _ in first) == [
+        "predict",
+        "train",
+        "val",
+    ], built
     roles = sorted(name.rsplit("_", 1)[1] for name, _ in second[len(first) :])
-    assert roles == ["predict", "test", "train", "val"], built
+    assert roles == ["predict", "train"], built
     assert third == second
     assert all(entry._shared.iterators_made == 1 for entry in kept.values())
+
+
+def test_an_evaluate_on_new_data_after_a_fit_feeds_its_validation_stage(
+    monkeypatch,
+):
+    # A script's evaluate on a test set after a fit with validation: the
+    # fit's validation stage is fed from its first call, and the evaluate
+    # (the same compiled step) feeds it its pass: no stage built, no
+    # iterator made, plain's loss.
+    built = _built_pipelines(monkeypatch)
+    plain = _model(staged=False)
+    staged = _model(adaptive=False, thread_pool_size=2)
+    staged.set_weights(plain.get_weights())
+    losses = []
+    for model in (plain, staged):
+        model.fit(
+            _dataset(),
+            epochs=2,
+            validation_data=_dataset(count=32),
+            shuffle=False,
+            verbose=0,
+        )
+        before = list(built)
+        # Another dataset of the validation's structure and batch count.
+        losses.append(model.evaluate(_dataset(count=32), verbose=0))
+    assert built == before  # the staged evaluate built nothing
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    kept = staged._keras_stage_state.stages
+    assert kept["test"] is kept["val"]
+    assert kept["val"]._shared.iterators_made == 1
+    assert kept["val"].carries()
 
 
 def test_a_fed_fit_stopped_early_leaves_no_passes_to_the_next(monkeypatch):
@@ -483,9 +523,21 @@ def test_training_that_may_switch_or_is_backed_up_is_not_fed(tmp_path):
     # without the stage) and are not in a tf.data checkpoint.
     switching = _model(adaptive=True)
     for _ in range(2):
-        switching.fit(_dataset(), epochs=3, shuffle=False, verbose=0)
+        # Its adaptive pool is measured for two epochs before a trial.
+        switching.fit(_dataset(), epochs=4, shuffle=False, verbose=0)
     kept = switching._keras_stage_state.stages["train"]
     assert kept.long_lived is not None and not kept.long_lived.feeds
+    # Before its data: an adaptive pool is measured for two epochs before
+    # a trial, a fixed one for one; each trial needs one more to gain.
+    for pool, fewest in ((None, 4), (2, 3)):
+        model = _model(adaptive=True, thread_pool_size=pool)
+        layer = find_staged_input(model)
+        split = model._stage_plan()[1]
+        assert may_switch(model, layer, split, fewest)
+        assert not may_switch(model, layer, split, fewest - 1)
+    model = _model(adaptive=False)
+    split = model._stage_plan()[1]
+    assert not may_switch(model, find_staged_input(model), split, 10)
     backed_up = _model(adaptive=False)
     for _ in range(2):
         backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))

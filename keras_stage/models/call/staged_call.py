@@ -175,7 +175,9 @@ class StagedCall:
             any(isinstance(cb, DataBackup) for cb in self.callbacks)
             or (
                 switch_epochs is not None
-                and may_switch(self.model, self.layer, switch_epochs)
+                and may_switch(
+                    self.model, self.layer, self.split, switch_epochs
+                )
             )
         )
 

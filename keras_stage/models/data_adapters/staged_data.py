@@ -442,7 +442,8 @@ class _KeptStage:
         # `strategy`: the one of several replicas that distributes it.
         self.objects = (layer, source, fn, stats, strategy)
         self.values = (
-            phase,
+            # A fit's validation and an evaluate run one compiled step.
+            "test" if phase == "val" else phase,
             batches,
             repr(sorted(layer.stage_options.get_config().items())),
             None
@@ -687,6 +688,26 @@ def _keeps(kept, x):
     """Whether `stage_data(kept=kept)` keeps its stage over `x` for later
     calls (see there)."""
     return kept is not None and isinstance(x, tf.data.Dataset)
+
+
+def _earlier(kept, phase):
+    """The kept stage a `phase` call may run again, or None.
+
+    Its role's; for an evaluate with none yet of its own, a fit's fed
+    validation stage (its step is the same) unless that fit runs it now,
+    which the evaluate feeds then, kept for both roles.
+    """
+    earlier = kept.get(phase)
+    if earlier is None and phase == "test":
+        val = kept.get("val")
+        if (
+            val is not None
+            and not val.in_use
+            and val.long_lived is not None
+            and val.long_lived.feeds
+        ):
+            return val
+    return earlier
 
 
 def _switched(earlier, x):
@@ -1171,14 +1192,16 @@ def stage_data(
             # Fed across calls (see `epoch_sources.FedSource`) once a call
             # of the role came on another dataset object than the kept
             # stage's (a stage run on for one object reads its next pass
-            # ahead between calls), where `feedable`; not a numbered split
+            # ahead between calls), and a fit's validation from its first
+            # call (a later evaluate on new data of its structure feeds it:
+            # `_earlier`), where `feedable`; not a numbered split
             # (its count runs per pipeline), nor under op determinism,
             # where the queue's stateful dequeue would make tf.data run
             # the whole pipeline one element at a time.
             feeds = (
                 spans_calls
                 and feedable
-                and _switched(kept.get(phase), x)
+                and (phase == "val" or _switched(_earlier(kept, phase), x))
                 and not served
                 and not distributed
                 and not (split is not None and split.numbers(phase == "train"))
@@ -1237,7 +1260,7 @@ def stage_data(
             overrides=overrides,
         )
         entry.call_source = source
-        earlier = kept.get(phase)
+        earlier = _earlier(kept, phase)
         if earlier is not None and earlier.in_use:
             entry = None  # a call nested in the one running it: its own
         elif (
@@ -1246,8 +1269,12 @@ def stage_data(
             and not earlier.staged.stats.closed  # by a timeout: it ended
         ):
             entry = earlier
-        elif earlier is not None:
-            earlier.retire()  # this call's stage replaces it
+            kept[phase] = entry  # an evaluate's, too, once it feeds one
+        elif kept.get(phase) is not None:
+            if kept[phase] is kept.get("val") and phase == "test":
+                del kept[phase]  # the fit's validation's, which goes on
+            else:
+                kept[phase].retire()  # this call's stage replaces it
     if entry is not None and entry.released is not None:
         entry.released.join(TEARDOWN_WAIT_SECONDS)
         if entry.released.is_alive():

@@ -99,32 +99,40 @@ def epoch_switch(model, layer, data, epochs, callbacks):
         data.staged.name,
         epochs,
         data.staged.stats,
-        staged_before_trial=_staged_before_trial(data),
+        staged_before_trial=_staged_before_trial(
+            data.staged.thread_pool is not None
+        ),
         shares_iterator=data.long_lived,
     )
 
 
-def may_switch(model, layer, epochs):
+def may_switch(model, layer, split, epochs):
     """Whether a fit of `epochs` epochs might get an `EpochSwitch`.
 
-    Before its stage is built, from what does not depend on its data: a
+    Before its stage is built, from what `_refusal` weighs that does not
+    depend on its data (`split`: the call's SmartStage split, or None): a
     stage whose epochs cannot skip one (a fed source, see
     `epoch_sources.FedSource`) is built only where no switch could run.
     """
     return (
         may_skip_stage(layer)
-        and epochs >= 3  # the trial, one epoch before and one to gain
+        and split is not None
+        and bool(split.plan.staged_layers)
+        and not split.seed_states
+        # The trial, one to gain.
+        and epochs
+        >= _staged_before_trial(layer.stage_options.adaptive_pool) + 2
         and model_state(model).switch_verdicts.get(TRAIN) != STAGED
     )
 
 
-def _staged_before_trial(data):
+def _staged_before_trial(adaptive_pool):
     """The staged epochs measured before the trial.
 
     An adaptive pool is resized after the first epoch: the stage is
     measured on the pool it keeps.
     """
-    return 1 if data.staged.thread_pool is None else 2
+    return 2 if adaptive_pool else 1
 
 
 def _refusal(model, layer, data, epochs, callbacks):
@@ -144,7 +152,8 @@ def _refusal(model, layer, data, epochs, callbacks):
         return "BackupAndRestore checkpoints the epoch's iterator"
     if not data.in_step:
         return "its step does not time its fetches"
-    if epochs < _staged_before_trial(data) + 2:  # the trial, one to gain
+    adaptive = data.staged.thread_pool is not None
+    if epochs < _staged_before_trial(adaptive) + 2:  # the trial, one to gain
         return "too few epochs to try the step without the stage"
     if model_state(model).switch_verdicts.get(TRAIN) == STAGED:
         return "an earlier fit of this model measured that the stage pays"
