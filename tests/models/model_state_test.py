@@ -402,6 +402,18 @@ def _loop_as_plain(epochs, shuffle_seed=None):
     return staged
 
 
+def _plain_and_fed():
+    """A plain model and a staged twin whose stages are fed (`FedSource`).
+
+    Every call staged, on a fixed pool: a resized one ends the fed
+    iterator (see `LongLivedIterator.carries`).
+    """
+    plain = _model(staged=False)
+    staged = _model(adaptive=False, thread_pool_size=2)
+    staged.set_weights(plain.get_weights())
+    return plain, staged
+
+
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_a_loop_on_new_datasets_feeds_one_stage_per_role_as_plain(
     monkeypatch, shuffle
@@ -414,10 +426,7 @@ def test_a_loop_on_new_datasets_feeds_one_stage_per_role_as_plain(
     # the order of plain's iterators, the unread ones Keras makes between
     # epochs too.
     built = _built_pipelines(monkeypatch)
-    plain = _model(staged=False)
-    # A fixed pool: a resized one ends the fed iterator (see `carries`).
-    staged = _model(adaptive=False, thread_pool_size=2)
-    staged.set_weights(plain.get_weights())
+    plain, staged = _plain_and_fed()
     built_by_call = []
     for model in (plain, staged):
         logs = []
@@ -465,9 +474,7 @@ def test_an_evaluate_on_new_data_after_a_fit_feeds_its_validation_stage(
     # (the same compiled step) feeds it its pass: no stage built, no
     # iterator made, plain's loss.
     built = _built_pipelines(monkeypatch)
-    plain = _model(staged=False)
-    staged = _model(adaptive=False, thread_pool_size=2)
-    staged.set_weights(plain.get_weights())
+    plain, staged = _plain_and_fed()
     losses = []
     for model in (plain, staged):
         model.fit(
@@ -493,10 +500,7 @@ def test_a_fed_fit_stopped_early_leaves_no_passes_to_the_next(monkeypatch):
     # passes are not the next fit's, which builds its stage again; every
     # fit trains as plain's.
     built = _built_pipelines(monkeypatch)
-    plain = _model(staged=False)
-    # A fixed pool: a resized one ends the fed iterator (see `carries`).
-    staged = _model(adaptive=False, thread_pool_size=2)
-    staged.set_weights(plain.get_weights())
+    plain, staged = _plain_and_fed()
 
     def stop(model):
         def on_epoch_end(epoch, logs):

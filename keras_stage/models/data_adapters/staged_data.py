@@ -901,15 +901,8 @@ def _long_lived_epochs(
                 f"{epoch_sources.REPLAY_LIMIT_BYTES // 2**20} MiB"
             )
         replay = True
-    if arrays is None:
-        for other in alongside:
-            if isinstance(other, tf.data.Dataset) and (
-                facts.objects & epoch_sources.inspect_source(other).objects
-            ):
-                return None, (
-                    "the call also reads another dataset built on the same "
-                    "datasets (their draws must keep their order)"
-                )
+    if arrays is None and _shares_a_dataset(facts, alongside):
+        return None, _SHARED_DRAWS
     start = stop = None
     independent = arrays is not None or not facts.iterator_draws
     # Not under op determinism: a variable read in the pipeline would make
@@ -959,18 +952,28 @@ def _long_lived_epochs(
     return plan, None
 
 
+_SHARED_DRAWS = (
+    "the call also reads another dataset built on the same datasets (their "
+    "draws must keep their order)"
+)
+
+
+def _shares_a_dataset(facts, alongside):
+    """Whether a source (its `SourceFacts`) shares a dataset with one of
+    the call's other data (`alongside`)."""
+    return any(
+        isinstance(other, tf.data.Dataset)
+        and facts.objects & epoch_sources.inspect_source(other).objects
+        for other in alongside
+    )
+
+
 def _fed_epochs(dataset, facts, alongside, num_batches, steps_per_execution):
     """`_long_lived_epochs`'s plan of a fed source (`FedSource`)."""
     opens = 0
     if not facts.free_passes:
-        for other in alongside:
-            if isinstance(other, tf.data.Dataset) and (
-                facts.objects & epoch_sources.inspect_source(other).objects
-            ):
-                return None, (
-                    "the call also reads another dataset built on the same "
-                    "datasets (their draws must keep their order)"
-                )
+        if _shares_a_dataset(facts, alongside):
+            return None, _SHARED_DRAWS
         # As `_long_lived_epochs`'s: Keras's JAX trainer makes none.
         opens = 1 if backend.graph_steps() else 0
 
