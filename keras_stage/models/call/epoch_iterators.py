@@ -63,13 +63,13 @@ the calls its buffer fills with the next call's first batches. A call that
 left an epoch early, or a change of the staged layers' variables in between
 (`StagedData.end_call` compares them), starts a new real iterator instead.
 
-On JAX, once a role's call comes on another dataset object than its kept
-stage's, the stage it builds reads a fed source
-(`epoch_sources.FedSource`): each call, on any dataset of that structure,
-feeds its passes, and the one real iterator reads them on, without a
-stage built or an iterator made again. Its iterator reads only what was
-fed: a call must read all of it to be run on (`carries`), and no new
-iterator starts at an epoch (`restartable`).
+Once a role's call comes on another dataset object than its kept stage's
+(a fit's validation from its first call), the stage it builds reads a fed
+source (`epoch_sources.FedSource`): each call, on any dataset of that
+structure, feeds its passes, and the one real iterator reads them on,
+without a stage built or an iterator made again. Its iterator reads only
+what was fed: a call must read all of it to be run on (`carries`), and no
+new iterator starts at an epoch (`restartable`).
 
 The batches a long-lived stage holds when an epoch begins are that
 epoch's, not left behind by a dropped iterator: a consumer that marks each
