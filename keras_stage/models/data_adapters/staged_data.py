@@ -918,19 +918,7 @@ def _long_lived_epochs(
         with tf.init_scope(), tf.device("/CPU:0"):
             start = tf.Variable(0, dtype=tf.int64, trainable=False)
             stop = tf.Variable(1, dtype=tf.int64, trainable=False)
-    # Plain Keras makes one iterator it does not read after each epoch it
-    # reads, except in training with steps_per_epoch (it keeps its
-    # iterator across epochs); only a source that draws per iterator
-    # needs them made.
-    # Keras's JAX trainer makes its iterators as generators, which open
-    # the dataset only when first read.
-    opens = (
-        0
-        if independent
-        or (phase == "train" and steps)
-        or not backend.graph_steps()
-        else 1
-    )
+    opens = 0 if independent else _unread_opens(phase == "train" and steps)
     source = functools.partial(
         epoch_sources.long_lived_source,
         dataset,
@@ -968,14 +956,24 @@ def _shares_a_dataset(facts, alongside):
     )
 
 
+def _unread_opens(keeps_iterator):
+    """The iterators plain Keras makes after each epoch it reads and does
+    not read (0 or 1), for a source that draws per iterator.
+
+    One, except in training with steps_per_epoch (`keeps_iterator`: it
+    keeps its iterator across epochs) and on JAX, whose trainer makes its
+    iterators as generators, which open the dataset only when first read.
+    """
+    return 0 if keeps_iterator or not backend.graph_steps() else 1
+
+
 def _fed_epochs(dataset, facts, alongside, num_batches, steps_per_execution):
     """`_long_lived_epochs`'s plan of a fed source (`FedSource`)."""
     opens = 0
     if not facts.free_passes:
         if _shares_a_dataset(facts, alongside):
             return None, _SHARED_DRAWS
-        # As `_long_lived_epochs`'s: Keras's JAX trainer makes none.
-        opens = 1 if backend.graph_steps() else 0
+        opens = _unread_opens(False)  # spans_calls: no steps_per_epoch
 
     def fed_source():
         plan.fed = epoch_sources.FedSource(
