@@ -54,6 +54,9 @@ class StagingState:
         self.requested_jit = "auto"
         self.staged_jit = None
         self.default_input = None
+        # `(model.layers, its StagedInput or None)` as last found (see
+        # `staging_mixin.find_staged_input`).
+        self.staged_input = None
         self.announced = False
         # Per phase: the placement of the stage feeding the step (which
         # unpacks packed elements), and the unpacked spec its traced step

@@ -37,8 +37,22 @@ _SMART_STAGE_VALUES = (True, False, "longest")
 
 
 def find_staged_input(model):
-    """The model's `StagedInput`, or None; checks where it stands."""
-    found = [layer for layer in model.layers if isinstance(layer, StagedInput)]
+    """The model's `StagedInput`, or None; checks where it stands.
+
+    Asked on every call: what it found is kept until the model's layers
+    change (a `Sequential` may still get some).
+    """
+    layers = tuple(model.layers)
+    kept = _state(model).staged_input
+    if kept is not None and kept[0] == layers:
+        return kept[1]
+    layer = _checked_staged_input(model, layers)
+    _state(model).staged_input = (layers, layer)
+    return layer
+
+
+def _checked_staged_input(model, layers):
+    found = [layer for layer in layers if isinstance(layer, StagedInput)]
     if not found:
         return None
     if len(found) > 1:

@@ -462,6 +462,26 @@ def test_two_staged_inputs_in_sequential_are_rejected():
         _call(model, "fit")
 
 
+def test_a_sequential_grown_after_a_call_is_checked_again():
+    # What a call found is kept until the model's layers change.
+    model = keras_stage.Sequential(
+        [
+            keras.Input(shape=(2,)),
+            StagedInput(name="first"),
+            keras.layers.Dense(1),
+        ],
+        name="seq",
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    _call(model, "fit")
+    model.add(StagedInput(name="second"))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(
+        ValueError, match=r"has 2 StagedInput layers \(\['first', 'second'\]\)"
+    ):
+        _call(model, "fit")
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_staged_input_not_first_in_sequential_is_rejected(method):
     model = keras_stage.Sequential(

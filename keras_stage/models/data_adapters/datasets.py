@@ -61,9 +61,21 @@ def batch_count(dataset, steps):
     """
     if isinstance(dataset, StagedDataset) or not reads_memory_only(dataset):
         return None
-    count = int(dataset.cardinality())
+    count = cardinality(dataset)
     if count == tf.data.INFINITE_CARDINALITY:
         return steps
     if count < 0:  # unknown
         return None
     return count if steps is None else min(count, steps)
+
+
+def cardinality(dataset):
+    """`int(dataset.cardinality())`, kept per dataset object.
+
+    A dataset's length does not change; asking runs an op, which a loop of
+    short calls on one dataset would otherwise pay on every call.
+    """
+    facts = epoch_sources.inspect_source(dataset)
+    if facts.cardinality is None:
+        facts.cardinality = int(dataset.cardinality())
+    return facts.cardinality

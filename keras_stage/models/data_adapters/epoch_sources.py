@@ -98,6 +98,8 @@ class SourceFacts:
         seeded_draws: Whether a dataset that draws per iterator has a
             fixed seed (its orders follow the iterators made before).
         refusal: Why it cannot run long-lived at all, or None.
+        cardinality: Its `cardinality()` as an int once a call asked
+            (`datasets.cardinality`), else None.
     """
 
     def __init__(self):
@@ -110,6 +112,7 @@ class SourceFacts:
         self.resource_seeded = False
         self.seeded_draws = False
         self.refusal = None
+        self.cardinality = None
 
     @property
     def iterator_draws(self):

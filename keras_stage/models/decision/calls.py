@@ -828,7 +828,7 @@ def _always_staged(x):
             "its stage"
         )
     why = []
-    count = int(x.cardinality())
+    count = datasets.cardinality(x)
     if count == tf.data.UNKNOWN_CARDINALITY:
         why.append("its dataset's length is unknown")
     elif count == tf.data.INFINITE_CARDINALITY:

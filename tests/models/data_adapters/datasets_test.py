@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 from keras_stage.data import stage
-from keras_stage.models.data_adapters import datasets
+from keras_stage.models.data_adapters import datasets, epoch_sources
 
 X = np.arange(20, dtype="float32").reshape(10, 2)
 Y = np.arange(10, dtype="float32").reshape(10, 1)
@@ -71,3 +71,16 @@ def test_a_repeated_dataset_counts_the_steps_it_is_given():
 def test_a_users_staged_dataset_is_not_counted():
     staged = stage(_sliced().batch(4))
     assert datasets.batch_count(staged, None) is None
+
+
+def test_a_datasets_length_is_asked_once():
+    dataset = _sliced().batch(4)
+    facts = epoch_sources.inspect_source(dataset)
+    assert facts.cardinality is None
+    assert datasets.cardinality(dataset) == int(dataset.cardinality())
+    assert facts.cardinality == int(dataset.cardinality())
+    # Kept per dataset object: another dataset of another length has its
+    # own.
+    shorter = _sliced().batch(8)
+    assert datasets.cardinality(shorter) == int(shorter.cardinality())
+    assert datasets.cardinality(shorter) != datasets.cardinality(dataset)
