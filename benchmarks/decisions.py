@@ -36,21 +36,19 @@ _DECISION = re.compile(
 
 @contextlib.contextmanager
 def decisions_logged():
-    """Within, each call keras_stage decides is appended to the list.
+    """The calls keras_stage decides within, in the list once it ends.
 
     As `{"phase", "staged", "why"}`, from the `keras_stage` logger's INFO
-    line for it.
+    line for each.
     """
     decisions = []
+    # Read once the block ends: a call timed within pays for the record
+    # alone, not for formatting and parsing it.
+    records = []
 
     class Handler(logging.Handler):
         def emit(self, record):
-            match = _DECISION.match(record.getMessage())
-            if match:
-                phase, verb, why = match.groups()
-                decisions.append(
-                    {"phase": phase, "staged": verb == "is staged", "why": why}
-                )
+            records.append(record)
 
     logger = logging.getLogger("keras_stage")
     handler, level = Handler(logging.INFO), logger.level
@@ -61,6 +59,13 @@ def decisions_logged():
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+        for record in records:
+            match = _DECISION.match(record.getMessage())
+            if match:
+                phase, verb, why = match.groups()
+                decisions.append(
+                    {"phase": phase, "staged": verb == "is staged", "why": why}
+                )
 
 
 def compact(decisions):
