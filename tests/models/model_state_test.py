@@ -16,6 +16,8 @@ import keras_stage
 from keras_stage.models.call.epoch_iterators import DeferredPipeline, resolve
 from keras_stage.models.decision import calls
 from keras_stage.models.decision.epochs import may_switch
+from keras_stage.models.model_state import UNSTAGED_STEPS
+from keras_stage.models.model_state import state as model_state
 from keras_stage.models.staging_mixin import find_staged_input
 from tests.helpers import run_forked
 
@@ -240,6 +242,37 @@ def test_an_unstaged_call_records_nothing_in_the_stage():
     assert stats.snapshot()["consumed"] == consumed
     model.train_on_batch(x[:16], y[:16])
     assert stats.snapshot()["consumed"] == consumed
+
+
+def test_a_loop_of_unstaged_calls_keeps_the_step_it_traced_installed():
+    # Setting Keras's compiled step goes through its attribute tracking:
+    # unstaged calls leave theirs in place, and a staged call between them
+    # runs its own and puts it back.
+    plain = _model(staged=False)
+    staged = _model()
+    staged.set_weights(plain.get_weights())
+    one_batch = WORDS[:8]
+    expected = plain.predict(one_batch, verbose=0)
+    np.testing.assert_allclose(
+        staged.predict(one_batch, verbose=0), expected, rtol=1e-6
+    )
+    step = staged.predict_function
+    kept = model_state(staged).staged_functions
+    assert step is not None and step is kept[("predict", UNSTAGED_STEPS)]
+    # A dataset that maps is always staged.
+    mapped = (
+        tf.data.Dataset.from_tensor_slices(WORDS).map(tf.identity).batch(16)
+    )
+    np.testing.assert_allclose(
+        staged.predict(mapped, verbose=0),
+        plain.predict(mapped, verbose=0),
+        rtol=1e-6,
+    )
+    assert staged.predict_function is step
+    np.testing.assert_allclose(
+        staged.predict(one_batch, verbose=0), expected, rtol=1e-6
+    )
+    assert staged.predict_function is step
 
 
 def test_a_fresh_model_decides_from_what_models_like_it_measured(caplog):

@@ -436,7 +436,8 @@ def _unstaged_steps(model, phases, clocks=None):
     split) records its fetches in Keras's own compiled step, which an
     unstaged call must not run. Puts the outer call's steps, runner,
     recording and step clocks back afterwards (an evaluate from a callback
-    of a fit). `clocks`: per phase, a list its steps' host times go to.
+    of a fit); where the model held no step, its unstaged one stays set.
+    `clocks`: per phase, a list its steps' host times go to.
     """
     state = model_state(model)
     saved = {}
@@ -453,7 +454,10 @@ def _unstaged_steps(model, phases, clocks=None):
             if phase in clocks:
                 state.step_clocks[phase] = clocks[phase]
             unstaged = state.staged_functions.get((phase, UNSTAGED_STEPS))
-            setattr(model, attr, unstaged)
+            # Setting a compiled step goes through Keras's attribute
+            # tracking, a cost on every short call: set only what changes.
+            if saved[phase][0] is not unstaged:
+                setattr(model, attr, unstaged)
             state.active[phase] = None
         try:
             yield
@@ -462,11 +466,13 @@ def _unstaged_steps(model, phases, clocks=None):
                 state.step_clocks.pop(phase, None)
             for phase in phases:
                 attr = FUNCTIONS[phase]
-                state.staged_functions[(phase, UNSTAGED_STEPS)] = getattr(
-                    model, attr, None
-                )
+                unstaged = getattr(model, attr, None)
+                state.staged_functions[(phase, UNSTAGED_STEPS)] = unstaged
                 function, active = saved[phase]
-                setattr(model, attr, function)
+                # Where the model held no step, the unstaged one stays for
+                # the next unstaged call (a staged call sets its own).
+                if function is not None and function is not unstaged:
+                    setattr(model, attr, function)
                 state.active[phase] = active
 
 
