@@ -64,11 +64,11 @@ def _checked_staged_input(model, layers):
         )
     layer = found[0]
     if isinstance(model, keras.Sequential):
-        if model.layers[0] is not layer:
+        if layers[0] is not layer:
             raise ValueError(
                 f"StagedInput '{layer.name}' must be the first layer of "
                 f"Sequential model '{model.name}'; found it at position "
-                f"{model.layers.index(layer)}. Move it right after "
+                f"{layers.index(layer)}. Move it right after "
                 "keras.Input."
             )
     elif getattr(model, "inputs", None):  # functional
