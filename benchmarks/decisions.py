@@ -29,7 +29,7 @@ import re
 # keras_stage's log line for each call it decides (`decision.calls.stages`).
 _DECISION = re.compile(
     r"^Model '[^']*': (\w+) (is staged|runs the whole model in Keras's step,"
-    r" unstaged): (.*)$",
+    r" unstaged)(?: \[(\w+)\])?: (.*)$",
     re.DOTALL,
 )
 
@@ -38,8 +38,8 @@ _DECISION = re.compile(
 def decisions_logged():
     """The calls keras_stage decides within, in the list once it ends.
 
-    As `{"phase", "staged", "why"}`, from the `keras_stage` logger's INFO
-    line for each.
+    As `{"phase", "staged", "kind", "why"}`, from the `keras_stage`
+    logger's INFO line for each.
     """
     decisions = []
     # Read once the block ends: a call timed within pays for the record
@@ -62,9 +62,14 @@ def decisions_logged():
         for record in records:
             match = _DECISION.match(record.getMessage())
             if match:
-                phase, verb, why = match.groups()
+                phase, verb, kind, why = match.groups()
                 decisions.append(
-                    {"phase": phase, "staged": verb == "is staged", "why": why}
+                    {
+                        "phase": phase,
+                        "staged": verb == "is staged",
+                        "kind": kind,
+                        "why": why,
+                    }
                 )
 
 

@@ -85,12 +85,12 @@ class StagingState:
         # Set, in the thread tracing a step, to the trunk the model's call
         # runs instead of the whole model.
         self.local = threading.local()
-        # Per phase: why its last call was decided staged or not, a
-        # sentence (see `decision.calls.stages`), for the verdict.
-        self.call_reasons = {}
+        # Per phase: the `Decision` on its last call (see
+        # `decision.calls.stages`), for the verdict.
+        self.call_decisions = {}
         # Per phase: the seconds this model's staged calls paid over what
         # running its whole model's step would have cost, once traced (see
-        # `decision.calls.trace_due`): what tracing that step may cost.
+        # `decision.calls.trace_owed`): what tracing that step may cost.
         self.stage_rent = {}
         # Per phase, while a call staged before anything was measured runs:
         # whether it plans the model's SmartStage (its rent is added to

@@ -137,19 +137,22 @@ def test_table_shows_each_script_its_calls_skips_and_failures():
 def test_each_decision_keras_stage_logs_is_recorded():
     logger = logging.getLogger("keras_stage")
     with first_calls.decisions_logged() as decisions:
-        logger.info("Model '%s': %s is staged: %s.", "m", "train", "why")
+        logger.info(
+            "Model '%s': %s is staged [%s]: %s.", "m", "train", "pays", "why"
+        )
         logger.info(
             "Model 'm': test runs the whole model in Keras's step, "
-            "unstaged: a call of one batch has nothing to overlap."
+            "unstaged [one_batch]: one batch has nothing to overlap."
         )
         logger.info("Model 'm': something else.")
     logger.info("Model 'm': predict is staged: after, not recorded.")
     assert decisions == [
-        {"phase": "train", "staged": True, "why": "why."},
+        {"phase": "train", "staged": True, "kind": "pays", "why": "why."},
         {
             "phase": "test",
             "staged": False,
-            "why": "a call of one batch has nothing to overlap.",
+            "kind": "one_batch",
+            "why": "one batch has nothing to overlap.",
         },
     ]
 

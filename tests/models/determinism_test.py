@@ -424,4 +424,4 @@ def test_calls_on_data_in_memory_are_decided_from_host_timed_steps(
     assert unstaged_at is not None
     # Decided from the two: measured, and no second trial.
     assert costs.measured() and not costs.trial_due()
-    assert caplog.text.count("times the whole model's steps once") <= 1
+    assert caplog.text.count("[trial]") <= 1

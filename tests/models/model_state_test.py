@@ -288,7 +288,7 @@ def test_a_fresh_model_decides_from_what_models_like_it_measured(caplog):
     plain.fit(WORDS, LABELS, batch_size=16, epochs=2, verbose=0)
     # (Unstaged, it times the whole model's steps and their trace, for
     # every model like it.)
-    assert "less than the" in caplog.text
+    assert "unstaged [does_not_pay]" in caplog.text
     measured = fresh._keras_stage_state.costs.phase("train")
     assert measured.unstaged_step_seconds is not None
     assert measured.unstaged_trace_seconds is not None
@@ -309,8 +309,8 @@ def test_a_fresh_model_decides_from_what_models_like_it_measured(caplog):
     # unstaged (one timing, by the fresh model) is a fraction of what its
     # stage costs to set up here, but another process's burst on a loaded
     # machine can double that one timing. The call does what it logged.
-    assert "measured on a model with this stage" in caplog.text
-    assert "times the whole model's steps once" not in caplog.text
+    assert "[pays]" in caplog.text or "[does_not_pay]" in caplog.text
+    assert "[trial]" not in caplog.text
     unstaged = "runs the whole model in Keras's step, unstaged" in caplog.text
     epochs_unstaged = history.history.get("stage_unstaged", [0.0, 0.0])
     if unstaged:

@@ -200,7 +200,7 @@ class StagedCall:
             switch=data.switch,
             pool_shrinks=backend.pool_shrinks(),
             carried=data.carried,
-            call_reason=state.call_reasons.pop(phase, None),
+            call_reason=_reason(state.call_decisions.pop(phase, None)),
             iterator_cost=functools.partial(
                 calls.resize_cost, self.model, data
             ),
@@ -304,7 +304,9 @@ class StagedCall:
         kwargs = {}
         starts = None
         if "train" in self.phases:
-            self.prefetch.attach_unstaged(self._state.call_reasons["train"])
+            self.prefetch.attach_unstaged(
+                self._state.call_decisions["train"].reason
+            )
             # What Keras's epochs cost to start (their iterators), which a
             # stage's epochs on one iterator would not pay.
             starts = calls.EpochStartClock()
@@ -361,6 +363,11 @@ class StagedCall:
                     data.end_call()
             finally:
                 self.prefetch.close()
+
+
+def _reason(decision):
+    """Why `decision` (a `calls.Decision`, or None) staged the call."""
+    return None if decision is None else decision.reason
 
 
 def bind_placement(model, phase, placement):

@@ -49,10 +49,11 @@ model that has not paid them yet.
 """
 
 import collections
+import dataclasses
+import enum
 import logging
 import statistics
 import time
-import typing
 
 import keras
 import tensorflow as tf
@@ -95,28 +96,175 @@ LOOP_CALLS = 3
 FIRST_CALL_BATCHES = 32
 
 
-class Decision(typing.NamedTuple):
-    """Whether a call is staged (`staged`), why in a sentence (`reason`).
+class Kind(enum.Enum):
+    """What decided a call: each kind stages it or not, and says why.
 
-    `rent`: what a staged call pays over an unstaged, traced step by the
-    measured costs (0 when not measured, or when staging saves more than
-    it costs). `first_call`: whether it is a phase's first short call from
-    in-memory data, run unstaged before anything is measured (see
-    `FIRST_CALL_BATCHES`). `gain`: by the measured costs, the seconds
-    staging saves the call (its staged work and the whole step's trace it
-    avoids) less its stage's set-up, or None when not weighed so. `trial`:
-    whether the call runs unstaged to time the whole model's steps.
-    `unmeasured`: whether it is staged before anything is measured (its
-    rent is noted when it ends, see `note_work`).
+    Its value is the name the log and the verdict give it.
     """
 
-    staged: bool
-    reason: str
-    rent: float = 0.0
-    first_call: bool = False
-    gain: float | None = None
-    trial: bool = False
-    unmeasured: bool = False
+    BY_REQUEST = "by_request"  # adaptive=False, a policy, the service
+    JIT_COMPILE = "jit_compile"
+    RANDOM_PREFIX = "random_prefix"
+    UNBOUNDED = "unbounded"  # data the stage overlaps, or of unknown length
+    ONE_BATCH = "one_batch"
+    FIRST_CALL = "first_call"
+    UNMEASURED = "unmeasured"
+    TRIAL = "trial"
+    LEARNING = "learning"  # steps timed, the whole model's not yet
+    PAYS = "pays"
+    DOES_NOT_PAY = "does_not_pay"
+    VALIDATION_PAYS = "validation_pays"  # a fit staged for its validation
+    TRAINING_LOSES = "training_loses"  # ... unless its training loses more
+
+    @property
+    def staged(self):
+        return self not in _UNSTAGED_KINDS
+
+
+_UNSTAGED_KINDS = frozenset(
+    (
+        Kind.ONE_BATCH,
+        Kind.FIRST_CALL,
+        Kind.TRIAL,
+        Kind.DOES_NOT_PAY,
+        Kind.TRAINING_LOSES,
+    )
+)
+
+
+def _ms(seconds):
+    return f"{1000 * seconds:.1f} ms"
+
+
+def _unbounded(f):
+    if f["source"] == "staged":
+        return "its dataset is staged already (keras_stage.data.stage)"
+    if f["source"] == "python":
+        return (
+            "its data is read in Python (a generator or a PyDataset), which "
+            "the stage overlaps and which is not measured: the call keeps "
+            "its stage"
+        )
+    why = [
+        text
+        for key, text in (
+            ("unknown_length", "its dataset's length is unknown"),
+            ("infinite", "its dataset repeats without end (no `steps`)"),
+            ("maps", "its dataset runs functions or reads files"),
+        )
+        if f.get(key)
+    ] or ["its data is read by a pipeline the stage overlaps"]
+    return " and ".join(why) + (
+        ", so its staged work cannot be weighed before it runs: the call "
+        "keeps its stage"
+    )
+
+
+def _weighed(f):
+    """The figures a measured call compared, signed."""
+
+    def ms(key):
+        return f"{1000 * f[key]:+.1f} ms"
+
+    starts = (
+        f", {ms('starts')} of Keras starting its {f['epochs']} epochs"
+        if f["starts"]
+        else ""
+    )
+    return (
+        f"staging {f['batches']} batches saves {ms('saving')} of steps"
+        f"{starts} and {ms('owed')} of tracing the whole model's step, and "
+        f"costs {_ms(f['set_up'])} of set-up: {ms('gain')} in all"
+    )
+
+
+# Why each kind decides as it does, from its figures (`Decision.figures`).
+MESSAGES = {
+    Kind.BY_REQUEST: lambda f: (
+        "StagedInput(adaptive=False), an exception policy or the tf.data "
+        "service: every call is staged"
+    ),
+    Kind.JIT_COMPILE: lambda f: (
+        "jit_compile=True, which its staged trunk takes and its whole "
+        "model's step may not (XLA compiles no string ops or lookups)"
+    ),
+    Kind.RANDOM_PREFIX: lambda f: (
+        "its staged random layers draw from the stage's seeds: unstaged, "
+        "they would draw other numbers"
+    ),
+    Kind.UNBOUNDED: _unbounded,
+    Kind.ONE_BATCH: lambda f: "one batch has nothing to overlap",
+    Kind.FIRST_CALL: lambda f: (
+        f"a first call of {f['batches']} batches from in-memory data (at "
+        f"most {FIRST_CALL_BATCHES}) is too short to repay a stage's set-up; "
+        "the next is staged and measured"
+    ),
+    Kind.UNMEASURED: lambda f: "nothing is measured on a model with its stage",
+    Kind.TRIAL: lambda f: (
+        "it times the whole model's steps once, against the staged steps"
+    ),
+    Kind.LEARNING: lambda f: (
+        f"the whole model's steps are not timed yet and tracing them "
+        f"({_ms(f['owed'])}) outweighs this call; its {_ms(f['set_up'])} of "
+        "set-up count toward that trace"
+    ),
+    Kind.PAYS: _weighed,
+    Kind.DOES_NOT_PAY: _weighed,
+    Kind.VALIDATION_PAYS: lambda f: (
+        f"its training alone would not ({f['training'].reason}), but its "
+        f"validation can: {f['validation'].reason}"
+    ),
+    Kind.TRAINING_LOSES: lambda f: (
+        "staging its validation would stage its training too, which loses "
+        f"more than the validation gains ({f['validation'].reason}; its "
+        f"training: {f['training'].reason})"
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """How a call runs: a `Kind` and the figures (seconds) it weighed.
+
+    Figures: `batches`, `set_up` (the stage's build, iterators, plan and
+    traces the call pays), `saving` (staged steps against the whole
+    model's, signed: below zero the stage slows them), `owed` (tracing
+    the whole model's step, were it unstaged), `starts` (Keras's epoch
+    starts unstaged), `gain` (what staging saves the call, signed) and
+    `rent` (what a staged call pays over an unstaged, traced one), where
+    the kind weighed them.
+    """
+
+    kind: Kind
+    figures: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def staged(self):
+        return self.kind.staged
+
+    @property
+    def trial(self):
+        return self.kind is Kind.TRIAL
+
+    @property
+    def first_call(self):
+        return self.kind is Kind.FIRST_CALL
+
+    @property
+    def gain(self):
+        return self.figures.get("gain")
+
+    @property
+    def rent(self):
+        """What a staged call pays toward the whole step's trace."""
+        if self.kind is Kind.LEARNING:
+            return self.figures["set_up"]
+        return self.figures.get("rent", 0.0)
+
+    @property
+    def reason(self):
+        """Why, in a sentence (`MESSAGES`)."""
+        return MESSAGES[self.kind](self.figures)
 
 
 def may_skip_stage(layer):
@@ -295,16 +443,15 @@ class PhaseCosts:
         both kinds of steps were timed bounds it too: the whole model's
         step less the staged step (which includes its waits for the
         stage). On cores the trunk keeps busy, the stage's threads take
-        them from the trunk, and that saving can be none at all.
+        them from the trunk: that saving is then below zero, and a call
+        loses by staging (signed, it is weighed as it was measured).
         """
         steps = None
         if (
             self.staged_step_seconds is not None
             and self.unstaged_step_seconds is not None
         ):
-            steps = max(
-                self.unstaged_step_seconds - self.staged_step_seconds, 0.0
-            )
+            steps = self.unstaged_step_seconds - self.staged_step_seconds
         if self.batch_seconds is None:
             return steps
         return (
@@ -458,12 +605,12 @@ class CallCosts:
         return set_up
 
     def stages(self, *args, **kwargs):
-        """Whether a call should be staged: `decide(...)`'s first part."""
-        return self.decide(*args, **kwargs)[0]
+        """Whether a call should be staged: `decide(...).staged`."""
+        return self.decide(*args, **kwargs).staged
 
     def describe(self, *args, **kwargs):
         """Why `stages` decided as it did, in a sentence."""
-        return self.decide(*args, **kwargs)[1]
+        return self.decide(*args, **kwargs).reason
 
     def decide(
         self,
@@ -476,10 +623,7 @@ class CallCosts:
         compiles=False,
         unstaged_epochs=0,
     ):
-        """The `Decision` on a call of `phase`: whether it should be
-        staged, why in a sentence, and what a staged call pays over an
-        unstaged, traced step by the measured costs (0 when not measured,
-        or when staging saves more than it costs).
+        """The `Decision` on a call of `phase` by the measured costs.
 
         `batches`: the batches it reads from in-memory data (see
         `call_batches`), or None when it reads something else (always
@@ -495,34 +639,15 @@ class CallCosts:
         which a stage's epochs on one iterator do not.
         """
         if batches is None:
-            return Decision(
-                True,
-                (
-                    "its data is read by a pipeline the stage overlaps (a "
-                    "dataset that maps or reads files, a generator) or its "
-                    "length is unknown"
-                ),
-                0.0,
-            )
+            return Decision(Kind.UNBOUNDED, {"source": "pipeline"})
         if batches <= 1:
-            return Decision(
-                False, "a call of one batch has nothing to overlap", 0.0
-            )
+            return Decision(Kind.ONE_BATCH, {"batches": batches})
         costs = self.phase(phase)
         if costs.trial_due() and (
             owed <= TRACE_SHARE * costs.step_seconds(batches)
             or costs.staged_calls >= LOOP_CALLS
         ):
-            return Decision(
-                False,
-                (
-                    "this call times the whole model's steps once, to weigh "
-                    "them against the staged steps (what the stage saves a "
-                    "step on this machine's cores)"
-                ),
-                0.0,
-                trial=True,
-            )
+            return Decision(Kind.TRIAL, {"batches": batches, "owed": owed})
         costs = self.measured_like(phase)
         if not costs.measured():
             if costs.build_seconds is None or costs.iterator_seconds is None:
@@ -531,90 +656,37 @@ class CallCosts:
                     batches <= FIRST_CALL_BATCHES
                     and not first.first_call_skipped
                 ):
-                    return Decision(
-                        False,
-                        (
-                            f"a first call of {batches} batches from "
-                            "in-memory data is too short to repay a stage's "
-                            "set-up (the model's plan, its pipeline and "
-                            "their traces); a later call, or one of more "
-                            f"than {FIRST_CALL_BATCHES} batches, is staged "
-                            "and measured"
-                        ),
-                        0.0,
-                        first_call=True,
-                    )
-                return Decision(
-                    True,
-                    "nothing is measured on a model with this stage yet",
-                    0.0,
-                    unmeasured=True,
-                )
+                    return Decision(Kind.FIRST_CALL, {"batches": batches})
+                return Decision(Kind.UNMEASURED, {"batches": batches})
             # Its staged steps are timed, its staged work is not (op
             # determinism where tf.data's model cannot be read) and the
             # trial's trace outweighs this call: the stage's set-up, which
             # an unstaged call would not pay, is rent toward that trace
             # (see `trace_owed`), so a later call runs the trial.
             set_up = self._set_up(costs, iterators, plans, traces, compiles)
-            trace = (
-                f" and tracing its step ({1000 * owed:.1f} ms) outweighs "
-                "this call"
-                if owed > 0
-                else ""
-            )
             return Decision(
-                True,
-                (
-                    f"the whole model's steps are not timed yet{trace}; the "
-                    f"stage's {1000 * set_up:.1f} ms of set-up count toward "
-                    "the trial's trace"
-                ),
-                set_up,
+                Kind.LEARNING,
+                {"batches": batches, "owed": owed, "set_up": set_up},
             )
         set_up = self._set_up(costs, iterators, plans, traces, compiles)
+        # Signed: staged steps slower than the whole model's lose time.
         saving = costs.saving(batches)
         starts = unstaged_epochs * (costs.epoch_start_seconds or 0.0)
-        trace = (
-            f" and the {1000 * owed:.1f} ms of tracing the whole model's "
-            "step it would add unstaged"
-            if owed > 0
-            else ""
-        )
-        if starts > 0:
-            epochs = (
-                "its epoch"
-                if unstaged_epochs == 1
-                else f"its {unstaged_epochs} epochs"
-            )
-            trace += (
-                f" and the {1000 * starts:.1f} ms Keras would spend starting "
-                f"and ending {epochs} unstaged"
-            )
-        owed += starts
-        if saving + owed <= set_up:
-            return Decision(
-                False,
-                (
-                    f"staging {batches} batches can save at most "
-                    f"{1000 * saving:.1f} ms of staged work{trace}, less than "
-                    f"the {1000 * set_up:.1f} ms its stage costs to set up "
-                    "(measured on a model with this stage)"
-                ),
-                0.0,
-                gain=saving + owed - set_up,
-            )
-        return Decision(
-            True,
-            (
-                f"staging {batches} batches can save up to "
-                f"{1000 * saving:.1f} ms of staged work{trace}, more than "
-                f"the {1000 * set_up:.1f} ms its stage costs to set up "
-                "(measured on a model with this stage)"
-            ),
-            # Over an unstaged call, which would start its epochs too.
-            max(set_up - saving - starts, 0.0),
-            gain=saving + owed - set_up,
-        )
+        gain = saving + owed + starts - set_up
+        figures = {
+            "batches": batches,
+            "epochs": unstaged_epochs,
+            "set_up": set_up,
+            "saving": saving,
+            "owed": owed,
+            "starts": starts,
+            "gain": gain,
+        }
+        if gain <= 0:
+            return Decision(Kind.DOES_NOT_PAY, figures)
+        # Over an unstaged call, which would start its epochs too.
+        figures["rent"] = max(set_up - saving - starts, 0.0)
+        return Decision(Kind.PAYS, figures)
 
 
 def stage_signature(model, smart_stage):
@@ -714,7 +786,7 @@ def stages(model, layer, phase, batches, iterators=1, x=None):
 
     See `CallCosts.stages`; `batches` is None when not from in-memory
     data (`call_batches`). Why, in a sentence, is kept in the model's
-    `call_reasons[phase]` for the verdict (`x`, the call's data, tells a
+    `call_decisions[phase]` for the verdict (`x`, the call's data, tells a
     dataset of unknown length from one that maps or reads files).
     """
     decision = _decide(model, layer, phase, batches, iterators, x)
@@ -725,25 +797,26 @@ def stages(model, layer, phase, batches, iterators=1, x=None):
 def _keep(model, phase, decision):
     """Keeps and logs the `Decision` taken on a call of `phase`."""
     state = model_state(model)
-    state.call_reasons[phase] = decision.reason
+    state.call_decisions[phase] = decision
     if decision.first_call:
         # Once: a loop of short calls stages its next one and measures it.
         costs(model).phase(phase).first_call_skipped = True
     if decision.staged:
         _pay_rent(model, phase, decision.rent)
-        if decision.unmeasured:
+        if decision.kind is Kind.UNMEASURED:
             # A fit's training and validation plan once between them.
             plans = _first_costs(model, phase)[0]
             state.unmeasured_rent[phase] = plans and not any(
                 state.unmeasured_rent.values()
             )
     logger.info(
-        "Model '%s': %s %s: %s.",
+        "Model '%s': %s %s [%s]: %s.",
         model.name,
         phase,
         "is staged"
         if decision.staged
-        else ("runs the whole model in Keras's step, unstaged"),
+        else "runs the whole model in Keras's step, unstaged",
+        decision.kind.value,
         decision.reason,
     )
 
@@ -765,38 +838,15 @@ def trace_owed(model, phase, measured):
 
 def _decide(model, layer, phase, batches, iterators, x, unstaged_epochs=0):
     if not may_skip_stage(layer):
-        return Decision(
-            True,
-            (
-                "StagedInput(adaptive=False), an exception policy or the "
-                "tf.data service: every call is staged"
-            ),
-            0.0,
-        )
+        return Decision(Kind.BY_REQUEST)
     if batches is None:
         # Never skipped (and the signature is not computed).
-        return Decision(True, _always_staged(x), 0.0)
+        return Decision(Kind.UNBOUNDED, _unbounded_figures(x))
     state = model_state(model)
     if state.smart_stage and state.requested_jit is True:
-        return Decision(
-            True,
-            (
-                "it is compiled with jit_compile=True, which its staged "
-                "trunk takes and its whole model's step may not (XLA "
-                "compiles no string ops or lookups)"
-            ),
-            0.0,
-        )
+        return Decision(Kind.JIT_COMPILE)
     if _random_prefix(model, phase):
-        return Decision(
-            True,
-            (
-                "its staged random layers draw from seeds of the stage's "
-                "own, so its training calls are always staged (unstaged, "
-                "they would draw other numbers)"
-            ),
-            0.0,
-        )
+        return Decision(Kind.RANDOM_PREFIX)
     measured = costs(model)
     return measured.decide(
         phase,
@@ -817,31 +867,19 @@ def _has_staged_step(model, phase):
     )
 
 
-def _always_staged(x):
-    """Why a call on `x`, not in-memory data, keeps its stage."""
+def _unbounded_figures(x):
+    """What makes a call on `x`, not in-memory data, keep its stage."""
     if isinstance(x, StagedDataset):
-        return "its dataset is staged already (keras_stage.data.stage)"
+        return {"source": "staged"}
     if not isinstance(x, tf.data.Dataset):
-        return (
-            "its data is read in Python (a generator or a PyDataset), which "
-            "the stage overlaps and which is not measured: the call keeps "
-            "its stage"
-        )
-    why = []
+        return {"source": "python"}
     count = datasets.cardinality(x)
-    if count == tf.data.UNKNOWN_CARDINALITY:
-        why.append("its dataset's length is unknown")
-    elif count == tf.data.INFINITE_CARDINALITY:
-        why.append("its dataset repeats without end (no `steps`)")
-    if not datasets.reads_memory_only(x):
-        why.append(
-            "its dataset runs functions or reads files (a map, a filter, a "
-            "file source), which the stage overlaps"
-        )
-    return " and ".join(why) + (
-        ", so its staged work cannot be weighed before it runs: the "
-        "call keeps its stage"
-    )
+    return {
+        "source": "dataset",
+        "unknown_length": count == tf.data.UNKNOWN_CARDINALITY,
+        "infinite": count == tf.data.INFINITE_CARDINALITY,
+        "maps": not datasets.reads_memory_only(x),
+    }
 
 
 def staged_data(model, phase, *args, **kwargs):
@@ -1155,24 +1193,15 @@ def fit_stages(model, layer, x, validation_data, long_lived=True, **kwargs):
         # Measured: staging the training loses more than the validation
         # gains (a validation in memory not measured yet gains nothing
         # known).
-        validation = validation._replace(
-            staged=False,
-            rent=0.0,
-            reason=(
-                f"staging its validation would stage its training too, "
-                f"which loses more than the validation gains "
-                f"({validation.reason}; its training: {training.reason})"
-            ),
+        validation = Decision(
+            Kind.TRAINING_LOSES,
+            {"training": training, "validation": validation},
         )
     _keep(model, "test", validation)
     if validation.staged:
-        training = training._replace(
-            staged=True,
-            first_call=False,
-            reason=(
-                f"its training alone would not ({training.reason}), but its "
-                f"validation can: {validation.reason}"
-            ),
+        training = Decision(
+            Kind.VALIDATION_PAYS,
+            {"training": training, "validation": validation},
         )
     _keep(model, "train", training)
     return training.staged

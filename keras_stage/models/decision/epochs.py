@@ -55,6 +55,7 @@ import keras
 from keras_stage.data.eager_iterated import EagerIterated
 from keras_stage.models.call.epoch_iterators import ResolvingIterator, resolve
 from keras_stage.models.decision.calls import (
+    TRACE_SHARE,
     costs,
     may_skip_stage,
     trace_owed,
@@ -73,9 +74,6 @@ TRIAL_WAIT_RATIO = 0.1
 MARGIN = 0.03
 # The fewest compiled-step calls an epoch needs to be timed.
 MIN_STEPS = 8
-# The most of the epochs after the trial that tracing the whole model's
-# step for it may cost (when no earlier call traced it).
-TRACE_SHARE = 0.1
 STAGED, UNSTAGED = "staged", "unstaged"
 TRAIN = "train"
 
@@ -109,21 +107,13 @@ def epoch_switch(model, layer, data, epochs, callbacks):
 def may_switch(model, layer, split, epochs):
     """Whether a fit of `epochs` epochs might get an `EpochSwitch`.
 
-    Before its stage is built, from what `_refusal` weighs that does not
+    Before its stage is built, from the part of `_refusal` that does not
     depend on its data (`split`: the call's SmartStage split, or None): a
     stage whose epochs cannot skip one (a fed source, see
     `epoch_sources.FedSource`) is built only where no switch could run.
     """
-    return (
-        may_skip_stage(layer)
-        and split is not None
-        and bool(split.plan.staged_layers)
-        and not split.seed_states
-        # The trial, one to gain.
-        and epochs
-        >= _staged_before_trial(layer.stage_options.adaptive_pool) + 2
-        and model_state(model).switch_verdicts.get(TRAIN) != STAGED
-    )
+    adaptive = layer.stage_options.adaptive_pool
+    return _model_refusal(model, layer, split, epochs, adaptive) is None
 
 
 def _staged_before_trial(adaptive_pool):
@@ -135,15 +125,27 @@ def _staged_before_trial(adaptive_pool):
     return 2 if adaptive_pool else 1
 
 
-def _refusal(model, layer, data, epochs, callbacks):
-    """Why a fit's epochs are all staged, or None if one may be tried."""
-    split = data.split
+def _model_refusal(model, layer, split, epochs, adaptive_pool):
+    """Why no epoch of such a fit may skip its stage, whatever its data."""
     if not may_skip_stage(layer):
         return "adaptive=False, exception policies or the tf.data service"
     if split is None or not split.plan.staged_layers:
         return "no SmartStage prefix to run in the step"
     if split.seed_states:
         return "the staged layers draw random numbers"
+    if epochs < _staged_before_trial(adaptive_pool) + 2:
+        return "too few epochs to try the step without the stage"  # +trial
+    if model_state(model).switch_verdicts.get(TRAIN) == STAGED:
+        return "an earlier fit of this model measured that the stage pays"
+    return None
+
+
+def _refusal(model, layer, data, epochs, callbacks):
+    """Why a fit's epochs are all staged, or None if one may be tried."""
+    adaptive = data.staged.thread_pool is not None
+    reason = _model_refusal(model, layer, data.split, epochs, adaptive)
+    if reason is not None:
+        return reason
     if not data.epochs_skippable:
         return "its epochs run on one iterator, which cannot skip one"
     if data.strategy is not None or data.staged.device is not None:
@@ -152,11 +154,6 @@ def _refusal(model, layer, data, epochs, callbacks):
         return "BackupAndRestore checkpoints the epoch's iterator"
     if not data.in_step:
         return "its step does not time its fetches"
-    adaptive = data.staged.thread_pool is not None
-    if epochs < _staged_before_trial(adaptive) + 2:  # the trial, one to gain
-        return "too few epochs to try the step without the stage"
-    if model_state(model).switch_verdicts.get(TRAIN) == STAGED:
-        return "an earlier fit of this model measured that the stage pays"
     return None
 
 

@@ -19,6 +19,7 @@ from keras_stage.layers import StagedInput
 from keras_stage.models.decision import calls
 from keras_stage.models.decision.calls import (
     CallCosts,
+    Kind,
     fit_batches,
     may_skip_stage,
     shared_costs,
@@ -73,9 +74,7 @@ def test_untimed_staged_work_is_weighed_from_host_timed_steps():
     # whole model's step.
     assert costs.phase("train").trial_due()
     assert not costs.stages("train", 100, 1)
-    assert "times the whole model's steps once" in costs.describe(
-        "train", 100, 1
-    )
+    assert costs.decide("train", 100, 1).kind is Kind.TRIAL
     assert not costs.stages("train", 1, 1)  # one batch: never staged
     assert costs.stages("train", None, 1)  # not in memory: always staged
     assert costs.stages("test", 100, 1)  # other phases: nothing measured
@@ -85,10 +84,13 @@ def test_untimed_staged_work_is_weighed_from_host_timed_steps():
     assert costs.phase("train").batch_saving() == pytest.approx(0.001)
     assert not costs.stages("train", 71, 1)
     assert costs.stages("train", 72, 1)
-    # A whole model's step faster than the staged one: nothing to save.
+    # A whole model's step faster than the staged one: staging loses 1 ms
+    # a batch, and says so, signed.
     costs.note_steps("train", [2.0] + [0.003] * 5, staged=False)
-    assert costs.phase("train").batch_saving() == 0.0
-    assert not costs.stages("train", 10_000, 1)
+    assert costs.phase("train").batch_saving() == pytest.approx(-0.001)
+    decision = costs.decide("train", 10_000, 1)
+    assert decision.kind is Kind.DOES_NOT_PAY
+    assert decision.figures["saving"] == pytest.approx(-9.999)
 
 
 def test_untimed_staged_work_pays_its_set_up_toward_the_trials_trace():
@@ -106,11 +108,12 @@ def test_untimed_staged_work_pays_its_set_up_toward_the_trials_trace():
     decision = costs.decide("train", 100, 2, owed=0.05)
     assert not decision.first_call and not decision.trial
     assert decision.staged and decision.rent == pytest.approx(0.09)
-    assert decision.reason == (
-        "the whole model's steps are not timed yet and tracing its step "
-        "(50.0 ms) outweighs this call; the stage's 90.0 ms of set-up count "
-        "toward the trial's trace"
-    )
+    assert decision.kind is Kind.LEARNING
+    assert decision.figures == {
+        "batches": 100,
+        "owed": 0.05,
+        "set_up": pytest.approx(0.09),
+    }
     # Its first staged calls also pay the plan, the prefix's trace and the
     # trunk's first call.
     costs.note_plan(0.1)
@@ -169,15 +172,13 @@ def test_a_trial_runs_only_where_tracing_the_whole_step_costs_little():
     costs = _timed()
     assert costs.phase("train").trial_due()
     assert not costs.stages("train", 100, 1, owed=0.04)
-    assert "times the whole model's steps once" in costs.describe(
-        "train", 100, 1, owed=0.04
-    )
+    assert costs.decide("train", 100, 1, owed=0.04).kind is Kind.TRIAL
     # More is owed: no trial; the call is weighed with the trace counted
     # against running unstaged (99 ms of work and 41 of trace > 70 ms).
     assert costs.stages("train", 100, 1, owed=0.041)
-    assert "tracing the whole model's step" in costs.describe(
-        "train", 100, 1, owed=0.041
-    )
+    decision = costs.decide("train", 100, 1, owed=0.041)
+    assert decision.kind is Kind.PAYS
+    assert decision.figures["owed"] == 0.041
     # Owed or not, a call that cannot repay its stage runs unstaged.
     assert not costs.stages("train", 20, 1, owed=0.041)
     # Calls that repeat repay the trace: by the phase's LOOP_CALLS-th
@@ -225,9 +226,8 @@ def test_the_epochs_keras_would_start_unstaged_count_against_it():
     costs.phase("train").note(epoch_start=0.012)
     decision = costs.decide("train", 240, 1, unstaged_epochs=8)
     assert decision.staged  # 96 ms of epoch starts > 70 ms of set-up
-    assert "96.0 ms Keras would spend starting and ending its 8 epochs" in (
-        decision.reason
-    )
+    assert decision.figures["starts"] == pytest.approx(0.096)
+    assert decision.figures["epochs"] == 8
     assert decision.gain == pytest.approx(0.096 - 0.07)
     assert decision.rent == 0.0  # nothing paid over an unstaged fit
     costs.phase("train").note(epoch_start=0.002, build=0.05)
@@ -238,9 +238,8 @@ def test_the_epochs_keras_would_start_unstaged_count_against_it():
     assert decision.rent == pytest.approx(0.07 - 0.016)
     # Fewer epochs, or a stage that makes an iterator per epoch too.
     assert not costs.stages("train", 240, 1, unstaged_epochs=5)
-    assert "starting and ending its epoch unstaged" in costs.describe(
-        "train", 30, 1, unstaged_epochs=1
-    )
+    decision = costs.decide("train", 30, 1, unstaged_epochs=1)
+    assert decision.figures["starts"] == pytest.approx(0.002)
     assert not costs.stages("train", 240, 8, unstaged_epochs=8)
     assert not costs.stages("train", 240, 1)  # an evaluate: one either way
 
@@ -334,8 +333,8 @@ def test_a_call_is_staged_only_when_its_work_can_repay_the_set_up():
     # Each epoch's iterator counts: 4 epochs cost 130 ms.
     assert not costs.stages("train", 120, 4)
     assert costs.stages("train", 140, 4)
-    assert "can save at most" in costs.describe("train", 71, 1)
-    assert "can save up to" in costs.describe("train", 72, 1)
+    assert costs.decide("train", 71, 1).kind is Kind.DOES_NOT_PAY
+    assert costs.decide("train", 72, 1).kind is Kind.PAYS
 
 
 def test_a_stage_that_computes_nothing_on_arrays_has_nothing_to_save():
@@ -498,7 +497,7 @@ def test_a_call_that_cannot_repay_its_set_up_is_not_staged(caplog):
     message = caplog.records[-1].getMessage()
     assert message.startswith(
         f"Model '{model.name}': train runs the whole model in Keras's "
-        "step, unstaged: staging 71 batches can save at most 70.0 ms"
+        "step, unstaged [does_not_pay]: staging 71 batches saves +70.0 ms"
     )
     assert calls.stages(model, layer, "train", 72)
 
@@ -513,7 +512,7 @@ def test_staged_calls_pay_towards_the_whole_steps_trace(caplog):
     # 39 ms saved and 50 owed beat 70 ms of set-up: staged, paying 31.
     with caplog.at_level(logging.INFO, logger="keras_stage"):
         assert calls.stages(model, layer, "train", 40)
-    assert "train is staged: staging 40 batches" in caplog.text
+    assert "train is staged [pays]: staging 40 batches" in caplog.text
     assert model_state(model).stage_rent["train"] == pytest.approx(0.031)
     assert calls.trace_owed(model, "train", costs) == pytest.approx(0.019)
     # 39 ms saved and 19 owed do not: the same call now runs unstaged.
@@ -557,16 +556,17 @@ def test_a_first_call_of_few_in_memory_batches_skips_its_stage():
         assert calls.stages(model, layer, phase, None)
         assert calls.costs(model).decide(phase, few, 1).first_call
         assert not calls.stages(model, layer, phase, few)
-        reason = model_state(model).call_reasons[phase]
-        assert reason.startswith("a first call of 32 batches")
+        decision = model_state(model).call_decisions[phase]
+        assert decision.kind is Kind.FIRST_CALL
+        assert decision.figures == {"batches": 32}
         assert not calls.costs(model).decide(phase, few, 1).first_call
         assert calls.stages(model, layer, phase, few)
-        assert "nothing is measured" in model_state(model).call_reasons[phase]
+        assert _kind(model, phase) is Kind.UNMEASURED
     assert model_state(model).plan is None
     # Once a model with this stage is measured, its costs decide instead.
     _note(model, phase="train")
-    reason = calls.costs(model).describe("train", few, 1)
-    assert "measured on a model with this stage" in reason
+    decision = calls.costs(model).decide("train", few, 1)
+    assert decision.kind in (Kind.PAYS, Kind.DOES_NOT_PAY)
 
 
 @pytest.mark.first_call_rule
@@ -694,15 +694,18 @@ def test_a_fit_is_staged_when_its_validation_gains_more_than_training_loses():
     kwargs = _fit_kwargs()
     assert not calls.fit_stages(model, layer, X, None, **kwargs)
     assert calls.fit_stages(model, layer, X, (X, Y), **kwargs)
-    assert _reason(model).startswith("its training alone would not")
-    assert "validation can" in _reason(model)
+    decision = _decision(model)
+    assert decision.kind is Kind.VALIDATION_PAYS
+    assert decision.figures["training"].kind is Kind.DOES_NOT_PAY
+    assert decision.figures["training"].gain == pytest.approx(-0.021)
+    assert decision.figures["validation"].kind is Kind.PAYS
     # A training that loses 10 s is not staged for its validation's 29 ms.
     model, layer = _model(capacity=3)
     _note(model, phase="train", build=10.0)
     _note(model, phase="test", build=0.0, iterator=0.0)
     assert not calls.fit_stages(model, layer, X, (X, Y), **kwargs)
-    assert "would stage its training too" in _reason(model, "test")
-    assert "less than" in _reason(model)
+    assert _kind(model, "test") is Kind.TRAINING_LOSES
+    assert _kind(model) is Kind.DOES_NOT_PAY
     # Nor for a validation in memory not measured yet.
     model, layer = _model(capacity=4)
     _note(model, phase="train", build=0.03)
@@ -716,7 +719,7 @@ def test_a_fit_whose_training_is_due_a_trial_runs_it_whatever_its_validation():
     _note(model, phase="test", build=0.0, iterator=0.0)
     assert costs.phase("train").trial_due()
     assert not calls.fit_stages(model, layer, X, (X, Y), **_fit_kwargs())
-    assert "times the whole model's steps once" in _reason(model)
+    assert _kind(model) is Kind.TRIAL
 
 
 def test_a_fit_on_a_dataset_that_maps_is_always_staged():
@@ -739,10 +742,12 @@ def test_a_fit_on_a_dataset_in_memory_is_decided_as_arrays_are():
     assert calls.fit_stages(model, layer, kept, None, **_fit_kwargs())
 
 
-def _reason(model, phase="train"):
-    from keras_stage.models.model_state import state
+def _decision(model, phase="train"):
+    return model_state(model).call_decisions[phase]
 
-    return state(model).call_reasons[phase]
+
+def _kind(model, phase="train"):
+    return _decision(model, phase).kind
 
 
 def test_the_decision_says_why_a_call_on_a_dataset_keeps_its_stage():
@@ -752,14 +757,18 @@ def test_the_decision_says_why_a_call_on_a_dataset_keeps_its_stage():
     unknown = dataset.unbatch().filter(lambda x, y: True).batch(8)
     assert int(unknown.cardinality()) == tf.data.UNKNOWN_CARDINALITY
     assert calls.fit_stages(model, layer, unknown, None, **_fit_kwargs())
-    assert "length is unknown" in _reason(model)
-    assert "keeps its stage" in _reason(model)
+    decision = _decision(model)
+    assert decision.kind is Kind.UNBOUNDED
+    assert decision.figures["unknown_length"]
+    assert "length is unknown" in decision.reason
     mapped = dataset.map(lambda x, y: (x * 2, y))
     assert calls.fit_stages(model, layer, mapped, None, **_fit_kwargs())
-    assert "length is unknown" not in _reason(model)
-    assert "runs functions or reads files" in _reason(model)
+    decision = _decision(model)
+    assert not decision.figures["unknown_length"]
+    assert decision.figures["maps"]
+    assert "runs functions or reads files" in decision.reason
     assert not calls.fit_stages(model, layer, dataset, None, **_fit_kwargs())
-    assert "less than" in _reason(model)  # measured: cannot repay
+    assert _kind(model) is Kind.DOES_NOT_PAY  # measured: cannot repay
 
 
 @pytest.mark.timeout(120)

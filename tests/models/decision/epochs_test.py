@@ -118,7 +118,7 @@ def calls_staged(monkeypatch):
 
     def staged(self, phase, batches, *args, **kwargs):
         if batches is not None and batches > 1:
-            return calls.Decision(True, "staged by the test")
+            return calls.Decision(calls.Kind.BY_REQUEST)
         return decide(self, phase, batches, *args, **kwargs)
 
     monkeypatch.setattr(calls.CallCosts, "decide", staged)
