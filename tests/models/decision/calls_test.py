@@ -93,6 +93,29 @@ def test_untimed_staged_work_is_weighed_from_host_timed_steps():
     assert decision.figures["saving"] == pytest.approx(-9.999)
 
 
+def test_staged_steps_slower_than_the_whole_models_lose_the_call():
+    # Issue 73's op-determinism case: a criteo-like fit of 2 epochs x 60
+    # batches whose staged steps (13 ms) are slower than the whole model's
+    # (10 ms). Clamped at zero, that saving let Keras's 4.9 ms of epoch
+    # starts outweigh 1.9 ms of set-up and every call stayed staged, at
+    # 1.3x plain; signed, it loses 357 ms and the call runs unstaged.
+    costs = CallCosts()
+    costs.note_build("train", 0.0015)
+    costs.note_iterator("train", 0.0004)
+    costs.note_work("train", float("nan"), 120, has_work=True)  # untimed
+    costs.note_steps("train", [1.0] + [0.013] * 5, staged=True)
+    costs.note_steps("train", [1.0] + [0.010] * 5, staged=False)
+    costs.phase("train").note(epoch_start=0.00245)
+    decision = costs.decide("train", 120, 1, unstaged_epochs=2)
+    assert decision.kind is Kind.DOES_NOT_PAY and not decision.staged
+    figures = decision.figures
+    assert figures["saving"] == pytest.approx(-0.357)
+    assert figures["starts"] == pytest.approx(0.0049)
+    assert figures["set_up"] == pytest.approx(0.0019)
+    assert figures["gain"] == pytest.approx(-0.357 + 0.0049 - 0.0019)
+    assert "-357.0 ms" in decision.reason
+
+
 def test_untimed_staged_work_pays_its_set_up_toward_the_trials_trace():
     # Op determinism where tf.data's model cannot be read (TF 2.16): the
     # staged work is never measured, so until the trial times the whole
