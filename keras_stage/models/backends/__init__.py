@@ -1,6 +1,36 @@
-"""The backend's steps: what a staged call does on each Keras backend.
+"""The backend of a staged call: one object per Keras backend.
 
-- `backend`: which backend runs the steps, and JAX's step.
-- `tensorflow_steps`: Keras's compiled TensorFlow steps, guarded and
-  recorded.
+- `base.py`: `Backend`, what each backend implements, and the refusal of
+  the Keras backends keras_stage does not stage on.
+- `tensorflow.py`: `TensorFlowBackend`; `tensorflow_steps.py` holds its
+  compiled steps, guarded and recorded.
+- `jax.py`: `JaxBackend`.
+
+Example (the train step of `StagingMixin`):
+
+    backends.for_model(model).step(model, "train", keras_train_step, *args)
 """
+
+import keras
+
+from keras_stage.models.backends.base import Backend
+from keras_stage.models.backends.jax import JaxBackend
+from keras_stage.models.backends.tensorflow import TensorFlowBackend
+from keras_stage.models.model_state import state as model_state
+
+# The Keras backends keras_stage stages on, by Keras's name.
+BACKENDS = {"tensorflow": TensorFlowBackend, "jax": JaxBackend}
+
+
+def get(name=None):
+    """The backend of Keras's backend `name`; defaults to the running one."""
+    name = keras.backend.backend() if name is None else name
+    return BACKENDS.get(name, Backend)(name)
+
+
+def for_model(model):
+    """`model`'s backend, chosen once, as Keras chooses its trainer class."""
+    state = model_state(model)
+    if state.backend is None:
+        state.backend = get()
+    return state.backend
