@@ -1,14 +1,8 @@
 """The backend of a staged call: one object per Keras backend.
 
-- `base.py`: `Backend`, what each backend implements, and the refusal of
-  the Keras backends keras_stage does not stage on.
-- `tensorflow.py`: `TensorFlowBackend`; `tensorflow_steps.py` holds its
-  compiled steps, guarded and recorded.
-- `jax.py`: `JaxBackend`.
-
-Example (the train step of `StagingMixin`):
-
-    backends.for_model(model).step(model, "train", keras_train_step, *args)
+`base.py` says what a backend implements (and refuses the Keras backends
+keras_stage does not stage on); `tensorflow.py`, with its compiled steps in
+`tensorflow_steps.py`, and `jax.py` implement it.
 """
 
 import keras

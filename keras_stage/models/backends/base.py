@@ -1,10 +1,9 @@
 """`Backend`: what a staged call asks of the Keras backend it runs on.
 
-One subclass per Keras backend keras_stage stages on, in a file of its own
-(`tensorflow.py`, `jax.py`), picked once per model (`backends.for_model`)
-as Keras picks its trainer class: nobody else asks which backend runs.
-This base is the backend of the others (torch, numpy, openvino), which
-refuses staged calls with what works instead.
+Picked once per model (`backends.for_model`), as Keras picks its trainer
+class: nobody else asks which backend runs. The base itself is the backend
+of the Keras backends keras_stage does not stage on (torch, numpy,
+openvino): it refuses their staged calls, saying what works.
 """
 
 import keras
@@ -16,44 +15,38 @@ from keras_stage.models.model_state import FUNCTIONS
 class Backend:
     """What a staged call does on one Keras backend.
 
-    A new backend is one file in this folder, a subclass added to
-    `backends.BACKENDS`, and its tests. It sets or overrides:
+    A new backend is a subclass in a file of this folder, named in
+    `backends.BACKENDS`, with its tests. It implements:
 
-    - Its refusals: `check_supported(model, layer)` (a staged call: this
-      base refuses every one), `check_strategy(model)` (a fit's
-      tf.distribute strategy), `check_exportable(model)` (an export).
-    - The steps: `step(model, phase, keras_step, *args)` (the body of the
-      model's train/test/predict step), `make_function(model, phase,
-      make)` (Keras's compiled train/test step, as a staged call runs it),
-      `may_run_unstaged` (whether a call or an epoch may skip its stage)
-      and `jit_by_default` (what `jit_compile="auto"` means for a trunk).
-    - The feed: `reads_in_graph(phase)` (whether Keras's step reads the
-      phase's batches in its graph, or in Python), `host_arrays(data)`,
-      `feed(data, phase)` (what Keras iterates for a `StagedData`),
-      `build(model, data, phase)` (what Keras would build from a first
-      batch, built from the stage's specs), `shard_batches(dataset)` (a
-      process's batch count where Keras shards per process) and
-      `unread_opens` (the iterators Keras opens after an epoch and never
-      reads).
-    - The stage's buffer and pool: `uses_device_buffer`,
-      `pool_start(options)` and `pool_shrinks`.
-    - What runs in tf.data for it, asked by the planner (which is handed
-      the backend: `plan_model(backend=...)`): `native_tf`,
-      `narrows_int64()` and `variable_reader(variables)`.
+    - Refusals: `check_supported(model, layer)` (this base refuses every
+      staged call), `check_strategy(model)`, `check_exportable(model)`.
+    - Steps: `step(model, phase, keras_step, *args)` (the model's
+      train/test/predict step), `make_function(model, phase, make)` (a
+      compiled train/test step), `may_run_unstaged` (whether a call or an
+      epoch may skip its stage), `jit_by_default` (`jit_compile="auto"`).
+    - Feed: `reads_in_graph(phase)` (Keras's step reads the batches in its
+      graph, not in Python), `host_arrays(data)`, `feed(data, phase)` (what
+      Keras iterates for a `StagedData`), `build(model, data, phase)` (what
+      Keras builds from a first batch, from the stage's specs),
+      `shard_batches(dataset)` (a process's batches where Keras shards per
+      process), `unread_opens` (iterators Keras opens per epoch, unread).
+    - Buffer and pool: `uses_device_buffer`, `pool_start(options)`,
+      `pool_shrinks`.
+    - What runs in tf.data, for the planner (handed the backend by
+      `plan_model`): `native_tf`, `narrows_int64()`,
+      `variable_reader(variables)`.
 
-    This base gives what a backend meets before a staged call refuses or
-    runs (the steps Keras makes, the plan): the planner's answers for
-    tensors that are not TensorFlow's, a step that runs the SmartStage
-    trunk, Keras's compiled functions as Keras makes them.
+    The base gives what a refused backend meets too: Keras's compiled
+    functions, a step running the SmartStage trunk, the planner's answers
+    for tensors that are not TensorFlow's.
 
     Args:
         name: Keras's name of the backend (`keras.backend.backend()`).
     """
 
     # Whether Keras's tensors and variables are TensorFlow's: any layer
-    # then runs in tf.data, on the model's own variables. Otherwise only
-    # Keras's preprocessing layers (their fixed state read into the trace)
-    # and layers of TensorFlow ops can.
+    # then runs in tf.data, on the model's variables; otherwise only Keras's
+    # preprocessing layers (fixed state) and layers of TensorFlow ops.
     native_tf = False
 
     def __init__(self, name):

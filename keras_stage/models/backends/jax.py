@@ -1,16 +1,10 @@
 """`JaxBackend`: Keras's jitted steps take each batch from Python.
 
-Keras's JAX steps are pure functions of the data, jitted, and its trainer
-fetches each batch in Python, from the iterator of the dataset it is given.
-The stage's eager iterator (`StagedData.eager_dataset`) applies the
-exception policies and the timeout there and counts the waits; Keras's JAX
-trainer puts each batch on the device one batch ahead (`jax.device_put`),
-so the stage's buffer stays on the host. Under a `keras.distribution` it
-lays each batch out over the devices as it does any dataset's; across
-processes each stages its own shard (`feed`). The staged prefix is
-TensorFlow, run by tf.data as Keras's preprocessing layers are on any
-backend; the trunk is traced into the JAX step (`Backend.step`), and the
-model is built from the stage's specs (`build`).
+Keras's JAX trainer fetches each batch in Python from the stage's eager
+iterator (`StagedData.eager_dataset`), which applies the stage's policies
+and counts the waits, and puts it on the device itself: the stage's buffer
+stays on the host. The staged prefix is TensorFlow, run by tf.data; the
+trunk is traced into the jitted step (`Backend.step`).
 """
 
 import logging
@@ -63,8 +57,7 @@ class JaxBackend(Backend):
     def host_arrays(self, data):
         """`data` with NumPy string arrays as `tf.string` tensors.
 
-        Keras's array adapter on JAX rejects object arrays (`Invalid dtype:
-        object`): strings are what its JAX steps cannot take. The stage runs
+        Keras's array adapter on JAX rejects object arrays; the stage runs
         in TensorFlow, whose tensors the adapter slices on any backend.
         """
         if data is None:
@@ -83,15 +76,11 @@ class JaxBackend(Backend):
     def feed(self, data, phase):
         """The stage's eager dataset, as Keras's trainer is to read it.
 
-        Across processes (`jax.distributed`) under a `keras.distribution`,
-        Keras shards any dataset it is given per process (rebatched, then
-        sharded), which would read the stage's graph around its iterators
-        (their policies, timeout and statistics). The stage's source is
-        that shard already (Keras's adapter made it, see `stage_data`), so
-        the staged dataset goes to Keras in an adapter of its own, which
-        Keras takes as it is. Each process then stages its own share of
-        every epoch, and Keras's trainer assembles the global batch from
-        the processes' batches (`jax.make_array_from_process_local_data`).
+        Across processes under a `keras.distribution`, Keras would shard
+        any dataset again, reading the stage's graph around its iterators;
+        the stage's source is this process's shard already, so it goes to
+        Keras in an adapter Keras takes as it is, and Keras assembles the
+        global batch from the processes' batches.
         """
         if not _across_processes():
             return data.eager_dataset
@@ -100,14 +89,10 @@ class JaxBackend(Backend):
     def build(self, model, data, phase):
         """Builds the model's metrics from `data`'s specs, as Keras's fit would.
 
-        Keras's JAX trainer builds an unbuilt model (its compile metrics and
-        loss) by reading a first batch from an iterator of its own. Here it
-        is built from the stage's element spec instead (with the trunk
-        called, for a SmartStage split): no staged iterator is started for
-        one batch, and the epochs can share one (`StagedData.epochs`). What
-        that read draws from the source is drawn all the same (one batch of
-        the source, unstaged), so the epochs see the orders the hand-split
-        pipeline sees.
+        Keras's JAX trainer reads a first batch of its own to build them;
+        built from the stage's spec instead (the trunk called), no staged
+        iterator starts for one batch. That read's draw from the source is
+        made all the same, so the epochs see the hand-split orders.
         """
         if not _compat.builds_from_data(model):
             return
@@ -119,17 +104,12 @@ class JaxBackend(Backend):
     def shard_batches(self, dataset):
         """The batches of this process's shard of `dataset`, or None.
 
-        Across processes (`jax.distributed`) under a `keras.distribution`
-        that auto-shards, Keras's adapter re-forms each global batch into
-        the processes' shares (`Dataset.rebatch`), then shards them, and
-        tf.data knows no length after a rebatch; plain Keras then finds each
-        epoch's end by running out. A global batch that fills every
-        process's share gives each process exactly one batch, so every
-        shard of a dataset of `C` batches has `C`; a last batch too short to
-        reach the last processes would leave them a step short of the
-        first, which no process group can train on (plain Keras's processes
-        would wait on each other). None when Keras does not shard `dataset`
-        per process or its length is not known.
+        Across processes under an auto-sharding `keras.distribution`,
+        Keras rebatches each global batch into the processes' shares, and
+        tf.data knows no length after a rebatch: each shard of `C` batches
+        has `C` (a last batch too short for every process would stall the
+        process group, in plain Keras too). None when Keras does not shard
+        `dataset` per process or its length is not known.
         """
         if not isinstance(dataset, tf.data.Dataset) or not _across_processes():
             return None
@@ -141,15 +121,10 @@ class JaxBackend(Backend):
     def pool_start(self, options):
         """The threads a stage's adaptive pool starts with: the cores.
 
-        The steps are dispatched ahead and the fetches go through Python,
-        so the verdict's waits swing between epochs (a pool shrunk to one
-        thread, then grown back), and each resize restarts the stage. So
-        the pool starts at the cores, the pool tf.data's shared one has and
-        the hand-split `map(...).prefetch(...)` runs on, and only grows,
-        after an epoch that kept the step waiting (`pool_shrinks`). A pool
-        larger than the cores, whose autotuner budgets as many cores as
-        threads, runs the staged work on more threads than there are cores,
-        beside the step (docs/jax.md has the figures).
+        Steps dispatched ahead make the verdict's waits swing between epochs,
+        and each resize restarts the stage: the pool starts where tf.data's
+        shared one does and only grows, after an epoch that kept the step
+        waiting (docs/jax.md has the figures).
         """
         return options.smallest_pool_size()
 

@@ -1,9 +1,7 @@
 """`TensorFlowBackend`: Keras's compiled steps read the stage in their graph.
 
-Keras's TensorFlow steps read the stage's pipeline inside a `tf.function`;
 `tensorflow_steps.py` guards them with the stage's runner and makes them
-record the fetches. Predict batches Keras reads in Python, through the
-stage's own iterators.
+record the fetches; predict batches Keras reads in Python.
 """
 
 import tensorflow as tf
@@ -91,18 +89,12 @@ class TensorFlowBackend(Backend):
     def build(self, model, data, phase):
         """Builds what the first step's trace would create variables for.
 
-        Without a strategy Keras builds the optimizer and the compile
-        metrics inside the first traced step, and a `tf.function` that
-        creates variables in its first trace is traced a second time: a
-        model's first fit traced its train step twice. So the metrics (and
-        an unbuilt model) are built first from specs
-        (`_compat.symbolic_build`, one symbolic call of the model), with the
-        same variables and values; the optimizer alone is built when the
-        train function is made (`tensorflow_steps.build_optimizer`). Under a
-        strategy Keras builds all of it before the first step by calling
-        the model on a batch of the data it iterates, which with SmartStage
-        holds the cut tensors: built first from specs, as above
-        (`_build_from_specs` says which).
+        A `tf.function` creating variables in its first trace is traced
+        twice: Keras builds the compile metrics there without a strategy,
+        so they (and an unbuilt model) are built first from specs; the
+        optimizer as the train function is made (`build_optimizer`). Under
+        a strategy Keras builds all of it from a batch, which with
+        SmartStage holds the cut tensors: built from specs too.
         """
         if data.element_spec is None:
             return
