@@ -117,7 +117,7 @@ def distributed_dataset_adapter(dataset):
     takes as data only TensorFlow's own distributed datasets (it tells them
     by class name), not another implementation of the public interface,
     which its epoch iterator would use as one. For a dataset on JAX across
-    processes: Keras would shard it again (`backend.eager_feed`). A
+    processes: Keras would shard it again (`JaxBackend.feed`). A
     `DataAdapter` it takes as it is, with no distribution. `dataset` needs
     `cardinality()`: an epoch's batches.
     """

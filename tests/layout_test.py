@@ -66,3 +66,20 @@ def test_models_folders_show_the_staged_call():
         "type), decision/ (whether a call or an epoch is staged) or "
         "backends/ (the backend's steps)"
     )
+
+
+def test_only_the_backends_folder_asks_which_backend_runs():
+    # Keras picks one trainer class per backend; keras_stage one `Backend`
+    # per model (models/backends/), which everyone else asks instead.
+    asks = ("graph_steps(", "backend.backend()", "config.backend()")
+    found = [
+        f"{path.relative_to(PACKAGE)}: {ask}"
+        for path in PACKAGE.rglob("*.py")
+        if path.parent != PACKAGE / "models" / "backends"
+        for ask in asks
+        if ask in path.read_text()
+    ]
+    assert not found, (
+        f"backend asks outside keras_stage/models/backends/: {found}; ask "
+        "the model's backend (`backends.for_model(model)`) instead"
+    )

@@ -31,6 +31,8 @@ class StagingState:
     """Per-model run state, kept out of Keras's attribute tracking."""
 
     def __init__(self):
+        # The model's `backends.Backend`, chosen on first use.
+        self.backend = None
         self.smart_stage = False
         self.runners = {}
         # The stats each compiled step ("train", "test") records its

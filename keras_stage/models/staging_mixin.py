@@ -7,15 +7,16 @@
   goes through a stage with that layer's options, a `PrefetchCallback`
   runs first, and the stage ends however the call ends. A call that cannot
   repay its stage runs unstaged (`decision/calls.py`);
-- the train/test/predict steps run the SmartStage trunk on the stage's cut
-  tensors, and the compiled ones are guarded by the stage's runner
-  (`backends/tensorflow_steps.py`).
+- the train/test/predict steps and the compiled ones are the model's
+  backend's (`backends/`, picked once per model): they run the SmartStage
+  trunk on the stage's cut tensors, guarded by the stage's runner.
 
 What the model keeps between calls is `model_state.py`'s. A model without a
 `StagedInput` and without `smart_stage` behaves exactly like its Keras base
 class.
 """
 
+import functools
 import logging
 import time
 import warnings
@@ -24,7 +25,8 @@ import keras
 
 from keras_stage import _compat
 from keras_stage.layers.staged_input import StagedInput
-from keras_stage.models.backends import backend, tensorflow_steps
+from keras_stage.models import backends
+from keras_stage.models.backends import tensorflow_steps
 from keras_stage.models.call.staged_call import StagedCall
 from keras_stage.models.decision import calls
 from keras_stage.models.decision.calls import validation_runs
@@ -169,7 +171,10 @@ class StagingMixin:
             mode = "longest" if state.smart_stage == "longest" else True
             started = time.perf_counter()
             state.plan, state.split = plan_model(
-                self, find_staged_input(self), smart_stage=mode
+                self,
+                find_staged_input(self),
+                smart_stage=mode,
+                backend=self._stage_backend,
             )
             if state.smart_stage:
                 calls.costs(self).note_plan(time.perf_counter() - started)
@@ -231,33 +236,25 @@ class StagingMixin:
 
     @tensorflow_steps.own
     def train_step(self, *args):
-        if not backend.graph_steps():
-            return backend.jax_step(self, "train", super().train_step, *args)
-        data = tensorflow_steps.unpacked(self, "train", *args)
-        with tensorflow_steps.calling_trunk(self, "train"):
-            return tensorflow_steps.recorded_step(
-                self, "train", super().train_step, data
-            )
+        return self._stage_backend.step(
+            self, "train", super().train_step, *args
+        )
 
     @tensorflow_steps.own
     def test_step(self, *args):
-        if not backend.graph_steps():
-            return backend.jax_step(self, "test", super().test_step, *args)
-        data = tensorflow_steps.unpacked(self, "test", *args)
-        with tensorflow_steps.calling_trunk(self, "test"):
-            return tensorflow_steps.recorded_step(
-                self, "test", super().test_step, data
-            )
+        return self._stage_backend.step(self, "test", super().test_step, *args)
 
     @tensorflow_steps.own
     def predict_step(self, *args):
-        if not backend.graph_steps():
-            return backend.jax_step(
-                self, "predict", super().predict_step, *args
-            )
-        data = tensorflow_steps.unpacked(self, "predict", *args)
-        with tensorflow_steps.calling_trunk(self, "predict"):
-            return super().predict_step(data)
+        return self._stage_backend.step(
+            self, "predict", super().predict_step, *args
+        )
+
+    @property
+    def _stage_backend(self):
+        # Also what `plan_model` reads when not handed one: the planner
+        # sits below the models and imports none of them.
+        return backends.for_model(self)
 
     @property
     def jit_compile(self):
@@ -299,33 +296,18 @@ class StagingMixin:
         cannot be exported (its preprocessing is TensorFlow): this says
         how to export it from the TensorFlow backend instead.
         """
-        backend.check_exportable(self)
+        self._stage_backend.check_exportable(self)
         return super().export(filepath, format=format, **kwargs)
 
     # -- compiled steps ---------------------------------------------------
 
     def make_train_function(self, force=False):
-        if backend.graph_steps():
-            tensorflow_steps.build_optimizer(self)
-        super().make_train_function(force=force)
-        # On JAX the stage's eager iterator applies its runner instead.
-        if backend.graph_steps() and not tensorflow_steps.guarded(
-            self.train_function
-        ):
-            self.train_function = tensorflow_steps.guard(
-                self, "train", self.train_function
-            )
-        return self.train_function
+        make = functools.partial(super().make_train_function, force=force)
+        return self._stage_backend.make_function(self, "train", make)
 
     def make_test_function(self, force=False):
-        super().make_test_function(force=force)
-        if backend.graph_steps() and not tensorflow_steps.guarded(
-            self.test_function
-        ):
-            self.test_function = tensorflow_steps.guard(
-                self, "test", self.test_function
-            )
-        return self.test_function
+        make = functools.partial(super().make_test_function, force=force)
+        return self._stage_backend.make_function(self, "test", make)
 
     # -- fit / evaluate / predict -----------------------------------------
 
@@ -371,9 +353,9 @@ class StagingMixin:
         layer = self._stage_setup()
         if layer is None:
             return unstaged()
+        backend = self._stage_backend
         backend.check_supported(self, layer)
         backend.check_strategy(self)
-        graph = backend.graph_steps()
         call = StagedCall(
             self,
             layer,
@@ -397,8 +379,7 @@ class StagingMixin:
             isinstance(cb, keras.callbacks.BackupAndRestore)
             for cb in call.callbacks
         )
-        # On JAX a string prefix cannot run unstaged: always staged.
-        if graph and not calls.fit_stages(
+        if backend.may_run_unstaged and not calls.fit_stages(
             self,
             layer,
             x,
@@ -419,6 +400,7 @@ class StagingMixin:
             val_x, val_y, val_sw = keras.utils.unpack_x_y_sample_weight(
                 validation_data
             )
+        left = max(epochs - initial_epoch, 0)  # the epochs this fit runs
         with call:
             train = call.stage(
                 "train",
@@ -430,10 +412,10 @@ class StagingMixin:
                 steps=steps_per_epoch,
                 shuffle=shuffle,
                 class_weight=class_weight,
-                epochs=max(epochs - initial_epoch, 0) if long_lived else None,
+                epochs=left if long_lived else None,
                 steps_per_execution=self.steps_per_execution,
                 alongside=() if validation_data is None else (val_x,),
-                switch_epochs=max(epochs - initial_epoch, 0) if graph else None,
+                switch_epochs=left if backend.may_run_unstaged else None,
             )
             val = None
             if validation_data is not None:
@@ -492,10 +474,11 @@ class StagingMixin:
         if layer is None or _compat.is_fit_validation(kwargs):
             # Unstaged, or the validation of a fit (staged with the fit).
             return unstaged()
+        backend = self._stage_backend
         backend.check_supported(self, layer)
         # Made first: its callbacks are checked whichever way the call runs.
         call = StagedCall(self, layer, ("test",), callbacks, verbose=verbose)
-        if backend.graph_steps() and not calls.stages(
+        if backend.may_run_unstaged and not calls.stages(
             self,
             layer,
             "test",
@@ -544,10 +527,11 @@ class StagingMixin:
 
         if layer is None:
             return unstaged()
+        backend = self._stage_backend
         backend.check_supported(self, layer)
         # Made first: its callbacks are checked whichever way the call runs.
         call = StagedCall(self, layer, ("predict",), callbacks, verbose=verbose)
-        if backend.graph_steps() and not calls.stages(
+        if backend.may_run_unstaged and not calls.stages(
             self,
             layer,
             "predict",

@@ -25,6 +25,7 @@ the longest prefix ends with a layer that inflates the data (a one-hot
 planner cuts before it and leaves it in the trunk.
 """
 
+import functools
 import inspect
 import re
 import time
@@ -91,20 +92,20 @@ def _has_trainable_weights(layer):
     return bool(getattr(layer, "trainable_weights", None))
 
 
-def _own_reason(layer, access, changing, seeds):
+def _own_reason(layer, access, changing, seeds, backend):
     """Why `layer`'s call cannot be staged, from its trace; or None."""
     if _has_trainable_weights(layer):
         return "has trainable weights"
     if access.failure is not None:
         return (
-            f"cannot run in tf.data on the {keras.backend.backend()} "
+            f"cannot run in tf.data on the {backend.name} "
             "backend (only Keras preprocessing layers and layers of "
             "TensorFlow ops can): its trace failed with "
             f"{type(access.failure.error).__name__}"
         )
-    if keras.backend.backend() != "tensorflow" and not _shares_safely(layer):
+    if not backend.native_tf and not _shares_safely(layer):
         return (
-            f"holds variables, which the {keras.backend.backend()} backend "
+            f"holds variables, which the {backend.name} backend "
             "cannot share with tf.data (only Keras preprocessing layers' "
             "fixed state is staged there)"
         )
@@ -183,7 +184,7 @@ def _kind(spec):
     return "dense"
 
 
-def plan_model(model, boundary_layer=None, smart_stage=True):
+def plan_model(model, boundary_layer=None, smart_stage=True, backend=None):
     """Plans `model`; returns `(StagePlan, StageSplit or None)`.
 
     Args:
@@ -197,6 +198,9 @@ def plan_model(model, boundary_layer=None, smart_stage=True):
             the shorter prefix with the fewest bytes (the longest of those
             on a tie). `"longest"` for the longest
             prefix always. Defaults to `True`.
+        backend: The backend of the model's steps (a
+            `keras_stage.models.backends.Backend`), which says what can run
+            in tf.data. Defaults to the model's own.
 
     The split is None when nothing past the boundary can be staged, or
     when the model has no functional graph (the plan's `note` says so).
@@ -228,6 +232,7 @@ def plan_model(model, boundary_layer=None, smart_stage=True):
             "Invalid value for argument `smart_stage`. Expected True or "
             f'"longest". Received: smart_stage={smart_stage!r}'
         )
+    backend = model._stage_backend if backend is None else backend
     graph = graph_model(model)
     if graph is None:
         return _unplanned(
@@ -251,7 +256,7 @@ def plan_model(model, boundary_layer=None, smart_stage=True):
         accesses, specs = trace_access(
             graph,
             nodes,
-            keep_going=keras.backend.backend() != "tensorflow",
+            keep_going=not backend.native_tf,
             skip=untraced,
         )
     except TraceError as e:
@@ -287,10 +292,11 @@ def plan_model(model, boundary_layer=None, smart_stage=True):
     # cannot cross the stage sends its node back to the trunk, and the
     # plan is made again (each round moves at least one node).
     held = {}
+    assign = functools.partial(
+        _assign, graph, nodes, accesses, boundary_layer, changing, seeds
+    )
     while True:
-        staged_nodes, trunk_nodes, reasons, available = _assign(
-            graph, nodes, accesses, boundary_layer, changing, seeds, held
-        )
+        staged_nodes, trunk_nodes, reasons, available = assign(held, backend)
         cut = _cut(graph, trunk_nodes, available)
         blocked = _uncrossable(cut, staged_nodes, accesses, boundary_layer)
         if not blocked:
@@ -305,9 +311,7 @@ def plan_model(model, boundary_layer=None, smart_stage=True):
     if chosen.count < len(ordered):
         # Every candidate passed `_uncrossable`: this round is the last.
         held.update(dict.fromkeys(ordered[chosen.count :], moved_reason))
-        staged_nodes, trunk_nodes, reasons, available = _assign(
-            graph, nodes, accesses, boundary_layer, changing, seeds, held
-        )
+        staged_nodes, trunk_nodes, reasons, available = assign(held, backend)
         cut = _cut(graph, trunk_nodes, available)
 
     plan = StagePlan(
@@ -331,7 +335,9 @@ def plan_model(model, boundary_layer=None, smart_stage=True):
         for v in accesses[node].writes:
             if id(v) in seeds and all(v is not s for s in staged_seeds):
                 staged_seeds.append(v)
-    split = StageSplit(graph, cut, specs, trunk_nodes, plan, staged_seeds)
+    split = StageSplit(
+        graph, cut, specs, trunk_nodes, plan, staged_seeds, backend
+    )
     return plan, split
 
 
@@ -349,7 +355,9 @@ def _unplanned(model, boundary_layer, note, reason):
     )
 
 
-def _assign(graph, nodes, accesses, boundary_layer, changing, seeds, held):
+def _assign(
+    graph, nodes, accesses, boundary_layer, changing, seeds, held, backend
+):
     """Splits `nodes` into staged and trunk, producers first.
 
     `held` maps nodes kept in the trunk for their outputs to the reason.
@@ -380,7 +388,7 @@ def _assign(graph, nodes, accesses, boundary_layer, changing, seeds, held):
         elif node in held:
             reason = held[node]
         else:
-            reason = _own_reason(layer, access, changing, seeds)
+            reason = _own_reason(layer, access, changing, seeds, backend)
             if reason is None:
                 for t in inputs:
                     if id(t) not in available:
@@ -547,19 +555,6 @@ def _choose_cut(candidates, smart_stage):
     return smaller, reason, moved
 
 
-def _narrows_int64():
-    """Whether the trunk takes int64 cut tensors as int32.
-
-    JAX without `jax_enable_x64` has no int64: Keras would truncate them
-    in every step, with a warning. The stage casts them instead.
-    """
-    if keras.backend.backend() != "jax":
-        return False
-    import jax  # the backend's own library: present on this backend
-
-    return not jax.config.jax_enable_x64
-
-
 def _as_input(value, tensor):
     """`value` with the dtype and rank of the model input `tensor`.
 
@@ -659,10 +654,14 @@ class StageSplit:
             inputs: it shares their weights, so training it trains the
             model.
         seed_states: Seed-state variables of the staged random layers.
+        backend: The backend of the model's steps (see `plan_model`).
     """
 
-    def __init__(self, graph, cut, specs, trunk_nodes, plan, staged_seeds):
+    def __init__(
+        self, graph, cut, specs, trunk_nodes, plan, staged_seeds, backend
+    ):
         self.plan = plan
+        self.backend = backend
         self.seed_states = list(staged_seeds)
         self.prefix = keras.Model(
             graph.input, list(cut), name=f"{graph.name}_stage"
@@ -671,7 +670,9 @@ class StageSplit:
         taken = set()
         values = {}
         trunk_inputs = []
-        self._narrow = _narrows_int64()
+        # Where the backend takes no int64 (JAX without `jax_enable_x64`),
+        # the stage casts the cut tensors Keras would truncate every step.
+        self._narrow = backend.narrows_int64()
         for t, b in zip(cut, plan.boundary, strict=True):
             spec = specs[id(t)]
             dtype = spec.dtype.name
@@ -879,7 +880,7 @@ class StageSplit:
         tf.data runs Keras's preprocessing layers on any backend.
         """
         prefix = self.prefix
-        if keras.backend.backend() == "tensorflow":
+        if self.backend.native_tf:
             return prefix(x, training=training)
         if isinstance(prefix.input, dict):
             pairs = [(t, x[name]) for name, t in prefix.input.items()]

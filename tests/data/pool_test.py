@@ -249,7 +249,7 @@ def test_resize_rejects_a_bad_size_naming_it(threads, error):
 
 def test_a_pool_can_start_below_its_largest_and_only_grow():
     # keras_stage on JAX: a pool at the cores that only grows (see
-    # keras_stage.models.backends.backend.pool_start).
+    # keras_stage.models.backends.jax.JaxBackend.pool_start).
     pool = StagePool("grows", largest=16, smallest=2, most=64, start=2)
     assert pool.size == 2
     # Keeping up on the cores: left as it is, never shrunk.

@@ -429,7 +429,7 @@ def test_a_fit_runs_its_epochs_on_one_stage_iterator(monkeypatch):
     )
     # The "auto" pool starts at the cores on JAX, the pool tf.data's
     # shared one has, and never shrinks (see
-    # keras_stage.models.backends.backend.pool_start).
+    # keras_stage.models.backends.jax.JaxBackend.pool_start).
     cores = keras_stage.data.StageOptions().smallest_pool_size()
     assert verdicts[0]["thread_pool_size"] == cores
     grown = 0

@@ -1,6 +1,30 @@
-"""The backend's steps: what a staged call does on each Keras backend.
+"""The backend of a staged call: one object per Keras backend.
 
-- `backend`: which backend runs the steps, and JAX's step.
-- `tensorflow_steps`: Keras's compiled TensorFlow steps, guarded and
-  recorded.
+`base.py` says what a backend implements (and refuses the Keras backends
+keras_stage does not stage on); `tensorflow.py`, with its compiled steps in
+`tensorflow_steps.py`, and `jax.py` implement it.
 """
+
+import keras
+
+from keras_stage.models.backends.base import Backend
+from keras_stage.models.backends.jax import JaxBackend
+from keras_stage.models.backends.tensorflow import TensorFlowBackend
+from keras_stage.models.model_state import state as model_state
+
+# The Keras backends keras_stage stages on, by Keras's name.
+BACKENDS = {"tensorflow": TensorFlowBackend, "jax": JaxBackend}
+
+
+def get(name=None):
+    """The backend of Keras's backend `name`; defaults to the running one."""
+    name = keras.backend.backend() if name is None else name
+    return BACKENDS.get(name, Backend)(name)
+
+
+def for_model(model):
+    """`model`'s backend, chosen once, as Keras chooses its trainer class."""
+    state = model_state(model)
+    if state.backend is None:
+        state.backend = get()
+    return state.backend

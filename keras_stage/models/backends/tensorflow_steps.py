@@ -1,6 +1,6 @@
 """The compiled steps of a staged call: Keras's steps, guarded and recorded.
 
-This is the TensorFlow backend's side of a staged call, the only module
+This is `TensorFlowBackend`'s helper (`tensorflow.py`), the only module
 that knows how Keras's compiled train/test/predict functions take their
 data (an iterator, read inside a `tf.function`):
 
@@ -11,11 +11,8 @@ data (an iterator, read inside a `tf.function`):
   `UnrecordedStep` runs a twin without them when the batch is known to be
   buffered;
 - `unpacked` and `calling_trunk` make the traced step unpack what its
-  stage packed and run the SmartStage trunk instead of the whole model.
-
-A second backend (JAX: its steps are pure functions of the data, called
-from Python) supplies these for its own steps; `call/staged_call.py` and the
-model API stay as they are.
+  stage packed and run the SmartStage trunk instead of the whole model
+  (`calling_trunk` on every backend: `Backend.step`).
 """
 
 import contextlib

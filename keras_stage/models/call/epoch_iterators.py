@@ -705,7 +705,7 @@ class DistributedEpochView(EpochView):
     iterator of each `fit` and `evaluate`, then drops it
     (`_maybe_symbolic_build` in Keras's TensorFlow trainer), to build what
     is unbuilt from its shapes and dtypes; the staged call has built all of
-    it already (`staged_call._build_before_trace`). A read from the shared
+    it already (`TensorFlowBackend.build`). A read from the shared
     iterator would take the epoch's first batch from the step, so a view's
     first Python read, before any step read it, is that peek: it gets a
     batch of zeros of `spec` (one replica's structure, no batch rows) and

@@ -11,7 +11,7 @@ saves the fit's bindings of its phase and gives them back when it ends.
 
 What outlives calls (the plan, the traced prefix, the compiled steps, the
 stats the steps record in, the measured costs) is the model's
-(`model_state.py`); the steps themselves are `tensorflow_steps.py`'s.
+(`model_state.py`); the steps themselves are the backend's (`backends/`).
 
 Example (what `StagingMixin.evaluate` does, `keras_evaluate` being
 `keras.Model.evaluate` bound to the model):
@@ -30,14 +30,12 @@ import functools
 import warnings
 
 import keras
-import tensorflow as tf
 
 from keras_stage import _compat
 from keras_stage.callbacks.data_backup import DataBackup
 from keras_stage.callbacks.prefetch_callback import PrefetchCallback
-from keras_stage.models.backends import backend, tensorflow_steps
-from keras_stage.models.call.epoch_iterators import DistributedEpochPipeline
-from keras_stage.models.data_adapters.staged_data import default_strategy
+from keras_stage.models import backends
+from keras_stage.models.backends import tensorflow_steps
 from keras_stage.models.decision import calls
 from keras_stage.models.decision.epochs import epoch_switch, may_switch
 from keras_stage.models.model_state import (
@@ -104,6 +102,7 @@ class StagedCall:
         # The roles and pools of the stages counting in stats of their own.
         self._own_pools = []
         self._state = model_state(model)
+        self.backend = backends.for_model(model)
         # Per bound phase: the outer call's (runner, recording, placement).
         self._outer = {}
 
@@ -129,15 +128,14 @@ class StagedCall:
         pipeline is what Keras must iterate.
         """
         model = self.model
-        # Predict reads its batches in Python, and so does every JAX step.
-        stepped = phase != "predict" and backend.graph_steps()
+        stepped = self.backend.reads_in_graph(phase)
         data = calls.staged_data(
             model,
             phase,
             self.layer,
             role,
-            backend.host_arrays(x),
-            backend.host_arrays(y),
+            self.backend.host_arrays(x),
+            self.backend.host_arrays(y),
             sample_weight,
             split=self.split,
             stats=(
@@ -145,6 +143,7 @@ class StagedCall:
                 if stepped
                 else None
             ),
+            backend=self.backend,
             strategy=model.distribute_strategy if stepped else None,
             kept=self._state.stages,
             reads_in_python=not stepped,
@@ -198,7 +197,7 @@ class StagedCall:
             data.adapter,
             long_lived=data.long_lived,
             switch=data.switch,
-            pool_shrinks=backend.pool_shrinks(),
+            pool_shrinks=self.backend.pool_shrinks,
             carried=data.carried,
             call_reason=_reason(state.call_decisions.pop(phase, None)),
             iterator_cost=functools.partial(
@@ -223,16 +222,9 @@ class StagedCall:
     def feed(self, data):
         """What Keras iterates for `data` (a `StagedData` of this call).
 
-        Keras's compiled TensorFlow steps read the pipeline in the graph;
-        Keras reads predict batches, and every batch on JAX, in Python,
-        where the stage's own iterators apply its policies.
+        The backend's feed (`Backend.feed`); a fit's phases are fed alike.
         """
-        if backend.graph_steps() and "predict" not in self.phases:
-            pipeline = data.pipeline
-            if isinstance(pipeline, DistributedEpochPipeline):
-                return _compat.distributed_dataset_adapter(pipeline)
-            return pipeline
-        return backend.eager_feed(data.eager_dataset)
+        return self.backend.feed(data, self.phases[0])
 
     def _reopen(self, phase, count=1):
         """Makes and drops `count` iterators of `phase`'s source.
@@ -260,7 +252,7 @@ class StagedCall:
         if (
             data is None
             or data.element_spec is None
-            or not backend.graph_steps()
+            or not self.backend.reads_in_graph(phase)
             or not _compat.builds_from_data(self.model)
         ):
             return
@@ -280,12 +272,7 @@ class StagedCall:
             _staged_steps(model, self.phases, splits),
         ):
             if self.built and "predict" not in self.phases:
-                if backend.graph_steps():
-                    _build_before_trace(model, self.built[0], self.phases[0])
-                else:
-                    backend.build_as_keras_would(
-                        model, self.built[0], self.phases[0]
-                    )
+                self.backend.build(model, self.built[0], self.phases[0])
             return keras_call(callbacks=self.callbacks, **kwargs)
 
     def run_unstaged(self, keras_call):
@@ -491,8 +478,8 @@ def _trunk_jit(model, splits):
     the trunk can honour the user's request.
     """
     requested = model_state(model).requested_jit
-    if requested == "auto" and not backend.graph_steps():
-        requested = True  # Keras's "auto" on JAX: jit what it can
+    if requested == "auto":
+        requested = backends.for_model(model).jit_by_default
     if requested is not True:
         return None
     for split in splits.values():
@@ -507,61 +494,6 @@ def _trunk_jit(model, splits):
             )
             return False
     return True
-
-
-def _build_before_trace(model, data, phase):
-    """Builds what the first step's trace would create variables for.
-
-    Without a strategy Keras builds the optimizer and the compile metrics
-    inside the first traced step, and a `tf.function` that creates variables
-    in its first trace is traced a second time: a model's first fit traced
-    its train step twice. So the metrics (and an unbuilt model) are built
-    first from specs (`_compat.symbolic_build`, one symbolic call of the
-    model), with the same variables and values; the optimizer alone is
-    built when the train function is made (`tensorflow_steps.build_optimizer`).
-    Under a strategy Keras builds all of it before the first step by calling
-    the model on a batch of the data it iterates, which with SmartStage
-    holds the cut tensors: built first from specs, as above
-    (`_build_from_specs` says which).
-    """
-    if data.element_spec is None:
-        return
-    strategy = model.distribute_strategy
-    if not default_strategy(strategy):
-        if data.split is not None:
-            with strategy.scope():
-                _build_from_specs(model, data, phase)
-        return
-    if not _compat.layers_built(model) or _compat.metrics_unbuilt(model):
-        _build_from_specs(model, data, phase)
-
-
-def _build_from_specs(model, data, phase):
-    """`_compat.symbolic_build` from the cheapest specs that build it all.
-
-    With every layer built and a SmartStage split, from the stage's own
-    element (the cut tensors) with the model's call running the trunk, as
-    the staged step calls it: the metrics and the loss see the `y_pred` the
-    step will give them, and the staged layers, already traced by the
-    stage, are not traced a third time (after the plan's and the stage's).
-    Otherwise (an unbuilt layer; a packed element; a cut tensor that is
-    not dense, which a symbolic call would see as dense) from the raw
-    data's specs through the whole model.
-    """
-    staged_spec = data.staged.element_spec
-    if (
-        data.split is not None
-        and not data.staged.packed
-        and _compat.layers_built(model)
-        and all(
-            isinstance(spec, tf.TensorSpec)
-            for spec in tf.nest.flatten(staged_spec)
-        )
-    ):
-        with tensorflow_steps.calling_trunk(model, phase):
-            _compat.symbolic_build(model, staged_spec)
-        return
-    _compat.symbolic_build(model, data.element_spec)
 
 
 @contextlib.contextmanager

@@ -19,7 +19,8 @@ from keras_stage import _compat
 from keras_stage.data.service import DISTRIBUTED_EPOCH
 from keras_stage.data.staging import StagedDataset
 from keras_stage.data.stats import op_determinism_enabled
-from keras_stage.models.backends import backend
+from keras_stage.models import backends
+from keras_stage.models.backends.tensorflow import default_strategy
 from keras_stage.models.call.epoch_iterators import (
     DeferredPipeline,
     DistributedEpochPipeline,
@@ -596,27 +597,12 @@ def _variables_of(split):
     size = sum(epoch_sources.nbytes([v]) or 0 for v in variables)
     found = None
     if size <= VARIABLES_COMPARED_BYTES:
-        found = variables, _reader(variables)
+        found = variables, split.backend.variable_reader(variables)
     _split_variables[split] = found
     return found
 
 
 _split_variables = weakref.WeakKeyDictionary()
-
-
-def _reader(variables):
-    """A function returning `variables`' values as NumPy arrays.
-
-    On TensorFlow one traced call reads them all: read one by one, each
-    costs a few eager ops, twice a call (a kept iterator's call compares
-    them as it begins and notes them as it ends).
-    """
-    if keras.backend.backend() != "tensorflow" or not variables:
-        return lambda: tuple(keras.ops.convert_to_numpy(v) for v in variables)
-    read_all = tf.function(
-        lambda: [tf.identity(v.value) for v in variables], autograph=False
-    )
-    return lambda: tuple(value.numpy() for value in read_all())
 
 
 def _variable_values(split):
@@ -746,18 +732,6 @@ def carries(kept, role, x):
     )
 
 
-def default_strategy(strategy):
-    """Whether Keras iterates with the default strategy (no distribution).
-
-    Under any other strategy Keras distributes the dataset itself and makes
-    its iterators from the dataset's graph, not through `__iter__`.
-    """
-    return strategy is None or (
-        not tf.distribute.has_strategy()
-        and strategy is tf.distribute.get_strategy()
-    )
-
-
 def strategy_refusal(strategy, dataset=None):
     """Why Keras's iterators under `strategy` cannot be views of one.
 
@@ -846,6 +820,7 @@ def _long_lived_epochs(
     epochs,
     steps_per_execution,
     alongside,
+    unread_opens,
     spans_calls=False,
     first_alone=False,
     fed=False,
@@ -861,6 +836,7 @@ def _long_lived_epochs(
     from its first epoch: see `LongLivedIterator`). `fed`: whether such a
     source is fed each call's passes (`epoch_sources.FedSource`), so a
     later call on another dataset of its structure reads on too.
+    `unread_opens`: the backend's (`Backend.unread_opens`).
     """
     if arrays is None and not isinstance(x, tf.data.Dataset):
         return None, "the data is not in-memory arrays or a tf.data.Dataset"
@@ -872,7 +848,12 @@ def _long_lived_epochs(
         # reads a fresh iterator's, and a source that draws per iterator
         # makes the unread ones plain Keras makes too (`opens`).
         return _fed_epochs(
-            dataset, facts, alongside, num_batches, steps_per_execution
+            dataset,
+            facts,
+            alongside,
+            num_batches,
+            steps_per_execution,
+            unread_opens,
         )
     if spans_calls and facts.free_passes:
         # Any pass stands for a fresh iterator's: one iterator for as
@@ -918,7 +899,7 @@ def _long_lived_epochs(
         with tf.init_scope(), tf.device("/CPU:0"):
             start = tf.Variable(0, dtype=tf.int64, trainable=False)
             stop = tf.Variable(1, dtype=tf.int64, trainable=False)
-    opens = 0 if independent else _unread_opens(phase == "train" and steps)
+    opens = 0 if independent or (phase == "train" and steps) else unread_opens
     source = functools.partial(
         epoch_sources.long_lived_source,
         dataset,
@@ -956,24 +937,15 @@ def _shares_a_dataset(facts, alongside):
     )
 
 
-def _unread_opens(keeps_iterator):
-    """The iterators plain Keras makes after each epoch it reads and does
-    not read (0 or 1), for a source that draws per iterator.
-
-    One, except in training with steps_per_epoch (`keeps_iterator`: it
-    keeps its iterator across epochs) and on JAX, whose trainer makes its
-    iterators as generators, which open the dataset only when first read.
-    """
-    return 0 if keeps_iterator or not backend.graph_steps() else 1
-
-
-def _fed_epochs(dataset, facts, alongside, num_batches, steps_per_execution):
+def _fed_epochs(
+    dataset, facts, alongside, num_batches, steps_per_execution, unread_opens
+):
     """`_long_lived_epochs`'s plan of a fed source (`FedSource`)."""
     opens = 0
     if not facts.free_passes:
         if _shares_a_dataset(facts, alongside):
             return None, _SHARED_DRAWS
-        opens = _unread_opens(False)  # spans_calls: no steps_per_epoch
+        opens = unread_opens  # spans_calls: no steps_per_epoch
 
     def fed_source():
         plan.fed = epoch_sources.FedSource(
@@ -1013,6 +985,7 @@ def stage_data(
     reads_in_python=False,
     pool_start=None,
     feedable=True,
+    backend=None,
 ):
     """Stages the data of one phase ("train", "val", "test", "predict").
 
@@ -1042,7 +1015,7 @@ def stage_data(
     lean pipeline (the fetch records' functions are not traced).
     `pool_start`: the threads a new stage's adaptive pool starts with (the
     size a model's last call ended with, see `StagingState.pool_sizes`),
-    or None for the backend's (`backend.pool_start`). `feedable`: whether
+    or None for the backend's (`Backend.pool_start`). `feedable`: whether
     the stage may read a fed source (below); False where its epochs must
     start on new iterators or are checkpointed (see
     `StagedCall._feedable`).
@@ -1058,7 +1031,11 @@ def stage_data(
     on another dataset object, its stage is fed each call's passes
     (`epoch_sources.FedSource`) and run again by calls on any dataset of
     the same structure (element spec, options, batch count).
+
+    `backend`: the `Backend` of the model's steps; defaults to the running
+    Keras backend's.
     """
+    backend = backends.get() if backend is None else backend
     if isinstance(x, StagedDataset):
         # Already staged by the user with keras_stage.data.stage.
         if y is not None or sample_weight is not None:
@@ -1221,6 +1198,7 @@ def stage_data(
                 spans_calls=spans_calls,
                 first_alone=first_alone,
                 fed=feeds,
+                unread_opens=backend.unread_opens,
             )
     fn = None
     # The long-lived source's too: it repeats, replays or flat-maps passes.
@@ -1303,7 +1281,7 @@ def stage_data(
             stats=stats,
             consumer_records=stats is not None or reads_in_python,
             # On JAX, Keras's trainer copies each batch to the device.
-            distributed=distributed or not backend.uses_device_buffer(),
+            distributed=distributed or not backend.uses_device_buffer,
             unpacks=True,
             reads_in_python=reads_in_python,
             pool_start=(

@@ -1,7 +1,7 @@
-"""keras_stage/models/backends/backend.py on the TensorFlow backend.
+"""keras_stage/models/backends/tensorflow.py: `TensorFlowBackend`.
 
-The JAX side runs in the jax environment (tests/jax/); here: what this
-backend does, and the errors of the backends keras_stage does not stage on.
+The JAX backend's own runs are in the jax environment (tests/jax/); the
+refusal of the backends keras_stage does not stage on is base_test.py's.
 """
 
 import keras
@@ -10,7 +10,11 @@ import pytest
 import tensorflow as tf
 
 import keras_stage
-from keras_stage.models.backends import backend
+from keras_stage.models import backends
+from keras_stage.models.backends.tensorflow import (
+    TensorFlowBackend,
+    worker_count,
+)
 
 
 def _model():
@@ -20,29 +24,23 @@ def _model():
 
 
 def test_tensorflow_runs_graph_steps_with_device_buffers():
-    assert backend.graph_steps()
-    assert backend.uses_device_buffer()
+    backend = backends.for_model(_model())
+    assert isinstance(backend, TensorFlowBackend)
+    assert backend.reads_in_graph("train") and backend.uses_device_buffer
+    assert not backend.reads_in_graph("predict")
 
 
-@pytest.mark.parametrize("name", ["torch", "numpy", "openvino"])
-def test_other_backends_get_an_error_naming_the_supported_ones(name):
+def test_tensorflow_is_supported():
     model = _model()
-    with pytest.raises(NotImplementedError) as raised:
-        backend.check_supported(model, model.get_layer("stage"), name)
-    message = str(raised.value)
-    assert f"'{name}' backend" in message
-    assert "KERAS_BACKEND=jax or KERAS_BACKEND=tensorflow" in message
-
-
-def test_tensorflow_and_jax_are_supported():
-    model = _model()
-    backend.check_supported(model, model.get_layer("stage"), "tensorflow")
-    assert backend.SUPPORTED == ("tensorflow", "jax")
+    backends.get("tensorflow").check_supported(model, model.get_layer("stage"))
+    assert tuple(backends.BACKENDS) == ("tensorflow", "jax")
 
 
 def test_string_arrays_are_left_to_keras_on_tensorflow():
     words = np.array(["a", "b"], dtype=object)
-    assert backend.host_arrays({"w": words})["w"] is words
+    assert (
+        TensorFlowBackend("tensorflow").host_arrays({"w": words})["w"] is words
+    )
 
 
 def test_a_string_model_exports_on_tensorflow(tmp_path):
@@ -50,16 +48,16 @@ def test_a_string_model_exports_on_tensorflow(tmp_path):
     x = keras_stage.layers.StagedInput()(inputs)
     x = keras.layers.Hashing(num_bins=4)(x)
     model = keras_stage.Model(inputs, x)
-    backend.check_exportable(model)  # nothing to refuse here
+    TensorFlowBackend("tensorflow").check_exportable(model)  # nothing to refuse
     model.export(str(tmp_path / "exported"), verbose=False)
     served = tf.saved_model.load(str(tmp_path / "exported"))
     assert served.serve(tf.constant(["a"])).shape == (1,)
 
 
 def test_one_machine_strategies_count_one_worker():
-    assert backend.worker_count(tf.distribute.get_strategy()) == 1
+    assert worker_count(tf.distribute.get_strategy()) == 1
     mirrored = tf.distribute.MirroredStrategy(["/cpu:0"])
-    assert backend.worker_count(mirrored) == 1
+    assert worker_count(mirrored) == 1
 
 
 _TWO_WORKERS = r"""

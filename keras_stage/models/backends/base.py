@@ -1,0 +1,117 @@
+"""`Backend`: what a staged call asks of the Keras backend it runs on.
+
+Picked once per model (`backends.for_model`), as Keras picks its trainer
+class: nobody else asks which backend runs. The base itself is the backend
+of the Keras backends keras_stage does not stage on (torch, numpy,
+openvino): it refuses their staged calls, saying what works.
+"""
+
+import keras
+
+from keras_stage.models.backends import tensorflow_steps
+from keras_stage.models.model_state import FUNCTIONS
+
+
+class Backend:
+    """What a staged call does on one Keras backend.
+
+    A new backend is a subclass in a file of this folder, named in
+    `backends.BACKENDS`, with its tests. It implements:
+
+    - Refusals: `check_supported(model, layer)` (this base refuses every
+      staged call), `check_strategy(model)`, `check_exportable(model)`.
+    - Steps: `step(model, phase, keras_step, *args)` (the model's
+      train/test/predict step), `make_function(model, phase, make)` (a
+      compiled train/test step), `may_run_unstaged` (whether a call or an
+      epoch may skip its stage), `jit_by_default` (`jit_compile="auto"`).
+    - Feed: `reads_in_graph(phase)` (Keras's step reads the batches in its
+      graph, not in Python), `host_arrays(data)`, `feed(data, phase)` (what
+      Keras iterates for a `StagedData`), `build(model, data, phase)` (what
+      Keras builds from a first batch, from the stage's specs),
+      `shard_batches(dataset)` (a process's batches where Keras shards per
+      process), `unread_opens` (iterators Keras opens per epoch, unread).
+    - Buffer and pool: `uses_device_buffer`, `pool_start(options)`,
+      `pool_shrinks`.
+    - What runs in tf.data, for the planner (handed the backend by
+      `plan_model`): `native_tf`, `narrows_int64()`,
+      `variable_reader(variables)`.
+
+    The base gives what a refused backend meets too: Keras's compiled
+    functions, a step running the SmartStage trunk, the planner's answers
+    for tensors that are not TensorFlow's.
+
+    Args:
+        name: Keras's name of the backend (`keras.backend.backend()`).
+    """
+
+    # Whether Keras's tensors and variables are TensorFlow's: any layer
+    # then runs in tf.data, on the model's variables; otherwise only Keras's
+    # preprocessing layers (fixed state) and layers of TensorFlow ops.
+    native_tf = False
+
+    def __init__(self, name):
+        self.name = name
+
+    def check_supported(self, model, layer):
+        """Raises a clear error for a staged call this backend cannot run.
+
+        Args:
+            model: The keras_stage model called.
+            layer: Its `StagedInput` (or the default one of a SmartStage
+                model).
+        """
+        raise NotImplementedError(
+            f"keras_stage stages fit/evaluate/predict on the TensorFlow and "
+            f"JAX backends; model '{model.name}' runs on the '{self.name}' "
+            "backend. Set KERAS_BACKEND=jax or KERAS_BACKEND=tensorflow "
+            "before importing Keras, or use a plain keras.Model (or remove "
+            "the StagedInput and smart_stage) on this backend."
+        )
+
+    def check_strategy(self, model):
+        """Raises a clear error for a fit under a strategy it cannot train."""
+
+    def check_exportable(self, model):
+        """Raises a clear error for an export this backend cannot make.
+
+        Keras exports a model of another backend than TensorFlow through
+        jax2tf, which takes numeric arrays only: a model with string inputs
+        fails deep inside it.
+        """
+        strings = [
+            t.name
+            for t in keras.tree.flatten(getattr(model, "inputs", None) or [])
+            if t.dtype == "string"
+        ]
+        if strings:
+            raise ValueError(
+                f"Model '{model.name}' has string inputs ({strings}), which "
+                f"Keras cannot export on the {self.name} backend "
+                "(jax2tf takes numeric arrays only). Save it with "
+                "`model.save('model.keras')`, load it with "
+                "KERAS_BACKEND=tensorflow (`keras.saving.load_model`) and "
+                "call `export` there: the exported model then serves raw "
+                "strings."
+            )
+
+    def step(self, model, phase, keras_step, *args):
+        """Keras's `phase` step (`keras_step(*args)`), running the trunk.
+
+        A step traced with the model's `call` redirected to the SmartStage
+        trunk (see `StagingMixin.call`): the data holds the cut tensors.
+        """
+        with tensorflow_steps.calling_trunk(model, phase):
+            return keras_step(*args)
+
+    def make_function(self, model, phase, make):
+        """`make()`s `phase`'s compiled step and returns it, as Keras does."""
+        make()
+        return getattr(model, FUNCTIONS[phase])
+
+    def narrows_int64(self):
+        """Whether the trunk takes int64 cut tensors as int32."""
+        return False
+
+    def variable_reader(self, variables):
+        """A function returning `variables`' values as NumPy arrays."""
+        return lambda: tuple(keras.ops.convert_to_numpy(v) for v in variables)
