@@ -232,7 +232,15 @@ def plan_model(model, boundary_layer=None, smart_stage=True, backend=None):
             "Invalid value for argument `smart_stage`. Expected True or "
             f'"longest". Received: smart_stage={smart_stage!r}'
         )
-    backend = model._stage_backend if backend is None else backend
+    if backend is None:
+        backend = getattr(model, "_stage_backend", None)
+    if backend is None:
+        raise ValueError(
+            f"plan_model: model '{model.name}' is a {type(model).__name__}, "
+            "not a keras_stage model, so it does not say which backend runs "
+            "its steps. Pass `backend=keras_stage.models.backends.get()`, "
+            "or plan a keras_stage.Model."
+        )
     graph = graph_model(model)
     if graph is None:
         return _unplanned(

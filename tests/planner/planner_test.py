@@ -825,3 +825,14 @@ def test_the_random_layers_numbering_is_saved_with_the_iterator(tmp_path):
     assert numbers(restored, 7) == list(range(14, 21))
     assert int(split.ordinal.numpy()) == 20  # carried to the next iterator
     assert not bool(split.unnumbered.numpy())  # cleared by the numbering
+
+
+def test_planning_a_plain_keras_model_asks_for_its_backend():
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    with pytest.raises(ValueError, match="backend=keras_stage.models"):
+        plan_model(model)
+    from keras_stage.models import backends
+
+    plan, _ = plan_model(model, backend=backends.get())
+    assert plan.staged_layers == []
