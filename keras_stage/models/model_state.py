@@ -2,9 +2,9 @@
 
 One `StagingState` per model, kept out of Keras's attribute tracking (it
 is neither tracked nor saved): the SmartStage plan and split, the compiled
-steps of staged and unstaged calls, the stats those steps record in, the
-measured costs of its calls (`CallCosts`) and, while a call runs, what
-binds its stages to its steps.
+steps of staged and unstaged calls, the stats those steps record in, what
+the policy learned of its calls (`decision.learned`) and, while a call
+runs, what binds its stages to its steps.
 """
 
 import contextlib
@@ -81,33 +81,12 @@ class StagingState:
         # batch to while a call times its steps (see `decision.calls
         # .note_steps`).
         self.step_clocks = {}
-        # Per phase: what a fit's trial of its epochs without the stage
-        # found, when the stage paid (see `decision.epochs`).
-        self.switch_verdicts = {}
         # Set, in the thread tracing a step, to the trunk the model's call
         # runs instead of the whole model.
         self.local = threading.local()
-        # Per phase: the `Decision` on its last call (see
-        # `decision.calls.stages`), for the verdict.
-        self.call_decisions = {}
-        # Per phase: the seconds this model's staged calls paid over what
-        # running its whole model's step would have cost, once traced (see
-        # `decision.calls.trace_owed`): what tracing that step may cost.
-        self.stage_rent = {}
-        # Per phase, while a call staged before anything was measured runs:
-        # whether it plans the model's SmartStage (its rent is added to
-        # `stage_rent` when it ends, see `decision.calls.note_work`).
-        self.unmeasured_rent = {}
-        # `(phase, kind, seconds)` of each step traced since the last call
-        # ended, until `decision.calls.note_traces` notes them: the whole
-        # model's step's first call ("whole_trace"), the trunk's step's
-        # first call ("step_call") and its Python ("step_trace"; see
-        # `tensorflow_steps.guard` and `calling_trunk`).
-        self.step_traces = []
-        # What staged calls of models with this model's stage cost, to skip
-        # those that cannot pay: shared between such models (see
-        # `decision.calls.costs`), looked up again after compile.
-        self.costs = None
+        # What the staging policy learned of this model's calls
+        # (`decision.learned`), until compile.
+        self.learned = None
 
 
 def state(model):

@@ -28,7 +28,7 @@ from keras_stage.layers.staged_input import StagedInput
 from keras_stage.models import backends
 from keras_stage.models.backends import tensorflow_steps
 from keras_stage.models.call.staged_call import StagedCall
-from keras_stage.models.decision import calls
+from keras_stage.models.decision import calls, learned
 from keras_stage.models.decision.calls import validation_runs
 from keras_stage.models.model_state import state as _state
 from keras_stage.planner.planner import plan_model
@@ -127,16 +127,13 @@ class StagingMixin:
         state.smart_stage = smart_stage
         state.plan = state.split = None
         state.staged_functions.clear()
-        # Paid towards tracing steps that compile drops (`decision.calls`).
-        state.stage_rent.clear()
-        state.unmeasured_rent.clear()
-        state.step_traces.clear()
         for entry in state.stages.values():
             entry.retire()  # its iterator, if it outlived its call
         state.stages.clear()
-        state.switch_verdicts.clear()
         state.announced = False
-        state.costs = None
+        # Its costs (another stage signature), and what was paid toward
+        # tracing the steps compile drops.
+        learned.forget(self)
 
     def get_stage_plan(self):
         """The SmartStage plan of this model: what the stage runs, and why.

@@ -289,7 +289,7 @@ def test_a_fresh_model_decides_from_what_models_like_it_measured(caplog):
     # (Unstaged, it times the whole model's steps and their trace, for
     # every model like it.)
     assert "unstaged [does_not_pay]" in caplog.text
-    measured = fresh._keras_stage_state.costs.phase("train")
+    measured = fresh._keras_stage_state.learned.costs.phase("train")
     assert measured.unstaged_step_seconds is not None
     assert measured.unstaged_trace_seconds is not None
     assert history.history["stage_unstaged"] == [1.0, 1.0]
@@ -768,7 +768,7 @@ def test_a_fit_on_a_dataset_that_draws_nothing_makes_one_iterator(
     made = []
     # Plans, traces and measures.
     model.fit(_dataset(), epochs=3, shuffle=False, verbose=0)
-    costs = model._keras_stage_state.costs
+    costs = model._keras_stage_state.learned.costs
     original = costs.note_iterator
 
     def note(phase, seconds):

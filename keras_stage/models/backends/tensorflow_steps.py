@@ -27,6 +27,7 @@ from keras_stage.data.errors import StageTimeoutError
 from keras_stage.data.runner import EndOfData, SkipElement
 from keras_stage.data.stats import StageStats
 from keras_stage.models.call.epoch_iterators import resolve
+from keras_stage.models.decision.learned import learned
 from keras_stage.models.model_state import (
     FUNCTIONS,
     MAKERS,
@@ -85,7 +86,7 @@ def guard(model, phase, function):
             unstaged_ran.append(True)
             started = time.perf_counter()
             outputs = reported(function(iterator))[0]
-            state.step_traces.append(
+            learned(model).traces.append(
                 (phase, "whole_trace", time.perf_counter() - started)
             )
             return outputs
@@ -118,7 +119,7 @@ def guard(model, phase, function):
                     # step, here with the wait for the stage's first batch
                     # (what a staged call adds), for
                     # `decision.calls.note_traces`.
-                    state.step_traces.append((phase, "step_call", seconds))
+                    learned(model).traces.append((phase, "step_call", seconds))
                 if report is not None:
                     values = report.numpy().tolist()
                     unrecorded.reported(values)
@@ -493,7 +494,7 @@ def calling_trunk(model, phase):
     finally:
         state.local.trunk = previous
         if started is not None:
-            state.step_traces.append(
+            learned(model).traces.append(
                 (phase, "step_trace", time.perf_counter() - started)
             )
 

@@ -38,6 +38,7 @@ from keras_stage.models import backends
 from keras_stage.models.backends import tensorflow_steps
 from keras_stage.models.decision import calls
 from keras_stage.models.decision.epochs import epoch_switch, may_switch
+from keras_stage.models.decision.learned import learned
 from keras_stage.models.model_state import (
     FUNCTIONS,
     UNSTAGED_STEPS,
@@ -199,7 +200,7 @@ class StagedCall:
             switch=data.switch,
             pool_shrinks=self.backend.pool_shrinks,
             carried=data.carried,
-            call_reason=_reason(state.call_decisions.pop(phase, None)),
+            call_reason=_reason(learned(self.model).decisions.pop(phase, None)),
             iterator_cost=functools.partial(
                 calls.resize_cost, self.model, data
             ),
@@ -292,7 +293,7 @@ class StagedCall:
         starts = None
         if "train" in self.phases:
             self.prefetch.attach_unstaged(
-                self._state.call_decisions["train"].reason
+                learned(self.model).decisions["train"].reason
             )
             # What Keras's epochs cost to start (their iterators), which a
             # stage's epochs on one iterator would not pay.

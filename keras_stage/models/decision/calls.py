@@ -68,6 +68,7 @@ from keras_stage.models.data_adapters.staged_data import (
     stage_data,
     strategy_refusal,
 )
+from keras_stage.models.decision.learned import learned
 from keras_stage.models.model_state import UNSTAGED_STEPS
 from keras_stage.models.model_state import state as model_state
 from keras_stage.planner.state_access import all_layers, seed_states
@@ -747,9 +748,10 @@ def forget_shared_costs():
 def costs(model):
     """The `CallCosts` of `model`'s stage, shared with models like it."""
     state = model_state(model)
-    if state.costs is None:
-        state.costs = shared_costs(stage_signature(model, state.smart_stage))
-    return state.costs
+    record = learned(model)
+    if record.costs is None:
+        record.costs = shared_costs(stage_signature(model, state.smart_stage))
+    return record.costs
 
 
 def _first_costs(model, phase):
@@ -796,8 +798,7 @@ def stages(model, layer, phase, batches, iterators=1, x=None):
 
 def _keep(model, phase, decision):
     """Keeps and logs the `Decision` taken on a call of `phase`."""
-    state = model_state(model)
-    state.call_decisions[phase] = decision
+    learned(model).decisions[phase] = decision
     if decision.first_call:
         # Once: a loop of short calls stages its next one and measures it.
         costs(model).phase(phase).first_call_skipped = True
@@ -806,9 +807,8 @@ def _keep(model, phase, decision):
         if decision.kind is Kind.UNMEASURED:
             # A fit's training and validation plan once between them.
             plans = _first_costs(model, phase)[0]
-            state.unmeasured_rent[phase] = plans and not any(
-                state.unmeasured_rent.values()
-            )
+            unmeasured = learned(model).unmeasured_rent
+            unmeasured[phase] = plans and not any(unmeasured.values())
     logger.info(
         "Model '%s': %s %s [%s]: %s.",
         model.name,
@@ -827,12 +827,12 @@ def trace_owed(model, phase, measured):
     Nothing once the model traced it (an unstaged call or epoch ran it);
     else about what that trace costs (`CallCosts.whole_trace`), less what
     the model's staged calls of the phase have paid over such a step so
-    far (`StagingState.stage_rent`): once they have paid as much as the
+    far (`Learned.rent`): once they have paid as much as the
     trace costs, it is paid whenever the whole step is faster.
     """
     if not traces_whole_step(model, phase):
         return 0.0
-    paid = model_state(model).stage_rent.get(phase, 0.0)
+    paid = learned(model).rent.get(phase, 0.0)
     return max(measured.whole_trace(phase) - paid, 0.0)
 
 
@@ -920,7 +920,7 @@ def iterator_cost(model, phase):
     What a resized pool costs the call (the `PrefetchCallback` weighs it
     before it shrinks the pool).
     """
-    measured = model_state(model).costs
+    measured = learned(model).costs
     if measured is None or phase is None:
         return None
     return measured.phase(phase).iterator_seconds
@@ -971,8 +971,7 @@ def _note_unmeasured_rent(model, data, busy, produced):
     it, less the staged work of every batch but the first) is known now.
     Its traces are not counted: an unstaged first call traces too.
     """
-    state = model_state(model)
-    planned = state.unmeasured_rent.pop(data.cost_phase, None)
+    planned = learned(model).unmeasured_rent.pop(data.cost_phase, None)
     if planned is None:
         return
     rent = data.set_up_seconds
@@ -987,7 +986,7 @@ def _note_unmeasured_rent(model, data, busy, produced):
 def _pay_rent(model, phase, seconds):
     """Adds `seconds` to what `model`'s staged `phase` calls paid toward
     tracing its whole step (`trace_owed`)."""
-    rent = model_state(model).stage_rent
+    rent = learned(model).rent
     rent[phase] = rent.get(phase, 0.0) + seconds
 
 
@@ -999,16 +998,15 @@ def timed_unstaged_phases(model, phases):
     and those whose whole-model step the call traces (`traces_whole_step`):
     a call that pays that trace also tells what the whole step costs.
     """
-    state = model_state(model)
-    if state.costs is None:
+    measured = learned(model).costs
+    if measured is None:
         return ()
     return tuple(
         phase
         for phase in phases
         if phase in TIMED_PHASES
         and (
-            state.costs.phase(phase).trial_due()
-            or traces_whole_step(model, phase)
+            measured.phase(phase).trial_due() or traces_whole_step(model, phase)
         )
     )
 
@@ -1089,10 +1087,10 @@ def note_traces(model):
     """Notes how long the steps traced since the last call took to trace.
 
     The whole model's (an unstaged call, an unstaged epoch) and the
-    trunk's (a staged call), from `StagingState.step_traces`.
+    trunk's (a staged call), from `Learned.traces`.
     """
-    state = model_state(model)
-    traces, state.step_traces = state.step_traces, []
+    record = learned(model)
+    traces, record.traces = record.traces, []
     if not traces:
         return
     measured = costs(model)

@@ -61,7 +61,7 @@ from keras_stage.models.decision.calls import (
     trace_owed,
     traces_whole_step,
 )
-from keras_stage.models.model_state import state as model_state
+from keras_stage.models.decision.learned import learned
 
 logger = logging.getLogger("keras_stage")
 
@@ -135,7 +135,7 @@ def _model_refusal(model, layer, split, epochs, adaptive_pool):
         return "the staged layers draw random numbers"
     if epochs < _staged_before_trial(adaptive_pool) + 2:
         return "too few epochs to try the step without the stage"  # +trial
-    if model_state(model).switch_verdicts.get(TRAIN) == STAGED:
+    if learned(model).switch_verdicts.get(TRAIN) == STAGED:
         return "an earlier fit of this model measured that the stage pays"
     return None
 
@@ -348,7 +348,7 @@ class EpochSwitch:
             )
         else:
             self.decision = STAGED
-            model_state(self._model).switch_verdicts[TRAIN] = STAGED
+            learned(self._model).switch_verdicts[TRAIN] = STAGED
             self.message = (
                 f"Stage '{self.name}' of model '{self.model_name}' pays "
                 f"({figures}): the rest of this fit, and later fits of "

@@ -25,6 +25,7 @@ from keras_stage.models.decision.calls import (
     shared_costs,
     stage_signature,
 )
+from keras_stage.models.decision.learned import learned
 from keras_stage.models.model_state import UNSTAGED_STEPS
 from keras_stage.models.model_state import state as model_state
 from tests.helpers import count_step_traces
@@ -323,7 +324,7 @@ def test_a_steps_trace_is_timed_and_noted_after_the_call():
     # Its first call traced it, set it up and ran a step.
     assert measured.step_call_seconds > measured.step_trace_seconds
     assert measured.unstaged_trace_seconds is None
-    assert model_state(model).step_traces == []  # noted, drained
+    assert learned(model).traces == []  # noted, drained
     assert calls.traces_whole_step(model, "train")
     # An unstaged call (its stage cannot repay) traces the whole step.
     calls.costs(model).note_build("train", 100.0)
@@ -536,7 +537,7 @@ def test_staged_calls_pay_towards_the_whole_steps_trace(caplog):
     with caplog.at_level(logging.INFO, logger="keras_stage"):
         assert calls.stages(model, layer, "train", 40)
     assert "train is staged [pays]: staging 40 batches" in caplog.text
-    assert model_state(model).stage_rent["train"] == pytest.approx(0.031)
+    assert learned(model).rent["train"] == pytest.approx(0.031)
     assert calls.trace_owed(model, "train", costs) == pytest.approx(0.019)
     # 39 ms saved and 19 owed do not: the same call now runs unstaged.
     assert not calls.stages(model, layer, "train", 40)
@@ -545,7 +546,7 @@ def test_staged_calls_pay_towards_the_whole_steps_trace(caplog):
     assert calls.trace_owed(model, "train", costs) == 0.0
     # Compiling again drops the traced steps and what was paid towards them.
     model.compile(optimizer="sgd", loss="mse")
-    assert model_state(model).stage_rent == {}
+    assert learned(model).rent == {}
     owed = calls.trace_owed(model, "train", calls.costs(model))
     assert owed == pytest.approx(0.05)
 
@@ -579,7 +580,7 @@ def test_a_first_call_of_few_in_memory_batches_skips_its_stage():
         assert calls.stages(model, layer, phase, None)
         assert calls.costs(model).decide(phase, few, 1).first_call
         assert not calls.stages(model, layer, phase, few)
-        decision = model_state(model).call_decisions[phase]
+        decision = learned(model).decisions[phase]
         assert decision.kind is Kind.FIRST_CALL
         assert decision.figures == {"batches": 32}
         assert not calls.costs(model).decide(phase, few, 1).first_call
@@ -670,7 +671,7 @@ def test_a_model_not_yet_planned_pays_its_plan_and_trace_too():
     assert not calls.stages(model, layer, "train", 91)
     assert calls.stages(model, layer, "train", 92)
     # The staged call pays 9 ms over a traced whole step: 1 ms is owed.
-    assert model_state(model).stage_rent["train"] == pytest.approx(0.009)
+    assert learned(model).rent["train"] == pytest.approx(0.009)
     model.get_stage_plan()  # planned now, but not traced
     assert not calls.stages(model, layer, "train", 80)
     assert calls.stages(model, layer, "train", 81)
@@ -766,7 +767,7 @@ def test_a_fit_on_a_dataset_in_memory_is_decided_as_arrays_are():
 
 
 def _decision(model, phase="train"):
-    return model_state(model).call_decisions[phase]
+    return learned(model).decisions[phase]
 
 
 def _kind(model, phase="train"):
@@ -842,15 +843,15 @@ def test_a_call_staged_unmeasured_pays_toward_the_trace_when_it_ends():
     # stage cost over an unstaged call (its build and iterators: these
     # arrays have no staged work to subtract, no plan) is paid.
     model, layer = _model()
-    state = model_state(model)
+    state = learned(model)
     assert calls.stages(model, layer, "test", 30)
-    assert state.stage_rent["test"] == 0.0
+    assert state.rent["test"] == 0.0
     assert state.unmeasured_rent == {"test": False}  # it plans nothing
     data = calls.staged_data(model, "test", layer, "test", X, Y, batch_size=8)
     list(data.pipeline)
     calls.note_work(model, data)
     costs = calls.costs(model).phase("test")
-    rent = state.stage_rent["test"]
+    rent = state.rent["test"]
     assert rent == pytest.approx(costs.build_seconds + costs.iterator_seconds)
     assert rent > 0 and state.unmeasured_rent == {}
     data.end_call()
@@ -858,7 +859,7 @@ def test_a_call_staged_unmeasured_pays_toward_the_trace_when_it_ends():
     data = calls.staged_data(model, "test", layer, "test", X, Y, batch_size=8)
     list(data.pipeline)
     calls.note_work(model, data)
-    assert state.stage_rent["test"] == rent
+    assert state.rent["test"] == rent
     data.end_call()
 
 
@@ -867,7 +868,7 @@ def test_unmeasured_rent_counts_the_plan_once_and_untimed_work_as_none():
     # the plan they share is paid once. Under op determinism the staged
     # work is not timed (NaN): the rent is the set-up, never NaN.
     model, layer = _model([keras.layers.Rescaling(0.5)], smart_stage=True)
-    state = model_state(model)
+    state = learned(model)
     calls.costs(model).note_plan(0.5)
     for phase in ("train", "test"):
         assert calls.stages(model, layer, phase, 30)
@@ -880,5 +881,5 @@ def test_unmeasured_rent_counts_the_plan_once_and_untimed_work_as_none():
     for phase, busy in (("train", float("nan")), ("test", 0.05)):
         Data.cost_phase = phase
         calls._note_unmeasured_rent(model, Data, busy, 10)
-    assert state.stage_rent["train"] == pytest.approx(0.1 + 0.5)
-    assert state.stage_rent["test"] == pytest.approx(0.1 - 0.045)
+    assert state.rent["train"] == pytest.approx(0.1 + 0.5)
+    assert state.rent["test"] == pytest.approx(0.1 - 0.045)

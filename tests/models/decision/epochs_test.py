@@ -16,7 +16,7 @@ import tensorflow as tf
 import keras_stage
 from keras_stage.models.decision import calls
 from keras_stage.models.decision import epochs as epoch_switch
-from keras_stage.models.model_state import state as model_state
+from keras_stage.models.decision.learned import learned
 from tests.helpers import twin_optimizer
 
 pytestmark = pytest.mark.timeout(180)
@@ -517,7 +517,7 @@ def test_no_trial_whose_trace_a_later_fit_still_owes():
     assert switch.decision == epoch_switch.STAGED
     assert switch.message is None  # nothing tried, nothing to report
     # Once its staged calls paid as much toward it, nothing is owed.
-    model_state(staged).stage_rent["train"] = 0.5
+    learned(staged).rent["train"] = 0.5
     switch = _switch(staged)
     _read_staged(switch)
     assert switch.next_mode() == epoch_switch.UNSTAGED  # the trial
