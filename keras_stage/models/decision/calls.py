@@ -1,51 +1,18 @@
 """Whether a call of a keras_stage model is staged, from measured costs.
 
-With a `StagedInput(adaptive=True)`, a call on in-memory data (arrays, or
-a `tf.data.Dataset` of tensors in memory) that cannot repay its stage's
-set-up runs the whole model in Keras's step, unstaged
-(the same results either way). A stage saves at most the staged work of
-every batch but the first (the first batch is waited for however it is
-made), and costs its set-up: the pipeline it builds and each iterator it
-makes (instantiating the staged computation). This module notes what each
-staged call costs (`staged_data`, `note_work`), keeps it per phase
-(`CallCosts`), and answers before a call whether staging it can be faster
-(`stages`, `fit_stages`). The staged work per batch only bounds the saving
-(on cores the trunk keeps busy, the stage's threads take them from it), so
-the host also times the steps of SmartStage calls: after a phase's first
-staged call, a later one runs unstaged once (the trial) and both kinds of
-steps are weighed (`PhaseCosts.batch_saving`). Running a model's whole
-step unstaged first traces it (once per model and phase); a plain model
-traced it in its first call, a staged one did not. So that trace counts
-against running unstaged, less what the model's staged calls of the
-phase have paid over an unstaged traced step so far (`trace_owed`: as
-renting against buying, the trace is paid once the rent reaches it; a
-call staged before anything was measured pays its rent when it ends), and
-a trial runs only once what is owed is at most `TRACE_SHARE` of the
-call, or once the phase has had `LOOP_CALLS` staged calls: a short
-script's evaluate after a staged fit keeps its stage rather than trace
-the whole model's test step for one call, and a loop of calls runs its
-trial by its third. Unstaged, Keras starts each of a fit's epochs with
-an iterator of its own and lets it go at the epoch's end, which a stage's
-epochs on one iterator do not (`EpochStartClock` times those starts and
-ends in unstaged fits; `decide` counts them). Under op
-determinism the staged work is read from tf.data's own model of the
-stage's iterators (`data.pipeline_model`); where that cannot be read, the
-steps alone decide.
-Only what was measured counts, on this model or on one with the same
-stage (`stage_signature`: a fresh model per trial pays its stage once per
-process, not once per model), with one exception before anything is
-measured: the first call of a phase of at most `FIRST_CALL_BATCHES`
-in-memory batches runs unstaged, unplanned, at plain Keras's cost (no
-stage set-up is repaid by so few batches of in-memory preprocessing), and
-the next is staged and measured (a loop of short calls whose model reads
-or waits in its prefix still gets its stage). What cannot be
-bounded (a dataset that maps or reads files, a generator or a
-`PyDataset`, whose reading the stage also overlaps; a dataset of
-unknown length) is always staged, and so is every call of a model
-compiled with `jit_compile=True` (its whole step may not compile). A
-model's first staged call also pays its SmartStage plan and the trace of
-its prefix, once per model: those are noted apart and added only for a
-model that has not paid them yet.
+With `StagedInput(adaptive=True)`, a call on in-memory data (arrays, or a
+`tf.data.Dataset` of tensors in memory) that cannot repay its stage runs
+the whole model in Keras's step, unstaged, with the same results. A stage
+saves at most the staged work of every batch but the first, less what it
+slows the steps (the host times both kinds in one unstaged call, the
+trial), and costs its set-up: its pipeline, each iterator it makes, and a
+model's first plan and traces. Running unstaged first traces the whole
+model's step, which counts against it until the model's staged calls have
+paid as much (`trace_owed`). Costs are noted per phase (`CallCosts`),
+shared by models of the same stage (`stage_signature`). Data the stage
+overlaps (maps, files, Python) or of unknown length is always staged.
+Each call's `Decision` is a `Kind` and its figures; docs/design.md ("How a
+call is decided") has the rules and the regimes each serves.
 """
 
 import collections

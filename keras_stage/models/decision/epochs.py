@@ -1,49 +1,14 @@
 """Whether a staged fit's next epoch is staged: measured, epoch by epoch.
 
-A stage pays when the step would otherwise wait for the staged work. When
-the step does not wait (the stage keeps up) and the cores are all busy,
-the stage's threads only move that work from the step onto the cores the
-trunk needs: running the prefix inside the step (the whole model, as
-plain Keras does) can then be as fast or faster. Neither the stage's nor
-the step's figures tell which, so a fit that may gain measures it:
-
-1. its first epochs run staged; once one has been measured warm (after
-   the adaptive pool's first resize, if it has one) and its step waited
-   for input at most `TRIAL_WAIT_RATIO` of the time (or whatever it was,
-   when the wait could not be measured: under op determinism, a pipeline
-   whose tf.data model cannot be read, see `data.pipeline_model`);
-   where the first epoch's figures already rule the trial out (epochs
-   too short to time, a trace that would outweigh the epochs left), every
-   epoch is staged from the second on,
-2. the next epoch runs the whole model in Keras's step (the trial), if
-   tracing that step (once per model) costs at most `TRACE_SHARE` of the
-   epochs left after it,
-3. the faster of the two over the epochs left, by the measured step
-   times (medians of the warm steps) and the iterators those epochs make
-   (one each unstaged; staged, one more for a long-lived stage, else one
-   each), runs every remaining epoch of the call; the stage keeps the
-   epochs unless the whole model saves at least `MARGIN` of its time.
-
-An epoch is one iterator Keras reads, so switching changes nothing else:
-every epoch reads exactly the batches, in the order, that plain Keras's
-reads (an unstaged epoch iterates the same source the stage would have),
-and the staged and the whole-model steps compute the same thing. Only
-fits where that holds are switched (`epoch_switch` says which): SmartStage
-with a stateless prefix and no random staged layer, the stage's default
-exception policies and no tf.data service (`calls.may_skip_stage`),
-an iterator per epoch or epochs on one iterator that can restart at any
-epoch (in-memory arrays, datasets that draw nothing per iterator: an
-unstaged epoch drops the stage's iterator and the next staged one starts
-a new one after it) or that end it with each epoch until the decision
-(datasets that draw per iterator, see `LongLivedIterator`), no strategy,
-no device
-buffer, no `BackupAndRestore`, and epochs long enough to time. A model
-whose trial found the stage faster does not try again.
-`StagedInput(adaptive=False)` keeps every epoch staged.
-
-The trunk's step and the whole model's are both kept on the model, so a
-trial traces the whole model's step at most once per model (the one an
-unstaged call would use).
+Where the stage keeps up and the cores are all busy, its threads only move
+the prefix's work onto the trunk's cores, and the whole model in Keras's
+step can be as fast. So a fit that may gain (`epoch_switch` says which:
+the epochs must read exactly plain Keras's batches either way) runs its
+first epochs staged, then one epoch unstaged (the trial, when its step
+waited little for input and tracing the whole step is a small share of the
+epochs left), and the faster of the two by the measured warm steps runs
+the rest; the stage keeps them unless the whole model saves `MARGIN`.
+docs/design.md ("How a call is decided") has the rules and their regimes.
 """
 
 import logging
