@@ -190,6 +190,18 @@ MESSAGES = {
 }
 
 
+def compare(staged_seconds, whole_seconds, margin=0.0):
+    """The policy's one comparison, for a call and for a fit's epochs.
+
+    `Kind.DOES_NOT_PAY` when the whole model in Keras's step takes at most
+    `1 - margin` of the staged time, else `Kind.PAYS`: within `margin`, the
+    stage keeps the work.
+    """
+    if whole_seconds <= staged_seconds * (1.0 - margin):
+        return Kind.DOES_NOT_PAY
+    return Kind.PAYS
+
+
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """How a call runs: a `Kind` and the figures (seconds) it weighed.
@@ -640,6 +652,8 @@ class CallCosts:
         # Signed: staged steps slower than the whole model's lose time.
         saving = costs.saving(batches)
         starts = unstaged_epochs * (costs.epoch_start_seconds or 0.0)
+        # What the call costs staged and unstaged beyond the staged steps.
+        kind = compare(set_up, saving + owed + starts)
         gain = saving + owed + starts - set_up
         figures = {
             "batches": batches,
@@ -650,11 +664,10 @@ class CallCosts:
             "starts": starts,
             "gain": gain,
         }
-        if gain <= 0:
-            return Decision(Kind.DOES_NOT_PAY, figures)
-        # Over an unstaged call, which would start its epochs too.
-        figures["rent"] = max(set_up - saving - starts, 0.0)
-        return Decision(Kind.PAYS, figures)
+        if kind is Kind.PAYS:
+            # Over an unstaged call, which would start its epochs too.
+            figures["rent"] = max(set_up - saving - starts, 0.0)
+        return Decision(kind, figures)
 
 
 def stage_signature(model, smart_stage):

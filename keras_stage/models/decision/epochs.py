@@ -21,6 +21,8 @@ from keras_stage.data.eager_iterated import EagerIterated
 from keras_stage.models.call.epoch_iterators import ResolvingIterator, resolve
 from keras_stage.models.decision.calls import (
     TRACE_SHARE,
+    Kind,
+    compare,
     costs,
     may_skip_stage,
     trace_owed,
@@ -302,7 +304,7 @@ class EpochSwitch:
             f"{with_stage * ms:.2f} ms a step staged, {whole * ms:.2f} ms "
             "with the whole model in the step"
         )
-        if whole < with_stage * (1.0 - MARGIN):
+        if compare(with_stage, whole, MARGIN) is Kind.DOES_NOT_PAY:
             self.decision = UNSTAGED
             self.message = (
                 f"Stage '{self.name}' of model '{self.model_name}' does not "

@@ -883,3 +883,12 @@ def test_unmeasured_rent_counts_the_plan_once_and_untimed_work_as_none():
         calls._note_unmeasured_rent(model, Data, busy, 10)
     assert state.rent["train"] == pytest.approx(0.1 + 0.5)
     assert state.rent["test"] == pytest.approx(0.1 - 0.045)
+
+
+def test_one_comparison_decides_a_call_and_a_fits_epochs():
+    # A call: the stage's set-up against what running unstaged adds.
+    assert calls.compare(0.07, 0.071) is Kind.PAYS
+    assert calls.compare(0.07, 0.07) is Kind.DOES_NOT_PAY
+    # A fit's epochs: within the margin, the stage keeps them.
+    assert calls.compare(1.0, 0.98, margin=0.03) is Kind.PAYS
+    assert calls.compare(1.0, 0.97, margin=0.03) is Kind.DOES_NOT_PAY
