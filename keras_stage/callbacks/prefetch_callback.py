@@ -492,10 +492,7 @@ class PrefetchCallback(keras.callbacks.Callback):
         self._add_call_reason(binding)
         self._add_switch_report(switch)
         self._write_summaries(epoch, stats, self.verdict)
-        if self.verbose:
-            print(self.verdict["message"])
-        else:
-            logger.debug(self.verdict["message"])
+        self._say()
         self._report_skips(binding, now, stats["skipped"])
 
     def _end_epoch_of_unstaged_call(self, epoch, logs):
@@ -512,10 +509,7 @@ class PrefetchCallback(keras.callbacks.Callback):
             epoch,
         )
         self.verdict["call"] = self._unstaged_call
-        if self.verbose and first:
-            print(self.verdict["message"])
-        else:
-            logger.debug(self.verdict["message"])
+        self._say(first)
 
     def _end_unstaged_epoch(self, epoch, stats, binding, switch):
         """The verdict of an epoch that ran the whole model in the step."""
@@ -537,7 +531,11 @@ class PrefetchCallback(keras.callbacks.Callback):
         )
         self._add_call_reason(binding)
         self._add_switch_report(switch)
-        if self.verbose:
+        self._say()
+
+    def _say(self, printed=True):
+        """Prints the verdict's message with `verbose`, else logs it."""
+        if self.verbose and printed:
             print(self.verdict["message"])
         else:
             logger.debug(self.verdict["message"])
