@@ -50,20 +50,15 @@ def private_map_dataset():
 def inline_map(dataset, fn, name):
     """`dataset.map(fn, name=name)` with `fn`'s ops run by the calling thread.
 
-    The stage's own per-element functions are a handful of tiny ops
-    (counters, timestamps). A sequential map hands each op to tf.data's
-    inter-op thread pool, and those hand-offs (thread wake-ups) cost more
-    wall and CPU time than the ops, which a short training step on few
-    cores feels (the `none` benchmark measures it). The switch
-    (`use_inter_op_parallelism=False`, TF's single-threaded executor) is
-    only on TensorFlow's private `_MapDataset`; should it move, this is
-    the public map (slower, same result) and
+    For the stage's own tiny per-element functions, whose hand-offs to the
+    inter-op pool would cost more than their ops. The switch
+    (`use_inter_op_parallelism=False`) is only on TensorFlow's private
+    `_MapDataset`; should it move, this is the public map and
     `tests/data/engine_boundary_test.py` fails. `fn` must hold no control
-    flow (that executor rejects it), so never pass a user's function here.
+    flow (that executor rejects it): never a user's function.
     """
     import tensorflow as tf
 
-    # No control flow, so nothing for AutoGraph to convert (see `fn`).
     fn = tf.autograph.experimental.do_not_convert(fn)
     map_dataset = private_map_dataset()
     if map_dataset is None:
@@ -89,10 +84,8 @@ def get_data_adapter(**kwargs):
     class weights) before staging it; Keras has no public API for this.
     """
     get = _keras_private("keras.src.trainers.data_adapters", "get_data_adapter")
-    # Keras warns for its caller (stacklevel=2), which here is this line: a
-    # Keras warning (a `shuffle=True` it ignores) would read as a
-    # keras_stage bug. It is given again from the Keras function that gives
-    # it; any other warning keeps its own location.
+    # Keras warns for its caller, this line: such a warning is given again
+    # from the Keras function, so that it does not read as keras_stage's.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         adapter = get(**kwargs)
@@ -113,13 +106,9 @@ def get_data_adapter(**kwargs):
 def distributed_dataset_adapter(dataset):
     """Keras's adapter of `dataset`, which Keras takes as it is.
 
-    For a `tf.distribute.DistributedDataset` of the stage's own: Keras
-    takes as data only TensorFlow's own distributed datasets (it tells them
-    by class name), not another implementation of the public interface,
-    which its epoch iterator would use as one. For a dataset on JAX across
-    processes: Keras would shard it again (`JaxBackend.feed`). A
-    `DataAdapter` it takes as it is, with no distribution. `dataset` needs
-    `cardinality()`: an epoch's batches.
+    For the stage's own `tf.distribute.DistributedDataset` (Keras takes
+    only TensorFlow's, by class name) and a dataset on JAX across processes
+    (Keras would shard it again). `dataset` needs `cardinality()`.
     """
     adapter = _keras_private(
         "keras.src.trainers.data_adapters.tf_dataset_adapter",
@@ -131,12 +120,8 @@ def distributed_dataset_adapter(dataset):
 def array_adapter_inputs(adapter):
     """The arrays a Keras array adapter batches, or None for other adapters.
 
-    `(x, y, sample_weight)` packed as Keras packs them, class weights
-    turned into sample weights, converted as Keras converts them before it
-    gathers batches (floats cast to floatx, strings to `tf.string`), or
-    None when `adapter` is not Keras's `ArrayDataAdapter`. keras_stage
-    gathers its batches from these itself (`models/data_adapters/arrays.py`);
-    Keras keeps them only in `ArrayDataAdapter._inputs`.
+    `(x, y, sample_weight)` packed and converted as Keras does before it
+    gathers batches; Keras keeps them only in `ArrayDataAdapter._inputs`.
     """
     adapter_class = _keras_private(
         "keras.src.trainers.data_adapters.array_data_adapter",
@@ -254,14 +239,10 @@ def layers_built(model):
 def symbolic_build(model, data_spec):
     """Builds the compile metrics, loss and optimizer from raw-data specs.
 
-    Without a strategy Keras builds them inside the first traced step
-    (where creating variables makes TensorFlow trace the step twice); under
-    a tf.distribute strategy before the first step, by calling the model on
-    a batch of the data it iterates, which with SmartStage holds the cut
-    tensors, not the model's inputs. Building first from the raw data's
-    `element_spec` makes Keras's own build a no-op. A resumed epoch builds
-    them so too, before the first step's trace, to give them the values
-    saved with its position (`DataBackup`).
+    Keras builds them in the first traced step (tracing it twice), or
+    under a strategy from a batch of the data, which with SmartStage holds
+    the cut tensors, not the model's inputs. Building first from the raw
+    data's `element_spec` makes Keras's own build a no-op.
     """
     model._symbolic_build(data_batch=data_spec)
 
@@ -273,10 +254,8 @@ FIT_VALIDATION_KWARG = "_use_cached_eval_dataset"
 def is_fit_validation(evaluate_kwargs):
     """Whether an `evaluate` call is the validation run of a `fit`.
 
-    Keras's fit validates through `self.evaluate(...,
-    _use_cached_eval_dataset=True)`, on the validation data the fit already
-    staged: such an evaluate must not stage again. That private keyword is
-    the only sign Keras gives.
+    Such an evaluate must not stage again; Keras's private keyword is the
+    only sign.
     """
     return bool(evaluate_kwargs.get(FIT_VALIDATION_KWARG))
 
@@ -284,11 +263,7 @@ def is_fit_validation(evaluate_kwargs):
 def dataset_inputs(dataset):
     """The datasets `dataset` is built on (its inputs), or None if unknown.
 
-    Whether a source can run several epochs on one iterator depends on
-    what every dataset and function under it does (see
-    `models/data_adapters/epoch_sources.py`); tf.data lists a dataset's
-    inputs only in `Dataset._inputs`. None for a dataset that does not say
-    (a custom subclass without it).
+    tf.data lists them only in `Dataset._inputs`.
     """
     try:
         return list(dataset._inputs())
@@ -312,11 +287,8 @@ def dataset_functions(dataset):
 def dataset_seeded(dataset):
     """Whether a drawing dataset (`shuffle`, `random`) has a fixed seed.
 
-    tf.data keeps the op seeds its `random_seed.get_seed` chose in
-    `_seed` and `_seed2`: both 0 when neither the dataset nor the global
-    seed was set, and each iterator then draws a random seed of its own
-    (its orders cannot be replayed by anyone). True when they cannot be
-    read (a fixed seed is the safe guess).
+    tf.data keeps its op seeds only in `_seed` and `_seed2`, both 0 when
+    unseeded. True when they cannot be read (the safe guess).
     """
     try:
         seeds = (dataset._seed, dataset._seed2)
@@ -331,9 +303,7 @@ def dataset_seeded(dataset):
 def service_server_port(server):
     """The port a tf.data service `DispatchServer` or `WorkerServer` took.
 
-    A worker started on port 0 picks a free one and says which only in
-    `WorkerServer._address` ("host:port"); `LocalService` names the ports
-    it opens (they listen on every interface, see `data/service.py`).
+    A server started on port 0 says which it took only in `_address`.
     """
     return int(server._address.rsplit(":", 1)[1])
 
@@ -341,11 +311,9 @@ def service_server_port(server):
 def backend_seed_generators(layer):
     """The SeedGenerators Keras made for `layer`'s calls on another backend.
 
-    On JAX, a Keras preprocessing layer called in a TensorFlow graph (as in
-    tf.data) draws its randomness from a TensorFlow SeedGenerator of its
-    own, made at its first such call (`DataLayer._get_seed_generator`) and
-    kept only in `DataLayer._backend_generators`. SmartStage seeds the
-    staged layers per batch through their generators' state variables.
+    On JAX, a preprocessing layer called in tf.data keeps its TensorFlow
+    SeedGenerators only in `DataLayer._backend_generators`; SmartStage
+    seeds them per batch.
     """
     return list(vars(layer).get("_backend_generators", {}).values())
 
@@ -353,9 +321,7 @@ def backend_seed_generators(layer):
 def backup_files(backup):
     """The weights and metadata files a `BackupAndRestore` writes and loads.
 
-    Keras names them only in private attributes (`latest.weights.h5` and
-    `training_metadata.json` in its `backup_dir`). `DataBackup` keeps a copy
-    of both with each data position, to put the pair back when a kill tore
-    Keras's write or fell between it and `DataBackup`'s.
+    Keras names them only in private attributes; `DataBackup` keeps a copy
+    of both with each data position.
     """
     return backup._weights_path, backup._training_metadata_path

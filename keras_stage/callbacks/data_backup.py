@@ -1,31 +1,18 @@
 """`DataBackup`: exactly-once resume for `keras.callbacks.BackupAndRestore`.
 
-Keras's `BackupAndRestore` saves the weights every `save_freq` batches, but
-a run killed mid-epoch restarts that epoch from its first batch: the
-batches trained before the kill are trained again, and a stage's buffer is
-simply lost. `DataBackup` saves the position of the training data with
-each of those saves: a checkpoint of the tf.data iterator the training
-step reads (tf.data saves the shuffle buffers and the batches already in
-the stage's buffer with it). On restart the resumed epoch continues from
-the batch after the last save, so every example of every epoch is trained
-on exactly once. The resumed epoch ends when those batches are read (not a
-step later on the end of the data, which would count an optimizer
-iteration) and its metrics go on from the values saved with the position:
-the run goes on as one never stopped would (see docs/reliability.md). The
-stage's element count (the staged random layers' seeds) is saved with the
-iterator, the seed generators of the trunk's random layers with the
-position, and `recover()` keeps the weights and the position from one save
-when a kill cuts a backup.
+Keras's `BackupAndRestore` restarts a run killed mid-epoch from that
+epoch's first batch. `DataBackup` saves, with each of its saves, a
+checkpoint of the tf.data iterator the training step reads (shuffle
+buffers and the stage's buffer included), the epoch's metrics and the seed
+generators: the resumed epoch continues after the last saved batch, so
+every example is trained on exactly once (see docs/reliability.md).
+`recover()` keeps the weights and the position from one save when a kill
+cuts a backup.
 
-`keras_stage.Model.fit` adds one, right after the `BackupAndRestore` in the
-callbacks, whenever the run is staged; users do not create it.
-
-What it needs from the data: a pipeline tf.data can checkpoint and replay.
-`tf.data` sources with seeded shuffling (`shuffle(n, seed=...)`) and Keras's
-NumPy arrays without shuffling qualify. Python generators and
-`keras.utils.PyDataset` cannot be checkpointed (their state lives in
-Python); with them the resumed epoch starts again from its first batch, as
-with plain Keras, and a warning says so.
+`keras_stage.Model.fit` adds one, right after the `BackupAndRestore`,
+whenever the run is staged. Python generators and `keras.utils.PyDataset`
+cannot be checkpointed: their resumed epoch starts again from its first
+batch, as with plain Keras, and a warning says so.
 """
 
 import hashlib
@@ -65,11 +52,7 @@ def _write_json(path, value):
 
 
 def _copy(source, target):
-    """Copies `source` to `target` atomically; returns its sha256.
-
-    Written aside and renamed, so `target` is either the old file or the
-    whole new one, never a torn one.
-    """
+    """Copies `source` to `target` atomically; returns its sha256."""
     digest = hashlib.sha256()
     tmp = f"{target}.tmp"
     with open(source, "rb") as src, open(tmp, "wb") as dst:
@@ -102,10 +85,8 @@ def _read_text(path):
 def _with_epoch(metadata, epoch):
     """Keras's metadata file, made to name `epoch`; returns its text.
 
-    BackupAndRestore (Keras 3.15) learns the epoch it saves in only as an
-    epoch ends: a run resumed into epoch 2 writes epoch 0 in its saves
-    until then, and killed again there it would go back to epoch 0
-    (measured). Rewritten aside and renamed, right after Keras's write.
+    BackupAndRestore learns the epoch it saves in only as an epoch ends: a
+    run resumed into epoch 2 and killed again would go back to epoch 0.
     """
     text = _read_text(metadata)
     if text is None:
@@ -152,13 +133,8 @@ class DataBackup(keras.callbacks.Callback):
             and the first save warns once that its weights will differ.
 
     Each save is one position in `backup_dir/keras_stage_data/`: the
-    iterator checkpoint (a `tf.train.CheckpointManager` keeping two), a
-    copy of the weights and metadata Keras wrote just before, and a
-    journal naming them, written last and atomically. `recover()`, run
-    before `BackupAndRestore` loads, puts that copy back when Keras's files
-    are not the ones the journal names (a kill during Keras's write, or
-    between it and ours), so the weights and the data position always
-    come from the same save.
+    iterator checkpoint, a copy of the weights and metadata Keras wrote
+    just before, and a journal naming them, written last and atomically.
     """
 
     def __init__(
@@ -204,9 +180,7 @@ class DataBackup(keras.callbacks.Callback):
         if pending is not None and pending[0] == epoch:
             self._restore_next(pending[1], pending[2], epoch)
             self._restore_values(pending[3])
-            # Keras numbers the resumed epoch's batches from 0 again; the
-            # journal keeps the epoch's own numbers (a run killed again in
-            # this epoch resumes after the right batch).
+            # Keras numbers the resumed epoch's batches from 0 again.
             self._offset = pending[3]["batch"] + 1
 
     def on_train_batch_end(self, batch, logs=None):
@@ -226,10 +200,9 @@ class DataBackup(keras.callbacks.Callback):
         self._note_untrained_results()
 
     def _note_untrained_results(self):
-        # A resumed epoch saved after its last batch runs no step, and
-        # Keras's epoch logs then lack the training metrics: their values
-        # are the ones restored, noted before validation reuses the
-        # metrics (History gets them, as from a run never stopped).
+        # A resumed epoch saved after its last batch runs no step: its
+        # logs get the restored metrics, noted before validation resets
+        # them.
         if self._offset and not self._stepped and self._untrained is None:
             self._untrained = {
                 key: float(np.asarray(value))
@@ -243,10 +216,7 @@ class DataBackup(keras.callbacks.Callback):
             for key, value in self._untrained.items():
                 logs.setdefault(key, value)
         if self.save_freq == "epoch":
-            # BackupAndRestore saved at the epoch's end: the next epoch
-            # starts from its first batch. (With a batch count it saves no
-            # more at an epoch's end, and a run killed before the next
-            # save resumes this epoch after its last saved batch.)
+            # BackupAndRestore saved at the epoch's end.
             self._journal(epoch + 1, -1, None, None)
 
     def _save(self, epoch, batch):
@@ -292,11 +262,8 @@ class DataBackup(keras.callbacks.Callback):
         )
 
     def _manager(self, iterator):
-        """The checkpoint manager of `iterator`, kept while it is read.
-
-        Made once per iterator (an epoch's), not at every save: making a
-        checkpoint object also makes its save counter variable.
-        """
+        """The checkpoint manager of `iterator`, made once per iterator
+        (a checkpoint object makes a variable)."""
         kept = self._saver
         if kept is not None and kept[0]() is iterator:
             return kept[1]
@@ -323,11 +290,7 @@ class DataBackup(keras.callbacks.Callback):
         return int(np.asarray(optimizer.iterations))
 
     def _journal(self, epoch, batch, iterator, values):
-        """Writes the position with a copy of Keras's save, journal last.
-
-        The journal is renamed into place: until then the previous one
-        stands, with the previous copy, and `recover()` goes back to it.
-        """
+        """Writes the position with a copy of Keras's save, journal last."""
         os.makedirs(self.directory, exist_ok=True)
         weights, metadata = _compat.backup_files(self.backup)
         position = {"epoch": epoch, "batch": batch, "iterator": iterator}
@@ -348,29 +311,20 @@ class DataBackup(keras.callbacks.Callback):
         _write_json(os.path.join(self.directory, _JOURNAL), position)
 
     def _metric_variables(self):
-        # The epoch's running metrics (the loss's mean and the compiled
-        # metrics), whose values the epoch's History entry reports.
         model = self.model
         if model is None:
             return []
         return [v for metric in model.metrics for v in metric.variables]
 
     def _seed_variables(self):
-        # The random layers' seed generators (Dropout in the trunk draws
-        # from its state at every step): Keras's weights file leaves them
-        # out. Staged random layers draw from the stage's own count.
+        # The trunk's seed generators, which Keras's weights file leaves
+        # out (staged random layers draw from the stage's own count).
         if self.model is None:
             return []
         return seed_states(self.model)
 
     def _restore_values(self, position):
-        """Gives the epoch's metrics and seeds the values saved with it.
-
-        Keras resets the metrics as every epoch begins: without this, a
-        resumed epoch's History entry would average its batches after the
-        saved one only, not the epoch's. The seed generators would start
-        where the new process's seed puts them, not where they were.
-        """
+        """Gives the epoch's metrics and seeds the values saved with it."""
         if position.get("metrics") is not None and self._build_metrics:
             self._build_metrics()
         for key, variables in (
@@ -419,14 +373,12 @@ class DataBackup(keras.callbacks.Callback):
     def recover(self):
         """Makes Keras's backup files the ones the journal names.
 
-        Run before `BackupAndRestore` loads them (as `fit` begins). Keras
-        writes its weights and metadata in place, and this callback writes
-        its position after them: a kill during Keras's write leaves torn
-        files, and one between the two writes leaves weights one save
-        ahead of the data position. Either way the copy saved with the
-        journal goes back, and the run resumes from the save before the
-        interrupted one, whole. Raises `TornBackupError` if that copy is
-        not whole either.
+        Run before `BackupAndRestore` loads them. A kill during Keras's
+        write, or between it and the journal's, puts the copy saved with
+        the journal back: the run resumes from the save before.
+
+        Raises:
+            TornBackupError: if that copy is not whole either.
         """
         position = self._read_journal()
         if position is None or "weights" not in position:
@@ -490,10 +442,8 @@ class DataBackup(keras.callbacks.Callback):
         position = self._read_journal()
         weights, _ = _compat.backup_files(self.backup)
         if position is None and not os.path.exists(weights):
-            # A fresh run: say so in the folder, so that a kill during the
-            # first save (Keras's files and no position) is told apart.
-            # (Keras's files and no journal: a backup of plain Keras,
-            # resumed as Keras resumes it.)
+            # Marks a fresh run, to tell a kill during the first save from
+            # a backup of plain Keras.
             os.makedirs(self.directory, exist_ok=True)
             _write_json(
                 os.path.join(self.directory, _JOURNAL),
@@ -505,8 +455,7 @@ class DataBackup(keras.callbacks.Callback):
         stage_state, stage_restored = self._stage_state, self._stage_restored
 
         def restore(iterator):
-            # The stage's state first: the restored iterator's threads
-            # start at once and carry it on.
+            # The stage's state first: the iterator's threads start at once.
             state = stage_state()
             if state:
                 tf.train.Checkpoint(**state).read(path).expect_partial()
@@ -519,8 +468,7 @@ class DataBackup(keras.callbacks.Callback):
                 batch,
             )
 
-        # Keras still counts the whole epoch's steps; those after the
-        # position are what the restored iterator holds.
+        # Keras still counts the whole epoch's steps.
         steps = (self.params or {}).get("steps")
         left = None if steps is None else max(int(steps) - (batch + 1), 0)
         self._pending = (position["epoch"], restore, left, position)

@@ -1,10 +1,8 @@
 """`PrefetchCallback`: the lifecycle and the report of a staged run.
 
-The callback owns what happens to the stages of one `fit`, `evaluate` or
-`predict` call: it starts and ends the epochs of the data sources feeding
-them, reads the stages' counters at epoch boundaries (never per step), adds
-them to the epoch logs, prints a bottleneck verdict, and stops every thread
-the stages started when the run ends, however it ends.
+It begins and ends the epochs of the sources feeding the stages, reads the
+stages' counters at epoch boundaries, logs them with a bottleneck verdict,
+and stops the stages' threads when the run ends, however it ends.
 """
 
 import logging
@@ -24,18 +22,17 @@ logger = logging.getLogger("keras_stage")
 # Above this fraction of the epoch spent waiting for data, a run is called
 # input-bound.
 _INPUT_BOUND_WAIT_RATIO = 0.1
-# Suggested threads keep this margin over the bare rule of thumb: with
-# exactly prepare / train workers, any jitter in either makes the step wait.
+# Margin over prepare / train workers: with exactly that many, any jitter
+# makes the step wait.
 _THREADS_HEADROOM = 1.25
-# The smallest suggested buffer: one batch being taken while the next waits.
+# One batch being taken while the next waits.
 _MIN_SUGGESTED_CAPACITY = 2
 # An input-bound stage whose threads would deliver a batch this many times
 # faster than it did was starved by the pipeline before it.
 _SOURCE_BOUND_FACTOR = 1.5
 _MAX_SUGGESTED_CAPACITY = 64
-# At or above this share of the machine's cores in use (the process's CPU
-# time over the epoch), the cores are busy: an input-bound stage is
-# computing, not waiting, and more threads would only share the cores.
+# At this share of the cores in use, an input-bound stage is computing, not
+# waiting: more threads would only share the cores.
 _CORES_BUSY_LOAD = 0.85
 
 
@@ -54,11 +51,7 @@ def _snapshot(staged):
 
 
 def _require_tensorboard(log_dir):
-    """Raises a clear error now if TensorBoard cannot write `log_dir`'s files.
-
-    TensorFlow no longer installs TensorBoard, and `tf.summary.scalar`
-    imports it only when it writes: at the end of the first epoch.
-    """
+    """Raises now, not at the first epoch's end, if TensorBoard is missing."""
     try:
         import tensorboard.summary.v2  # noqa: F401  (what tf.summary uses)
     except ImportError as e:
@@ -86,37 +79,22 @@ class _Binding:
         call_reason=None,
         iterator_cost=None,
     ):
+        # The arguments are `PrefetchCallback.attach`'s.
         self.phase = phase
         self.staged = staged
         self.adapter = adapter
-        # Whether the verdict may shrink the stage's pool between epochs,
-        # or only grow it.
         self.pool_shrinks = pool_shrinks
-        # The `EpochSwitch` that may run epochs without the stage, or None.
         self.switch = switch
-        # Whether the stage runs the call's epochs on one iterator: what
-        # it holds when a later epoch begins is that epoch's.
         self.long_lived = long_lived
-        # Whether it reads on from the iterator an earlier call left: what
-        # it holds when the first epoch begins is that epoch's too.
         self.carried = carried
-        # Why the model staged the call, a sentence, or None (no decision
-        # made: on JAX every call is staged).
         self.call_reason = call_reason
-        # `iterator_cost()`: what a pool resized before the next epoch
-        # costs the call (the measured seconds of a new iterator of the
-        # stage, or 0 where that epoch makes one anyway), or None if not
-        # measured.
         self.iterator_cost = iterator_cost
         self.epochs_begun = 0
         self.in_epoch = False
-        # Busy seconds per element the stage last measured in an epoch
-        # that made elements (see `_rates_of_batches_read_ahead`).
+        # See `_rates_of_batches_read_ahead` and `_shrink_cannot_pay`.
         self.busy_rate = None
-        # The least staged seconds per batch an epoch after the first
-        # measured (see `PrefetchCallback._shrink_cannot_pay`).
         self.least_prepare = None
-        # Skips counted before this epoch: the stage's counter is cumulative.
+        # The stage's skip counter is cumulative.
         self.skipped_before = 0
 
     def begin_epoch(self):
@@ -124,10 +102,9 @@ class _Binding:
             if self.adapter is not None:
                 self.adapter.on_epoch_begin()
             if self.staged.runner.records_in_step:
-                # The compiled step marks each next fetch at its end; the
-                # epoch's first fetch begins now.
-                # A long-lived stage holds the epoch's batches, unless the
-                # last epoch ran without it (its iterator was dropped).
+                # The step marks each next fetch at its end; the epoch's
+                # first begins now. A long-lived stage already holds the
+                # epoch's batches, unless the last epoch ran without it.
                 after_unstaged = (
                     self.switch is not None and self.switch.last_unstaged
                 )
@@ -153,56 +130,42 @@ class PrefetchCallback(keras.callbacks.Callback):
 
     Pass it to `fit` (or `evaluate`/`predict`) of a `keras_stage.Model` or
     `keras_stage.Sequential` with a `StagedInput`; the model adds one when
-    you do not, and moves it first in the callback list so that History,
-    the progress bar, EarlyStopping and TensorBoard all see its logs.
+    you do not, first in the callback list so that History, the progress
+    bar, EarlyStopping and TensorBoard all see its logs.
 
     Each epoch it adds to the logs:
 
     - `stage_wait_ratio`: fraction of the epoch's training time spent
       waiting for input (0..1). Near 0: the stage keeps up. Under op
-      determinism (`tf.config.experimental.enable_op_determinism`), which
-      forbids the in-graph clock that times it, it is read from tf.data's
-      own model of the stage's iterator (the gaps between the step's
-      fetches); absent when that cannot be read either (a dataset whose
-      options turn tf.data's autotuning off, or TensorFlow 2.16).
+      determinism it is read from tf.data's model of the stage's iterator;
+      absent when that cannot be read either.
     - `stage_buffer_fill`: mean fill of the stage buffer when the training
       step asked for a batch (0..1). Near 1: batches were waiting.
     - `stage_skipped`: batches skipped this epoch by
       `ignored_exception_types`.
-    - `stage_unstaged`: in a fit whose epochs may run without the stage
-      where it does not pay (see `keras_stage.models.decision.epochs`), 1
-      for an epoch that ran the whole model in Keras's step (its other
-      `stage_*` figures are then 0: nothing was staged), else 0. A fit
-      the model runs wholly without its stage (a call too short to repay
-      it, see `keras_stage.models.decision.calls`) logs 1 every epoch,
-      and its verdict says why.
+    - `stage_unstaged`: 1 for an epoch that ran the whole model in Keras's
+      step (its other `stage_*` figures are then 0), else 0; logged in a
+      fit whose epochs may run without the stage, and every epoch of a fit
+      the model runs wholly without it.
 
     With `verbose=1` it prints a one-line verdict per epoch: input-bound or
     compute-bound, and what to change, by DeepRec's rules of thumb
     (`num_threads >= preprocessing time / training time`,
     `capacity ~ compute time / wait time`). The latest verdict is also in
-    `callback.verdict` as a dict. On a model with no stage (a plain Keras
-    model, or a keras_stage model with neither a `StagedInput` nor
-    `smart_stage`) it logs a warning instead, once, naming the fix.
+    `callback.verdict` as a dict. On a model with no stage it logs a
+    warning instead, once, naming the fix.
 
     A stage that leaves its threads to keras_stage (`num_threads="auto"`,
-    no `thread_pool_size`) is also retuned by the verdict: its private
-    pool gets its full size after an epoch that kept the step waiting
-    (threads that wait on IO overlap), more if the verdict asks for more
-    while the cores had time to spare (the stage waits, it does not
-    compute), and the threads the verdict suggests (one per core at most)
-    after an epoch that kept up needing no more than the cores (more
-    threads would only contend with the training step for them). See
-    `keras_stage.data.pool`.
+    no `thread_pool_size`) is also resized by the verdict between epochs
+    (see `keras_stage.data.pool`).
 
-    The same figures reach TensorBoard: a `keras.callbacks.TensorBoard` in
-    the callbacks writes them with the other epoch logs (as
-    `epoch_stage_wait_ratio`, ...). Given `log_dir`, this callback also
-    writes them itself, with the verdict's per-batch times, under
-    `log_dir/stage` (tags `stage/wait_ratio`, `stage/buffer_fill`,
-    `stage/skipped`, `stage/prepare_ms_per_batch`,
-    `stage/train_ms_per_batch`, `stage/delivery_ms_per_batch`,
-    `stage/suggested_num_threads`, `stage/suggested_capacity`).
+    A `keras.callbacks.TensorBoard` in the callbacks writes the `stage_*`
+    logs with the others. Given `log_dir`, this callback also writes them
+    with the verdict's per-batch times under `log_dir/stage` (tags
+    `stage/wait_ratio`, `stage/buffer_fill`, `stage/skipped`,
+    `stage/prepare_ms_per_batch`, `stage/train_ms_per_batch`,
+    `stage/delivery_ms_per_batch`, `stage/suggested_num_threads`,
+    `stage/suggested_capacity`).
 
     Args:
         verbose: 1 prints the verdict each epoch, 0 only logs it at debug
@@ -219,13 +182,10 @@ class PrefetchCallback(keras.callbacks.Callback):
             (None for a stage with no staged computation, which only
             buffers), `train_seconds_per_batch`), `suggested_num_threads`,
             `suggested_capacity`, `thread_pool_size` and
-            `next_thread_pool_size` (the threads of the pool the epoch ran
-            on and of the next epoch's, for a stage whose pool is resized;
+            `next_thread_pool_size` (for a stage whose pool is resized;
             else None), `staged` (False for an epoch run without the
-            stage), `message` and `epoch`; `None` until the first
-            epoch of a `fit` ends. Figures that need a timing the epoch
-            could not take (see `stage_wait_ratio`) are None, and so are
-            `input_bound` and the suggestions built on them.
+            stage), `message` and `epoch`; `None` until the first epoch of
+            a `fit` ends. Figures the epoch could not time are None.
 
     Example:
 
@@ -259,24 +219,19 @@ class PrefetchCallback(keras.callbacks.Callback):
         self.verbose = int(verbose)
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self._writer = None
-        # Once per callback, not per fit: see `_warn_without_stage`.
-        self._warned_without_stage = False
+        self._warned_without_stage = False  # once per callback, not per fit
         self.verdict = None
         self._bindings = {}
-        # Why the model runs this fit without its stage, or None (see
-        # `attach_unstaged`).
-        self._unstaged_call = None
+        self._unstaged_call = None  # see `attach_unstaged`
         self._epoch_start = None
         self._train_time = None
         self._train_cpu = None
         self._snapshot = None
-        # Whether the epoch's first step is still to pass: its figures
-        # start after it (see `on_train_batch_begin`).
+        # See `on_train_batch_begin`.
         self._starting_epoch = False
         self._first_step_begun = False
         self._after_first_step = None
-        # The batch of the train stage's last sample (see `_samples_due`).
-        self._sampled_batch = 0
+        self._sampled_batch = 0  # see `_samples_due`
 
     # -- wiring, called by the staged model ---------------------------------
 
@@ -294,17 +249,12 @@ class PrefetchCallback(keras.callbacks.Callback):
     ):
         """Registers the stage feeding `phase` ("train", "test", "predict").
 
-        `long_lived`: whether the stage runs the call's epochs on one
-        iterator. `switch`: the fit's `EpochSwitch`, if its epochs may run
-        without the stage. `pool_shrinks`: whether the verdict may shrink
-        an adaptive pool after an epoch, or only grow it (see
-        `keras_stage.data.pool`). `carried`: whether that iterator was
-        left by an earlier call, its buffer filled for this call's first
-        epoch. `call_reason`: why the model staged the call (the verdict's
-        `call`). `iterator_cost`: a function giving what a pool resized
-        before the next epoch costs the call, or None (see
-        `_shrink_cannot_pay`).
-        Called by `keras_stage.Model`; users do not need it.
+        `long_lived`: the call's epochs run on one iterator; `carried`: an
+        earlier call left it. `switch`: the fit's `EpochSwitch`, if epochs
+        may run without the stage. `pool_shrinks`: whether the verdict may
+        shrink an adaptive pool, or only grow it. `call_reason`: why the
+        call is staged. `iterator_cost`: what a resized pool costs, or None
+        (see `_shrink_cannot_pay`). Called by `keras_stage.Model`.
         """
         self._bindings[phase] = _Binding(
             phase,
@@ -319,12 +269,7 @@ class PrefetchCallback(keras.callbacks.Callback):
         )
 
     def attach_unstaged(self, reason):
-        """Registers a fit the model runs without its stage, and why.
-
-        Its epochs log the `stage_*` keys as an unstaged epoch does, and
-        the verdict says why the call skipped its stage. Called by
-        `keras_stage.Model`; users do not need it.
-        """
+        """Registers a fit the model runs without its stage, and why."""
         self._unstaged_call = reason
 
     def close(self, timeout=5.0):
@@ -353,29 +298,21 @@ class PrefetchCallback(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._samples_due(batch):
-            # Op determinism: figures read from tf.data's model, which
-            # keeps the gaps of a window of fetches (`pipeline_model`).
+            # Op determinism: tf.data's model keeps a window of fetches.
             self._bindings["train"].staged.stats.sample()
         if not self._starting_epoch or self._snapshot is None:
             return
-        # An epoch's first step pays what starting the epoch costs (the
-        # fit's first traces the step function; a later one may build the
-        # pipeline of a resized pool when its iterator is made), far more
-        # than a step: every epoch's figures start after it (here, as the
-        # second step begins), as its first fetch's wait is not counted
-        # either, or the verdict would count that start as training or
-        # blame the input for it. Not in a batch-end hook: a callback with one
-        # makes Keras run every batch end in the training loop's thread
-        # (no async dispatch on JAX), each waiting for its step's logs.
+        # An epoch's first step pays the epoch's start (a trace, a new
+        # pipeline), which is neither training nor input: the figures start
+        # as the second step begins. Not in a batch-end hook, which would
+        # make Keras wait for every step's logs.
         if not self._first_step_begun:
             self._first_step_begun = True
             return
         self._starting_epoch = False
         binding = self._bindings.get("train")
         if binding is not None:
-            # Between two steps, not at an epoch's end (see
-            # `PipelineModel.sample`): a sample before the snapshot's.
-            binding.staged.stats.sample()
+            binding.staged.stats.sample()  # see `PipelineModel.sample`
             self._after_first_step = (_snapshot(binding.staged), time.time())
 
     def _samples_due(self, batch):
@@ -419,11 +356,7 @@ class PrefetchCallback(keras.callbacks.Callback):
         self._end_phase("predict")
 
     def _warn_without_stage(self):
-        """Warns once if the callback's model has no stage to report.
-
-        A keras_stage model with a stage is not warned, even for a call it
-        runs unstaged: it logs why (`keras_stage.models.decision.calls`).
-        """
+        """Warns once if the callback's model has no stage to report."""
         model = self.model
         if self._warned_without_stage or model is None:
             return
@@ -432,8 +365,7 @@ class PrefetchCallback(keras.callbacks.Callback):
             for layer in getattr(model, "layers", ())
             if isinstance(layer, StagedInput)
         ]
-        # keras_stage models have `smart_stage` (they import this module,
-        # which therefore cannot import their class).
+        # Only keras_stage models have it (their module imports this one).
         smart_stage = getattr(model, "smart_stage", None)
         if smart_stage is None and staged_inputs:
             for layer in staged_inputs:
@@ -528,8 +460,7 @@ class PrefetchCallback(keras.callbacks.Callback):
                 logs["stage_unstaged"] = float(unstaged)
             if unstaged:
                 if logs is not None:
-                    # Nothing staged: nothing waited for, held or skipped
-                    # (logged all the same, so every epoch has the keys).
+                    # Logged all the same, so every epoch has the keys.
                     if stats["wait_ratio"] is not None:
                         logs["stage_wait_ratio"] = 0.0
                     logs["stage_buffer_fill"] = 0.0
@@ -537,8 +468,7 @@ class PrefetchCallback(keras.callbacks.Callback):
                 self._end_unstaged_epoch(epoch, stats, binding, switch)
                 return
         if logs is not None:
-            # A wait not measured is left out, not logged as 0 or NaN (which
-            # a progress bar shows like a diverged loss).
+            # Not measured: left out, as NaN would read as a diverged loss.
             if stats["wait_ratio"] is not None:
                 logs["stage_wait_ratio"] = stats["wait_ratio"]
             if stats["buffer_fill"] is not None:
@@ -562,20 +492,11 @@ class PrefetchCallback(keras.callbacks.Callback):
         self._add_call_reason(binding)
         self._add_switch_report(switch)
         self._write_summaries(epoch, stats, self.verdict)
-        if self.verbose:
-            print(self.verdict["message"])
-        else:
-            logger.debug(self.verdict["message"])
+        self._say()
         self._report_skips(binding, now, stats["skipped"])
 
     def _end_epoch_of_unstaged_call(self, epoch, logs):
-        """The logs and verdict of an epoch of a fit run without its stage.
-
-        As an unstaged epoch's (see `on_epoch_end`): the `stage_*` keys
-        are logged, 0 as nothing was staged, so that every fit's history
-        has them; the verdict has no figures and says why, printed with
-        the first epoch's.
-        """
+        """Logs 0 for the `stage_*` keys and a verdict that says why."""
         if logs is not None:
             logs["stage_wait_ratio"] = 0.0
             logs["stage_buffer_fill"] = 0.0
@@ -588,17 +509,10 @@ class PrefetchCallback(keras.callbacks.Callback):
             epoch,
         )
         self.verdict["call"] = self._unstaged_call
-        if self.verbose and first:
-            print(self.verdict["message"])
-        else:
-            logger.debug(self.verdict["message"])
+        self._say(first)
 
     def _end_unstaged_epoch(self, epoch, stats, binding, switch):
-        """The verdict of an epoch that ran the whole model in the step.
-
-        The stage did nothing: its figures are logged as 0 (see
-        `on_epoch_end`), the verdict has none, and its pool is not resized.
-        """
+        """The verdict of an epoch that ran the whole model in the step."""
         pool = binding.staged.thread_pool
         message = (
             f"Stage '{binding.staged.name}': this epoch ran the whole model "
@@ -617,14 +531,17 @@ class PrefetchCallback(keras.callbacks.Callback):
         )
         self._add_call_reason(binding)
         self._add_switch_report(switch)
-        if self.verbose:
+        self._say()
+
+    def _say(self, printed=True):
+        """Prints the verdict's message with `verbose`, else logs it."""
+        if self.verbose and printed:
             print(self.verdict["message"])
         else:
             logger.debug(self.verdict["message"])
 
     def _add_call_reason(self, binding):
-        """Says why the call was staged: in the verdict's `call`, and in the
-        message of the call's first epoch."""
+        """Says why the call was staged, in the verdict and first message."""
         self.verdict["call"] = binding.call_reason
         if binding.call_reason is not None and binding.epochs_begun == 1:
             self.verdict["message"] += (
@@ -640,9 +557,8 @@ class PrefetchCallback(keras.callbacks.Callback):
     def _adapt_pool(self, pool, verdict, shrink=True, keep=None):
         """Resizes the stage's pool for the next epoch from `verdict`.
 
-        `keep`: why a smaller pool cannot pay in this call (see
-        `_shrink_cannot_pay`), or None: then the pool shrinks as the
-        verdict asks.
+        `keep`: why a smaller pool cannot pay (`_shrink_cannot_pay`), or
+        None to shrink as the verdict asks.
         """
         before = pool.size
         after = pool.adapt(
@@ -666,15 +582,10 @@ class PrefetchCallback(keras.callbacks.Callback):
     def _shrink_cannot_pay(self, epoch, binding):
         """Why a smaller pool cannot pay for the rest of the fit, or None.
 
-        A resized pool runs in a new iterator, whose cost was measured
-        (`iterator_cost`: none where the next epoch makes one anyway); a
-        smaller pool saves at most the cores the stage's threads take from
-        the step while they work, which is the staged work of the batches
-        left. Per batch, the least of the verdicts'
-        `prepare_seconds_per_batch` after the iterator's first epoch: each
-        is wall time, which threads contending for the cores (the very
-        contention a smaller pool removes) stretch, and the first epoch's
-        also holds the stage's start. None when either is unknown.
+        A resized pool costs a new iterator (`iterator_cost`); it saves at
+        most the staged work of the batches left, per batch the least
+        `prepare_seconds_per_batch` after the iterator's first epoch (which
+        also holds the stage's start). None when either is unknown.
         """
         cost = (
             None if binding.iterator_cost is None else binding.iterator_cost()
@@ -684,9 +595,7 @@ class PrefetchCallback(keras.callbacks.Callback):
         epochs, steps = params.get("epochs"), params.get("steps")
         if prepare is None:
             return None
-        # Its first elements run the staged layers' first-time work, which
-        # no later epoch pays: the figure can overstate the work left
-        # several times over.
+        # The first epoch's figure holds the staged layers' first-time work.
         first = binding.epochs_begun == 1 and not binding.carried
         least = binding.least_prepare
         if not first:
@@ -695,8 +604,7 @@ class PrefetchCallback(keras.callbacks.Callback):
         if cost is None or not epochs or not steps:
             return None
         left = (epochs - epoch - 1) * steps
-        # At a fit's last epoch the next iterator is the next call's, made
-        # either way: the size it gets is free.
+        # After the last epoch the next call makes an iterator anyway.
         if not left or not cost:
             return None
         if first:
@@ -722,10 +630,7 @@ class PrefetchCallback(keras.callbacks.Callback):
         """Writes the epoch's figures as TensorBoard scalars (`log_dir`)."""
         if self.log_dir is None:
             return
-        # A writer of its own, not a `keras.callbacks.TensorBoard`: that
-        # one writes only epoch logs (`stage_*` among them, when the user
-        # adds it), and the verdict's figures are no logs (as logs they
-        # would fill History and the progress bar).
+        # A writer of its own: the verdict's figures are no epoch logs.
         if self._writer is None:
             self._writer = tf.summary.create_file_writer(
                 os.path.join(self.log_dir, "stage")
@@ -801,11 +706,8 @@ def _measured(seconds):
 
 
 def epoch_statistics(before, after, seconds, options):
-    """Turns two stage snapshots into one epoch's statistics.
-
-    Times a snapshot reports as NaN (not measured, see `StageStats`) are
-    None here, and so is the wait ratio built on the wait.
-    """
+    """Turns two stage snapshots into one epoch's statistics (None: not
+    measured)."""
     consumed = after["consumed"] - before["consumed"]
     produced = after["produced"] - before["produced"]
     wait = _measured(after["wait_seconds"] - before["wait_seconds"])
@@ -830,10 +732,7 @@ def epoch_statistics(before, after, seconds, options):
         "wait_ratio": (
             None if wait is None else min(1.0, max(0.0, wait / seconds))
         ),
-        # Share of the machine's cores this process used (None: unknown).
-        "cpu_load": cpu_load,
-        # None: not measured (under op determinism the pipeline counts
-        # nothing, see `StageStats.count_nothing`).
+        "cpu_load": cpu_load,  # share of the machine's cores used
         "buffer_fill": (
             None
             if math.isnan(buffered)
@@ -847,12 +746,9 @@ def epoch_statistics(before, after, seconds, options):
 def _producer_rates_of_the_epoch(window, epoch):
     """Gives `window`'s statistics the stage's rates over the whole epoch.
 
-    The consumer's figures (its wait, the batches it took, the time) are
-    those after the epoch's first step (see `on_train_batch_begin`); the
-    stage may have finished most of the epoch's elements by then (its
-    buffer filled while the first step ran), so its own figures are taken
-    per element over the whole epoch and counted for the batches taken in
-    the window: each of them was produced.
+    The window starts after the first step, when the stage may have made
+    most of the epoch's elements already: its busy time is taken per
+    element over the epoch, for each batch taken in the window.
     """
     if epoch["produced"] <= 0:
         return
@@ -866,11 +762,8 @@ def _producer_rates_of_the_epoch(window, epoch):
 def _rates_of_batches_read_ahead(stats, epoch, binding):
     """Gives an epoch whose batches were made earlier the stage's rate then.
 
-    A stage running a fit's epochs on one iterator may have made all of an
-    epoch's batches in the epochs before (its buffer and its threads read
-    ahead), and then measures no work of its own in this one: its staged
-    work per batch is the rate last measured (`binding.busy_rate`), not
-    none. The rate of an epoch that made batches is kept for later ones.
+    A long-lived iterator may have read an epoch's batches ahead in the
+    epochs before; its work per batch is then the last measured rate.
     """
     if epoch["produced"] > 0:
         if epoch["busy_seconds"] is not None:
@@ -884,9 +777,6 @@ def _rates_of_batches_read_ahead(stats, epoch, binding):
 
 def _duration(seconds):
     """`seconds` in the unit that shows it: s, ms, or us below a millisecond.
-
-    A verdict's per-batch figures of a fast step are fractions of a
-    millisecond; printed in ms to one decimal they would read as 0.0.
 
     >>> _duration(0.0213), _duration(0.00042), _duration(1.5)
     ('21.3 ms', '420 us', '1.50 s')
@@ -902,20 +792,10 @@ def verdict(stats, options, pool_size=None):
     """The bottleneck verdict of one epoch, by DeepRec's rules of thumb.
 
     The stage delivers a batch every max(source, prepare / num_threads)
-    seconds: the pipeline before the stage hands it one batch at a time
-    (`source`), and `num_threads` workers run the staged computation
-    (`prepare`). The source's time is not measured per batch (a clock on
-    every batch would slow every step); an input-bound stage that
-    delivered batches much slower (`_SOURCE_BOUND_FACTOR`) than its
-    threads compute them was starved by its source, whose time per batch
-    is then the stage's pace.
-    Input-bound runs are told which of the two to fix. `pool_size`: the
-    threads of the pool the epoch ran on, if the stage's pool is resized
-    between epochs. An epoch whose wait or staged computation was not
-    timed (None) gets `_untimed_verdict`. A stage with no staged
-    computation (no `fn`, no SmartStage prefix: it only buffers) has no
-    busy time: its verdict says so, and its `prepare_seconds_per_batch`
-    is None rather than a 0 that reads as a measurement.
+    seconds. The source is not timed per batch: an input-bound stage that
+    delivered much slower (`_SOURCE_BOUND_FACTOR`) than its threads compute
+    was starved by its source. `pool_size`: the threads of the pool the
+    epoch ran on, if resized between epochs.
     """
     if stats["wait_seconds"] is None or stats["busy_seconds"] is None:
         return _untimed_verdict(stats, options, pool_size)
@@ -933,8 +813,7 @@ def verdict(stats, options, pool_size=None):
             (stats["seconds"] - stats["wait_seconds"]) / stats["wait_seconds"]
         )
     else:
-        # The input keeps up: a deeper buffer would only hold batches that
-        # wait anyway (compute / wait grows without bound as waits vanish).
+        # The input keeps up: a deeper buffer would only hold batches.
         capacity = _MIN_SUGGESTED_CAPACITY
     capacity = min(
         max(capacity, _MIN_SUGGESTED_CAPACITY), _MAX_SUGGESTED_CAPACITY
@@ -998,7 +877,6 @@ def verdict(stats, options, pool_size=None):
         message,
         input_bound=input_bound,
         source_bound=source_bound,
-        # The source's time per batch when it is the bottleneck, else None.
         source_seconds_per_batch=pace if source_bound else None,
         delivery_seconds_per_batch=pace,
         prepare_seconds_per_batch=prepare if computes else None,
@@ -1008,32 +886,18 @@ def verdict(stats, options, pool_size=None):
     )
 
 
-# What a verdict says in place of the staged computation's time, for a
-# stage that has none to time.
 _NO_STAGED_COMPUTATION = "no staged computation (the stage only buffers)"
 
 
 def _computes(stats):
-    """Whether the epoch's stage ran a staged computation of its own.
-
-    Only a stage with a computation (an `fn`, a SmartStage prefix) times
-    its elements: one that only buffers adds no busy time (see
-    `StageStats.count_produced`), so its epoch's busy seconds are 0. The
-    stage does not say which it is; a computation too short to move the
-    clock (microseconds) in a whole epoch reads the same, and is as good
-    as none for the verdict's advice.
-    """
+    """Whether the epoch's stage ran a computation of its own (it only
+    buffers otherwise, with no busy time)."""
     return stats["busy_seconds"] is not None and stats["busy_seconds"] > 0
 
 
 def _untimed_verdict(stats, options, pool_size):
-    """The verdict of an epoch the stage could not time (op determinism,
-    with tf.data's model of the iterator unreadable).
-
-    The rules of thumb need both the step's wait and the staged
-    computation's time; without either, the verdict says what was
-    measured (the epoch's pace and the buffer's fill) and advises nothing.
-    """
+    """The verdict of an epoch whose wait or staged work was not timed
+    (op determinism): what was measured, and no advice."""
     pace = stats["seconds"] / max(stats["produced"], 1)
     wait_ratio = stats["wait_ratio"]
     busy = stats["busy_seconds"]
@@ -1052,9 +916,7 @@ def _untimed_verdict(stats, options, pool_size):
         prepare = None
         waited += f"; {_NO_STAGED_COMPUTATION}"
     fill = stats["buffer_fill"]
-    if fill is None:
-        # A counter in its pipeline would make tf.data run the stage one
-        # batch at a time under op determinism (`StageStats.count_nothing`).
+    if fill is None:  # see `StageStats.count_nothing`
         held = "its buffer's fill was not counted"
     else:
         held = f"its buffer was {fill:.0%} full"
@@ -1104,12 +966,10 @@ def _verdict_record(stats, pool_size, message, **figures):
 def _log_service_epoch(binding, logs):
     """Closes the epoch of a stage on the tf.data service; logs its counts.
 
-    `stage_service_delivered`: examples the service delivered this epoch;
+    `stage_service_delivered`: examples delivered this epoch;
     `stage_service_lost` and `stage_service_repeated`: against one pass of
-    the data per copy (see `keras_stage.data.failover`), when its size is
-    known; `stage_service_ended_early`: 1.0 if the stage ended the epoch
-    itself (a worker was lost, or the epoch's job held a task on one that
-    was).
+    the data per copy, when its size is known (`keras_stage.data.failover`);
+    `stage_service_ended_early`: 1.0 if the stage ended the epoch itself.
     """
     ledger = binding.staged.service_ledger
     if ledger is None:

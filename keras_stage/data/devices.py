@@ -42,12 +42,8 @@ def _warn_once(key, message):
 
 
 def _physical_devices(device_type: str) -> list:
-    """The visible physical devices of `device_type`.
-
-    The only place that lists accelerators. The internals take the device
-    type as an argument (always "GPU" in the public functions), so tests
-    run the GPU code paths on logical CPU devices of a real TensorFlow.
-    """
+    """The visible physical devices of `device_type` ("GPU" in the public
+    functions; tests run the GPU paths on logical CPU devices)."""
     return tf.config.get_visible_devices(device_type)
 
 
@@ -91,9 +87,8 @@ def _check_device(device, name):
 def validate_device_argument(device):
     """Checks the form of a stage's `device` option, without TensorFlow.
 
-    Which devices exist is known only once TensorFlow has initialised them,
-    and that must not happen in a constructor: `configure_streams` has to
-    run first. `resolve_device` checks that the device exists.
+    A constructor must not initialise TensorFlow's devices
+    (`configure_streams` runs first); `resolve_device` checks existence.
 
     Args:
         device: `"auto"`, `"cpu"` or a TensorFlow device string with a
@@ -171,9 +166,7 @@ def _resolve_device(device, device_type="GPU", name="device"):
 def resolve_device(device):
     """The device a stage's buffer lives on, or None for the host.
 
-    Call it once TensorFlow may initialise its devices (it lists them),
-    when the stage is built; `validate_device_argument` checks the form
-    earlier.
+    Call it once TensorFlow may initialise its devices (it lists them).
 
     Args:
         device: `"auto"` for the first logical GPU, or the host when
@@ -182,15 +175,13 @@ def resolve_device(device):
             `"/job:localhost/replica:0/task:0/device:GPU:0"`.
 
     Returns:
-        The full name of the logical device, as
-        `tf.config.list_logical_devices()` spells it, or None for the host.
-        An explicit GPU on a machine without GPUs gives None and a warning,
-        once per process, so a script written for a GPU still runs.
+        The full name of the logical device, or None for the host (with a
+        warning, once per process, for an explicit GPU on a machine
+        without one).
 
     Raises:
         ValueError: if `device` is not a string of those forms, or names a
-            device TensorFlow does not have (the message lists those it
-            has).
+            device TensorFlow does not have.
 
     Example:
 
@@ -282,13 +273,8 @@ def _split_memory_mb(free_mb, num_streams, compute_capabilities):
 
 
 def _default_memory_limit_mb(devices, num_streams):
-    """Memory of each logical GPU: the free memory split evenly.
-
-    `tf.config.experimental.get_device_details` gives only a GPU's name
-    and compute capability, so the free memory is read from nvidia-smi
-    (the smallest of all GPUs, since nvidia-smi may number GPUs unlike
-    CUDA), less what TensorFlow itself would leave to CUDA.
-    """
+    """Memory of each logical GPU: the least free memory of any GPU (from
+    nvidia-smi), less what TensorFlow leaves to CUDA, split evenly."""
     free_mb = _free_gpu_memory_mb()
     limit = None
     if free_mb is not None:
@@ -373,31 +359,23 @@ def _configure_streams(num_streams, memory_limit_mb=None, device_type="GPU"):
 def configure_streams(num_streams, memory_limit_mb=None):
     """Gives every GPU `num_streams` streams for staged work (MultiStream).
 
-    DeepRec can run staged work on its own GPU stream so it overlaps the
-    training step. TensorFlow gives each logical GPU its own CUDA streams,
-    so this splits each physical GPU into `num_streams` logical GPUs:
-    `"/GPU:0"` … `"/GPU:{num_streams - 1}"` share physical GPU 0, the next
-    ones physical GPU 1, and so on. The training step runs on the first
-    logical GPU of each (stream 0); a stage with `stream=k` puts its work
-    on logical GPU k of the same physical GPU (see `stream_device`).
-
-    Call it at the very start of the program: TensorFlow splits devices
-    only before it initialises them (at the first op or model).
+    TensorFlow gives each logical GPU its own CUDA streams, so this splits
+    each physical GPU into `num_streams` logical GPUs: the training step
+    runs on the first of each (stream 0), a stage with `stream=k` on the
+    k-th (see `stream_device`). Call it at the very start of the program,
+    before TensorFlow initialises its devices.
 
     Args:
         num_streams: Logical GPUs per physical GPU: a positive int. `1`
             leaves the GPUs whole (no change).
-        memory_limit_mb: MB of GPU memory for each logical GPU. TensorFlow
-            requires one for every logical GPU it makes, and each gets only
-            its own share. Defaults to `None`: the free memory of the GPU
-            with least free (read with nvidia-smi), less what TensorFlow
-            leaves to CUDA itself (225 to 1800 MB, as TensorFlow does),
-            split evenly. Without nvidia-smi, pass it.
+        memory_limit_mb: MB of GPU memory for each logical GPU. Defaults to
+            `None`: the least free memory of any GPU (read with
+            nvidia-smi), less what TensorFlow leaves to CUDA, split
+            evenly. Without nvidia-smi, pass it.
 
     Returns:
         The number of logical GPUs per physical GPU now configured (the
-        smallest, if the GPUs differ), or 0 without a GPU: then nothing is
-        changed and a warning is given, once per process.
+        smallest, if the GPUs differ), or 0 without a GPU (with a warning).
 
     Raises:
         ValueError: if `num_streams` is not a positive int, if
@@ -487,10 +465,6 @@ def _stream_device(stream, base_device, device_type="GPU"):
 def stream_device(stream, base_device=None):
     """The logical GPU that runs a stage's staged work on stream `stream`.
 
-    Stream k of a physical GPU is its k-th logical GPU after
-    `configure_streams`; stream 0 is the first, where the training step
-    runs.
-
     Args:
         stream: A non-negative int below the `num_streams` given to
             `configure_streams`.
@@ -499,10 +473,8 @@ def stream_device(stream, base_device=None):
             physical GPU. Defaults to `None` (the host: no stream).
 
     Returns:
-        The full name of the logical GPU, or None to run on the default
-        device. None comes with a warning, once per process, when
-        `stream > 0` cannot be honoured: no GPU, a stage on the host, or
-        streams not configured.
+        The full name of the logical GPU, or None for the default device
+        (with a warning when `stream > 0` cannot be honoured).
 
     Raises:
         ValueError: if `stream` is not a non-negative int, or is not below

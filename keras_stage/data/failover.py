@@ -1,42 +1,20 @@
 """Ending a tf.data service epoch whose worker was lost, and its ledger.
 
-Measured with TF 2.21: when a worker dies mid-epoch, the service client
-keeps reading the other workers' elements but never reaches the end of the
-epoch (in both processing modes, whatever the dispatcher's
-`worker_timeout_ms`): the elements the lost worker held are gone and the
-client waits for them for good. TensorFlow cannot cancel that read, but it
-can drop the iterator that makes it (the client is cancelled then).
+A service epoch whose worker died never ends: the client waits for the
+lost worker's elements for good, and every later job gets a task on it
+too (see docs/distributed.md). So the stage ends such an epoch itself:
+once the consumer has waited `worker_timeout` seconds in an epoch that has
+delivered, a second branch of the pipeline, beside the service's reads,
+delivers an end marker whose error the runner reads as the end of the
+data. A `"distributed_epoch"` source of known size ends once it holds
+every row; in `"parallel_epochs"` an epoch whose every started stream has
+ended is ended after `_COMPLETE_WAIT`.
 
-So a stage on the service ends such an epoch itself. The consumer's wait
-is what tells it (the runner measures it, as for `timeout`): once the
-consumer has waited `worker_timeout` seconds in an epoch that has already
-delivered, the stage's pipeline is asked to end the epoch. A second branch
-of the pipeline, beside the service's reads, polls for that request and
-then delivers an end marker; the marker fails its fetch with a message the
-runner knows, and the consumer's epoch ends as at the end of its data
-(Keras goes on with the next epoch, a new service job).
-
-TensorFlow also gives every later job a task on the dead worker, so later
-epochs would never end either, though the workers alive deliver all of
-them. In `"distributed_epoch"` mode with a source of known size, the
-reads end by themselves once they hold every row (a count in the
-pipeline, no wait); in `"parallel_epochs"` mode each worker's stream ends
-with a mark, and once every stream that started has ended, a consumer
-that waits 5 s ends the epoch (losing the trainer's re-formed last partial
-batch, if any: it waits for the service's end).
-
-The ledger counts, in the pipeline, what the service delivered each
-epoch, so what was lost or repeated is reported exactly:
-
-- `"distributed_epoch"`: TensorFlow gives each element to one worker, at
-  most once, so an epoch is expected to deliver the source once;
-- `"parallel_epochs"`: every worker runs the whole source; each copy is
-  recognised by the position each element has in its worker's stream (the
-  workers number them), and an epoch is expected to deliver one source per
-  copy that started.
-
-A batched consumer (a Keras model: the service re-forms full batches)
-counts examples, the rows of each batch; `stage()` counts elements.
+The ledger counts, in the pipeline, what each epoch delivered against one
+pass of the source (`"distributed_epoch"`) or one per worker stream that
+started (`"parallel_epochs"`, told apart by the workers' numbering), so
+what was lost or repeated is reported exactly: examples for a batched
+consumer, elements for `stage()`.
 """
 
 import logging
@@ -54,9 +32,7 @@ __all__ = ["ServiceLedger"]
 # How long a poll of the end request blocks in its pipeline thread: the
 # most the end of a lost epoch waits after it is asked for.
 _POLL_SECONDS = 0.2
-# The counters' slots: elements that arrived from the service, copies
-# started ("parallel_epochs"), rows delivered to the consumer, and copies
-# ended.
+# Arrived from the service, copies started and ended, rows delivered.
 _ARRIVED, _COPIES, _DELIVERED, _ENDED = range(4)
 _SLOTS = 4
 # What the end branch (and the reads' own end) says: nothing yet, the
@@ -64,11 +40,8 @@ _SLOTS = 4
 _NOTHING, _FINISHED, _END, _STOP = 0, 1, 2, 3
 _DATA = _NOTHING
 # Seconds a consumer waits in an epoch that has all its elements (see
-# `_complete`) before the stage ends it: the service's own end comes first
-# when no worker was lost, but on a loaded machine it can come seconds
-# after the workers' last elements, and an epoch the stage ends loses the
-# trainer's re-formed last batch, which waits for that end (the stage's end
-# is an error, not the stream's end).
+# `_complete`) before the stage ends it, losing the re-formed last batch:
+# the service's own end can come seconds late on a loaded machine.
 _COMPLETE_WAIT = 5.0
 # Tokens of ended iterators kept (those dropped mid-epoch never finish).
 _MAX_TOKENS = 64
@@ -79,12 +52,8 @@ _END_MARK = "keras_stage: the service epoch was ended by fail-over"
 class ServiceLedger:
     """The fail-over and per-epoch counts of one stage on the tf.data service.
 
-    Built by the stage (`staging.build_stage`) when it has a `service`;
-    `StagedDataset.service_ledger` holds it. Its graph side wraps the
-    service's part of the pipeline (`worker_side`, `client_side`,
-    `delivered`); its Python side is used by the runner (`note_call`,
-    `should_end`, `request_end`, `is_end`) and by whoever closes an epoch
-    (`settle`, `end_of_data`, `epoch_report`).
+    `StagedDataset.service_ledger`. Its graph side wraps the service's part
+    of the pipeline; the runner and whoever closes an epoch use the rest.
 
     Args:
         name: The stage's name, for messages.
@@ -114,23 +83,17 @@ class ServiceLedger:
         self._end = threading.Event()
         self._ended = False  # the end marker reached the consumer
         self._settled = [0] * _SLOTS
-        # Per iterator (token): set when its reads ended; and each one's
-        # arrivals when it started, to tell a complete epoch.
+        # Per iterator token: its reads ended; its arrivals at its start.
         self._finished = {}
         self._started = {}
         self._tokens = 0
         self._lock = threading.Lock()
-        # Whether op determinism was on when the last iterator started:
-        # no end branch then (see `_new_token`).
-        self._ordered = False
+        self._ordered = False  # op determinism: no end branch
         self._warned_ordered = False
         self._iterator = None  # weak reference to the one being read
         self._arrived_before = 0  # arrivals when it was first read
-        # One report per epoch settled (see `settle`).
-        self.epochs = []
-        # The report of an epoch settled as its iterator ran out, for
-        # `epoch_report` (see `end_of_data`).
-        self._unreported = None
+        self.epochs = []  # one report per epoch settled
+        self._unreported = None  # see `end_of_data`
 
     @property
     def parallel(self):
@@ -326,14 +289,8 @@ class ServiceLedger:
         return _END if self._end.is_set() else _NOTHING
 
     def _complete(self):
-        """Whether the parallel epoch being read has all it will get.
-
-        A job with a task on a lost worker never ends (TensorFlow keeps
-        giving new jobs a task on it), even once the other workers gave
-        their streams whole: each stream that started has ended then. (A
-        `"distributed_epoch"` one of known size ends in the pipeline, see
-        `_until_complete`.)
-        """
+        """Whether the parallel epoch being read has all it will get: each
+        stream that started has ended."""
         if not self.parallel:
             return False
         with self._lock:
@@ -365,11 +322,7 @@ class ServiceLedger:
         return [int(v) for v in counts.numpy()]
 
     def note_call(self, iterator):
-        """Notes the iterator a consumer's call reads (an epoch's).
-
-        A tf.data iterator reads nothing before its first call, so the
-        arrivals counted then are earlier epochs'.
-        """
+        """Notes the iterator a consumer's call reads (an epoch's)."""
         if self._iterator is not None and self._iterator() is iterator:
             return
         try:
@@ -379,12 +332,8 @@ class ServiceLedger:
         self._arrived_before = self._read()[_ARRIVED]
 
     def should_end(self, waited):
-        """Whether a consumer that waited `waited` s ends its epoch now.
-
-        Only in an epoch that has delivered: the first element of a job
-        may take long (a shuffle buffer filling, a worker starting), and
-        the stage's `timeout` covers a service that delivers nothing.
-        """
+        """Whether a consumer that waited `waited` s ends its epoch now
+        (only one that has delivered: a job's first element may be slow)."""
         if self.worker_timeout is None or self._end.is_set() or self._ordered:
             return False
         if waited >= min(_COMPLETE_WAIT, self.worker_timeout) and (
@@ -474,20 +423,12 @@ class ServiceLedger:
         return report
 
     def end_of_data(self):
-        """Settles the epoch whose iterator ran out of data.
-
-        Keras reads an epoch of unknown length to its end, and its epoch
-        ends after: `epoch_report` then gives this epoch's report, not an
-        empty one.
-        """
+        """Settles the epoch whose iterator ran out of data, for
+        `epoch_report` (Keras's epoch ends after)."""
         self._unreported = self.settle()
 
     def epoch_report(self):
-        """The report of the epoch ending (for the epoch-end logs).
-
-        The one `end_of_data` settled, if nothing arrived since; else the
-        epoch is settled now.
-        """
+        """The report of the epoch ending (for the epoch-end logs)."""
         unreported, self._unreported = self._unreported, None
         if unreported is not None and self._read() == self._settled:
             return unreported

@@ -1,22 +1,13 @@
 """A stage's figures read on the host from tf.data's own model of its iterator.
 
-tf.data's autotuner keeps a model of every iterator it runs: per dataset
-node, the elements it produced, the time it spent on them and the
-elements its buffer holds, and, at the iterator, the gaps between the
-consumer's fetches (the consumer's time between two `GetNext` calls, for
-the last 100 fetches). `tf.data.experimental.get_model_proto` returns it
-(TensorFlow 2.17 and later), read between steps with no op in the
-pipeline.
-
-That is what a stage measures under op determinism, where its pipeline
-holds no counter or clock (`StageStats.count_nothing`: either would make
-tf.data run it one batch at a time): the consumer's wait is the time it
-did not spend between its fetches (`wait_seconds`), the staged map's time
-its busy time, the buffer's count its fill. `PipelineModel.sample` is
-called between steps, at most `SAMPLE_FETCHES` fetches apart, so no gap
-is missed. On TensorFlow without it (2.16), nothing is read and those
-figures stay not measured, as a dataset whose options turn autotuning off
-leaves them.
+tf.data's autotuner models every iterator: per node the elements made,
+their processing time and the buffer's count, and the gaps between the
+consumer's last fetches. `tf.data.experimental.get_model_proto` (TF 2.17+)
+reads it between steps with no op in the pipeline: what a stage measures
+under op determinism, where its pipeline holds no counter or clock
+(`StageStats.count_nothing`). The wait is the time the consumer did not
+spend between fetches, the staged map's time the busy time. Without it
+(TF 2.16, or autotuning off) those figures stay not measured.
 """
 
 import collections
@@ -30,12 +21,11 @@ import tensorflow as tf
 _get_model_proto = getattr(tf.data.experimental, "get_model_proto", None)
 AVAILABLE = _get_model_proto is not None
 
-# tf.data keeps the gaps of an iterator's last 100 fetches
-# (`Model::RecordIteratorGapTime`; 100 on TF 2.21, measured).
+# tf.data keeps the gaps of an iterator's last fetches
+# (`Model::RecordIteratorGapTime`).
 GAP_WINDOW = 100
 # How many fetches apart a consumer samples, at most: well within the gap
-# window, and often enough for the buffer's count (an instant's) to
-# average over an epoch. A sample costs about a tenth of a small step.
+# window, and often enough for the buffer's count to average over an epoch.
 SAMPLE_FETCHES = 10
 # The recent samples of a ready buffer whose fetch time is the baseline.
 READY_SAMPLES = 20
@@ -46,12 +36,7 @@ _MAPS = ("ParallelMapV2", "ParallelMap", "Map", "MapDataset")
 
 
 def read_model(iterator):
-    """tf.data's model of `iterator` (a `ModelProto`), or None.
-
-    None for an iterator tf.data keeps no model of (autotuning off in the
-    dataset's options), anything but a tf.data iterator, or a TensorFlow
-    that cannot read it (`AVAILABLE`).
-    """
+    """tf.data's model of `iterator` (a `ModelProto`), or None."""
     if not AVAILABLE:
         return None
     try:
@@ -76,9 +61,8 @@ def _chain(model):
 def stage_nodes(model, maps_above):
     """The stage's buffer node and the node of its map (None: not found).
 
-    The buffer is the first `Prefetch` from the consumer's end (what a
-    stage's pipeline ends with); the stage's map is the map below it,
-    after `maps_above` maps that run after the stage's work (packing).
+    The buffer is the first `Prefetch` from the consumer's end; the
+    stage's map is below it, after `maps_above` maps (packing).
     """
     chain = _chain(model)
     for i, node in enumerate(chain):
@@ -119,8 +103,7 @@ class PipelineModel:
         self.busy_seconds = 0.0
         self.buffered_sum = 0.0
         self.buffered_peak = 0
-        # False once a sample found no model of the stage (autotuning
-        # off in the dataset's options, say): its figures are then unknown.
+        # False once a sample found no model of the stage.
         self.measures = AVAILABLE
 
     def watch(self, iterator):
@@ -138,9 +121,7 @@ class PipelineModel:
 
         Args:
             boundary: Whether the consumer samples at an epoch's boundary
-                (its end, or a new iterator's start), not between two
-                steps: the time since its last fetch is then not one
-                step's but the epoch's end too (metrics, callbacks).
+                (its end, or a new iterator's start), not between steps.
         """
         iterator = None if self._iterator is None else self._iterator()
         if iterator is None:
@@ -175,9 +156,7 @@ class PipelineModel:
         tail = self._tail
         self._tail = statistics.median(gaps) / 1e6 if gaps else 0.0
         if since is not None:
-            # The new fetches all began after the last sample: a gap that
-            # began before it (the first fetch of an epoch after
-            # validation, say) counts only from there.
+            # A gap that began before the last sample counts from there.
             gap = min(gap, now - since)
             self._add_wait(
                 now - since, gap, tail, new, boundary, last_held, held
@@ -185,23 +164,18 @@ class PipelineModel:
         self.fetches += new
         self.gap_seconds += gap
         self.busy_seconds += (map_ns - last_ns) / 1e9
-        # The fetches since the last sample saw the buffer as it was then:
-        # one now at the end of an iterator's data sees it emptied by the
-        # end, not by a stage that fell behind.
+        # The fetches since the last sample saw the buffer as it was then
+        # (at the data's end, one now sees it emptied).
         self.buffered_sum += last_held * new
         self.buffered_peak = max(self.buffered_peak, held, last_held)
 
     def _add_wait(self, interval, gap, tail, new, boundary, last_held, held):
         """Adds the wait of `new` fetches made in `interval` seconds."""
-        # The rest of the interval the consumer spent in its fetches, but
-        # for the time since its last fetch (in the next fetch's gap: a
-        # usual gap between steps), plus that of the last interval (in the
-        # first gap here).
+        # The rest of the interval was spent in fetches, but for the time
+        # since the last fetch, plus the last interval's.
         fetching = max(0.0, interval - gap + tail - self._tail)
         if boundary and self._fetching:
-            # The time since the last fetch is unknown: the interval's
-            # fetches took what recent ones usually did, the rest is the
-            # tail.
+            # The fetches took what recent ones did; the rest is the tail.
             rest = fetching + self._tail
             fetching = min(rest, new * statistics.median(self._fetching))
             self._tail = rest - fetching
@@ -209,9 +183,7 @@ class PipelineModel:
             self._fetching.append(fetching / new)
             if last_held > 0 and held > 0:
                 self._ready.append(fetching / new)
-        # A fetch of a ready element takes some time too (the dequeue, a
-        # copy), which is not waiting for the stage: learnt from the
-        # samples whose buffer held elements at both ends, as the clock's
-        # baseline is (`StageStats`), and taken off.
+        # A ready fetch's own time is no wait: a baseline learnt from the
+        # samples whose buffer held elements at both ends.
         ready = statistics.median(self._ready) if self._ready else 0.0
         self.wait_seconds += max(0.0, fetching - new * ready)

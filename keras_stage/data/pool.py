@@ -1,25 +1,15 @@
 """The private thread pool of an `"auto"` stage, resized between epochs.
 
-How many threads a stage needs depends on what its computation does, which
-is only known once it has run. A stage that waits (reads from remote
-storage) needs many more threads than cores, so that many reads wait at
-once (the `remote` benchmark). A stage that computes (JPEG decoding) on a
-machine whose cores the training step already keeps busy only loses to
-extra threads, which take those cores from the step (the `images`
-benchmark; `python -m benchmarks.thread_pool` compares pool sizes).
+A stage that waits on IO needs many more threads than cores; one that
+computes on cores the training step keeps busy only loses to extra
+threads. Which it is is known once it has run (see docs/engine.md).
 
 A tf.data pool is fixed when its pipeline is built, so a stage with a
 `StagePool` has a pipeline per size (`pipelines`), built when an iterator
-first needs it: at `largest` (where it starts) the staged work is
-autotuned on a private pool of that size; at any other size it runs that
-many elements at once on a private pool of that size. Each eager iterator
-(each epoch of a Keras `fit`) is made from the pipeline of the size
-current then. `adapt` sets the next epoch's size from the epoch that
-ended: `PrefetchCallback` calls it with each training epoch's verdict. A
-stage that kept the step waiting while the cores had time to spare (it
-waits on IO) grows past `largest`, up to `most`, to the threads its
-verdict asks for (as the `remote` benchmark's does with slower reads,
-`--remote-latency-ms 80`).
+first needs it; each eager iterator (each epoch of a Keras `fit`) is made
+from the pipeline of the size current then. `adapt` sets the next epoch's
+size from the epoch that ended: `PrefetchCallback` calls it with each
+training epoch's verdict.
 
 Example:
 
@@ -72,10 +62,8 @@ class StagePool:
         self.largest = int(largest)
         self.smallest = int(smallest)
         self.most = int(most)
-        # Read only in Python, when an iterator is made: no graph needs it.
         self._size = int(start)
-        # The fewest threads `adapt` gives (see there).
-        self._fewest = 1
+        self._fewest = 1  # the fewest threads `adapt` gives
 
     @property
     def size(self):
@@ -108,24 +96,13 @@ class StagePool:
     def adapt(self, input_bound, needed_threads, cores_busy=True, shrink=True):
         """Sizes the next epoch's pool from the epoch that ended.
 
-        An input-bound epoch gets at least `largest` back: a stage that
-        keeps the step waiting may be waiting on IO, which more threads
-        overlap. If the cores had time to spare in that epoch
-        (`cores_busy=False`: the stage waited, it did not compute), it gets
-        the threads the verdict asks for, up to `most`; on busy cores more
-        threads would only share them. An input-bound epoch never shrinks
-        the pool. An epoch that kept up with the step and needed no more
-        threads than `smallest` (`needed_threads`, the verdict's
-        `suggested_num_threads`: per-batch staged time over training time,
-        with headroom) gets the threads it needs: more could only contend
-        for the cores the step uses. Never fewer than a size that once kept
-        the step waiting, plus one. Any other epoch leaves the size as it
-        is. Shrinking to an in-between size is what a stage that waits on
-        IO must not get: its threads cost no CPU, and the suggestion moves
-        with every epoch's step time (on the `remote` benchmark it ranged
-        over 7-14, and pools sized from it kept the step waiting). With
-        `shrink=False` the pool only grows: an epoch that kept up leaves
-        it as it is.
+        An input-bound epoch gets at least `largest` back (it may wait on
+        IO, which more threads overlap), and with idle cores the threads
+        the verdict asks for, up to `most`. An epoch that kept up and
+        needed no more than `smallest` threads gets what it needs (more
+        would contend with the step), never fewer than a size that once
+        kept the step waiting, plus one. Any other epoch keeps the size: an
+        in-between size would starve a stage waiting on IO.
 
         Args:
             input_bound: Whether the epoch kept the step waiting.
@@ -155,14 +132,8 @@ class StagePool:
     def pipelines(self, build):
         """The stage's pipelines, each iterator's on a pool of the size then.
 
-        A tf.data pool is fixed when its pipeline is built, so the stage
-        has one pipeline per size, built the first time an iterator needs
-        it: `build(size)` returns the `(lean, measured)` pipelines on a
-        pool of `size`. The datasets returned make their eager iterators
-        (a Keras epoch's, a loop's `iter`) from the pipeline of the size
-        current then. Used as a dataset otherwise (transformed further,
-        iterated inside a `tf.function`, distributed by a strategy), each
-        is the pipeline of the size current when the stage was built.
+        Used as a dataset otherwise (transformed, iterated in a
+        `tf.function`), each is the pipeline of the size when built.
 
         Args:
             build: `build(size)` -> `(lean, measured)`.
@@ -185,12 +156,8 @@ class StagePool:
 
 
 class _Resized(EagerIterated):
-    """A stage pipeline whose eager iterators run on the pool's current size.
-
-    A dataset of its own (not a wrapper op): the earlier design, a
-    one-element `flat_map` that picked the pipeline per iterator, put one
-    more op on every element's path and cost the `images` benchmark as
-    much as an oversized pool (see docs/engine.md, the adaptive pool).
+    """A stage pipeline whose eager iterators run on the pool's current size
+    (a dataset of its own: a wrapper op would sit on every element's path).
     """
 
     def __init__(self, base, pipeline, which, pool):

@@ -8,15 +8,11 @@ one Keras train/test/predict step), and runs no Python per element
 otherwise.
 
 A blocked TensorFlow call cannot be interrupted, so with a timeout the call
-runs on one helper thread while the caller waits with a deadline. Only the
-time the consumer spends waiting for input counts against the timeout (the
-pipeline marks it in a variable), never a slow training step. A caller that
-stops waiting (the timeout, or Ctrl-C in the waiting thread) abandons the
-call: its thread ends once the call returns, and the next call gets a fresh
-one. That hand-off costs two thread wake-ups per call, a share of a short
-training step worth saving, so a call whose elements are already buffered
-(counted ready, in the order the consumer gets them), and so cannot wait
-on the source, runs in the caller's thread (see `ReadyElements`).
+runs on one helper thread while the caller waits with a deadline; only the
+time spent waiting for input counts. A caller that stops waiting abandons
+the call: its thread ends once the call returns. A call whose elements are
+already buffered cannot wait, and runs in the caller's thread without that
+hand-off (see `ReadyElements`).
 """
 
 import atexit
@@ -47,10 +43,8 @@ _call_threads = weakref.WeakSet()
 def wait_at_exit(waits):
     """Calls each `wait(seconds)` of `waits`, all within `EXIT_WAIT_SECONDS`.
 
-    A daemon thread still inside a TensorFlow call when the interpreter
-    finalizes is ended as it takes the interpreter lock back; ended inside
-    TensorFlow's C++ (a destructor that takes the lock), that aborts the
-    whole process ("terminate called ...") after the script's last line.
+    A daemon thread ended inside TensorFlow's C++ at interpreter exit
+    aborts the whole process ("terminate called ...").
     """
     deadline = time.monotonic() + EXIT_WAIT_SECONDS
     for wait in waits:
@@ -59,8 +53,7 @@ def wait_at_exit(waits):
 
 @atexit.register
 def _end_call_threads():
-    # Each helper is told to end and waited for (see `wait_at_exit`), but
-    # for one a timeout left blocked on its source (`stalled`).
+    # Not waiting for one a timeout left blocked on its source.
     wait_at_exit(
         (lambda seconds, c=caller: c.close(0.0 if c.stalled else seconds))
         for caller in list(_call_threads)
@@ -73,10 +66,8 @@ _NODE = re.compile(r"\{\{node ([^}]+)\}\}")
 def failing_layer(error, layers):
     """The name, among `layers`, of the layer whose op raised `error`.
 
-    TensorFlow names the failing node by its name scopes, which Keras makes
-    from the model's and layers' names with a call-count suffix
-    ("model_stage_1/parse_numbers_1/StringToNumber"); None if no scope is
-    one of `layers`.
+    From the failing node's name scopes, with Keras's call-count suffix
+    ("model_stage_1/parse_numbers_1/StringToNumber"); None if none is.
     """
     message = getattr(error, "message", None) or str(error)
     names = set(layers)
@@ -104,23 +95,11 @@ def _is_end_of_data(error):
     )
 
 
-# The error types a bad record raises, which `ignored_exception_types` can
-# usefully skip: a value its parse, decode or conversion rejects
-# (InvalidArgumentError) and a corrupt record (DataLossError). The others
-# are about the machinery or the configuration, which every later batch
-# would hit too, so skipping them would skip every batch: op determinism
-# refusing an op, an uninitialized table (FailedPreconditionError), an op
-# without a kernel (UnimplementedError), memory (ResourceExhaustedError),
-# cancellation, internal and remote errors; UnknownError, which says
-# nothing of its cause (tf.py_function reports a Python ValueError or
-# TypeError, what a bad record raises there, as InvalidArgumentError); and
-# NotFoundError (a record naming a missing file is one record's, but a
-# deleted variable or a wrong dataset path is every batch's, and the
-# message cannot tell them apart).
+# The error types a bad record raises (a rejected value, a corrupt record),
+# which `ignored_exception_types` can usefully skip; the others concern
+# the machinery or configuration, which every later batch would hit too.
 _PER_RECORD_ERRORS = (tf.errors.InvalidArgumentError, tf.errors.DataLossError)
-# The stage's own assertion (`StageStats`), an InvalidArgumentError that
-# fails every element once the stage is closed; tf.data quotes its text
-# with the quotes escaped.
+# The closed stage's own assertion (`StageStats`), as tf.data quotes it.
 _OWN_ASSERTION = re.compile(r"Stage \\?'.*?\\?' was closed")
 
 
@@ -143,10 +122,7 @@ def _is_clock_refused(error):
 
 
 def _is_short_epoch(error):
-    """Whether `error` is an epoch that ended before its asserted count.
-
-    (`tf.data.experimental.assert_cardinality`'s error.)
-    """
+    """Whether `error` is `assert_cardinality`'s: an epoch ended early."""
     message = getattr(error, "message", None) or ""
     return (
         isinstance(error, tf.errors.FailedPreconditionError)
@@ -165,10 +141,8 @@ class EndOfData(Exception):
 class _CallThread:
     """One daemon thread that runs blocking calls handed to it.
 
-    Not a `concurrent.futures.ThreadPoolExecutor`: its workers are not
-    daemons and its exit hook joins them, so a call abandoned on a source
-    that never answers would hang the interpreter at exit; nor can it say
-    whether its thread is still alive (`alive`, for `StageRunner.close`).
+    Not a `ThreadPoolExecutor`, whose exit hook would join a call abandoned
+    on a source that never answers.
     """
 
     def __init__(self, name):
@@ -196,15 +170,12 @@ class _CallThread:
                 result = (True, fn(*args))
             except BaseException as e:  # handed to the caller
                 result = (False, e)
-            # Drop references while idle: they would keep the iterator and
-            # its stage alive.
+            # Idle references would keep the iterator and stage alive.
             del fn, args
             with self._cond:
                 self._job = None
-                # An abandoned call's result has no reader: dropping it
-                # releases the iterator (and its pipeline) now rather than
-                # at interpreter exit, where tearing down a pipeline that
-                # still runs Python functions can deadlock.
+                # An abandoned call's result has no reader: released now,
+                # not at interpreter exit (where it can deadlock).
                 self._result = None if self._closed else result
                 self._cond.notify_all()
             del result
@@ -240,25 +211,14 @@ class _CallThread:
 class ReadyElements:
     """Finished elements a consumer's next calls can take without waiting.
 
-    The stage counts each element ready as it enters the buffer, in the
-    order the consumer gets them (`StageStats.count_ready`), and each fetch
-    (its own fetch map, or a consumer recording in its step). So one
-    counted ready and not consumed is in the buffer or on its way there,
-    and no fetch of it can wait on the source: a call that needs no more
-    than that many elements cannot time out, and needs no helper thread.
+    An element counted ready (`StageStats.count_ready`) and not consumed
+    is in the buffer or on its way there: a call that needs no more than
+    that many cannot time out, and needs no helper thread.
 
-    The counters are the stage's, shared by every iterator of its
-    pipeline (Keras makes one per epoch), so a count is trusted only for
-    an iterator that started after every earlier one was gone: elements
-    those left behind (counted, never consumed) are taken off, and an
-    earlier iterator still alive could count elements the current one
-    will never deliver. A tf.data iterator produces nothing before its
-    first fetch, so what is unconsumed when its first call starts was left
-    by the others. A count is read (a variable read, one more trip into
-    TensorFlow between steps) only when the elements known to be ready
-    run out; a consumer's step can return it instead (`note`). A consumer
-    that records its fetches in its own step must show that it does (a
-    call that reported) before a read is trusted (see `counts_fetches`).
+    The counters are shared by every iterator of the pipeline, so a count
+    is trusted only for an iterator started after every earlier one was
+    gone, less what those left behind. It is read only when the elements
+    known to be ready run out, or noted from a step's report (`note`).
 
     Args:
         stats: The stage's `StageStats`.
@@ -266,16 +226,12 @@ class ReadyElements:
 
     def __init__(self, stats):
         self.stats = stats
-        # Whether the stats count every fetch whether or not the consumer
-        # reports (see `take`).
-        self.counts_fetches = True
+        self.counts_fetches = True  # whether a fetch is counted unreported
         self._iterator = None  # a weak reference to the current one
         self._earlier = []  # weak references to those before it
         self._left_behind = None  # None: the count is not trusted
         self._ready = 0
-        # The count at the last reading (a read or a note): the buffer fill
-        # `fill` estimates for calls that record nothing.
-        self._level = 0
+        self._level = 0  # the count at the last reading, for `fill`
         self._noted = False  # whether the current iterator's calls report
 
     def take(self, iterator, elements):
@@ -284,18 +240,13 @@ class ReadyElements:
         Counts them as taken if so. The first call of each iterator is
         never ready (see the class docstring).
         """
-        if not self.stats.pipeline_counts:
-            # Nothing counts ready elements (op determinism): no count to
-            # read between steps.
+        if not self.stats.pipeline_counts:  # op determinism
             return False
         if not self._follow(iterator) or self._left_behind is None:
             return False
         if self._ready < elements:
             if not (self.counts_fetches or self._noted):
-                # The consumer records its fetches in its own step, and
-                # this one never reported: a step that does not record
-                # (a subclass's own) counts none, and the count of
-                # unconsumed elements would grow for ever.
+                # A step that does not record counts no fetch.
                 return False
             self._ready = self.stats.unconsumed() - self._left_behind
             self._level = self._ready
@@ -305,14 +256,8 @@ class ReadyElements:
         return True
 
     def note(self, iterator, unconsumed):
-        """Takes a count of unconsumed elements read after a call of `iterator`.
-
-        A consumer's step can return `StageStats.unconsumed`'s count with
-        its outputs (`StageStats.take_report`) for the cost of one output,
-        where reading it between steps costs a variable read. A count read
-        after a call is still a floor for the next one: finished elements
-        only grow, and only this iterator consumes them.
-        """
+        """Takes a count of unconsumed elements read after a call of
+        `iterator` (a floor for the next call)."""
         if self._left_behind is None or not self._is_current(iterator):
             return
         self._noted = True
@@ -320,15 +265,8 @@ class ReadyElements:
         self._ready = max(self._ready, self._level)
 
     def fill(self, others=True):
-        """The buffer fill a fetch of a ready element saw, estimated.
-
-        The other elements counted at the last reading: the pipeline keeps
-        producing while its buffer has room, so a ready stage's buffer
-        stays about that full between readings. With `others=False`, all
-        of them: for a fetch timed on the host, which no record at the
-        element's arrival follows (a step's record counts the buffer
-        after the fetch, which the pipeline has refilled by then).
-        """
+        """The buffer fill a fetch of a ready element saw, estimated from
+        the last reading (`others=False`: for a fetch timed on the host)."""
         return max(self._level - (1 if others else 0), 0)
 
     def _is_current(self, iterator):
@@ -360,16 +298,10 @@ class ReadyElements:
 class _HostWait:
     """A call's wait for input, timed on the host from the consumed count.
 
-    For pipelines and steps traced without a clock (op determinism, see
-    `StageStats.fetches_timed`), which cannot mark when a fetch begins and
-    ends, and for a consumer that records its fetches on the host (see
-    `StageRunner.call`'s `host_timed`: one element a call, which waits
-    from the call's start); the count of consumed elements still moves as
-    each arrives in the graph. The
-    call waits from its start, or from its last element's arrival, until
-    it has its `elements` (None: until it returns). So with several
-    elements per call the timeout also counts the step on the one before,
-    where a clock in the graph would not.
+    For graphs traced without a clock (op determinism) and consumers that
+    time fetches on the host (`host_timed`). The call waits from its start,
+    or its last element's arrival, until it has its `elements` (None:
+    until it returns).
     """
 
     def __init__(self, stats, started, elements):
@@ -397,11 +329,7 @@ class StageRunner:
         gate: The pipeline's open flag (a boolean variable) that `close`
             and a timeout clear, or None. Defaults to `None`.
         counts_in_order: Whether the stage counts its elements ready in
-            the order the consumer gets them, so that a call whose elements
-            are counted runs without the helper thread (`ReadyElements`).
-            Counted as an ordered parallel map finishes them, a later
-            element done would say nothing of a hung earlier one (the stage
-            counts them after the map, see `staging._build_pipeline`).
+            the order the consumer gets them (see `ReadyElements`).
             Defaults to `False`.
         ledger: The stage's `ServiceLedger` (a stage on the tf.data
             service), whose epoch a wait of `worker_timeout` ends, or None.
@@ -415,8 +343,7 @@ class StageRunner:
         self.stats = stats
         self._gate = gate
         self._ledger = ledger
-        # Names of the model layers the stage runs (SmartStage), to name
-        # the one an error came from.
+        # The model layers the stage runs (SmartStage), to name in errors.
         self.staged_layers = ()
         self._caller = None
         self._abandoned = []
@@ -438,11 +365,8 @@ class StageRunner:
     def records_in_step(self):
         """Whether the consumer records its fetches in its own step.
 
-        Set by such a consumer (see `StageStats.record_fetch`): its wait
-        clock starts at the end of its previous call, so the timeout counts
-        from this call's start; and the pipeline does not count its
-        fetches, so only a call that reports (`take_report`) shows that
-        they are counted.
+        Its wait clock starts at the end of its previous call: the timeout
+        counts from this call's start.
         """
         return self._records_in_step
 
@@ -453,13 +377,8 @@ class StageRunner:
             self._ready.counts_fetches = not value
 
     def raised_by_stage(self, error):
-        """Whether `error` came out of this stage's pipeline.
-
-        For calls that also run other work (a training step), so that a
-        model error is never skipped or blamed on the stage. tf.data names
-        the failing transformation, and a compiled step names the iterator
-        op, in the message.
-        """
+        """Whether `error` came out of this stage's pipeline, not from other
+        work of the call (a training step): never skip a model's error."""
         message = getattr(error, "message", None) or str(error)
         return (
             self._own_ops.search(message) is not None
@@ -477,27 +396,16 @@ class StageRunner:
     ):
         """Runs `fn(*args)` under the stage's policies.
 
-        With `check_origin`, errors not raised by the stage's pipeline (see
-        `raised_by_stage`) pass through untouched. `elements`: the most
-        elements the call fetches from the stage's iterator `args[0]`; in a
-        stage that counts them in order, a call whose elements are already
-        buffered runs in this thread (it cannot wait for input, so it
-        cannot time out). None runs every call with the timeout.
+        With `check_origin`, errors not raised by the stage's pipeline pass
+        through untouched. `elements`: the most elements the call fetches
+        from the stage's iterator `args[0]`; a call whose elements are
+        buffered runs in this thread. None runs every call with the timeout.
 
-        `ready_fn`, for a consumer that records its fetches in its step
-        (`records_in_step`): the same call without that recording, run
-        instead of `fn` when the call's `elements` are known to be
-        buffered (they did not wait, so there is no wait to measure), but
-        for one call in `READY_SAMPLE`, whose recording keeps the
-        consumer's baseline (see `StageStats.record_fetch`) and count
-        current. Its fetches are counted in Python
-        (`StageStats.count_taken`).
-
-        `host_timed`, for a consumer that times and counts its fetches on
-        the host (`fn` does, `ready_fn` is the bare fetch; see
-        `StageIterator`): every call whose elements are buffered runs
-        `ready_fn` (it has no baseline to keep), and the timeout counts
-        the wait from the call's start (`_HostWait`).
+        `ready_fn`: the same call without recording its fetches, run when
+        they are buffered, but for one call in `READY_SAMPLE` (which keeps
+        the baseline current). `host_timed`: the consumer times its
+        fetches on the host (`StageIterator`); every buffered call runs
+        `ready_fn`.
 
         Raises:
             SkipElement: the element failed with an ignored exception type.
@@ -508,8 +416,7 @@ class StageRunner:
         started = time.time()
         try:
             timeout = self.options.timeout
-            # A stage on the service waits on the helper thread even
-            # without a timeout: a lost worker is noticed from the wait.
+            # On the service a lost worker is noticed from the wait.
             waits = timeout is not None or self._ledger is not None
             # Without a timeout, the count only serves `ready_fn`.
             buffered = (waits or ready_fn is not None) and self._buffered(
@@ -534,8 +441,7 @@ class StageRunner:
             raise
         except Exception as e:
             if self._ledger is not None and self._ledger.is_end(e):
-                # The stage ended a service epoch whose worker was lost:
-                # the end of its data, whatever the exception policies.
+                # A service epoch the stage ended (a lost worker).
                 raise EndOfData() from None
             if check_origin and not (
                 self.raised_by_stage(e) or self._refused_own_clock(e)
@@ -544,12 +450,8 @@ class StageRunner:
             return self._apply_policies(e)
 
     def _refused_own_clock(self, error):
-        """Whether `error` is the stage's clock, refused by op determinism.
-
-        A consumer's step traced with the stage's clock before determinism
-        was enabled fails in the step, not in the pipeline: the error is
-        still the stage's (see `StageStats.clock_refused`).
-        """
+        """Whether `error` is the stage's clock, refused by op determinism
+        (in a step traced before it was enabled)."""
         return _is_clock_refused(error) and self.stats.clock_refused
 
     def _sample_ready(self):
@@ -564,13 +466,8 @@ class StageRunner:
         return self._ready.take(args[0], elements)
 
     def take_report(self, iterator, values, called=None):
-        """Takes the report a call of `iterator` returned with its outputs.
-
-        See `StageStats.take_report` (`called`: when the call began, if its
-        reported fetch was its first); its count of unconsumed elements
-        tells the next call whether its elements are ready
-        (`ReadyElements.note`).
-        """
+        """Takes the report a call of `iterator` returned with its outputs
+        (see `StageStats.take_report` and `ReadyElements.note`)."""
         unconsumed = self.stats.take_report(values, called)
         if self._ready is None:
             return
@@ -579,8 +476,7 @@ class StageRunner:
     def _apply_policies(self, error):
         options = self.options
         if _is_end_of_data(error):
-            # However the types are set: skipping the end of the data
-            # would ask for the next element forever.
+            # Whatever the types: skipping it would never end.
             raise EndOfData() from error
         if isinstance(error, options.ignored_exception_types):
             self.stats.record_skip(error)
@@ -593,11 +489,7 @@ class StageRunner:
         raise error
 
     def _hint(self, error):
-        """Where in the staged layers `error` arose, and what to do.
-
-        Skipping (`ignored_exception_types`) is suggested only for errors a
-        bad record raises (see `_PER_RECORD_ERRORS`).
-        """
+        """Where in the staged layers `error` arose, and what to do."""
         layer = failing_layer(error, self.staged_layers)
         where = None if layer is None else f"in its layer '{layer}'"
         advice = None
@@ -610,9 +502,6 @@ class StageRunner:
                 "keras_stage model: compile it again)"
             )
         elif _is_short_epoch(error):
-            # The count is asserted where it is known ahead: Keras's count
-            # of arrays, an epoch of the tf.data service in
-            # distributed_epoch mode, a jax.distributed process's shard.
             advice = (
                 "its source ended before the batch count it was given for "
                 "an epoch: on the tf.data service, the epoch lost a "
@@ -652,9 +541,7 @@ class StageRunner:
                     )
                 ledger = self._ledger
                 if ledger is not None and ledger.should_end(waited):
-                    # The pipeline delivers the end marker, which fails
-                    # this call's fetch (see `call`).
-                    ledger.request_end(waited)
+                    ledger.request_end(waited)  # fails this call's fetch
                 timeout = self.options.timeout
                 if timeout is not None and waited > timeout:
                     self.stats.close()
@@ -663,9 +550,7 @@ class StageRunner:
                     caller.stalled = True
                     raise self._timeout_error(waited)
         except BaseException:
-            # Nobody will read the call's result: the wait timed out, or
-            # was interrupted (Ctrl-C reaches the waiting main thread, never
-            # the call). Keeping the busy thread would fail the next call.
+            # A timeout or Ctrl-C: nobody will read the call's result.
             self._abandon(caller)
             raise
         ok, value = result
@@ -675,8 +560,6 @@ class StageRunner:
 
     def _abandon(self, caller):
         """Leaves `caller` to end once its call returns; `close` waits."""
-        # The blocked call cannot be interrupted: its thread (a daemon)
-        # drops the result and exits when the call returns.
         caller.close(timeout=0)
         self._abandoned.append(caller)
         if self._caller is caller:
@@ -690,8 +573,7 @@ class StageRunner:
             "Fix the source"
         )
         if self.options.service is not None:
-            # Measured on TF 2.21: a job whose worker stops mid-epoch never
-            # ends; the trainer gets the other workers' elements, then waits.
+            # A job whose worker stops mid-epoch never ends.
             cause = (
                 "the stage runs on the tf.data service at "
                 f"{self.options.service} and a worker stopped, or the "
@@ -726,12 +608,8 @@ class StageRunner:
         """Stops the helper thread; returns True if no thread is left."""
         deadline = time.monotonic() + timeout
         if self._caller is not None:
-            # Idle, it exits at once; busy, once its call returns.
             self._abandon(self._caller)
-        # An abandoned thread ends once its call returns; wait for it
-        # within the deadline (an interrupted step usually finishes), but
-        # not for one a timeout left blocked on the source: that would only
-        # hold the timeout error back from the user.
+        # Not waiting for one a timeout left blocked on the source.
         for caller in self._abandoned:
             wait = 0.0 if caller.stalled else timeout
             caller.close(max(0.0, min(wait, deadline - time.monotonic())))

@@ -62,12 +62,8 @@ class Placement:
 
     @classmethod
     def resolve(cls, options, distributed=False, unpacks=False):
-        """The placement of a stage with `options`.
-
-        With `distributed`, the consumer's `tf.distribute` strategy copies
-        each replica's elements to its device (see `distribute_inputs`),
-        so the stage's own buffer stays on the host.
-        """
+        """The placement of a stage with `options` (on the host when a
+        `tf.distribute` strategy copies each replica's elements)."""
         if distributed:
             return cls(None, False, unpacks)
         device = resolve_device(options.device)
@@ -108,24 +104,16 @@ def _is_host(device):
 
 
 def graph_ready(fn):
-    """Whether `fn` needs no AutoGraph conversion by the stage's map.
-
-    A `tf.function` applies its own; keras_stage marks its own Python
-    wrappers of one (`keras_stage_graph_ready`). A user's plain Python
-    function is converted, as `tf.data.Dataset.map` converts it.
-    """
+    """Whether `fn` needs no AutoGraph conversion by the stage's map (a
+    `tf.function`, or marked `keras_stage_graph_ready`)."""
     return isinstance(fn, tf.types.experimental.PolymorphicFunction) or getattr(
         fn, "keras_stage_graph_ready", False
     )
 
 
 def on_host(fn):
-    """`fn` with its ops pinned to the host CPU.
-
-    Staged work belongs on host threads even when its layers would be
-    placed on a GPU: on the device it would fight the training step
-    (DeepRec's `stage_subgraph_on_cpu`).
-    """
+    """`fn` with its ops pinned to the host CPU, not fighting the training
+    step for a GPU (DeepRec's `stage_subgraph_on_cpu`)."""
 
     def pinned(*args):
         with tf.device("/device:CPU:0"):
@@ -152,13 +140,9 @@ def _build_pipeline(
     """The stage's pipelines: `(lean, measured)`.
 
     `lean` runs the staged computation and buffers it; `measured` adds the
-    consumer's side of the counters around the fetch, for consumers that
-    do not record it in their own step (see `StageStats`). `pool`: the
-    stage's `StagePool`, or None for a fixed pool; `pool_size`: with a
-    `StagePool`, the size of the pool these pipelines run on. `ledger`:
-    the `ServiceLedger` of a stage on the tf.data service.
-    `reads_in_python`: whether the consumer reads every element through
-    the stage's eager iterators (`StageIterator`).
+    consumer's side of the counters around the fetch (see `StageStats`).
+    `pool_size`: with a `StagePool`, the size these pipelines run on. The
+    other arguments are `build_stage`'s.
     """
     name = options.name
     num_threads = (
@@ -172,13 +156,8 @@ def _build_pipeline(
         and placement.device is None
         and (fn is None or reads_in_python)
     ):
-        # tf.data's autotuner keeps the buffer of a stage that keeps up at
-        # about one element (its source is never late), so a consumer's
-        # next call seldom knows its batch is there and pays a count read
-        # or the timeout's hand-off (see `ReadyElements`); a few more
-        # host-side elements spare most of them. A compiled step returns
-        # the count with its outputs (`StageStats.take_report`); an eager
-        # iterator has to read it, a cost that weighs on short steps.
+        # The autotuner keeps such a buffer at about one element, so the
+        # consumer seldom knows its next batch is there (`ReadyElements`).
         capacity = IDLE_CAPACITY
 
     # tf.data passes a tuple element (exactly `tuple`) as separate
@@ -186,15 +165,9 @@ def _build_pipeline(
     unpacked = type(dataset.element_spec) is tuple
     staged_fn = None if fn is None else on_host(fn)
 
-    # Under op determinism, tf.data's `make_deterministic` rewrite runs
-    # every map of a pipeline one element at a time, and empties every
-    # prefetch buffer, once any function of the pipeline holds a stateful
-    # op outside its short allow-list (a variable's read or update is
-    # not on it). So the stage's pipeline then holds none of its own: no
-    # counters, no gate, no fetch records (`StageStats.count_nothing`).
-    # The consumer counts its fetches in its step or on the host, and the
-    # stage's own figures (its wait, buffer fill, busy time) are read from
-    # tf.data's model of each iterator (`_Watched`, `pipeline_model`).
+    # Under op determinism tf.data runs a pipeline holding a stateful op
+    # one element at a time, unbuffered: the stage's pipeline then holds
+    # no counter, gate or fetch record (`StageStats.count_nothing`).
     bare = op_determinism_enabled()
 
     def produce(*args):
@@ -210,23 +183,18 @@ def _build_pipeline(
         started = stats.start_busy()
         with tf.control_dependencies([] if started is None else [started]):
             out = staged_fn(element)
-        # Count only elements whose computation finished; tf.data runs the
-        # counter op with the map (no identity ops are needed to keep it).
+        # Count only elements whose computation finished.
         with tf.control_dependencies(tf.nest.flatten(out, True)):
             stats.count_produced(started, gate, ready=not count_after)
         return out
 
     if fn is None or graph_ready(fn):
-        # tf.data's map converts its function with AutoGraph, and with it
-        # every function it calls: the stats' methods hold no control flow
-        # on tensors, and converting them would cost each pipeline build
-        # more than tracing the staged layers. A user's `fn` is converted
-        # with them, as `Dataset.map` would convert it alone.
+        # Converting the stats' methods would cost more than tracing the
+        # staged layers; a user's plain `fn` is converted as `map` would.
         produce = tf.autograph.experimental.do_not_convert(produce)
 
     if options.service is not None:
-        # The workers run the source and `fn`; this process counts what
-        # arrives (a worker's copy of the counters would count nothing here).
+        # The workers run the source and `fn`; this process counts arrivals.
         dataset = _served(
             dataset,
             staged_fn,
@@ -240,27 +208,16 @@ def _build_pipeline(
         unpacked = type(dataset.element_spec) is tuple
         staged_fn = fn = None
 
-    # An ordered parallel map finishes elements out of order: a later one
-    # done says nothing of a hung earlier one. So its elements are also
-    # counted ready after the map, in the order it delivers them (one op in
-    # the buffer's thread), which tells the consumer which fetches cannot
-    # wait on the source (`runner.ReadyElements`). The busy time and the
-    # finished count stay in the map, where the computation ran: the
-    # verdict and the buffer fill read them.
+    # An ordered parallel map finishes elements out of order, so they are
+    # also counted ready after it, in delivery order (`count_ready`).
     count_after = fn is not None and options.deterministic and not bare
 
-    # No timestamp is taken before each pull from the source: that needs a
-    # zip with a dataset of markers, work on the path of every element that
-    # only the verdict would use. It infers a slow source from the epoch
-    # instead.
     def staged(parallel):
         """The stage's work, `parallel` elements at once."""
         if fn is None:
             if bare:
                 return dataset  # nothing to compute, nothing to count
-            # With nothing to compute, workers have nothing to overlap: the
-            # counter runs in the buffer's own thread, op by op, and no
-            # element waits for a hand-off to a worker thread.
+            # Nothing to overlap: the counter runs in the buffer's thread.
             return _compat.inline_map(dataset, produce, f"{name}_map")
         mapped = dataset.map(
             produce,
@@ -274,7 +231,6 @@ def _build_pipeline(
         tupled = type(mapped.element_spec) is tuple
 
         def count_ready(*args):
-            # Run whether or not the element depends on it (see `produce`).
             stats.count_ready()
             return args if tupled else args[0]
 
@@ -284,19 +240,14 @@ def _build_pipeline(
     if pool is None:
         produced = staged(num_threads)
     else:
-        # At its largest the pool runs the work autotuned; at any other
-        # size as many elements at once as it has threads (the autotuner's
-        # guess for a stage waiting on IO runs behind the threads it has).
+        # Autotuned at its largest; else as many at once as it has threads.
         threads = pool_size
         produced = staged(
             tf.data.AUTOTUNE if pool_size == pool.largest else pool_size
         )
-    # Packing (for a device buffer) is a copy, not the stage's work: it
-    # runs after the adaptive pool, on the pipeline's own.
+    # Packing is a copy, not the stage's work: not on the adaptive pool.
     packer = placement.packer_for(produced.element_spec)
     if bare:
-        # Measured on the host from tf.data's own model of the iterator
-        # (`pipeline_model`): the packing map runs above the stage's.
         stats.count_nothing(
             computes=fn is not None, maps_above=int(packer is not None)
         )
@@ -309,23 +260,16 @@ def _build_pipeline(
         )
 
     opts = tf.data.Options()
-    # The pool's size is also the bound the autotuner gives the map, which
-    # a stage waiting on IO needs above the cores.
+    # Also the autotuner's bound for the map: IO waits need it above cores.
     opts.threading.private_threadpool_size = threads
-    # Keep the buffer where the user put it: an injected prefetch would add
-    # an unbounded-by-us buffer and hide the consumer's wait.
+    # An injected prefetch would hide the consumer's wait.
     opts.experimental_optimization.inject_prefetch = False
-    # The stage's counters and gate are variables, state outside the
-    # pipeline: a checkpoint of an iterator (see `BackupAndRestore`) skips
-    # them instead of failing.
+    # An iterator checkpoint skips the counters and gate (variables).
     opts.experimental_external_state_policy = (
         tf.data.experimental.ExternalStatePolicy.IGNORE
     )
     if options.num_threads == AUTO:
-        # The private pool is what lets "auto" run more elements at once
-        # than there are cores (a stage waiting on IO needs that); the
-        # autotuner's CPU budget is set to the same size so its model of
-        # the pipeline agrees with the threads it really has.
+        # The autotuner's model agrees with the threads the pool has.
         opts.autotune.cpu_budget = threads
     produced = produced.with_options(opts)
 
@@ -334,10 +278,8 @@ def _build_pipeline(
         return element
 
     def measure(buffered):
-        # The consumer's fetch: mark the wait, fetch, record it. zip pulls
-        # the marker first, in the consumer's own thread, so the marked
-        # interval is exactly the time the consumer is blocked on the
-        # buffer.
+        # zip pulls the marker first, in the consumer's thread: the marked
+        # interval is the time it is blocked on the buffer.
         markers = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64))
         markers = _compat.inline_map(
             markers.repeat(), lambda _: stats.begin_wait(), f"{name}_wait"
@@ -350,8 +292,7 @@ def _build_pipeline(
     to_device = tf.data.experimental.prefetch_to_device
     size = None if capacity == tf.data.AUTOTUNE else capacity
     if bare:
-        # The fetch records are variable updates too (see `bare`); each
-        # eager iterator is watched instead (`StageStats.watch`).
+        # Each eager iterator is watched instead (`StageStats.watch`).
         if device is None:
             lean = produced.prefetch(capacity, name=f"{name}_buffer")
         else:
@@ -361,10 +302,8 @@ def _build_pipeline(
     if device is None:
         lean = produced.prefetch(capacity, name=f"{name}_buffer")
         return lean, measure(lean) if measured else lean
-    # The buffer on the device: tf.data copies each element there ahead of
-    # the consumer (the copy overlaps the step). It must end the pipeline,
-    # so a consumer counting in the pipeline measures the host side of the
-    # copy, with one element in flight to the device.
+    # The device buffer must end the pipeline: a consumer counting in the
+    # pipeline measures the host side, one element in flight to the device.
     lean = produced.apply(to_device(device, size))
     if not measured:
         return lean, lean
@@ -373,12 +312,8 @@ def _build_pipeline(
 
 
 class _Watched(EagerIterated):
-    """A stage's pipeline whose eager iterators its stats watch.
-
-    Under op determinism the pipeline holds no counter: the stats read
-    each iterator's figures from tf.data's model of it instead
-    (`StageStats.watch`).
-    """
+    """A stage's pipeline whose eager iterators its stats watch (op
+    determinism, see `StageStats.count_nothing`)."""
 
     def __init__(self, base, stats):
         self._stats = stats
@@ -435,9 +370,7 @@ def _served(
     dataset = distribute(dataset, options.service, options.processing_mode)
     dataset = ledger.client_side(dataset)
     if rebatch is not None:
-        # Each worker batches its share of the epoch, so an epoch ends with
-        # a partial batch per worker and its batch count varies; full
-        # batches again make it fixed (Keras relies on it).
+        # A partial batch per worker varies the epoch's batch count.
         dataset = dataset.rebatch(rebatch)
     if cardinality is not None:
         assert_cardinality = tf.data.experimental.assert_cardinality
@@ -463,7 +396,6 @@ class StagedDataset(tf.data.Dataset):
         gate=None,
         placement=None,
         thread_pool=None,
-        counts_in_order=False,
         service_ledger=None,
     ):
         self._pipeline = pipeline
@@ -477,7 +409,8 @@ class StagedDataset(tf.data.Dataset):
             options,
             stats,
             gate=gate,
-            counts_in_order=counts_in_order,
+            # Counted ready in delivery order (`_build_pipeline`).
+            counts_in_order=True,
             ledger=service_ledger,
         )
         super().__init__(_compat.dataset_variant(pipeline))
@@ -491,22 +424,14 @@ class StagedDataset(tf.data.Dataset):
 
     @property
     def pipeline(self):
-        """The tf.data pipeline without the Python-side policies.
-
-        For consumers that apply `runner` themselves around a compiled
-        step that iterates in-graph (the Keras integration does).
-        """
+        """The tf.data pipeline without the Python-side policies, for a
+        consumer that applies `runner` itself around its step."""
         return self._pipeline
 
     @property
     def lean_pipeline(self):
-        """The pipeline without the consumer's side of the counters.
-
-        For a consumer that records its fetches in its own step graph with
-        `stats.record_fetch` and `stats.record_step_end` (and marks each
-        epoch's start with `stats.mark_request`); the Keras integration
-        does.
-        """
+        """The pipeline without the consumer's side of the counters, for a
+        consumer recording its fetches in its step (`stats.record_fetch`)."""
         return self._lean_pipeline
 
     @property
@@ -514,9 +439,7 @@ class StagedDataset(tf.data.Dataset):
         """The stage's resizable `StagePool`, or None if its pool is fixed.
 
         Stages with `num_threads="auto"` and no `thread_pool_size` have one
-        (see `keras_stage.data.pool`); `PrefetchCallback` adapts it after
-        each training epoch, and engine users may `resize` or `adapt` it
-        between epochs of their own loop.
+        (see `keras_stage.data.pool`); resize or adapt it between epochs.
         """
         return self._thread_pool
 
@@ -570,20 +493,14 @@ def _timed_fetch(stats, iterator):
 class StageIterator:
     """Eager iterator of a `StagedDataset` applying its policies.
 
-    Python reads each element here, so the fetch is recorded on the host:
-    it reads the lean pipeline (without the in-graph fetch records, a zip
-    and two maps on the consumer's path),
-    times each fetch that may wait with two clock reads and counts every
-    fetch in Python (`StageStats.record_host_fetch`, `count_taken`). That
-    works under op determinism too, where the graph has no clock.
+    Reads the lean pipeline and times each fetch on the host
+    (`StageStats.record_host_fetch`), which works under op determinism too.
     """
 
     def __init__(self, staged):
         self._staged = staged
         self._runner = staged.runner
-        # Runs on the timeout's helper thread: it must not hold the stage
-        # (whose last reference dropped there would close the stage from
-        # its own helper thread).
+        # Must not hold the stage: its helper thread would close it.
         self._fetch = functools.partial(_timed_fetch, staged.stats)
         self._iterator = iter(staged.lean_pipeline)
         self._fetches = 0
@@ -721,23 +638,13 @@ def build_stage(
 ):
     """`stage()` with validated `StageOptions` and the `StageStats` to use.
 
-    A consumer whose compiled step records the fetches itself keeps one
-    `StageStats` across the stages it consumes (the step captures its
-    variables when traced), and builds each stage with it; `None` makes
-    new ones. With `consumer_records`, it reads only the lean pipeline
-    (so does a consumer that reads every element through the stage's
-    eager iterators, which record their fetches on the host): the
-    measured one is not built (the stage's `pipeline` is the lean one).
-    `distributed` and `unpacks`: see `Placement.resolve`.
-    `rebatch` and `cardinality`: with a service, the batch size to re-form
-    and the number of batches an epoch then has, if known. `per_copy`:
-    with a service, the examples one pass over `dataset` holds (with
-    `rebatch`), for the `ServiceLedger`; `stage()` counts elements, and
-    takes the dataset's cardinality. `reads_in_python`: whether the
-    consumer reads every element through the stage's eager iterators
-    (then an `"auto"` host buffer holds `IDLE_CAPACITY` elements, see
-    `_build_pipeline`). `pool_start`: the size an adaptive pool starts at
-    (None: its largest; see `StagePool`).
+    `stats`: shared by a consumer whose traced step captures them; `None`
+    makes new ones. `consumer_records`: the consumer reads only the lean
+    pipeline. `distributed`, `unpacks`: see `Placement.resolve`. With a
+    service: `rebatch` the batch size to re-form, `cardinality` an epoch's
+    batches, `per_copy` the examples one pass holds. `reads_in_python`:
+    the consumer reads every element eagerly. `pool_start`: the size an
+    adaptive pool starts at (None: its largest).
     """
     if stats is None:
         stats = new_stats(options)
@@ -753,9 +660,8 @@ def build_stage(
             per_copy,
             batched=rebatch is not None,
         )
-    # Open until the stage is closed. Per pipeline, not per stats: a
-    # consumer's stats outlive its calls, and an iterator of an ended call
-    # (kept alive by a traceback, say) must stop counting in them.
+    # Per pipeline, not per stats: an iterator of an ended call must stop
+    # counting in the stats its consumer keeps.
     with tf.init_scope(), tf.device("/CPU:0"):
         gate = tf.Variable(True, trainable=False, name=f"{options.name}_open")
     placement = Placement.resolve(options, distributed, unpacks)
@@ -790,8 +696,6 @@ def build_stage(
         gate=gate,
         placement=placement,
         thread_pool=pool,
-        # Counted ready in the order they are delivered (`_build_pipeline`).
-        counts_in_order=True,
         service_ledger=ledger,
     )
 

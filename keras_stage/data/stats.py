@@ -1,33 +1,21 @@
 """In-graph statistics of one stage.
 
-`StageStats` owns the counters a stage keeps while it runs: elements
-produced, consumed and skipped, seconds the producers computed and the
-consumer waited, and buffer fill sampled at every fetch. Counters are
-TensorFlow variables updated by graph ops (one update per element on each
-side, packed in a vector), so measuring costs no Python on the hot path;
-only skipped elements (an error path) are counted in Python.
+`StageStats` owns a stage's counters: elements produced, consumed and
+skipped, seconds the producers computed and the consumer waited, and the
+buffer fill at every fetch. They are one TensorFlow variable vector updated
+by graph ops, so measuring costs no Python on the hot path.
 
-The consumer's side is recorded either by the pipeline itself (a marker and
-a map around the fetch: works for any consumer) or by a consumer that owns
-its step graph (the Keras integration records it inside the training step,
-where a few more ops join a graph that runs anyway, while a tf.data map on
-the fetch path is one more function call per batch). A step cannot see
-when its call asks the pipeline for the batch, only when its previous step
-ended; the time from there to a batch that was ready (returning to Python,
-callbacks, dispatching the next call) is learnt as a baseline and only
-what exceeds it counts as waiting (see `record_fetch`). A step that
-returns a report to Python (`report`, `take_report`) leaves that
-arithmetic to Python, where it costs a few float operations instead of
-some 30 graph ops in every step; a step that cannot (its outputs do not
-reach Python) runs it in its graph (`accumulate`). Both run the one
-definition, `_fetch_figures`.
+The consumer's side is recorded by the pipeline (a map around the fetch)
+or inside a consumer's own step (`record_fetch`), which only sees when its
+previous step ended: the time from there to a ready batch is learnt as a
+baseline, and only what exceeds it counts as waiting. That arithmetic runs
+in Python (`take_report`) or in the step's graph (`accumulate`), both from
+`_fetch_figures`.
 
-Under op determinism (`tf.config.experimental.enable_op_determinism`)
-TensorFlow refuses to run `tf.timestamp`: steps built then count their
-fetches without a clock, a pipeline built then holds no counter at all
-(`count_nothing`), and `snapshot` reads what it could not count from
-tf.data's own model of the stage's iterators (`pipeline_model`), or
-reports it as NaN where that model cannot be read (see `clock_allowed`).
+Under op determinism TensorFlow refuses `tf.timestamp`: steps then count
+fetches without a clock, pipelines hold no counter (`count_nothing`), and
+`snapshot` reads the rest from tf.data's model of the stage's iterators
+(`pipeline_model`), or reports NaN (see `clock_allowed`).
 """
 
 import logging
@@ -44,18 +32,16 @@ logger = logging.getLogger("keras_stage")
 # How many error messages of skipped elements a stage keeps per report.
 MAX_SKIPPED_MESSAGES = 5
 
-# Slots of the one counter vector, float64 (counts exact up to 2**53).
-# One vector, so each side of the pipeline updates it with a single op:
-# variable ops are the costly part of a tf.data function.
+# Slots of the one counter vector, float64: one vector, so each side
+# updates it with a single op (variable ops are the costly part of a
+# tf.data function).
 _PRODUCED, _BUSY = 0, 1
 _CONSUMED, _WAIT, _BUFFERED = 2, 3, 4
-# Start time of the last fetch that finished. A fetch is in progress while
-# the last fetch started (a separate variable: fetches can end without
-# finishing, at the end of the data or on an error) is later than this.
+# Start time of the last fetch that finished; one is in progress while the
+# last fetch started is later.
 _DONE_FETCH = 5
-# Consumers recording in their step: the usual time from a step's end to
-# the arrival of a batch that was ready, and the elements produced but left
-# in the buffers of iterators dropped before an epoch began.
+# The usual time from a step's end to a ready batch's arrival, and the
+# elements left in the buffers of iterators dropped before an epoch began.
 _BASELINE, _ORPHANS = 6, 7
 # Elements that entered the buffer, counted in the order the consumer gets
 # them (see `count_ready`); `_PRODUCED` counts them as they finish.
@@ -68,11 +54,9 @@ _BASELINE_WEIGHT = 0.1
 def _fetch_figures(marked, took, buffered, baseline, to_float, maximum):
     """A recorded fetch's wait, and how far it moves the baseline.
 
-    See `StageStats.record_fetch`. The same lines run on tensors in a
-    step's graph (`accumulate`: `to_float` a cast, `maximum` tf.maximum)
-    and on Python floats (`take_report`: `float`, `max`), so the two
-    sides cannot drift apart. Arithmetic on 0/1 masks rather than
-    branches: fewer ops in every step.
+    See `StageStats.record_fetch`. The same lines run on tensors
+    (`accumulate`) and on Python floats (`take_report`), so the two cannot
+    drift apart; 0/1 masks rather than branches keep the graph small.
 
     Args:
         marked: The fetch's start mark (negative: an epoch's first fetch,
@@ -97,11 +81,7 @@ def _fetch_figures(marked, took, buffered, baseline, to_float, maximum):
 
 
 def _slots(values):
-    """A counter-vector update: `values` ({slot: value}), zeros elsewhere.
-
-    One constant when every value is a Python number, else one stack:
-    each op of a per-element or per-step function costs microseconds.
-    """
+    """A counter-vector update: `values` ({slot: value}), zeros elsewhere."""
     if all(isinstance(v, (int, float)) for v in values.values()):
         return tf.constant(
             [float(values.get(slot, 0.0)) for slot in range(_SLOTS)],
@@ -129,21 +109,14 @@ _REPORT_MARK, _REPORT_ARRIVED, _REPORT_COUNTERS = 0, 1, 2
 _REPORT_SIZE = 2 + 2 * _SLOTS
 
 
-# Called while tf.data and tf.function trace with AutoGraph: converting
-# the logging (down to pytest's handlers) is not theirs to do.
+# Called while tracing: AutoGraph is not to convert the logging.
 @tf.autograph.experimental.do_not_convert
 def clock_allowed():
     """Whether a graph built now may read the clock (`tf.timestamp`).
 
-    Not under op determinism: TensorFlow's Timestamp kernel then fails
-    every run with a `FailedPreconditionError`. TensorFlow exports the
-    setter (`tf.config.experimental.enable_op_determinism`) but no getter
-    (only the private `tensorflow.python.framework.config
-    .is_op_determinism_enabled`), so this asks the kernel itself: what is
-    checked is exactly what would fail, for the cost of one eager op.
-    Called while a graph is traced, never at import: a user may enable
-    determinism after importing keras_stage, and a graph keeps the clock
-    (or its absence) it was traced with.
+    Not under op determinism, which TensorFlow has no public getter for:
+    this asks the Timestamp kernel itself, while a graph is traced (a user
+    may enable determinism after importing keras_stage).
     """
     if op_determinism_enabled():
         _note_no_clock()
@@ -216,20 +189,16 @@ class StageStats:
             self._peak = tf.Variable(
                 0.0, dtype=tf.float64, trainable=False, name="peak"
             )
-            # Start mark of the last fetch a step recorded (see
-            # `record_fetch`); `_DONE_FETCH` holds the pipeline's.
+            # The last fetch a step recorded; `_DONE_FETCH`: the pipeline's.
             self._fetch_done = tf.Variable(
                 0.0, dtype=tf.float64, trainable=False, name="fetch_done"
             )
-            # Set when the stage is closed after a timeout: an element that
-            # was abandoned blocked must not arrive late (it would train a
-            # step nobody waits for).
+            # Set on a close after a timeout: an abandoned element must not
+            # arrive late.
             self._closed = tf.Variable(False, trainable=False, name="closed")
         self._lock = threading.Lock()
-        # The `StagePool` of the stages counted here (set by the first one
-        # built with an adaptive pool): kept with the counters, it outlives
-        # one `fit` call like they do, so the next call starts with the
-        # size the last epoch chose.
+        # The adaptive `StagePool` of the stages counted here: kept with the
+        # counters, the next call starts with the size the last epoch chose.
         self.pool = None
         self.skipped = 0
         self.skipped_messages = []
@@ -238,37 +207,22 @@ class StageStats:
         self._reported_buffered = 0.0
         self._reported_peak = 0.0
         self._baseline = 0.0
-        # Fetches of calls that ran without recording them (their elements
-        # were known to be buffered, see `count_taken`), not yet added to
-        # the consumed slot (`mark_request` adds them).
-        self._taken = 0
-        # Whether the graphs last traced on each side took timestamps (see
-        # `clock_allowed`); None until one is traced.
+        self._taken = 0  # see `count_taken`
+        # Whether the graphs last traced on each side took timestamps.
         self._wait_timed = None
         self._busy_timed = None
-        # Whether any graph traced on these stats holds a clock.
-        self._clocked = False
-        # Whether the consumer timed its fetches on the host
-        # (`record_host_fetch`).
-        self._host_waits = False
-        # Whether the pipeline counts its elements (see `count_nothing`).
-        self._pipeline_counts = True
-        # tf.data's model of the watched iterators, when it does not.
+        self._clocked = False  # whether any graph traced holds a clock
+        self._host_waits = False  # see `record_host_fetch`
+        self._pipeline_counts = True  # see `count_nothing`
         self._host_model = None
 
     def count_nothing(self, computes=True, maps_above=0):
         """Notes that the stage's pipeline holds no counter (op determinism).
 
-        Under op determinism a stateful op in any function of a pipeline
-        makes tf.data run the whole pipeline one element at a time with no
-        buffer (see `staging._build_pipeline`), so a stage built then counts
-        nothing in its pipeline: `snapshot` reports the elements it
-        finished as those consumed, and reads the consumer's wait, the
-        stage's busy time and its buffer's fill from tf.data's own model
-        of each iterator `watch`ed (`PipelineModel`), or reports them as
-        not measured (NaN) where that model cannot be read. `computes`:
-        whether the stage has work of its own (a stage that computes
-        nothing is known to spend no time on it). `maps_above`: the maps
+        A stateful op would make tf.data run the pipeline one element at a
+        time (see `staging._build_pipeline`): `snapshot` then reads the
+        figures from tf.data's model of each iterator `watch`ed. `computes`:
+        whether the stage has work of its own. `maps_above`: the maps
         between the stage's buffer and its own (see `PipelineModel`).
         """
         self._pipeline_counts = False
@@ -285,12 +239,8 @@ class StageStats:
             self._host_model.watch(iterator)
 
     def sample(self):
-        """Reads the watched iterator's figures now (see `count_nothing`).
-
-        A consumer calls it between steps, every
-        `pipeline_model.SAMPLE_FETCHES` fetches or more often; `snapshot`
-        calls it too.
-        """
+        """Reads the watched iterator's figures now (see `count_nothing`);
+        called between steps, every `pipeline_model.SAMPLE_FETCHES`."""
         if self._host_model is not None:
             self._host_model.sample()
 
@@ -309,9 +259,7 @@ class StageStats:
     def start_busy(self):
         """The start of an element's staged computation, in its map.
 
-        A timestamp, or None when the clock is forbidden (see
-        `clock_allowed`): `count_produced` then counts the element without
-        its busy time, which `snapshot` reports as not measured.
+        A timestamp, or None when the clock is forbidden (`clock_allowed`).
         """
         self._busy_timed = clock_allowed()
         if not self._busy_timed:
@@ -334,15 +282,12 @@ class StageStats:
 
         Args:
             started: When the staged computation began on it
-                (`start_busy`), or None for a stage with nothing to compute
-                (no busy time, two ops fewer per element) or no clock.
+                (`start_busy`), or None for no busy time.
             gate: The pipeline's boolean variable, False once it is closed
-                (see `staging.build_stage`): an iterator a finished call
-                left alive must not count its elements in stats the next
-                call's iterator shares, nor deliver them late.
-            ready: Whether to count it ready too (see `count_ready`): the
-                stage finishes its elements in the order it delivers them.
-                Defaults to `True`.
+                (see `staging.build_stage`).
+            ready: Whether to count it ready too (see `count_ready`), for a
+                stage that finishes elements in delivery order. Defaults
+                to `True`.
         """
         check = tf.debugging.Assert(
             gate,
@@ -364,11 +309,8 @@ class StageStats:
         """Counts one element entering the buffer, in delivery order.
 
         For a stage whose ordered parallel map finishes elements out of
-        order (`count_produced(..., ready=False)` counts them there): run
-        after the map, in the order it delivers them, so a counted element
-        is in the buffer or on its way there, and a fetch of it cannot
-        wait on the source, however long an earlier-numbered one hangs
-        (see `runner.ReadyElements`).
+        order: a counted element cannot wait on the source (see
+        `runner.ReadyElements`).
         """
         return self._counters.assign_add(_slots({_READY: 1}))
 
@@ -431,19 +373,12 @@ class StageStats:
     def record_fetch(self, element, accumulate=True):
         """Records, in a step, the fetch that delivered `element`.
 
-        The fetch began when the previous step ended (`record_step_end`);
-        the time from there to the batch's arrival also holds returning to
-        Python, the callbacks and the next call's dispatch. When more
-        finished elements were buffered than this one, the batch was ready
-        before it was asked for: it did not wait, and its time feeds a
-        moving baseline of that overhead. Otherwise its wait is the time
-        beyond the baseline. The first fetch of an epoch began at
-        `mark_request`, which stores the time negated: the first call of
-        an epoch may also trace the step, so that fetch's wait is not
-        counted (its timeout still is). Fails if the stage was closed, so a
-        late element never trains a step. Without a clock (see
-        `clock_allowed`) the fetch is counted, with the buffer fill it saw,
-        and its arrival time is None (NaN in `report`).
+        The fetch began when the previous step ended (`record_step_end`).
+        A batch found ready feeds a moving baseline of the overhead between
+        steps; otherwise its wait is the time beyond the baseline. An
+        epoch's first fetch (marked negative by `mark_request`) may include
+        a trace and is not counted. Fails if the stage was closed. Without
+        a clock the arrival time is None.
 
         Args:
             element: The fetched element; the record waits for it.
@@ -459,8 +394,7 @@ class StageStats:
         leaves = tf.nest.flatten(element, expand_composites=True)
         check = self._open_check()
         timed = self._wait_clock()
-        # Ops without inputs run whenever the step's graph likes: tie the
-        # clock to the element's arrival.
+        # Tie the clock to the element's arrival.
         with tf.control_dependencies(leaves + [check]):
             marked = self._fetch_start.read_value()
             counters = self._counters.read_value()
@@ -498,8 +432,7 @@ class StageStats:
             lambda mask: tf.cast(mask, tf.float64),
             tf.maximum,
         )
-        # Only the consumer writes the baseline: a delta keeps the update
-        # one op.
+        # Only the consumer writes the baseline: a delta is one op.
         return self._record_fetch(
             counters,
             started,
@@ -531,10 +464,7 @@ class StageStats:
             outputs: The step's outputs, which the mark waits for.
 
         Returns:
-            The counters once the step is done, for `report`: returned
-            with the step's outputs, they tell the consumer's next call
-            whether its batch is ready at the cost of one output instead
-            of a variable read between steps (see `take_report`).
+            The counters once the step is done, for `report`.
         """
         leaves = tf.nest.flatten(outputs, expand_composites=True)
         if not self._wait_clock():
@@ -548,25 +478,17 @@ class StageStats:
     # -- Python side ---------------------------------------------------------
 
     def take_report(self, values, called=None):
-        """Accumulates a step's `report`; returns its unconsumed count.
-
-        The same arithmetic as `accumulate` (`_fetch_figures`), on Python
-        floats.
+        """Accumulates a step's `report` as `accumulate` does, in Python.
 
         Args:
             values: The report's values, a sequence of floats.
-            called: When the consumer's call that made the fetch began
-                (`time.time()`), if the fetch was the call's first; None
-                otherwise. The fetch is then timed from the call, not from
-                the previous step's end: the gap between the two (Python,
-                callbacks) is not waiting, and a fetch that found its
-                batch ready most often followed a long gap, so a baseline
-                learnt from the gaps would take real waits for overhead.
+            called: When the consumer's call began (`time.time()`), if the
+                fetch was the call's first: timed from there, not from the
+                previous step's end. None otherwise.
 
         Returns:
             The elements ready and not consumed once the step was done
-            (see `unconsumed`): a floor for the next call, since ready
-            elements only grow and only the consumer consumes them.
+            (see `unconsumed`): a floor for the next call.
         """
         if len(values) == _REPORT_SIZE:
             self._take_fetch(values, called)
@@ -593,12 +515,8 @@ class StageStats:
     def record_host_fetch(self, seconds):
         """Counts, in Python, a fetch that waited `seconds` for its element.
 
-        For a consumer that reads the pipeline without the consumer's side
-        of the counters (`StagedDataset.lean_pipeline`) and times on the
-        host each fetch that may wait: an eager iterator, whose call does
-        nothing but fetch (`StageIterator`). Its fetches known to be
-        buffered are counted with `count_taken` (no wait). Consumed-count
-        readers add both (see `count_taken`).
+        For an eager iterator timing its fetches on the host
+        (`StageIterator` on `StagedDataset.lean_pipeline`).
         """
         with self._lock:
             self._taken += 1
@@ -607,36 +525,24 @@ class StageStats:
 
     @property
     def fetches_timed(self):
-        """Whether the consumer's fetches are timed in the graph.
-
-        As the consumer's side was last traced; before any trace, as a
-        graph traced now would be (see `clock_allowed`).
-        """
+        """Whether the consumer's fetches are timed in the graph (as last
+        traced, or as a graph traced now would be)."""
         if self._wait_timed is None:
             return clock_allowed()
         return self._wait_timed
 
     @property
     def clock_refused(self):
-        """Whether graphs traced on these stats hold a clock now refused.
-
-        True once op determinism was enabled after such a graph was traced
-        (a consumer's step, or a pipeline): it fails at run time with a
-        `FailedPreconditionError`, and must be traced again, on new stats
-        for a consumer that keeps its traced step with its stats.
-        """
+        """Whether graphs traced on these stats hold a clock now refused
+        (op determinism enabled since): they must be traced again."""
         return self._clocked and not clock_allowed()
 
     def count_taken(self, elements, buffered):
         """Counts, in Python, the fetches of a call that did not record them.
 
-        For a consumer whose step records its fetches (`record_fetch`) and
-        which runs a call without that recording when its elements were
-        known to be buffered (`ReadyElements`): such fetches did not wait,
-        and each saw about `buffered` other elements in the buffer (an
-        estimate: the count at the last reading). Consumed-count readers
-        here add them (`unconsumed`, `snapshot`, `take_report`);
-        `mark_request` moves them into the counters.
+        For a call run without recording when its elements were known to be
+        buffered (`ReadyElements`): they did not wait, and each saw about
+        `buffered` others. `mark_request` moves them into the counters.
 
         Args:
             elements: The fetches the call made.
@@ -650,13 +556,10 @@ class StageStats:
     def mark_request(self, orphan=True):
         """Starts the consumer's fetch clock now (at an epoch's start).
 
-        Elements produced and never consumed so far were left in the
-        buffer of an iterator dropped before this epoch (Keras makes one
-        per epoch); from now on they no longer count as buffered. With
-        `orphan=False` they stay buffered: the stage runs its epochs on one
-        iterator, so what it holds is this epoch's. Fetches counted in
-        Python (`count_taken`) join the counters here, so the graph's own
-        arithmetic (`accumulate`) sees them from now on.
+        Elements not consumed so far were left in a dropped iterator's
+        buffer and no longer count as buffered, unless `orphan=False` (the
+        stage runs its epochs on one iterator). Fetches counted in Python
+        (`count_taken`) join the counters here.
         """
         self._fetch_start.assign(-time.time())  # negated: see `record_fetch`
         with self._lock:  # `snapshot` reads both sides at once
@@ -672,9 +575,8 @@ class StageStats:
     def unconsumed(self):
         """Elements counted ready (see `count_ready`) and not consumed, ever.
 
-        Includes those left in the buffers of dropped iterators. One raw
-        read, called between training steps: `Variable.numpy()` adds name
-        scopes and an identity op to each read.
+        A raw read: `Variable.numpy()` adds ops, and this runs between
+        training steps.
         """
         counters = tf.raw_ops.ReadVariableOp(
             resource=self._counters.handle, dtype=tf.float64
@@ -682,12 +584,7 @@ class StageStats:
         return self._ready(counters)
 
     def consumed(self):
-        """Fetches counted in the graph so far (one raw variable read).
-
-        A fetch is counted when its element arrives, clock or no clock: a
-        consumer's wait can be timed on the host from it (the runner's
-        timeout does so under op determinism).
-        """
+        """Fetches counted in the graph so far, clock or no clock."""
         counters = tf.raw_ops.ReadVariableOp(
             resource=self._counters.handle, dtype=tf.float64
         ).numpy()
@@ -724,9 +621,7 @@ class StageStats:
 
         Args:
             since: When the consumer's current call began (`time.time()`),
-                for a consumer recording in its step: a fetch marked at
-                the end of its previous call waits from here on, not
-                while Python ran in between. Defaults to `None`.
+                for a consumer recording in its step. Defaults to `None`.
         """
         started = abs(float(self._fetch_start.numpy()))
         done = max(
@@ -740,12 +635,8 @@ class StageStats:
         return max(0.0, time.time() - started)
 
     def snapshot(self):
-        """Returns the counters as a dict of Python numbers.
-
-        `wait_seconds` and `busy_seconds` are NaN when the graphs last
-        traced could not time them (see `clock_allowed`): not measured,
-        which a difference of two snapshots keeps.
-        """
+        """Returns the counters as a dict of Python numbers (NaN: a time
+        the graphs last traced could not take)."""
         model = self._host_model
         if model is not None:
             model.sample(boundary=True)

@@ -1,15 +1,10 @@
 """tensorflow-io support: a clear error where its ops do not load, and readers.
 
-This module owns keras_stage's contact with tensorflow-io. Each
-tensorflow-io release ships native ops built against one TensorFlow minor
-version; on any other it still imports, but its ops fail with an
-"undefined symbol" error on first use, far from the cause.
-`require_tensorflow_io` checks once, by running a real tfio op, and turns
-that failure into an ImportError naming the versions and the pairing that
-works; `explain_tfio_error` gives the same message for an exception raised
-later by a tfio op. `read_parquet` and `read_hdf5` read files into
-datasets of dicts keyed by name, ready for `stage` and Keras dict inputs.
-
+Each tensorflow-io release's native ops fit one TensorFlow minor version;
+on another they fail at first use with an "undefined symbol" error.
+`require_tensorflow_io` checks once and raises an ImportError naming the
+pairing that works; `explain_tfio_error` gives that message for a later
+error. `read_parquet` and `read_hdf5` read files into datasets of dicts.
 tensorflow-io is imported only when one of these functions is called.
 """
 
@@ -33,10 +28,8 @@ __all__ = [
 # The pairing the `io` environment (requirements/io.txt) is tested on.
 WORKING_PAIRING = "tensorflow-cpu==2.16.2 + tensorflow-io==0.37.1 + numpy<2"
 _INSTALL = 'pip install tensorflow-cpu==2.16.2 tensorflow-io==0.37.1 "numpy<2"'
-# Signs that tfio's shared library did not load: tfio's loader raises
-# NotImplementedError("unable to open file: libtensorflow_io.so ... caused
-# by: [... undefined symbol: ...]"), TensorFlow's `load_op_library` a
-# NotFoundError with the dlopen message.
+# Signs in tfio's loader's or `load_op_library`'s error that tfio's shared
+# library did not load.
 _LOAD_FAILURE_SIGNS = (
     "undefined symbol",
     "unable to open file",
@@ -102,12 +95,9 @@ def _empty_wav():
 def require_tensorflow_io():
     """Returns the `tensorflow_io` module once its native ops load.
 
-    Call it before building a pipeline or a model on tensorflow-io: on a
-    TensorFlow its release was not built for, tfio imports fine but fails
-    at the first op with an "undefined symbol" error. This runs one real
-    tfio op (`tfio.audio.decode_wav` on a WAV file with no frames) once per
-    process. A tensorflow-io release known to be built for another
-    TensorFlow minor version is reported without being imported.
+    Call it before building a pipeline or a model on tensorflow-io. It runs
+    one real tfio op once per process; a release known to be built for
+    another TensorFlow is reported without being imported.
 
     Returns:
         The `tensorflow_io` module.
@@ -129,11 +119,9 @@ def require_tensorflow_io():
     return _load_tensorflow_io()
 
 
-# tensorflow-io release (major.minor) -> the TensorFlow (major.minor) its
-# ops are built for, where known. Importing tfio on another TensorFlow
-# loads a library that does not fit it; in our runs (TF 2.21) that left
-# MirroredStrategy broken for the rest of the process, so a known mismatch
-# is reported without importing.
+# tensorflow-io release -> the TensorFlow its ops are built for, where
+# known: loading them into another TensorFlow can break it for the rest of
+# the process, so a known mismatch is reported without importing.
 _BUILT_FOR = {"0.37": "2.16"}
 
 
@@ -187,11 +175,9 @@ def _load_tensorflow_io():
 def explain_tfio_error(exc):
     """The clear message for an error from a tfio op that did not load.
 
-    For wiring where such errors surface (a Keras fit, a model build): if
-    `exc`, or an exception it was raised from, is tensorflow-io failing to
-    load its native ops, returns the message `require_tensorflow_io`
-    raises (versions, underlying error, working pairing); any other
-    exception gives `None`.
+    If `exc`, or an exception it was raised from, is tensorflow-io failing
+    to load its native ops, returns the message `require_tensorflow_io`
+    raises; any other exception gives `None`.
 
     Args:
         exc: An exception.
@@ -235,9 +221,8 @@ def _by_name(element):
 def read_parquet(path, columns=None):
     """Reads a Parquet file into a dataset of dicts, one row per element.
 
-    `tfio.IODataset.from_parquet` with the keys as `str` column names
-    (tfio keys the columns it lists itself by `bytes`, which Keras dict
-    inputs do not match), after `require_tensorflow_io`.
+    `tfio.IODataset.from_parquet` with the keys as `str` column names (as
+    Keras dict inputs match them), after `require_tensorflow_io`.
 
     Args:
         path: The Parquet file.

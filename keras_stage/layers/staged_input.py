@@ -36,9 +36,7 @@ def _stage_name(layer_name):
 def warn_not_staged(layer, where):
     """Warns once per layer that nothing stages `layer`; `where` says why.
 
-    Logged on the package's logger, like the stage's other reports: the
-    layer's call runs inside Keras's traced step, where a Python warning
-    would point into Keras's code.
+    Logged, not warned: a Python warning would point into Keras's step.
     """
     if getattr(layer, "_not_staged_warned", False):
         return
@@ -73,22 +71,12 @@ class StagedInput(keras.layers.Layer):
 
     Args:
         {stage_options}
-        adaptive: Stage a fit/evaluate/predict call on in-memory data
-            (arrays, or a `tf.data.Dataset` of tensors in memory that runs
-            no function of its own) only when it can pay: a call too short
-            to repay its stage's set-up (one batch, or less staged work in
-            all than the set-up measured on the model's earlier staged
-            calls) runs the whole model in Keras's own step instead, with
-            the same results.
-            Within a SmartStage fit, an epoch whose step did not wait for
-            input is followed by one run with the whole model in the step,
-            and the faster of the two runs the remaining epochs (see
-            `keras_stage.models.decision.epochs`). `False` stages every call
-            and every epoch. Calls with exception policies
-            (`ignored_exception_types`, other `closed_exception_types`) or
-            a `service` are always staged, and so are calls on other
-            datasets, generators or PyDatasets (their epochs may be
-            switched).
+        adaptive: Stage a call on in-memory data, and a SmartStage fit's
+            epochs, only where staging pays: a call too short to repay its
+            stage's set-up, or an epoch measured faster unstaged, runs the
+            whole model in Keras's own step instead, with the same
+            results. `False` stages every call and every epoch. Calls with
+            exception policies or a `service` are always staged.
             Defaults to `True`.
         **kwargs: Base layer arguments (`name`, ...).
 
@@ -146,15 +134,12 @@ class StagedInput(keras.layers.Layer):
         self.supports_masking = True
         self.built = True
 
-    # Set by the keras_stage model that stages the layer, as each of its
-    # calls begins (`find_staged_input`): its steps that run unstaged also
-    # train the layer, and are no mistake to warn about.
+    # Set by the keras_stage model that stages the layer (its unstaged
+    # steps are no mistake to warn about).
     staged_by_model = False
 
     def call(self, inputs, training=None):
-        # Only a training step passes training=True, so inference and
-        # export are not warned: a model that is not keras_stage's trains
-        # through this identity and stages nothing.
+        # Only training is warned: inference and export are meant to pass.
         if training is True and not self.staged_by_model:
             warn_not_staged(
                 self,
@@ -197,30 +182,22 @@ class StagedInput(keras.layers.Layer):
             dataset: A `tf.data.Dataset`.
             fn: The staged computation, or `None`. Defaults to `None`.
             name: Stage name; defaults to the layer's name.
-            stats: The stage's counters (`StageStats`) to count in, kept
-                by a consumer across stages; `None` for new ones. Defaults
-                to `None`.
-            distributed: Whether a `tf.distribute` strategy with several
-                replicas consumes it (each replica's device then holds its
-                own buffer). Defaults to `False`.
+            stats: The `StageStats` to count in, or `None` for new ones.
+                Defaults to `None`.
+            distributed: Whether several `tf.distribute` replicas consume
+                it. Defaults to `False`.
             unpacks: Whether the consumer unpacks packed elements in its
-                step (`StagedDataset.unpack`). Defaults to `False`.
-            rebatch: With a `service`: the batch size to re-form after the
-                workers (each batches its own share), or `None`. Defaults
-                to `None`.
-            cardinality: The number of batches each epoch of the stage
-                yields, when known, or `None`. Defaults to `None`.
+                step. Defaults to `False`.
+            rebatch: With a `service`: the batch size to re-form, or
+                `None`. Defaults to `None`.
+            cardinality: The batches of each epoch, if known, or `None`.
+                Defaults to `None`.
             consumer_records: Whether the consumer records its fetches in
-                its own step with `stats` (and reads only
-                `lean_pipeline`). Defaults to `False`.
+                its own step. Defaults to `False`.
             per_copy: With a `service` and `rebatch`: the examples one
-                pass over `dataset` holds, if known, so that each epoch's
-                lost and repeated examples are counted
-                (`StagedDataset.service_ledger`). Defaults to `None`.
+                pass holds, if known. Defaults to `None`.
             reads_in_python: Whether the consumer reads every element
-                through the stage's eager iterators (an `"auto"` buffer
-                then holds a few elements, so that most reads find theirs
-                counted ready). Defaults to `False`.
+                eagerly. Defaults to `False`.
             pool_start: The threads an adaptive pool starts with, or `None`
                 for its largest. Defaults to `None`.
             **overrides: Options that differ from the layer's for this

@@ -596,13 +596,9 @@ def _input_name(name, taken):
 def _state_slots(model):
     """Where the layers of `model` hold tensors and TF resources directly.
 
-    A trace captures these by identity: Keras's preprocessing layers swap
-    them for new ones when re-adapted, or when `set_weights` or a load
-    sets their vocabulary (variables are assigned in place). Returns
-    `(layer, attribute, value)` triples: `_slots_hold` checks them again
-    without walking every attribute of every layer, which on each staged
-    call would cost what plain Keras's call does not (`keras.ops.is_tensor`
-    is a `typing.Protocol` check).
+    A trace captures these by identity, and preprocessing layers swap them
+    when re-adapted or loaded. Returns `(layer, attribute, value)` triples
+    for `_slots_hold` to check cheaply on each staged call.
     """
     found = []
     for layer in all_layers(model):
@@ -612,9 +608,8 @@ def _state_slots(model):
     return found
 
 
-# Whether a value of each type is state a trace captures (see
-# `_state_slots`): decided once per type, as every check below depends on
-# the type alone.
+# Whether a value of each type is state a trace captures, decided once per
+# type (`keras.ops.is_tensor` is a slow Protocol check).
 _STATE_TYPES = {}
 
 
@@ -746,19 +741,14 @@ class StageSplit:
         """Tags each element with its ordinal, in order, if seeds need it.
 
         A sequential scan before the stage: the ordinal follows the data
-        order, not the order the stage's threads happen to run in, and
-        goes on across iterators (epochs, calls) through `ordinal`. Only
-        a training stage's elements are numbered (`stage_fn(training=
-        True)` takes them so): no other call draws the staged seeds.
+        order, not the threads', and goes on across iterators through
+        `ordinal`. Only a training stage's elements are numbered.
 
         Args:
             dataset: What the stage stages.
-            writes: Whether each element's ordinal is written to `ordinal`
-                as it is numbered. False for an iterator that runs on
-                across epochs and calls (`LongLivedIterator`): it reads
-                ahead of what Keras took, by as much as its threads got
-                to, so it sets `ordinal` itself, to the count Keras took,
-                and its scan only reads it as it starts.
+            writes: Whether each element's ordinal is written to `ordinal`.
+                False for an iterator that runs on across epochs and calls
+                (it reads ahead of Keras, and sets `ordinal` itself).
         """
         if self._ordinal is None:
             return dataset
@@ -769,13 +759,9 @@ class StageSplit:
             if not isinstance(element, tuple):
                 element = (element,)
             started, last = count
-            # An iterator's first element reads where the iterators
-            # before it stopped (the variable); after that the scan's own
-            # state counts, which tf.data saves with the iterator
-            # (`DataBackup`): a restored iterator numbers on where the
-            # saved one was. (Not a flat_map over the variable's value:
-            # that would make the source's iterator, and a reshuffling
-            # source's seed draw, wait for the first element.)
+            # The first element reads where earlier iterators stopped; then
+            # the scan's own state counts, which an iterator checkpoint
+            # saves (`DataBackup`).
             n = tf.cond(started, lambda: last, ordinal.read_value) + 1
             if not writes:
                 return (True, n), (n, element)
@@ -791,21 +777,15 @@ class StageSplit:
         The element is Keras's `(x,)`, `(x, y)`, `(x, y, sample_weight)` or
         a bare `x`; `x` is replaced by the cut tensors.
 
-        A `tf.function`, kept across calls: a stage built for a later
-        fit/evaluate/predict on data of the same structure reuses its trace
-        instead of tracing every staged layer again. It is traced afresh
-        when a staged layer holds new state objects (a lookup layer
-        re-adapted builds a new table; Normalization a new mean tensor),
-        which a trace would otherwise keep.
+        A `tf.function` kept across calls, traced afresh when a staged
+        layer holds new state objects (a re-adapted lookup's new table).
         """
         key = self._trace_key(training)
         cached = self._stage_fns.get(key)
         if cached is not None and _slots_hold(cached[0]):
             return cached[1]
         state = _state_slots(self.prefix)
-        # Without autograph, as Keras traces its own steps: layer calls
-        # are Python over tensors, and autograph's conversion of every
-        # layer call is most of a trace's time.
+        # Without autograph, as Keras traces its own steps.
         element_fn = self._element_fn(training)
 
         def traced(element):
@@ -831,13 +811,8 @@ class StageSplit:
     def _trace_key(self, training):
         """The `_stage_fns` entry a stage of this `training` flag uses.
 
-        Where no staged layer's call takes `training` (lookups, hashing,
-        normalization, FeatureSpace: their calls cannot tell the flag,
-        which Keras passes only to calls that take it) and none draws
-        random numbers, the prefix computes the same either way: the
-        training stage and the others (a fit's validation, evaluate,
-        predict) share one trace instead of tracing every staged layer
-        twice.
+        Where no staged layer's call takes `training` and none draws random
+        numbers, every stage of the model shares one trace.
         """
         if self._training_free is None:
             self._training_free = self._ordinal is None and not any(
