@@ -78,10 +78,10 @@ class TensorFlowBackend(Backend):
     def host_arrays(self, data):
         return data
 
-    def feed(self, data, phase):
+    def feed(self, data, phase, switch=None):
         if not self.reads_in_graph(phase):
             return data.eager_dataset
-        pipeline = data.pipeline
+        pipeline = data.switched(switch)
         if isinstance(pipeline, DistributedEpochPipeline):
             return _compat.distributed_dataset_adapter(pipeline)
         return pipeline

@@ -133,8 +133,37 @@ def distribute_inputs(strategy, pipeline, options):
     return strategy.experimental_distribute_dataset(pipeline, input_options)
 
 
+class StageCosts:
+    """A call's record of what its stage costs (see `calls.staged_data`).
+
+    Args:
+        cost_phase: The phase the costs are noted for. Defaults to `None`.
+        on_iterator: Told the seconds each iterator of the stage took to
+            make. Defaults to `None`.
+        step_clock: The list the step's host times go to (seconds per
+            batch), or None. Defaults to `None`.
+    """
+
+    def __init__(self, cost_phase=None, on_iterator=None, step_clock=None):
+        self.cost_phase = cost_phase
+        self.on_iterator = on_iterator
+        self.step_clock = step_clock
+        # The stage's build (once noted) and iterators, in seconds.
+        self.set_up_seconds = 0.0
+
+    def made(self, seconds):
+        self.set_up_seconds += seconds
+        if self.on_iterator is not None:
+            self.on_iterator(seconds)
+
+
 class StagedData:
-    """A staged dataset and the Keras adapter whose epochs feed it."""
+    """A staged dataset and the Keras adapter whose epochs feed it.
+
+    Built whole by `stage_data` and not changed after: what varies during
+    the call is its iterators' state (`pipeline`, `end_call`) and the
+    per-call record `costs` (see `calls.staged_data`).
+    """
 
     def __init__(
         self,
@@ -147,6 +176,11 @@ class StagedData:
         strategy=None,
         defers=False,
         epochs=None,
+        kept=None,
+        carried=False,
+        long_lived_refusal=None,
+        source=None,
+        costs=None,
     ):
         self.staged = staged
         self.adapter = adapter
@@ -175,45 +209,35 @@ class StagedData:
         # The order of a drawing source's passes (see `DrawOrder`).
         self._order = DrawOrder()
         # The model's kept stage this runs (see `stage_data(kept=...)`).
-        self.kept = None
-        # The dataset the stage stages, as Keras would iterate it (set by
-        # `stage_data`; see `source`), and the `EpochSwitch` that may run
-        # epochs of it without the stage (set by the caller before
-        # `pipeline`), or None.
-        self._source = None
-        self.switch = None
+        self.kept = kept
+        # One epoch of the source as Keras would iterate it, or a function
+        # building it when first read (see `source`).
+        self._source = source
         # Why `stage_data(epochs=...)` kept an iterator per epoch, or None.
-        self.long_lived_refusal = None
+        self.long_lived_refusal = long_lived_refusal
         # Whether the call reads on from the iterator an earlier call left
         # (see `epoch_iterators`, "Across calls"): what the stage holds
         # when the call begins is its first epoch's.
-        self.carried = False
-        # Told the seconds each iterator of `pipeline` took to make.
-        self.on_iterator = None
-        # Set by a consumer that notes the stage's costs (see CallCosts):
-        # the phase they are noted for, and the work counters at the start.
-        self.cost_phase = None
-        self.work_before = None
-        # The host times of the step's calls (seconds per batch) for a
-        # SmartStage call of the train or test phase (see
-        # `CallCosts.note_steps`), or None.
-        self.step_clock = None
+        self.carried = carried
+        # The call's record of what its stage costs, and the stage's work
+        # counters as the call begins.
+        self.costs = StageCosts() if costs is None else costs
+        self.cost_phase = self.costs.cost_phase
+        self.step_clock = self.costs.step_clock
+        snapshot = staged.stats.snapshot()
+        self.work_before = (snapshot["busy_seconds"], snapshot["produced"])
 
     @property
     def source(self):
         """One epoch of the source, as Keras would iterate it, or None.
 
-        Set as a dataset, or as a function that builds it when first read
+        Given as a dataset, or as a function that builds it when first read
         (a fused array source's gathered batches, which only an epoch run
         without the stage reads).
         """
         if callable(self._source):
             self._source = self._source()
         return self._source
-
-    @source.setter
-    def source(self, value):
-        self._source = value
 
     @property
     def in_step(self):
@@ -245,12 +269,16 @@ class StagedData:
             return self._epochs(self.staged)
         return DeferredPipeline(self.staged, self._made, defer=self.defers)
 
-    def _epochs(self, pipeline):
+    def _epochs(self, pipeline, switch=None):
         """The `EpochPipeline` of the call's one iterator of `pipeline`."""
-        return self._shared_iterator(pipeline).epoch_pipeline(pipeline)
+        return self._shared_iterator(pipeline, switch).epoch_pipeline(pipeline)
 
-    def _shared_iterator(self, pipeline):
-        """The call's `LongLivedIterator` of `pipeline`."""
+    def _shared_iterator(self, pipeline, switch=None):
+        """The call's `LongLivedIterator` of `pipeline`.
+
+        `switch`: the call's `EpochSwitch`, or None; while it may run an
+        epoch without the stage, each staged epoch ends its iterator.
+        """
         spans = self.kept is not None and self.kept.spans_calls
         if self._shared is None and spans:
             # The iterator an earlier call on this kept stage left.
@@ -271,9 +299,11 @@ class StagedData:
                 ordinal=plan.ordinal,
                 pool=self.staged.thread_pool,
                 name=self.staged.name,
-                # While the epoch switch may run an epoch without the
-                # stage, each staged epoch ends its iterator.
-                single_epochs=self._undecided if segmented else None,
+                single_epochs=(
+                    (lambda: switch.decision is None)
+                    if segmented and switch is not None
+                    else None
+                ),
                 order=self._order if segmented else None,
                 fed=plan.fed,
             )
@@ -290,13 +320,13 @@ class StagedData:
         """
         return self._shared is not None and self._shared.next_epoch_reads_on()
 
-    def _made(self, seconds):
-        if self.on_iterator is not None:
-            self.on_iterator(seconds)
+    @property
+    def set_up_seconds(self):
+        """The seconds the stage took to build and make its iterators."""
+        return self.costs.set_up_seconds
 
-    def _undecided(self):
-        """Whether the epoch switch may still run an epoch unstaged."""
-        return self.switch is not None and self.switch.decision is None
+    def _made(self, seconds):
+        self.costs.made(seconds)
 
     def _raw(self):
         """One epoch of the source, for epochs run without the stage."""
@@ -366,10 +396,16 @@ class StagedData:
 
     @property
     def pipeline(self):
-        """What the compiled step iterates.
+        """What the compiled step iterates (`switched(None)`)."""
+        return self.switched(None)
 
-        Long-lived (see `epochs`): an `EpochPipeline` whose iterators all
-        read one real iterator, made when first read.
+    def switched(self, switch):
+        """What the compiled step iterates, its epochs run as `switch` says.
+
+        `switch`: the call's `EpochSwitch` (which may run epochs of the
+        source without the stage), or None. Long-lived (see `epochs`): an
+        `EpochPipeline` whose iterators all read one real iterator, made
+        when first read.
         """
         pipeline = (
             self.staged.lean_pipeline if self.in_step else self.staged.pipeline
@@ -387,16 +423,16 @@ class StagedData:
                 )
             return distributed
         if self._long_lived is not None:
-            epochs = self._epochs(pipeline)
-            if self.switch is None:
+            epochs = self._epochs(pipeline, switch)
+            if switch is None:
                 return epochs
-            return self.switch.pipeline(
+            return switch.pipeline(
                 epochs, self._raw(), on_unstaged=self._shared.skip_epoch
             )
         staged = DeferredPipeline(pipeline, self._made, defer=self.defers)
-        if self.switch is None:
+        if switch is None:
             return staged
-        return self.switch.pipeline(staged, self._raw())
+        return switch.pipeline(staged, self._raw())
 
     def _distributed(self, pipeline):
         """`pipeline` distributed by the strategy, kept with a kept stage."""
@@ -444,7 +480,7 @@ class _KeptStage:
         self.objects = (layer, source, fn, stats, strategy)
         self.values = (
             # A fit's validation and an evaluate run one compiled step.
-            "test" if phase == "val" else phase,
+            phase,
             batches,
             repr(sorted(layer.stage_options.get_config().items())),
             None
@@ -676,15 +712,15 @@ def _keeps(kept, x):
     return kept is not None and isinstance(x, tf.data.Dataset)
 
 
-def _earlier(kept, phase):
-    """The kept stage a `phase` call may run again, or None.
+def _earlier(kept, role):
+    """The kept stage a call of `role` may run again, or None.
 
     Its role's; for an evaluate with none yet of its own, a fit's fed
     validation stage (its step is the same) unless that fit runs it now,
     which the evaluate feeds then, kept for both roles.
     """
-    earlier = kept.get(phase)
-    if earlier is None and phase == "test":
+    earlier = kept.get(role)
+    if earlier is None and role == "test":
         val = kept.get("val")
         if (
             val is not None
@@ -986,8 +1022,14 @@ def stage_data(
     pool_start=None,
     feedable=True,
     backend=None,
+    role=None,
+    costs=None,
 ):
-    """Stages the data of one phase ("train", "val", "test", "predict").
+    """Stages the data of one `phase` ("train", "test", "predict").
+
+    `role` names the stage ("train", "val", "test", "predict"; defaults to
+    `phase`): a fit's validation is role "val" of phase "test". `costs`:
+    the call's `StageCosts` record, or None.
 
     With a SmartStage `split`, the stage also runs the split's prefix of
     the model (in training mode for "train"). With `stats`, the stage counts
@@ -1036,6 +1078,7 @@ def stage_data(
     Keras backend's.
     """
     backend = backends.get() if backend is None else backend
+    role = phase if role is None else role
     if isinstance(x, StagedDataset):
         # Already staged by the user with keras_stage.data.stage.
         if y is not None or sample_weight is not None:
@@ -1059,10 +1102,15 @@ def stage_data(
                 "step for this call.",
                 x.name,
             )
-        data = StagedData(x, None, owned=False)
-        if epochs is not None:
-            data.long_lived_refusal = "the data is a user's staged dataset"
-        return data
+        return StagedData(
+            x,
+            None,
+            owned=False,
+            long_lived_refusal=None
+            if epochs is None
+            else "the data is a user's staged dataset",
+            costs=costs,
+        )
     overrides, python_source = {}, is_python_source(x)
     if layer.stage_options.service is not None:
         overrides = _service_overrides(layer, phase, python_source)
@@ -1179,7 +1227,7 @@ def stage_data(
             feeds = (
                 spans_calls
                 and feedable
-                and (phase == "val" or _switched(_earlier(kept, phase), x))
+                and (role == "val" or _switched(_earlier(kept, role), x))
                 and not served
                 and not distributed
                 and not (split is not None and split.numbers(phase == "train"))
@@ -1239,7 +1287,7 @@ def stage_data(
             overrides=overrides,
         )
         entry.call_source = source
-        earlier = _earlier(kept, phase)
+        earlier = _earlier(kept, role)
         if earlier is not None and earlier.in_use:
             entry = None  # a call nested in the one running it: its own
         elif (
@@ -1248,12 +1296,12 @@ def stage_data(
             and not earlier.staged.stats.closed  # by a timeout: it ended
         ):
             entry = earlier
-            kept[phase] = entry  # an evaluate's, too, once it feeds one
-        elif kept.get(phase) is not None:
-            if kept[phase] is kept.get("val") and phase == "test":
-                del kept[phase]  # the fit's validation's, which goes on
+            kept[role] = entry  # an evaluate's, too, once it feeds one
+        elif kept.get(role) is not None:
+            if kept[role] is kept.get("val") and role == "test":
+                del kept[role]  # the fit's validation's, which goes on
             else:
-                kept[phase].retire()  # this call's stage replaces it
+                kept[role].retire()  # this call's stage replaces it
     if entry is not None and entry.released is not None:
         entry.released.join(TEARDOWN_WAIT_SECONDS)
         if entry.released.is_alive():
@@ -1277,7 +1325,7 @@ def stage_data(
         staged = layer.stage(
             dataset,
             fn=fn,
-            name=f"{layer.stage_options.name}_{phase}",
+            name=f"{layer.stage_options.name}_{role}",
             stats=stats,
             consumer_records=stats is not None or reads_in_python,
             # On JAX, Keras's trainer copies each batch to the device.
@@ -1293,7 +1341,7 @@ def stage_data(
         )
         if entry is not None:
             entry.staged = staged
-            kept[phase] = entry
+            kept[role] = entry
     if long_lived is not None and long_lived.feeds:
         # A fed stage's call feeds its passes of one epoch's source, with
         # the unread iterators this call's source needs (`call_plan`).
@@ -1312,7 +1360,7 @@ def stage_data(
         )
     if entry is not None:
         entry.in_use = True
-    data = StagedData(
+    return StagedData(
         staged,
         adapter,
         split,
@@ -1325,12 +1373,10 @@ def stage_data(
             and not epoch_sources.inspect_source(source).iterator_draws
         ),
         epochs=long_lived,
+        kept=entry,
+        carried=carried,
+        long_lived_refusal=refusal,
+        # Index batches when fused: the gathered ones are built if read.
+        source=functools.partial(batches.dataset, source) if fused else source,
+        costs=costs,
     )
-    data.long_lived_refusal = refusal
-    data.kept = entry
-    data.carried = carried
-    # Index batches when fused: the gathered ones are built if read.
-    data.source = (
-        functools.partial(batches.dataset, source) if fused else source
-    )
-    return data

@@ -51,6 +51,7 @@ model that has not paid them yet.
 import collections
 import dataclasses
 import enum
+import functools
 import logging
 import statistics
 import time
@@ -63,6 +64,7 @@ from keras_stage.layers.staged_input import StagedInput
 from keras_stage.models.data_adapters import datasets
 from keras_stage.models.data_adapters.arrays import batch_count
 from keras_stage.models.data_adapters.staged_data import (
+    StageCosts,
     carries,
     epochs_refusal,
     stage_data,
@@ -882,13 +884,21 @@ def _unbounded_figures(x):
     }
 
 
-def staged_data(model, phase, *args, **kwargs):
-    """`stage_data(*args, **kwargs)`, its costs noted for `phase`."""
+def staged_data(model, phase, layer, role, *args, **kwargs):
+    """`stage_data(layer, phase, *args, role=role, **kwargs)`, its costs
+    noted for `phase` (in the `StageCosts` the `StagedData` holds)."""
     measured = costs(model)
     split = kwargs.get("split")
     traced = 0.0 if split is None else split.trace_seconds
+    record = StageCosts(
+        phase,
+        on_iterator=functools.partial(measured.note_iterator, phase),
+        # The host times the steps (`note_steps`) of a SmartStage call:
+        # what a staged step costs beside the whole model's.
+        step_clock=[] if split is not None and phase in TIMED_PHASES else None,
+    )
     started = time.perf_counter()
-    data = stage_data(*args, **kwargs)
+    data = stage_data(layer, phase, *args, role=role, costs=record, **kwargs)
     seconds = time.perf_counter() - started
     if split is not None and split.trace_seconds > traced:
         # Tracing the staged layers is paid once per model, not per call:
@@ -897,20 +907,7 @@ def staged_data(model, phase, *args, **kwargs):
         seconds -= split.trace_seconds - traced
     measured.note_build(phase, seconds)
     # This call's own set-up, for its rent if it was decided unmeasured.
-    data.set_up_seconds = seconds
-
-    def made(seconds):
-        measured.note_iterator(phase, seconds)
-        data.set_up_seconds += seconds
-
-    data.on_iterator = made
-    data.cost_phase = phase
-    snapshot = data.staged.stats.snapshot()
-    data.work_before = (snapshot["busy_seconds"], snapshot["produced"])
-    if split is not None and phase in TIMED_PHASES:
-        # The host times the steps (`note_steps`): what a staged step
-        # costs beside the whole model's.
-        data.step_clock = []
+    record.set_up_seconds += seconds
     return data
 
 
@@ -939,8 +936,11 @@ def resize_cost(model, data):
     return iterator_cost(model, data.cost_phase)
 
 
-def note_work(model, data):
-    """Notes the staged work `data`'s stage did in the call ending."""
+def note_work(model, data, switch=None):
+    """Notes the staged work `data`'s stage did in the call ending.
+
+    `switch`: the call's `EpochSwitch` of `data`'s epochs, or None.
+    """
     if data.staged.stats.closed:
         return
     snapshot = data.staged.stats.snapshot()
@@ -953,7 +953,6 @@ def note_work(model, data):
         data.cost_phase, busy, produced, has_work=data.split is not None
     )
     _note_unmeasured_rent(model, data, busy, produced)
-    switch = data.switch
     if switch is not None and switch.step_seconds is not None:
         # Its trial epoch ran the whole model's steps: the call's clock
         # holds both kinds, the switch's epochs tell them apart.
