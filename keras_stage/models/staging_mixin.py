@@ -498,7 +498,7 @@ class StagingMixin:
                 batch_size=batch_size,
                 steps=steps,
                 # One epoch; on a kept stage its iterator may run on into
-                # the next evaluate (see `epoch_iterators`).
+                # the next evaluate (see `kept_iterators`).
                 epochs=1,
                 steps_per_execution=self.steps_per_execution,
             )
@@ -549,7 +549,7 @@ class StagingMixin:
                 batch_size=batch_size,
                 steps=steps,
                 # One epoch; on a kept stage its iterator may run on into
-                # the next predict (see `epoch_iterators`).
+                # the next predict (see `kept_iterators`).
                 epochs=1,
                 steps_per_execution=self.steps_per_execution,
             )

@@ -333,7 +333,7 @@ def test_a_fit_under_a_strategy_runs_its_epochs_on_one_iterator():
         FIT_TWINS.format(**FEW_COLUMNS),
         MIRRORED_TWINS,
         """
-        from keras_stage.models.call import epoch_iterators
+        from keras_stage.models import kept_iterators as epoch_iterators
 
         made = []
         make = epoch_iterators.LongLivedIterator._make

@@ -9,7 +9,6 @@ import tensorflow as tf
 from keras_stage import _compat
 from keras_stage.models.backends import tensorflow_steps
 from keras_stage.models.backends.base import Backend
-from keras_stage.models.call.epoch_iterators import DistributedEpochPipeline
 from keras_stage.models.model_state import FUNCTIONS
 
 
@@ -82,7 +81,8 @@ class TensorFlowBackend(Backend):
         if not self.reads_in_graph(phase):
             return data.eager_dataset
         pipeline = data.switched(switch)
-        if isinstance(pipeline, DistributedEpochPipeline):
+        if data.strategy is not None and data.long_lived:
+            # Views of one distributed iterator: Keras takes them as they are.
             return _compat.distributed_dataset_adapter(pipeline)
         return pipeline
 

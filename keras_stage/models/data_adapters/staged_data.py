@@ -21,19 +21,27 @@ from keras_stage.data.staging import StagedDataset
 from keras_stage.data.stats import op_determinism_enabled
 from keras_stage.models import backends
 from keras_stage.models.backends.tensorflow import default_strategy
-from keras_stage.models.call.epoch_iterators import (
-    DeferredPipeline,
-    DistributedEpochPipeline,
-    DrawOrder,
-    LongLivedIterator,
-    OrderedPipeline,
-    restarts_anywhere,
-)
 from keras_stage.models.data_adapters import epoch_sources
 from keras_stage.models.data_adapters.arrays import array_batches, in_memory
 from keras_stage.models.data_adapters.python_sources import (
     check_source,
     is_python_source,
+)
+from keras_stage.models.kept_iterators import (
+    TEARDOWN_WAIT_SECONDS,
+    DeferredPipeline,
+    DistributedEpochPipeline,
+    DrawOrder,
+    FedSource,
+    KeptStage,
+    LongLivedEpochs,
+    LongLivedIterator,
+    earlier_stage,
+    keeps,
+    one_pass,
+    restarts_anywhere,
+    switched_data,
+    variable_values,
 )
 
 logger = logging.getLogger("keras_stage")
@@ -216,7 +224,7 @@ class StagedData:
         # Why `stage_data(epochs=...)` kept an iterator per epoch, or None.
         self.long_lived_refusal = long_lived_refusal
         # Whether the call reads on from the iterator an earlier call left
-        # (see `epoch_iterators`, "Across calls"): what the stage holds
+        # (see `kept_iterators`, "Across calls"): what the stage holds
         # when the call begins is its first epoch's.
         self.carried = carried
         # The call's record of what its stage costs, and the stage's work
@@ -333,8 +341,10 @@ class StagedData:
         plan = self._long_lived
         if plan is not None and plan.stop is not None:
             # Its passes draw as the stage's do, in the order read.
-            return OrderedPipeline(
-                epoch_sources.one_pass(self.source, plan.opens), self._order
+            return DeferredPipeline(
+                one_pass(self.source, plan.opens),
+                lambda seconds: None,
+                order=self._order,
             )
         return DeferredPipeline(
             self.source, lambda seconds: None, defer=self.defers
@@ -370,15 +380,15 @@ class StagedData:
 
         Returns:
             The thread tearing down the call's long-lived iterator (see
-            `epoch_iterators.release`), or None.
+            `kept_iterators.release`), or None.
         """
         kept = self.kept
         values = None
         if kept is not None and kept.carries():
-            values = _variable_values(self.split)
+            values = variable_values(self.split)
         if values is not None:
             # Its iterator runs on into the next call (see
-            # `epoch_iterators`, "Across calls"): its elements are that
+            # `kept_iterators`, "Across calls"): its elements are that
             # call's, counted in the stats the two calls share.
             kept.end_call(values)
             return None
@@ -447,303 +457,6 @@ class StagedData:
         return distribute(pipeline)
 
 
-# How long a call waits for the teardown of a kept stage's last iterator
-# before it builds a stage of its own (see `_KeptStage.released`).
-TEARDOWN_WAIT_SECONDS = 5.0
-
-
-class _KeptStage:
-    """A stage a model keeps for its later calls on the same dataset.
-
-    See `stage_data(kept=...)`. What the stage depends on is held (not
-    only its id, which a new object could take): the layer, the dataset,
-    the staged function (a new one after a staged layer is re-adapted)
-    and the stats. `in_use` while a call runs it: a call nested in it (an
-    evaluate from a fit's callback, on the fit's validation data) builds
-    its own.
-    """
-
-    def __init__(
-        self,
-        layer,
-        phase,
-        source,
-        batches,
-        fn,
-        stats,
-        long_lived,
-        class_weight=None,
-        strategy=None,
-        overrides=None,
-    ):
-        # `strategy`: the one of several replicas that distributes it.
-        self.objects = (layer, source, fn, stats, strategy)
-        self.values = (
-            # A fit's validation and an evaluate run one compiled step.
-            phase,
-            batches,
-            repr(sorted(layer.stage_options.get_config().items())),
-            None
-            if long_lived is None
-            else (
-                long_lived.epochs,
-                long_lived.steps_per_execution,
-                long_lived.feeds,
-            ),
-            # Keras weighs the batches in its dataset (a map over the
-            # user's): a stage built with other weights is not this one.
-            # Copied, as a user may change the dict between calls.
-            None
-            if class_weight is None
-            else repr(sorted(dict(class_weight).items())),
-            # How the phase uses the tf.data service (see
-            # `_service_overrides`), and what the data set for it.
-            repr(sorted((overrides or {}).items())),
-        )
-        # The `LongLivedEpochs` whose source the stage runs, or None.
-        self.long_lived = long_lived
-        # One epoch of the call's source, which a fed stage's call feeds
-        # (see `epoch_sources.FedSource`); set by `stage_data`.
-        self.call_source = None
-        # Whether its one iterator outlives calls (`epochs` None: see
-        # `epoch_iterators`, "Across calls"): that iterator, the pipeline
-        # it iterates, and the staged layers' variables' values when the
-        # last call ended (None: none to compare, or not taken).
-        self.spans_calls = long_lived is not None and long_lived.epochs is None
-        self._shared = None
-        self._shared_pipeline = None
-        self._variables = None
-        # The thread tearing down the last call's iterator (see
-        # `epoch_iterators.release`), or None: a call reusing the stage waits
-        # for it before it opens the gate, so nothing that iterator still
-        # finishes counts in the stats the new one reads.
-        self.released = None
-        self.staged = None
-        self.in_use = False
-        # `(pipeline, its distributed dataset)` under a strategy of several
-        # replicas, or None.
-        self._distributed = None
-
-    def distributed(self, pipeline, distribute):
-        """`pipeline` as `distribute(pipeline)` made it, for every call.
-
-        Keras makes its iterators of the distributed dataset; one made
-        again each call would rewrite the pipeline for the replicas again.
-        """
-        if self._distributed is None or self._distributed[0] is not pipeline:
-            self._distributed = (pipeline, distribute(pipeline))
-        return self._distributed[1]
-
-    def same(self, other, split=None):
-        """Whether `other`, wanted by a new call, is this stage.
-
-        With a kept iterator, also whether the staged layers' variables
-        still hold what they held when the last call ended: its buffer
-        was computed with those values.
-        """
-        if self.values != other.values:
-            return False
-        objects, others = self.objects, other.objects
-        if self.long_lived is not None and self.long_lived.feeds:
-            # Fed (see `epoch_sources.FedSource`): another dataset of the
-            # structure its source reads, while its iterator runs on.
-            fed = self.long_lived.fed
-            if (
-                fed is None
-                or not self.keeps_running()
-                or not fed.accepts(other.call_source)
-            ):
-                return False
-            objects, others = objects[:1] + objects[2:], others[:1] + others[2:]
-        if not all(a is b for a, b in zip(objects, others, strict=True)):
-            return False
-        if self._variables is None or not self.keeps_running():
-            return True
-        return _same_values(self._variables, _variable_values(split))
-
-    def iterator(self, pipeline):
-        """The iterator an earlier call left over `pipeline`, or None."""
-        if self._shared is not None and self._shared_pipeline is pipeline:
-            return self._shared
-        return None
-
-    def keep_iterator(self, pipeline, shared):
-        """Keeps `shared`, the one iterator of `pipeline`, across calls."""
-        self.drop_iterator(ends_source=False)
-        self._shared, self._shared_pipeline = shared, pipeline
-
-    def keeps_running(self):
-        """Whether the kept iterator runs on into a next call's epoch."""
-        return self._shared is not None and self._shared.carries
-
-    def carries(self):
-        """Whether a call reusing this stage reads on from its iterator."""
-        return self.spans_calls and self.keeps_running()
-
-    def end_call(self, values):
-        """Ends a call whose iterator runs on (see `keeps_running`).
-
-        `values`: the staged layers' variables' values now.
-        """
-        self._shared.detach()
-        self._variables = values
-        self.in_use = False
-
-    def drop_iterator(self, ends_source=True):
-        """Drops the kept iterator, if any (torn down on another thread).
-
-        A fed source ends with it (`ends_source`): a new iterator of its
-        pipeline would read the same queue of passes.
-        """
-        shared, self._shared = self._shared, None
-        self._shared_pipeline, self._variables = None, None
-        if shared is not None and not shared.closed:
-            self.released = shared.close()
-        fed = None if self.long_lived is None else self.long_lived.fed
-        if ends_source and fed is not None:
-            fed.close()
-
-    def retire(self):
-        """Ends this stage for good: a new one replaces it."""
-        if self._shared is not None and self.staged is not None:
-            # Nothing its iterator still finishes counts in the stats the
-            # next stage shares.
-            self.staged.runner.close_gate()
-        self.drop_iterator()
-
-
-# A kept iterator runs on across calls only when the staged layers'
-# variables are this small in all: a call compares their values with those
-# of the last call's end (a buffer computed with other values is dropped).
-VARIABLES_COMPARED_BYTES = 2**20
-
-
-def _variables_of(split):
-    """`(variables, read)` of `split`'s staged layers (kept per split).
-
-    `read()` returns their values as NumPy arrays. None when they are over
-    `VARIABLES_COMPARED_BYTES` in all.
-    """
-    if split is None:
-        return (), tuple
-    cached = _split_variables.get(split, False)
-    if cached is not False:
-        return cached
-    variables = tuple(split.prefix.variables)
-    size = sum(epoch_sources.nbytes([v]) or 0 for v in variables)
-    found = None
-    if size <= VARIABLES_COMPARED_BYTES:
-        found = variables, split.backend.variable_reader(variables)
-    _split_variables[split] = found
-    return found
-
-
-_split_variables = weakref.WeakKeyDictionary()
-
-
-def _variable_values(split):
-    """The values of `split`'s staged layers' variables (see above)."""
-    found = _variables_of(split)
-    return None if found is None else found[1]()
-
-
-def _same_values(before, now):
-    if before is None or now is None or len(before) != len(now):
-        return False
-    return all(
-        a.shape == b.shape and (a == b).all()
-        for a, b in zip(before, now, strict=True)
-    )
-
-
-class LongLivedEpochs:
-    """How a stage runs a call's epochs on one iterator.
-
-    Attributes:
-        epochs: The epochs its source spans (Keras reads at most these).
-        batches: The batches of one epoch.
-        steps_per_execution: The batches of one call of the compiled step.
-        start: The source's first-epoch variable when its epochs can start
-            on a new iterator (see `LongLivedIterator`), else None.
-        stop: The source's end-epoch variable when its first epoch reads
-            an iterator of its own (see `LongLivedIterator`), else None.
-        opens: The unread iterators of the source each pass makes.
-        source: The long-lived source (built when first read: a call
-            reusing a kept stage reads the one it was built on).
-        ordinal: The staged random layers' count of numbered elements
-            (`StageSplit.ordinal`) when the stage numbers them, else None.
-        feeds: Whether each call feeds its passes to the source (an
-            `epoch_sources.FedSource`, `fed` once built), read on across
-            calls on datasets of one structure.
-    """
-
-    def __init__(
-        self,
-        epochs,
-        batches,
-        steps_per_execution,
-        start,
-        source,
-        stop=None,
-        opens=0,
-        feeds=False,
-    ):
-        self.epochs = epochs
-        self.batches = batches
-        self.steps_per_execution = steps_per_execution
-        self.start = start
-        self.stop = stop
-        self.opens = opens
-        self._source = source  # or a function building it
-        self.ordinal = None
-        self.feeds = feeds
-        self.fed = None
-
-    @property
-    def source(self):
-        if callable(self._source):
-            self._source = self._source()
-        return self._source
-
-
-def _keeps(kept, x):
-    """Whether `stage_data(kept=kept)` keeps its stage over `x` for later
-    calls (see there)."""
-    return kept is not None and isinstance(x, tf.data.Dataset)
-
-
-def _earlier(kept, role):
-    """The kept stage a call of `role` may run again, or None.
-
-    Its role's; for an evaluate with none yet of its own, a fit's fed
-    validation stage (its step is the same) unless that fit runs it now,
-    which the evaluate feeds then, kept for both roles.
-    """
-    earlier = kept.get(role)
-    if earlier is None and role == "test":
-        val = kept.get("val")
-        if (
-            val is not None
-            and not val.in_use
-            and val.long_lived is not None
-            and val.long_lived.feeds
-        ):
-            return val
-    return earlier
-
-
-def _switched(earlier, x):
-    """Whether a call on `x` follows calls of its role on other datasets.
-
-    `earlier`: the role's kept stage, or None. True once its stage is fed
-    (see `epoch_sources.FedSource`) or was built on another dataset object.
-    """
-    if earlier is None:
-        return False
-    plan = earlier.long_lived
-    return (plan is not None and plan.feeds) or earlier.objects[1] is not x
-
-
 def _draws_per_iterator(dataset, spans_calls):
     """Whether a new iterator of `dataset` cannot start at any epoch.
 
@@ -751,21 +464,6 @@ def _draws_per_iterator(dataset, spans_calls):
     """
     facts = epoch_sources.inspect_source(dataset)
     return facts.iterator_draws and not (spans_calls and facts.free_passes)
-
-
-def carries(kept, role, x):
-    """Whether a call of `role` on `x` would read on from a kept iterator.
-
-    See `epoch_iterators`, "Across calls": such a call makes no iterator
-    of the stage's pipeline. `kept`: the model's kept stages, or None.
-    """
-    entry = None if kept is None else kept.get(role)
-    return (
-        entry is not None
-        and not entry.in_use
-        and entry.objects[1] is x
-        and entry.carries()
-    )
 
 
 def strategy_refusal(strategy, dataset=None):
@@ -870,7 +568,7 @@ def _long_lived_epochs(
     first epoch reads an iterator of its own, which ends with it, and the
     others one more (a drawing dataset's stage on an adaptive pool, sized
     from its first epoch: see `LongLivedIterator`). `fed`: whether such a
-    source is fed each call's passes (`epoch_sources.FedSource`), so a
+    source is fed each call's passes (`FedSource`), so a
     later call on another dataset of its structure reads on too.
     `unread_opens`: the backend's (`Backend.unread_opens`).
     """
@@ -984,9 +682,7 @@ def _fed_epochs(
         opens = unread_opens  # spans_calls: no steps_per_epoch
 
     def fed_source():
-        plan.fed = epoch_sources.FedSource(
-            dataset.element_spec, dataset.options()
-        )
+        plan.fed = FedSource(dataset.element_spec, dataset.options())
         return plan.fed.dataset
 
     plan = LongLivedEpochs(
@@ -1042,7 +738,7 @@ def stage_data(
     this call (a fit's `epochs - initial_epoch` for its training, its
     number of validation runs for its validation), the stage runs across
     those epochs on one iterator when that keeps every epoch's batches and
-    order as plain Keras's (see `models/call/epoch_iterators.py`,
+    order as plain Keras's (see `models/kept_iterators.py`,
     "Long-lived epochs", and `models/data_adapters/epoch_sources.py`);
     `StagedData.long_lived` says whether it does, `long_lived_refusal` why
     not. `steps_per_execution`: the model's (it must divide an epoch's batch
@@ -1071,7 +767,7 @@ def stage_data(
     service; each role keeps its latest. Under a strategy of several
     replicas its distributed dataset is kept too. From a role's first call
     on another dataset object, its stage is fed each call's passes
-    (`epoch_sources.FedSource`) and run again by calls on any dataset of
+    (`FedSource`) and run again by calls on any dataset of
     the same structure (element spec, options, batch count).
 
     `backend`: the `Backend` of the model's steps; defaults to the running
@@ -1169,12 +865,12 @@ def stage_data(
     source = dataset  # one epoch of what the stage stages
     long_lived, refusal = None, None
     # Whether a kept stage's iterator may outlive the call (see
-    # `epoch_iterators`, "Across calls"): a user's dataset the stage is
+    # `kept_iterators`, "Across calls"): a user's dataset the stage is
     # kept for, read whole by compiled steps or by Keras's `next` in
     # Python (predict, and every phase on JAX), where an epoch view ends
     # with its epoch (with `steps`, Keras's epochs end where the data
     # does, not where a repeat would).
-    spans_calls = epochs is not None and steps is None and _keeps(kept, x)
+    spans_calls = epochs is not None and steps is None and keeps(kept, x)
     if epochs is not None:
         refusal = epochs_refusal(
             layer,
@@ -1215,19 +911,21 @@ def stage_data(
             )
         if refusal is None:
             arrays = (x, y, sample_weight) if in_memory(x) else None
-            # Fed across calls (see `epoch_sources.FedSource`) once a call
+            # Fed across calls (see `FedSource`) once a call
             # of the role came on another dataset object than the kept
             # stage's (a stage run on for one object reads its next pass
             # ahead between calls), and a fit's validation from its first
             # call (a later evaluate on new data of its structure feeds it:
-            # `_earlier`), where `feedable`; not a numbered split
+            # `earlier_stage`), where `feedable`; not a numbered split
             # (its count runs per pipeline), nor under op determinism,
             # where the queue's stateful dequeue would make tf.data run
             # the whole pipeline one element at a time.
             feeds = (
                 spans_calls
                 and feedable
-                and (role == "val" or _switched(_earlier(kept, role), x))
+                and (
+                    role == "val" or switched_data(earlier_stage(kept, role), x)
+                )
                 and not served
                 and not distributed
                 and not (split is not None and split.numbers(phase == "train"))
@@ -1273,8 +971,8 @@ def stage_data(
             overrides["cardinality"] = num_batches
     call_plan = long_lived  # a kept stage's replaces it below
     entry = None
-    if _keeps(kept, x):
-        entry = _KeptStage(
+    if keeps(kept, x):
+        entry = KeptStage(
             layer,
             phase,
             x,
@@ -1287,7 +985,7 @@ def stage_data(
             overrides=overrides,
         )
         entry.call_source = source
-        earlier = _earlier(kept, role)
+        earlier = earlier_stage(kept, role)
         if earlier is not None and earlier.in_use:
             entry = None  # a call nested in the one running it: its own
         elif (

@@ -65,11 +65,11 @@ from keras_stage.models.data_adapters import datasets
 from keras_stage.models.data_adapters.arrays import batch_count
 from keras_stage.models.data_adapters.staged_data import (
     StageCosts,
-    carries,
     epochs_refusal,
     stage_data,
     strategy_refusal,
 )
+from keras_stage.models.kept_iterators import carries
 from keras_stage.models.model_state import UNSTAGED_STEPS
 from keras_stage.models.model_state import state as model_state
 from keras_stage.planner.state_access import all_layers, seed_states

@@ -4,7 +4,7 @@
 (keras_stage/models/data_adapters/staged_data.py) builds the stage over
 one source spanning E epochs (models/data_adapters/epoch_sources.py) and
 hands Keras epoch views of one real iterator
-(models/call/epoch_iterators.py). Each epoch must read exactly the
+(models/kept_iterators.py). Each epoch must read exactly the
 batches, in exactly the order, plain Keras reads: checked here against
 plain Keras's own `fit` (a model recording every batch its steps get) and
 against fresh iterators of Keras's adapter dataset, for arrays (shuffle
@@ -24,17 +24,17 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage import _compat
-from keras_stage.models.call.epoch_iterators import (
-    DeferredPipeline,
-    EpochPipeline,
-    EpochView,
-    resolve,
-)
 from keras_stage.models.data_adapters import epoch_sources
 from keras_stage.models.data_adapters.staged_data import (
     StageCosts,
     StagedData,
     stage_data,
+)
+from keras_stage.models.kept_iterators import (
+    DeferredPipeline,
+    EpochPipeline,
+    EpochView,
+    resolve,
 )
 
 pytestmark = pytest.mark.timeout(180)

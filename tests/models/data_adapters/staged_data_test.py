@@ -16,10 +16,6 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage.data.service import DISTRIBUTED_EPOCH
-from keras_stage.models.call.epoch_iterators import (
-    DeferredIterator,
-    DeferredPipeline,
-)
 from keras_stage.models.data_adapters.staged_data import (
     StageCosts,
     StagedData,
@@ -28,6 +24,10 @@ from keras_stage.models.data_adapters.staged_data import (
     default_strategy,
     stage_data,
     strategy_refusal,
+)
+from keras_stage.models.kept_iterators import (
+    DeferredIterator,
+    DeferredPipeline,
 )
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,82 +1,43 @@
-"""The iterators a staged call hands to Keras's epoch loop.
+"""Iterators kept alive: the one place that knows what Keras really reads.
 
-Keras's `EpochIterator` makes the next epoch's iterator as soon as an epoch
-ends, so every call makes one more iterator than it reads, and an
-iterator of a staged pipeline costs what instantiating the staged
-computation costs (a trace's worth of functions). `DeferredPipeline`
-hands Keras iterators that make the real one when first read: the step
-guard (`resolve`) or Keras's own Python reads (`next`) make it; an
-iterator nobody reads costs nothing.
+Keras's `EpochIterator` makes an iterator of the dataset it is handed each
+epoch (and one more as each epoch ends). What a staged call hands it makes
+`KeptIterator`s, the one interface of this module: `resolve()` is the real
+iterator of that role's stage for that epoch, asked by the step guard once
+per call of the compiled step (`resolve(iterator)`) and by Keras's Python
+reads (`next`). Behind it, one of:
 
-Long-lived epochs
------------------
-
-A stage built with `stage_data(..., epochs=E)` (when it is safe, see
-`staged_data.stage_data`) runs across the call's epochs: its source spans all E
-of them (`epoch_sources.long_lived_source`: `range(E).flat_map` of the
-epoch's source, each pass drawing the order plain Keras's epoch draws),
-and the stage makes ONE real iterator of it, when first read. Keras
-still makes its iterators: `EpochPipeline` hands it an `EpochView` for
-each, and `resolve` turns every view into that same real iterator
-(`LongLivedIterator`), so the compiled step reads the epoch's batches
-from it. So an epoch pays no iterator (no instantiation of the staged
-functions, no cold buffer), and the buffer fills on while Keras ends an
-epoch, runs callbacks and validation.
-
-It relies on Keras reading exactly the epoch's batch count from each of
-its iterators and nothing past it (`EpochIterator` with a known
-cardinality, which `EpochPipeline` reports: one epoch's batches), which
-`stage_data` checks before it builds the long-lived source. The views
-count what Keras reads (each resolve from the step guard is one call of
-`steps_per_execution` batches): an epoch Keras leaves early (a callback's
-`stop_evaluating`) is read to its end (or restarted, for a source whose
-passes are independent) before the next begins, so every epoch still
-starts where plain Keras's fresh iterator starts. A source whose passes are
-independent (in-memory arrays) also starts a new iterator, at the epoch
-boundary, when the stage's adaptive pool was resized (the real iterator
-runs on the pool it was made on). A source that draws per iterator (a
-reshuffling `shuffle`) on an adaptive pool runs its first epoch on an
-iterator that ends with it, and the rest on one more, on the pool sized
-from the first; while an `EpochSwitch` may still run an epoch without the
-stage, each staged epoch ends its iterator too. Each such iterator is
-read to its end before the next is made, and so is each epoch read
-without the stage (`DrawOrder`): the passes draw in plain Keras's order.
-`StagedData.end_call` drops the real iterator, however many of its epochs
-were read: on a thread of its own (`release`), as its teardown can block,
-and with the stage's gate closed first, so nothing it still finishes counts.
-
-Under a strategy of several replicas the real iterator is one iterator of
-the stage's distributed dataset, and Keras gets a `DistributedEpochPipeline`
-(a `tf.distribute.DistributedDataset`) whose iterators are
-`DistributedEpochView`s (see there for Keras's peek at each call's start).
-
-Across calls
-------------
-
-A stage a model keeps for its later calls on the same dataset (see
-`staged_data.stage_data(kept=...)`) over a source whose passes are free
-(`SourceFacts.free_passes`: every pass reads what plain Keras's fresh
-iterator would) keeps its one real iterator too: its source repeats for as
-long as it is read (`epochs=None`), the call's end only detaches it
-(`detach`), and the next call's views read on from the next pass. Between
-the calls its buffer fills with the next call's first batches. A call that
-left an epoch early, or a change of the staged layers' variables in between
-(`StagedData.end_call` compares them), starts a new real iterator instead.
-
-Once a role's call comes on another dataset object than its kept stage's
-(a fit's validation from its first call), the stage it builds reads a fed
-source (`epoch_sources.FedSource`): each call, on any dataset of that
-structure, feeds its passes, and the one real iterator reads them on,
-without a stage built or an iterator made again. Its iterator reads only
-what was fed: a call must read all of it to be run on (`carries`), and no
-new iterator starts at an epoch (`restartable`).
+- a new iterator, made when first read (`DeferredIterator`): an iterator
+  Keras makes and never reads costs nothing (an iterator of a staged
+  pipeline costs a trace's worth of instantiated functions);
+- the one iterator of a stage run across the call's epochs (`EpochView` of
+  a `LongLivedIterator`, see `LongLivedEpochs`): `stage_data(epochs=E)`
+  builds, when it is safe, a source spanning all E epochs in plain Keras's
+  orders (`epoch_sources.long_lived_source`); an epoch pays no iterator and
+  the buffer fills on while Keras ends an epoch. Keras reads exactly an
+  epoch's batches from each view (`EpochPipeline` reports one epoch's
+  cardinality); an epoch left early is read to its end, or restarted where
+  passes are independent, so each epoch starts where plain Keras's fresh
+  iterator starts. A source that draws per iterator on an adaptive pool
+  runs its first epoch on an iterator of its own (`stop`), and while an
+  `EpochSwitch` may still run an epoch without the stage each staged epoch
+  ends its iterator; the passes then draw in plain Keras's order
+  (`DrawOrder`). Under a strategy of several replicas the real iterator is
+  one iterator of the distributed dataset (`DistributedEpochPipeline`).
+- the iterator a `KeptStage` (the model's stage per role, kept for its
+  later calls on the same dataset) left running across calls: over a
+  source whose passes are free its iterator repeats for as long as it is
+  read and the next call reads on from the next pass; once a role's call
+  comes on another dataset object, the stage reads a `FedSource` that each
+  call feeds its passes. A call that left an epoch early, or a change of
+  the staged layers' variables, starts a new real iterator instead.
 
 The batches a long-lived stage holds when an epoch begins are that
-epoch's, not left behind by a dropped iterator: a consumer that marks each
-epoch's start in the stage's stats (`StageStats.mark_request`, which counts
-every finished and unconsumed element as orphaned) must not orphan them,
-or the epoch's buffer fill and wait are misread. Batches read past in
-Python to finish an epoch Keras left are not counted as consumed.
+epoch's: a consumer marking each epoch's start in the stage's stats
+(`StageStats.mark_request`) must not count them as orphaned. A call's end
+drops its real iterator on a thread of its own (`release`): the teardown
+can block, and the stage's gate is closed first so nothing it still
+finishes counts.
 """
 
 import atexit
@@ -91,13 +52,15 @@ from keras_stage.data.eager_iterated import EagerIterated
 from keras_stage.data.runner import wait_at_exit
 
 
-class ResolvingIterator:
+class KeptIterator:
     """An iterator Keras holds that stands for a real one (`resolve`).
 
     The step guard hands the compiled step `resolve()`; Keras's Python
-    reads (`next`, `get_next`) read it too. Subclasses define `resolve`
-    and `element_spec`.
+    reads (`next`, `get_next`) read it too. `unstaged`: None, or for an
+    epoch of an `EpochSwitch`, whether the whole model's step reads it.
     """
+
+    unstaged = None
 
     def resolve(self):
         """The real iterator."""
@@ -113,20 +76,36 @@ class ResolvingIterator:
         return self.resolve().get_next()
 
 
-class DeferredIterator(ResolvingIterator):
-    """An eager iterator of `pipeline`, made when first read."""
+def resolve(iterator):
+    """`iterator`'s real iterator: what a compiled step call reads."""
+    if isinstance(iterator, KeptIterator):
+        return iterator.resolve()
+    return iterator
 
-    def __init__(self, pipeline, made):
+
+class DeferredIterator(KeptIterator):
+    """An eager iterator of `pipeline`, made when first read.
+
+    With a `DrawOrder`, the pass read before it is read to its end first:
+    an iterator Keras makes and never reads draws nothing.
+    """
+
+    def __init__(self, pipeline, made, order=None):
         self._pipeline = pipeline
         self._made = made
+        self._order = order
         self._iterator = None
 
     def resolve(self):
         """The real iterator, made now if it was not yet."""
         if self._iterator is None:
+            if self._order is not None:
+                self._order.finish()
             started = time.perf_counter()
             self._iterator = iter(self._pipeline)
             self._made(time.perf_counter() - started)
+            if self._order is not None:
+                self._order.hold(self._iterator)
         return self._iterator
 
     @property
@@ -140,16 +119,18 @@ class DeferredPipeline(EagerIterated):
     Used as a dataset otherwise (inside a `tf.function`, transformed) it is
     `pipeline` itself. `made(seconds)` is told how long each real
     iterator took to make. With `defer=False` the real iterators are made
-    when Keras asks for them, and only timed.
+    when Keras asks for them, and only timed. `order`: the call's
+    `DrawOrder` (one pass of a drawing source, read without the stage).
     """
 
-    def __init__(self, pipeline, made, defer=True):
+    def __init__(self, pipeline, made, defer=True, order=None):
         self._made = made
         self._defer = defer
+        self._order = order
         super().__init__(pipeline)
 
     def eager_iter(self):
-        iterator = DeferredIterator(self._base, self._made)
+        iterator = DeferredIterator(self._base, self._made, self._order)
         return iterator if self._defer else iterator.resolve()
 
 
@@ -158,11 +139,11 @@ class DrawOrder:
 
     A source that draws from a seed generator per iterator (a reshuffling
     `shuffle`) draws when each pass starts and, with plain Keras's unread
-    iterator after it (`epoch_sources.one_pass(opens=1)`), when it ends.
+    iterator after it (`one_pass(opens=1)`), when it ends.
     Each pass's iterator is read to its end (`finish`) before the next one
     is made, so the draws come in plain Keras's order whatever iterators
     Keras makes and leaves unread. Shared by a call's epochs run without
-    the stage (`OrderedPipeline`) and its `LongLivedIterator`.
+    the stage (`DeferredPipeline`) and its `LongLivedIterator`.
     """
 
     def __init__(self):
@@ -177,34 +158,6 @@ class DrawOrder:
         if self._current is not None:
             current, self._current = self._current, None
             _read_to_end(current)
-
-
-class OrderedPipeline(EagerIterated):
-    """`pipeline` (one pass) whose eager iterators keep a `DrawOrder`.
-
-    Each is made when first read, after the pass read before it was read
-    to its end: one Keras makes and never reads draws nothing.
-    """
-
-    def __init__(self, pipeline, order):
-        self._order = order
-        super().__init__(pipeline)
-
-    def eager_iter(self):
-        return _OrderedIterator(self._base, self._order)
-
-
-class _OrderedIterator(DeferredIterator):
-    def __init__(self, pipeline, order):
-        super().__init__(pipeline, lambda seconds: None)
-        self._order = order
-
-    def resolve(self):
-        if self._iterator is None:
-            self._order.finish()
-            super().resolve()
-            self._order.hold(self._iterator)
-        return self._iterator
 
 
 # The name of `release`'s threads: not a stage's helper thread
@@ -295,17 +248,6 @@ def restarts_anywhere(start, epochs, stop=None):
     return stop is None and (start is not None or epochs is None)
 
 
-def resolve(iterator):
-    """`iterator`, or the real iterator a deferred or epoch view stands for.
-
-    Called by the step guard once per call of a compiled step; an
-    `EpochView` counts each call as `steps_per_execution` batches read.
-    """
-    if isinstance(iterator, (ResolvingIterator, EpochView)):
-        return iterator.resolve()
-    return iterator
-
-
 def _read_to_end(iterator):
     """Reads what `iterator` still yields, up to its end."""
     while True:
@@ -345,7 +287,7 @@ class LongLivedIterator:
         order: With `stop`, the call's `DrawOrder`, which an iterator of
             the epochs run without the stage is read to its end in before
             this makes one.
-        fed: The `epoch_sources.FedSource` the pipeline reads, or None. Its
+        fed: The `FedSource` the pipeline reads, or None. Its
             iterator reads the passes the calls fed (Keras may read fewer,
             never more), and no new one starts at any epoch: it would read
             the same queue of passes.
@@ -630,29 +572,42 @@ class LongLivedIterator:
         return release(held)
 
 
-class EpochView:
+class EpochView(KeptIterator):
     """The iterator Keras gets for one epoch of a long-lived pipeline.
 
-    It reads the shared `LongLivedIterator`: the step guard's `resolve`
-    hands the compiled step that iterator, and Keras's Python reads
-    (`next`) read it. Python reads end with its epoch, as a fresh
-    iterator of one epoch ends: a reader that reads ahead (Keras's JAX
-    trainer reads the batch after the one it hands the step, to start its
-    copy to the device) then gets the end, not the next epoch's first
-    batch.
+    It reads the shared `LongLivedIterator`: `resolve` hands the compiled
+    step that iterator, for `steps_per_execution` batches. Python reads end
+    with its epoch, as a fresh iterator of one epoch ends: a reader that
+    reads ahead (Keras's JAX trainer reads the batch after the one it hands
+    the step) then gets the end, not the next epoch's first batch.
+
+    `spec`: under a strategy of several replicas, one replica's batch
+    structure. Keras reads one batch in Python from the first iterator of
+    each `fit` and `evaluate`, then drops it (`_maybe_symbolic_build` in
+    Keras's TensorFlow trainer), to build what is unbuilt; the staged call
+    has built all of it (`TensorFlowBackend.build`). So a view's first
+    Python read, before any step read it, gets a batch of zeros of `spec`
+    (no rows) and reads nothing from the shared iterator.
     """
 
-    def __init__(self, shared, element_spec):
+    def __init__(self, shared, element_spec, spec=None):
         self._shared = shared
         self._element_spec = element_spec
         self._python_reads = 0
+        self._spec = spec
+        self._peeked = spec is None  # nothing to peek without a strategy
+        self._stepped = False
 
     def resolve(self):
         """The real iterator, for one call of the compiled step."""
+        self._stepped = True
         return self._shared.read(self, self._shared.steps_per_execution)
 
-    def __iter__(self):
-        return self
+    def _peek(self):
+        if self._peeked or self._stepped or self._python_reads:
+            return None
+        self._peeked = True
+        return tf.nest.map_structure(_empty_batch, self._spec)
 
     def _read_one(self):
         if self._python_reads >= self._shared.batches:
@@ -661,12 +616,18 @@ class EpochView:
         return self._shared.read(self, 1)
 
     def __next__(self):
+        peeked = self._peek()
+        if peeked is not None:
+            return peeked
         iterator = self._read_one()
         if iterator is None:
             raise StopIteration
         return next(iterator)
 
     def get_next(self):
+        peeked = self._peek()
+        if peeked is not None:
+            return peeked
         iterator = self._read_one()
         if iterator is None:
             raise tf.errors.OutOfRangeError(None, None, "End of sequence")
@@ -698,45 +659,6 @@ class EpochPipeline(EagerIterated):
         return EpochView(self._shared, self._base.element_spec)
 
 
-class DistributedEpochView(EpochView):
-    """An `EpochView` of a distributed long-lived iterator.
-
-    Under a strategy Keras reads one batch in Python from the first
-    iterator of each `fit` and `evaluate`, then drops it
-    (`_maybe_symbolic_build` in Keras's TensorFlow trainer), to build what
-    is unbuilt from its shapes and dtypes; the staged call has built all of
-    it already (`TensorFlowBackend.build`). A read from the shared
-    iterator would take the epoch's first batch from the step, so a view's
-    first Python read, before any step read it, is that peek: it gets a
-    batch of zeros of `spec` (one replica's structure, no batch rows) and
-    reads nothing. Reads after it read the shared iterator.
-    """
-
-    def __init__(self, shared, element_spec, spec):
-        super().__init__(shared, element_spec)
-        self._spec = spec
-        self._peeked = False
-        self._stepped = False
-
-    def resolve(self):
-        self._stepped = True
-        return super().resolve()
-
-    def _peek(self):
-        if self._peeked or self._stepped or self._python_reads:
-            return None
-        self._peeked = True
-        return tf.nest.map_structure(_empty_batch, self._spec)
-
-    def __next__(self):
-        peeked = self._peek()
-        return super().__next__() if peeked is None else peeked
-
-    def get_next(self):
-        peeked = self._peek()
-        return super().get_next() if peeked is None else peeked
-
-
 def _empty_batch(spec):
     """A value of `spec` with no rows (a `None` dimension as 0).
 
@@ -756,7 +678,7 @@ class DistributedEpochPipeline(tf.distribute.DistributedDataset):
 
     Under a strategy of several replicas Keras takes a distributed dataset
     as it is and makes its iterators with `iter`: they are
-    `DistributedEpochView`s of the shared `LongLivedIterator`, whose real
+    `EpochView`s of the shared `LongLivedIterator`, whose real
     iterator is one iterator of the distributed pipeline. Keras takes it
     wrapped in its dataset adapter (`_compat.distributed_dataset_adapter`).
     """
@@ -764,10 +686,10 @@ class DistributedEpochPipeline(tf.distribute.DistributedDataset):
     def __init__(self, shared, distributed, spec):
         self._shared = shared
         self._distributed = distributed
-        self._spec = spec  # one replica's batch (see `DistributedEpochView`)
+        self._spec = spec  # one replica's batch (see `EpochView`)
 
     def __iter__(self):
-        return DistributedEpochView(
+        return EpochView(
             self._shared, self._distributed.element_spec, self._spec
         )
 
@@ -784,3 +706,453 @@ class DistributedEpochPipeline(tf.distribute.DistributedDataset):
             "One epoch of a long-lived staged pipeline is read only through "
             "its iterators; reduce the dataset before it is staged instead."
         )
+
+
+class LongLivedEpochs:
+    """How a stage runs a call's epochs on one iterator.
+
+    Attributes:
+        epochs: The epochs its source spans (Keras reads at most these).
+        batches: The batches of one epoch.
+        steps_per_execution: The batches of one call of the compiled step.
+        start: The source's first-epoch variable when its epochs can start
+            on a new iterator (see `LongLivedIterator`), else None.
+        stop: The source's end-epoch variable when its first epoch reads
+            an iterator of its own (see `LongLivedIterator`), else None.
+        opens: The unread iterators of the source each pass makes.
+        source: The long-lived source (built when first read: a call
+            reusing a kept stage reads the one it was built on).
+        ordinal: The staged random layers' count of numbered elements
+            (`StageSplit.ordinal`) when the stage numbers them, else None.
+        feeds: Whether each call feeds its passes to the source (an
+            `FedSource`, `fed` once built), read on across
+            calls on datasets of one structure.
+    """
+
+    def __init__(
+        self,
+        epochs,
+        batches,
+        steps_per_execution,
+        start,
+        source,
+        stop=None,
+        opens=0,
+        feeds=False,
+    ):
+        self.epochs = epochs
+        self.batches = batches
+        self.steps_per_execution = steps_per_execution
+        self.start = start
+        self.stop = stop
+        self.opens = opens
+        self._source = source  # or a function building it
+        self.ordinal = None
+        self.feeds = feeds
+        self.fed = None
+
+    @property
+    def source(self):
+        if callable(self._source):
+            self._source = self._source()
+        return self._source
+
+
+def _opened(dataset):
+    """An empty dataset that makes (and drops) an iterator of `dataset`.
+
+    Reads nothing from it: `choose_from_datasets` makes its inputs'
+    iterators when it starts and reads them as its (empty) selector says.
+    """
+    return tf.data.Dataset.choose_from_datasets(
+        [dataset], tf.data.Dataset.range(0)
+    )
+
+
+def one_pass(dataset, opens=0):
+    """One pass of `dataset`, then `opens` (0 or 1) unread iterators of it.
+
+    An epoch read without the stage, in `long_lived_source`'s passes (see
+    `DrawOrder`).
+    """
+    # `concatenate` keeps `dataset`'s options.
+    return dataset.concatenate(_opened(dataset)) if opens else dataset
+
+
+def _unconverted(fn):
+    """`fn` (no control flow) for tf.data without AutoGraph's conversion.
+
+    AutoGraph's conversion of a function costs more than its trace (the
+    first in a process most), and plain Keras's steps and adapters never
+    pay it.
+    """
+    return tf.autograph.experimental.do_not_convert(fn)
+
+
+# The calls' passes a fed source holds at once: each call feeds its own as
+# it begins, after the last call read all of its (see `FedSource.feed`).
+_FED_CAPACITY = 1
+
+
+class FedSource:
+    """A long-lived source that each call feeds its own passes.
+
+    A kept stage's iterator that runs on across calls (see
+    the module docstring) reads one dataset object's passes.
+    A call on a new dataset object of the same structure (a user's loop
+    that builds its dataset per call) would build its stage again and
+    make a new iterator of it: the staged map traced, its counters and
+    functions instantiated again, more set-up than a hand-split `map`
+    has. This source is a queue of datasets read one after another: each
+    call feeds its passes (`feed`: `dataset.repeat(passes)`, as one
+    element) and the stage's one iterator reads them next, on the
+    pipeline built before. Every pass reads a fresh iterator of its
+    dataset (a pass of `repeat`), as plain Keras's epochs do: a dataset
+    that draws per iterator (a seeded `shuffle`) draws as many times, in
+    the same order, with the unread iterators Keras makes between epochs
+    (`opens`); one whose kernels draw the same in every fresh iterator
+    (`SourceFacts.kernel_seeded`) is not fed.
+
+    The iterator reads nothing past the passes fed: once they are read, its
+    source waits in the queue's dequeue (a tf.data thread, no CPU) for the
+    next call's. So a call must read every pass it fed, or the iterator is
+    not run on (`LongLivedIterator.carries`): its leftover
+    passes are not the next call's. `close` ends the wait, for the
+    iterator's teardown.
+
+    Args:
+        element_spec: The structure of the fed datasets' elements.
+        options: The fed datasets' `tf.data.Options`, the source's own.
+    """
+
+    def __init__(self, element_spec, options):
+        self.element_spec = element_spec
+        self.options = options
+        # Passes fed so far, by every call.
+        self.passes = 0
+        self.closed = False
+        with tf.init_scope(), tf.device("/CPU:0"):
+            self._queue = tf.queue.FIFOQueue(
+                _FED_CAPACITY, dtypes=[tf.variant], shapes=[[]]
+            )
+        queue = self._queue
+
+        def next_passes(_):
+            return queue.dequeue()
+
+        def passes(variant):
+            return tf.data.experimental.from_variant(variant, element_spec)
+
+        self.dataset = (
+            tf.data.Dataset.from_tensors(tf.constant(0, tf.int64))
+            .repeat()
+            .map(_unconverted(next_passes))
+            .flat_map(_unconverted(passes))
+            .with_options(options)
+        )
+
+    def accepts(self, dataset):
+        """Whether `dataset`'s passes can be fed here (same structure)."""
+        return (
+            not self.closed
+            and dataset.element_spec == self.element_spec
+            and dataset.options() == self.options
+        )
+
+    def feed(self, dataset, passes, opens=0):
+        """Feeds `passes` passes of `dataset`, read after those fed before.
+
+        `opens`: the unread iterators of `dataset` plain Keras makes after
+        each pass it reads (see `long_lived_source`): a dataset that draws
+        per iterator takes its draws in plain Keras's order.
+
+        Raises:
+            RuntimeError: the passes fed before are not all read yet (the
+                queue is full: feeding would wait for ever).
+        """
+        if self.closed or int(self._queue.size()) >= _FED_CAPACITY:
+            raise RuntimeError(
+                "A fed stage source was fed while its last call's passes "
+                "were still unread (or after it was closed)."
+            )
+        self._queue.enqueue(
+            tf.data.experimental.to_variant(
+                one_pass(dataset, opens).repeat(int(passes))
+            )
+        )
+        self.passes += int(passes)
+
+    def close(self):
+        """Ends the source: an iterator waiting for passes ends instead."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._queue.close(cancel_pending_enqueues=True)
+        except tf.errors.OpError:  # its resource already gone at exit
+            pass
+
+
+# How long a call waits for the teardown of a kept stage's last iterator
+# before it builds a stage of its own (see `KeptStage.released`).
+TEARDOWN_WAIT_SECONDS = 5.0
+
+
+class KeptStage:
+    """A stage a model keeps for its later calls on the same dataset.
+
+    See `stage_data(kept=...)`. What the stage depends on is held (not
+    only its id, which a new object could take): the layer, the dataset,
+    the staged function (a new one after a staged layer is re-adapted)
+    and the stats. `in_use` while a call runs it: a call nested in it (an
+    evaluate from a fit's callback, on the fit's validation data) builds
+    its own.
+    """
+
+    def __init__(
+        self,
+        layer,
+        phase,
+        source,
+        batches,
+        fn,
+        stats,
+        long_lived,
+        class_weight=None,
+        strategy=None,
+        overrides=None,
+    ):
+        # `strategy`: the one of several replicas that distributes it.
+        self.objects = (layer, source, fn, stats, strategy)
+        self.values = (
+            # A fit's validation and an evaluate run one compiled step.
+            phase,
+            batches,
+            repr(sorted(layer.stage_options.get_config().items())),
+            None
+            if long_lived is None
+            else (
+                long_lived.epochs,
+                long_lived.steps_per_execution,
+                long_lived.feeds,
+            ),
+            # Keras weighs the batches in its dataset (a map over the
+            # user's): a stage built with other weights is not this one.
+            # Copied, as a user may change the dict between calls.
+            None
+            if class_weight is None
+            else repr(sorted(dict(class_weight).items())),
+            # How the phase uses the tf.data service (see
+            # `_service_overrides`), and what the data set for it.
+            repr(sorted((overrides or {}).items())),
+        )
+        # The `LongLivedEpochs` whose source the stage runs, or None.
+        self.long_lived = long_lived
+        # One epoch of the call's source, which a fed stage's call feeds
+        # (see `FedSource`); set by `stage_data`.
+        self.call_source = None
+        # Whether its one iterator outlives calls (`epochs` None: see
+        # the module docstring): that iterator, the pipeline
+        # it iterates, and the staged layers' variables' values when the
+        # last call ended (None: none to compare, or not taken).
+        self.spans_calls = long_lived is not None and long_lived.epochs is None
+        self._shared = None
+        self._shared_pipeline = None
+        self._variables = None
+        # The thread tearing down the last call's iterator (see
+        # `release`), or None: a call reusing the stage waits
+        # for it before it opens the gate, so nothing that iterator still
+        # finishes counts in the stats the new one reads.
+        self.released = None
+        self.staged = None
+        self.in_use = False
+        # `(pipeline, its distributed dataset)` under a strategy of several
+        # replicas, or None.
+        self._distributed = None
+
+    def distributed(self, pipeline, distribute):
+        """`pipeline` as `distribute(pipeline)` made it, for every call.
+
+        Keras makes its iterators of the distributed dataset; one made
+        again each call would rewrite the pipeline for the replicas again.
+        """
+        if self._distributed is None or self._distributed[0] is not pipeline:
+            self._distributed = (pipeline, distribute(pipeline))
+        return self._distributed[1]
+
+    def same(self, other, split=None):
+        """Whether `other`, wanted by a new call, is this stage.
+
+        With a kept iterator, also whether the staged layers' variables
+        still hold what they held when the last call ended: its buffer
+        was computed with those values.
+        """
+        if self.values != other.values:
+            return False
+        objects, others = self.objects, other.objects
+        if self.long_lived is not None and self.long_lived.feeds:
+            # Fed (see `FedSource`): another dataset of the
+            # structure its source reads, while its iterator runs on.
+            fed = self.long_lived.fed
+            if (
+                fed is None
+                or not self.keeps_running()
+                or not fed.accepts(other.call_source)
+            ):
+                return False
+            objects, others = objects[:1] + objects[2:], others[:1] + others[2:]
+        if not all(a is b for a, b in zip(objects, others, strict=True)):
+            return False
+        if self._variables is None or not self.keeps_running():
+            return True
+        return _same_values(self._variables, variable_values(split))
+
+    def iterator(self, pipeline):
+        """The iterator an earlier call left over `pipeline`, or None."""
+        if self._shared is not None and self._shared_pipeline is pipeline:
+            return self._shared
+        return None
+
+    def keep_iterator(self, pipeline, shared):
+        """Keeps `shared`, the one iterator of `pipeline`, across calls."""
+        self.drop_iterator(ends_source=False)
+        self._shared, self._shared_pipeline = shared, pipeline
+
+    def keeps_running(self):
+        """Whether the kept iterator runs on into a next call's epoch."""
+        return self._shared is not None and self._shared.carries
+
+    def carries(self):
+        """Whether a call reusing this stage reads on from its iterator."""
+        return self.spans_calls and self.keeps_running()
+
+    def end_call(self, values):
+        """Ends a call whose iterator runs on (see `keeps_running`).
+
+        `values`: the staged layers' variables' values now.
+        """
+        self._shared.detach()
+        self._variables = values
+        self.in_use = False
+
+    def drop_iterator(self, ends_source=True):
+        """Drops the kept iterator, if any (torn down on another thread).
+
+        A fed source ends with it (`ends_source`): a new iterator of its
+        pipeline would read the same queue of passes.
+        """
+        shared, self._shared = self._shared, None
+        self._shared_pipeline, self._variables = None, None
+        if shared is not None and not shared.closed:
+            self.released = shared.close()
+        fed = None if self.long_lived is None else self.long_lived.fed
+        if ends_source and fed is not None:
+            fed.close()
+
+    def retire(self):
+        """Ends this stage for good: a new one replaces it."""
+        if self._shared is not None and self.staged is not None:
+            # Nothing its iterator still finishes counts in the stats the
+            # next stage shares.
+            self.staged.runner.close_gate()
+        self.drop_iterator()
+
+
+# A kept iterator runs on across calls only when the staged layers'
+# variables are this small in all: a call compares their values with those
+# of the last call's end (a buffer computed with other values is dropped).
+VARIABLES_COMPARED_BYTES = 2**20
+
+
+def _variables_of(split):
+    """`(variables, read)` of `split`'s staged layers (kept per split).
+
+    `read()` returns their values as NumPy arrays. None when they are over
+    `VARIABLES_COMPARED_BYTES` in all.
+    """
+    if split is None:
+        return (), tuple
+    cached = _split_variables.get(split, False)
+    if cached is not False:
+        return cached
+    variables = tuple(split.prefix.variables)
+    size = sum(
+        tf.TensorShape(v.shape).num_elements() * tf.as_dtype(v.dtype).size
+        for v in variables
+    )
+    found = None
+    if size <= VARIABLES_COMPARED_BYTES:
+        found = variables, split.backend.variable_reader(variables)
+    _split_variables[split] = found
+    return found
+
+
+_split_variables = weakref.WeakKeyDictionary()
+
+
+def variable_values(split):
+    """The values of `split`'s staged layers' variables (see above)."""
+    found = _variables_of(split)
+    return None if found is None else found[1]()
+
+
+def _same_values(before, now):
+    if before is None or now is None or len(before) != len(now):
+        return False
+    return all(
+        a.shape == b.shape and (a == b).all()
+        for a, b in zip(before, now, strict=True)
+    )
+
+
+def keeps(kept, x):
+    """Whether `stage_data(kept=kept)` keeps its stage over `x` for later
+    calls (see there)."""
+    return kept is not None and isinstance(x, tf.data.Dataset)
+
+
+def earlier_stage(kept, role):
+    """The kept stage a call of `role` may run again, or None.
+
+    Its role's; for an evaluate with none yet of its own, a fit's fed
+    validation stage (its step is the same) unless that fit runs it now,
+    which the evaluate feeds then, kept for both roles.
+    """
+    earlier = kept.get(role)
+    if earlier is None and role == "test":
+        val = kept.get("val")
+        if (
+            val is not None
+            and not val.in_use
+            and val.long_lived is not None
+            and val.long_lived.feeds
+        ):
+            return val
+    return earlier
+
+
+def switched_data(earlier, x):
+    """Whether a call on `x` follows calls of its role on other datasets.
+
+    `earlier`: the role's kept stage, or None. True once its stage is fed
+    (see `FedSource`) or was built on another dataset object.
+    """
+    if earlier is None:
+        return False
+    plan = earlier.long_lived
+    return (plan is not None and plan.feeds) or earlier.objects[1] is not x
+
+
+def carries(kept, role, x):
+    """Whether a call of `role` on `x` would read on from a kept iterator.
+
+    See the module docstring: such a call makes no iterator
+    of the stage's pipeline. `kept`: the model's kept stages, or None.
+    """
+    entry = None if kept is None else kept.get(role)
+    return (
+        entry is not None
+        and not entry.in_use
+        and entry.objects[1] is x
+        and entry.carries()
+    )
