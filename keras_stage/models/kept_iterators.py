@@ -921,6 +921,7 @@ class KeptStage:
         class_weight=None,
         strategy=None,
         overrides=None,
+        call_source=None,
     ):
         # `strategy`: the one of several replicas that distributes it.
         self.objects = (layer, source, fn, stats, strategy)
@@ -949,8 +950,8 @@ class KeptStage:
         # The `LongLivedEpochs` whose source the stage runs, or None.
         self.long_lived = long_lived
         # One epoch of the call's source, which a fed stage's call feeds
-        # (see `FedSource`); set by `stage_data`.
-        self.call_source = None
+        # (see `FedSource`).
+        self.call_source = call_source
         # Whether its one iterator outlives calls (`epochs` None: see
         # the module docstring): that iterator, the pipeline
         # it iterates, and the staged layers' variables' values when the
@@ -1105,12 +1106,6 @@ def _same_values(before, now):
     )
 
 
-def keeps(kept, x):
-    """Whether `stage_data(kept=kept)` keeps its stage over `x` for later
-    calls (see there)."""
-    return kept is not None and isinstance(x, tf.data.Dataset)
-
-
 def earlier_stage(kept, role):
     """The kept stage a call of `role` may run again, or None.
 
@@ -1156,3 +1151,37 @@ def carries(kept, role, x):
         and entry.objects[1] is x
         and entry.carries()
     )
+
+
+def kept_stage(kept, role, wanted, split=None):
+    """The kept stage a call of `role` runs: an earlier one, or `wanted`.
+
+    `kept`: the model's kept stages by role (updated here); `wanted`: the
+    `KeptStage` the call would build. None where the call builds a stage
+    of its own, not kept: a call nested in the one running the role's
+    stage, or one whose earlier iterator is still being torn down.
+    """
+    earlier = earlier_stage(kept, role)
+    entry = wanted
+    if earlier is not None and earlier.in_use:
+        return None  # a call nested in the one running it: its own
+    if (
+        earlier is not None
+        and earlier.same(wanted, split)
+        and not earlier.staged.stats.closed  # by a timeout: it ended
+    ):
+        entry = earlier
+        kept[role] = entry  # an evaluate's, too, once it feeds one
+    elif kept.get(role) is not None:
+        if kept[role] is kept.get("val") and role == "test":
+            del kept[role]  # the fit's validation's, which goes on
+        else:
+            kept[role].retire()  # this call's stage replaces it
+    if entry.released is not None:
+        entry.released.join(TEARDOWN_WAIT_SECONDS)
+        if entry.released.is_alive():
+            # Its last iterator is still being torn down: a stage of its
+            # own for this call, rather than that one's gate reopened.
+            return None
+        entry.released = None
+    return entry

@@ -81,6 +81,44 @@ _OPAQUE_DATASETS = frozenset({"_VariantDataset"})
 _DRAWING_DATASETS = re.compile("Shuffle|Random")
 
 
+class EpochSource:
+    """One epoch of a call's data, as its input type's adapter hands it over.
+
+    Built by `arrays.epoch_source`, `datasets.epoch_source` or
+    `python_sources.epoch_source` (`staged_data.stage_data` picks one by the
+    type of `x`, as Keras's `get_data_adapter` does) and staged as it is.
+
+    Args:
+        adapter: Keras's data adapter of the call's data.
+        dataset: What the stage stages: one epoch as Keras would iterate
+            it, or its row-index batches where `gather` is given.
+        arrays: `(x, y, sample_weight)` of in-memory arrays, else None.
+            Defaults to `None`.
+        gather: The `ArrayBatches` a stage with work of its own gathers
+            from in its own map, or None. Defaults to `None`.
+        keeps: Whether the model may keep its stage for later calls on the
+            same object (a user's `tf.data.Dataset`). Defaults to `False`.
+        long_lived: Whether its epochs may run on one iterator. Defaults to
+            `True`.
+    """
+
+    def __init__(
+        self,
+        adapter,
+        dataset,
+        arrays=None,
+        gather=None,
+        keeps=False,
+        long_lived=True,
+    ):
+        self.adapter = adapter
+        self.dataset = dataset
+        self.arrays = arrays
+        self.gather = gather
+        self.keeps = keeps
+        self.long_lived = long_lived
+
+
 class SourceFacts:
     """What one epoch's source does that a long-lived pass must respect.
 

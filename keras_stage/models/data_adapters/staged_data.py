@@ -21,14 +21,17 @@ from keras_stage.data.staging import StagedDataset
 from keras_stage.data.stats import op_determinism_enabled
 from keras_stage.models import backends
 from keras_stage.models.backends.tensorflow import default_strategy
-from keras_stage.models.data_adapters import epoch_sources
-from keras_stage.models.data_adapters.arrays import array_batches, in_memory
+from keras_stage.models.data_adapters import (
+    arrays,
+    datasets,
+    epoch_sources,
+    python_sources,
+)
 from keras_stage.models.data_adapters.python_sources import (
     check_source,
     is_python_source,
 )
 from keras_stage.models.kept_iterators import (
-    TEARDOWN_WAIT_SECONDS,
     DeferredPipeline,
     DistributedEpochPipeline,
     DrawOrder,
@@ -37,7 +40,7 @@ from keras_stage.models.kept_iterators import (
     LongLivedEpochs,
     LongLivedIterator,
     earlier_stage,
-    keeps,
+    kept_stage,
     one_pass,
     restarts_anywhere,
     switched_data,
@@ -546,8 +549,7 @@ def epochs_refusal(
 
 def _long_lived_epochs(
     phase,
-    x,
-    arrays,
+    epoch,
     dataset,
     num_batches,
     steps,
@@ -561,8 +563,8 @@ def _long_lived_epochs(
 ):
     """`(LongLivedEpochs, None)`, or `(None, why not)`, for a safe stage.
 
-    `arrays`: the in-memory data (x, y and the sample weights) when `x`
-    is arrays, else None. See `epoch_sources` for the orders kept.
+    `epoch`: the call's `EpochSource`. See `epoch_sources` for the orders
+    kept.
     `spans_calls`: whether the iterator may outlive the call, for a source
     of free passes (`SourceFacts.free_passes`). `first_alone`: whether the
     first epoch reads an iterator of its own, which ends with it, and the
@@ -572,8 +574,9 @@ def _long_lived_epochs(
     later call on another dataset of its structure reads on too.
     `unread_opens`: the backend's (`Backend.unread_opens`).
     """
-    if arrays is None and not isinstance(x, tf.data.Dataset):
+    if not epoch.long_lived:
         return None, "the data is not in-memory arrays or a tf.data.Dataset"
+    arrays = epoch.arrays
     facts = epoch_sources.inspect_source(dataset)
     if facts.refusal is not None:
         return None, f"its source cannot be read ahead: {facts.refusal}"
@@ -697,6 +700,55 @@ def _fed_epochs(
     return plan, None
 
 
+def _already_staged(layer, x, y, sample_weight, split, epochs, costs):
+    """The `StagedData` of a dataset the user staged with
+    `keras_stage.data.stage`: its own stage, run as it is."""
+    if y is not None or sample_weight is not None:
+        raise ValueError(
+            "When `x` is a staged dataset, pass labels and sample "
+            "weights inside it, not as `y`/`sample_weight`. Received: "
+            f"y={type(y).__name__}, "
+            f"sample_weight={type(sample_weight).__name__}"
+        )
+    if x.stage_options.get_config() != layer.stage_options.get_config():
+        logger.info(
+            "`x` is already staged by stage '%s'; its own options are "
+            "used, not those of StagedInput '%s'.",
+            x.name,
+            layer.name,
+        )
+    if split is not None:
+        logger.info(
+            "`x` is already staged by stage '%s', so smart_stage cannot "
+            "add the model's prefix to it: the whole model runs in the "
+            "step for this call.",
+            x.name,
+        )
+    return StagedData(
+        x,
+        None,
+        owned=False,
+        long_lived_refusal=None
+        if epochs is None
+        else "the data is a user's staged dataset",
+        costs=costs,
+    )
+
+
+def _serve(layer, overrides, adapter, dataset, arrays, steps):
+    """Adds what the tf.data service needs of the call's data to `overrides`.
+
+    `arrays`: the `EpochSource`'s in-memory arrays, or None.
+    """
+    # Before `split.number`, whose ordinals a peek would consume.
+    overrides["rebatch"] = _batch_size(adapter, dataset)
+    if arrays is not None:
+        if steps is None:
+            # The examples of one pass, for the epoch's count of lost ones.
+            overrides["per_copy"] = int(tf.nest.flatten(arrays[0])[0].shape[0])
+        _warn_one_split(layer, overrides)
+
+
 def stage_data(
     layer,
     phase,
@@ -776,44 +828,14 @@ def stage_data(
     backend = backends.get() if backend is None else backend
     role = phase if role is None else role
     if isinstance(x, StagedDataset):
-        # Already staged by the user with keras_stage.data.stage.
-        if y is not None or sample_weight is not None:
-            raise ValueError(
-                "When `x` is a staged dataset, pass labels and sample "
-                "weights inside it, not as `y`/`sample_weight`. Received: "
-                f"y={type(y).__name__}, "
-                f"sample_weight={type(sample_weight).__name__}"
-            )
-        if x.stage_options.get_config() != layer.stage_options.get_config():
-            logger.info(
-                "`x` is already staged by stage '%s'; its own options are "
-                "used, not those of StagedInput '%s'.",
-                x.name,
-                layer.name,
-            )
-        if split is not None:
-            logger.info(
-                "`x` is already staged by stage '%s', so smart_stage cannot "
-                "add the model's prefix to it: the whole model runs in the "
-                "step for this call.",
-                x.name,
-            )
-        return StagedData(
-            x,
-            None,
-            owned=False,
-            long_lived_refusal=None
-            if epochs is None
-            else "the data is a user's staged dataset",
-            costs=costs,
-        )
-    overrides, python_source = {}, is_python_source(x)
+        return _already_staged(layer, x, y, sample_weight, split, epochs, costs)
+    overrides = {}
     if layer.stage_options.service is not None:
-        overrides = _service_overrides(layer, phase, python_source)
-    # A failing generator or PyDataset names itself and the batch.
-    x = check_source(x)
+        overrides = _service_overrides(layer, phase, is_python_source(x))
+    served = overrides.get("service", layer.stage_options.service) is not None
     adapter = _compat.get_data_adapter(
-        x=x,
+        # A failing generator or PyDataset names itself and the batch.
+        x=check_source(x),
         y=y,
         sample_weight=sample_weight,
         batch_size=batch_size,
@@ -821,20 +843,20 @@ def stage_data(
         shuffle=shuffle,
         class_weight=class_weight,
     )
-    served = overrides.get("service", layer.stage_options.service) is not None
-    # Arrays' batches gathered from the arrays (see `ArrayBatches`); not on
-    # the tf.data service, whose workers rebuild the dataset from its
-    # graph: that path runs Keras's own dataset, as tested there.
-    batches = None if served else array_batches(adapter, shuffle)
-    # A stage with work of its own (a SmartStage prefix) gathers in its
-    # own map: it stages the index batches.
-    fused = batches is not None and split is not None
-    if batches is None:
-        dataset = adapter.get_tf_dataset()
-    elif fused:
-        dataset = batches.indices
+    # One adapter per input type, as Keras's `get_data_adapter` picks.
+    if isinstance(x, tf.data.Dataset):
+        epoch = datasets.epoch_source(adapter)
+    elif is_python_source(x):
+        epoch = python_sources.epoch_source(adapter)
     else:
-        dataset = batches.dataset()
+        epoch = arrays.epoch_source(
+            adapter,
+            (x, y, sample_weight),
+            shuffle,
+            gathers=split is not None,
+            served=served,
+        )
+    dataset = epoch.dataset
     num_batches = adapter.num_batches
     if num_batches is None:
         num_batches = backend.shard_batches(x)
@@ -854,23 +876,18 @@ def stage_data(
             tf.data.experimental.assert_cardinality(num_batches)
         )
     if served:
-        # Before `split.number`, whose ordinals a peek would consume.
-        overrides["rebatch"] = _batch_size(adapter, dataset)
-        if in_memory(x) and steps is None:
-            # The examples of one pass, for the epoch's count of lost ones.
-            overrides["per_copy"] = int(tf.nest.flatten(x)[0].shape[0])
-        if in_memory(x):
-            _warn_one_split(layer, overrides)
+        _serve(layer, overrides, adapter, dataset, epoch.arrays, steps)
     distributed = strategy is not None and strategy.num_replicas_in_sync > 1
     source = dataset  # one epoch of what the stage stages
+    keeps = kept is not None and epoch.keeps
     long_lived, refusal = None, None
     # Whether a kept stage's iterator may outlive the call (see
-    # `kept_iterators`, "Across calls"): a user's dataset the stage is
-    # kept for, read whole by compiled steps or by Keras's `next` in
-    # Python (predict, and every phase on JAX), where an epoch view ends
-    # with its epoch (with `steps`, Keras's epochs end where the data
-    # does, not where a repeat would).
-    spans_calls = epochs is not None and steps is None and keeps(kept, x)
+    # `kept_iterators`): a user's dataset the stage is kept for, read
+    # whole by compiled steps or by Keras's `next` in Python (predict, and
+    # every phase on JAX), where an epoch view ends with its epoch (with
+    # `steps`, Keras's epochs end where the data does, not where a repeat
+    # would).
+    spans_calls = epochs is not None and steps is None and keeps
     if epochs is not None:
         refusal = epochs_refusal(
             layer,
@@ -897,7 +914,7 @@ def stage_data(
             and phase == "train"
             and split is not None
             and layer.stage_options.adaptive_pool
-            and not in_memory(x)
+            and epoch.arrays is None
             and _draws_per_iterator(dataset, spans_calls)
         )
         if first_alone and op_determinism_enabled():
@@ -910,12 +927,11 @@ def stage_data(
                 "iterator)"
             )
         if refusal is None:
-            arrays = (x, y, sample_weight) if in_memory(x) else None
-            # Fed across calls (see `FedSource`) once a call
-            # of the role came on another dataset object than the kept
-            # stage's (a stage run on for one object reads its next pass
-            # ahead between calls), and a fit's validation from its first
-            # call (a later evaluate on new data of its structure feeds it:
+            # Fed across calls (see `FedSource`) once a call of the role
+            # came on another dataset object than the kept stage's (a
+            # stage run on for one object reads its next pass ahead
+            # between calls), and a fit's validation from its first call
+            # (a later evaluate on new data of its structure feeds it:
             # `earlier_stage`), where `feedable`; not a numbered split
             # (its count runs per pipeline), nor under op determinism,
             # where the queue's stateful dequeue would make tf.data run
@@ -933,8 +949,7 @@ def stage_data(
             )
             long_lived, refusal = _long_lived_epochs(
                 phase,
-                x,
-                arrays,
+                epoch,
                 dataset,
                 num_batches,
                 steps,
@@ -946,18 +961,19 @@ def stage_data(
                 fed=feeds,
                 unread_opens=backend.unread_opens,
             )
-    fn = None
+    gather = epoch.gather
     # The long-lived source's too: it repeats, replays or flat-maps passes.
-    element_spec = batches.element_spec if fused else dataset.element_spec
+    element_spec = (gather or dataset).element_spec
     # Whether the staged random layers' draws are numbered (`split.number`).
     numbered = split is not None and split.numbers(phase == "train")
     if numbered and long_lived is not None:
         # Its one iterator reads ahead of Keras: it keeps the count itself.
         long_lived.ordinal = split.ordinal
+    fn = None
     if split is not None:
         fn = split.stage_fn(training=phase == "train")
-        if fused:
-            fn = batches.staged_fn(fn, numbered=numbered)
+        if gather is not None:
+            fn = gather.staged_fn(fn, numbered=numbered)
     if served:
         mode = overrides.get(
             "processing_mode", layer.stage_options.processing_mode
@@ -971,43 +987,25 @@ def stage_data(
             overrides["cardinality"] = num_batches
     call_plan = long_lived  # a kept stage's replaces it below
     entry = None
-    if keeps(kept, x):
-        entry = KeptStage(
-            layer,
-            phase,
-            x,
-            num_batches,
-            fn,
-            stats,
-            long_lived,
-            class_weight=class_weight,
-            strategy=strategy if distributed else None,
-            overrides=overrides,
+    if keeps:
+        entry = kept_stage(
+            kept,
+            role,
+            KeptStage(
+                layer,
+                phase,
+                x,
+                num_batches,
+                fn,
+                stats,
+                long_lived,
+                class_weight=class_weight,
+                strategy=strategy if distributed else None,
+                overrides=overrides,
+                call_source=source,
+            ),
+            split,
         )
-        entry.call_source = source
-        earlier = earlier_stage(kept, role)
-        if earlier is not None and earlier.in_use:
-            entry = None  # a call nested in the one running it: its own
-        elif (
-            earlier is not None
-            and earlier.same(entry, split)
-            and not earlier.staged.stats.closed  # by a timeout: it ended
-        ):
-            entry = earlier
-            kept[role] = entry  # an evaluate's, too, once it feeds one
-        elif kept.get(role) is not None:
-            if kept[role] is kept.get("val") and role == "test":
-                del kept[role]  # the fit's validation's, which goes on
-            else:
-                kept[role].retire()  # this call's stage replaces it
-    if entry is not None and entry.released is not None:
-        entry.released.join(TEARDOWN_WAIT_SECONDS)
-        if entry.released.is_alive():
-            # Its last iterator is still being torn down: a stage of its
-            # own for this call, rather than that one's gate reopened.
-            entry = None
-        else:
-            entry.released = None
     carried = False
     if entry is not None and entry.staged is not None:
         staged = entry.staged
@@ -1065,16 +1063,18 @@ def stage_data(
         element_spec,
         in_step=stats is not None,
         strategy=strategy if distributed else None,
-        defers=in_memory(x)
+        defers=epoch.arrays is not None
         or (
-            isinstance(x, tf.data.Dataset)
+            epoch.keeps
             and not epoch_sources.inspect_source(source).iterator_draws
         ),
         epochs=long_lived,
         kept=entry,
         carried=carried,
         long_lived_refusal=refusal,
-        # Index batches when fused: the gathered ones are built if read.
-        source=functools.partial(batches.dataset, source) if fused else source,
+        # Index batches when gathered: the gathered ones are built if read.
+        source=source
+        if gather is None
+        else functools.partial(gather.dataset, source),
         costs=costs,
     )
