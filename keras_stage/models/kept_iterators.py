@@ -211,7 +211,7 @@ def release(held):
     return thread
 
 
-# The long-lived iterators that outlived a call (see "Across calls").
+# The long-lived iterators that outlived a call (see the module docstring).
 _running_on = weakref.WeakSet()
 
 
@@ -263,41 +263,28 @@ class LongLivedIterator:
     Args:
         pipeline: The long-lived pipeline (`epochs` epochs of `batches`).
         batches: The batches of one epoch.
-        epochs: The epochs it spans: Keras may read fewer, never more.
-            None: as many as Keras reads (a source of free passes, which
-            a new iterator can start at any epoch).
+        epochs: The epochs it spans (Keras may read fewer, never more);
+            None: as many as Keras reads (a source of free passes).
         made: `made(seconds)`, told how long each real iterator took.
-        steps_per_execution: The batches each call of the compiled step
-            reads (the model's `steps_per_execution`; it divides
-            `batches`).
-        start: The source's first-epoch variable (see
-            `long_lived_source`) if its epochs are independent of one
-            another, so an iterator can start at any of them, or if
-            `stop` is given; else None.
-        stop: The source's end-epoch variable (see `long_lived_source`)
-            for a source that draws per iterator on an adaptive `pool`:
-            its first epoch reads an iterator that ends with it, and the
-            later ones one more, made on the pool sized from the first
-            epoch (its draws are the next ones, as plain Keras's next
-            iterator's). Else None.
+        steps_per_execution: The batches of one call of the compiled step
+            (it divides `batches`).
+        start: The source's first-epoch variable (`long_lived_source`)
+            where a new iterator can start at any epoch (independent
+            epochs, or with `stop`); else None.
+        stop: The source's end-epoch variable for a source that draws per
+            iterator on an adaptive `pool`: its first epoch reads an
+            iterator that ends with it, the later ones one more, made on
+            the pool sized from the first. Else None.
         single_epochs: With `stop`, a function telling whether the next
             iterator must also end with its epoch (while an `EpochSwitch`
-            may still run an epoch without the stage: `skip_epoch`), or
-            None.
-        order: With `stop`, the call's `DrawOrder`, which an iterator of
-            the epochs run without the stage is read to its end in before
-            this makes one.
-        fed: The `FedSource` the pipeline reads, or None. Its
-            iterator reads the passes the calls fed (Keras may read fewer,
-            never more), and no new one starts at any epoch: it would read
-            the same queue of passes.
+            may still skip one), or None.
+        order: With `stop`, the call's `DrawOrder`.
+        fed: The `FedSource` the pipeline reads, or None: its iterator
+            reads the passes fed, and no new one starts at any epoch.
         ordinal: The staged random layers' count of numbered elements
-            (`StageSplit.ordinal`), when the pipeline numbers them without
-            writing it (`StageSplit.number(writes=False)`), else None. Its
-            iterator reads ahead of Keras by as much as its threads got
-            to, so the count is kept here, from what Keras took: the next
-            element a new iterator numbers is the one after those, as
-            with an iterator per epoch read to its end.
+            (`StageSplit.ordinal`) when the pipeline numbers them without
+            writing it, else None: its iterator reads ahead of Keras, so
+            the count is kept here from what Keras took.
         pool: The stage's `StagePool`, or None.
         name: The stage's name, for messages.
     """
@@ -536,7 +523,7 @@ class LongLivedIterator:
             self._ordinal.assign(self._ordinal_origin + self.read_batches)
 
     def detach(self):
-        """Ends a call without dropping the iterator (see "Across calls").
+        """Ends a call without dropping the iterator (see `KeptStage`).
 
         The next view read begins an epoch: the next pass, or a new
         iterator if the call left its epoch early. From now on the real
@@ -708,6 +695,201 @@ class DistributedEpochPipeline(tf.distribute.DistributedDataset):
         )
 
 
+class CallIterators:
+    """What Keras iterates of one role's stage in one call.
+
+    The one place a staged call gets its iterators from: `switched(switch)`
+    (the compiled step's dataset), `eager_dataset()` (Keras's Python
+    reads) and `end_call()`. Behind them: a `DeferredIterator` per epoch,
+    or the `EpochView`s of the call's `LongLivedIterator`, which the role's
+    `KeptStage` may keep across calls.
+
+    Args:
+        data: The call's `StagedData`: its stage, source, kept stage,
+            strategy, and the record told each iterator's seconds.
+        plan: Its `LongLivedEpochs`, or None: an iterator per epoch.
+    """
+
+    def __init__(self, data, plan=None):
+        self._data = data
+        self.plan = plan
+        self._shared = None  # its `LongLivedIterator`, made when read
+        # The order of a drawing source's passes (see `DrawOrder`).
+        self._order = DrawOrder()
+
+    def eager_dataset(self):
+        """What Keras reads in Python (predict; every phase on JAX).
+
+        The stage's own dataset, whose eager iterators apply the stage's
+        policies (`StageIterator`); long-lived, an `EpochPipeline` whose
+        views all read one such iterator.
+        """
+        data = self._data
+        if self.plan is not None:
+            return self._epochs(data.staged)
+        return DeferredPipeline(data.staged, data._made, defer=data.defers)
+
+    def switched(self, switch):
+        """What the compiled step iterates, its epochs run as `switch` says.
+
+        `switch`: the call's `EpochSwitch` (which may run epochs of the
+        source without the stage), or None. Long-lived: an `EpochPipeline`
+        whose iterators all read one real iterator, made when first read.
+        """
+        data = self._data
+        staged = data.staged
+        pipeline = staged.lean_pipeline if data.in_step else staged.pipeline
+        if data.strategy is not None:
+            # Its replicas' share of each batch; long-lived, Keras's
+            # iterators of it are views of one distributed iterator. No
+            # epoch switch runs under a strategy (`decision.epochs._refusal`).
+            distributed = self._distributed(pipeline)
+            if self.plan is not None:
+                return DistributedEpochPipeline(
+                    self._shared_iterator(distributed),
+                    distributed,
+                    pipeline.element_spec,
+                )
+            return distributed
+        if self.plan is not None:
+            epochs = self._epochs(pipeline, switch)
+            if switch is None:
+                return epochs
+            return switch.pipeline(
+                epochs, self._raw(), on_unstaged=self._shared.skip_epoch
+            )
+        deferred = DeferredPipeline(pipeline, data._made, defer=data.defers)
+        if switch is None:
+            return deferred
+        return switch.pipeline(deferred, self._raw())
+
+    def _epochs(self, pipeline, switch=None):
+        """The `EpochPipeline` of the call's one iterator of `pipeline`."""
+        return self._shared_iterator(pipeline, switch).epoch_pipeline(pipeline)
+
+    def _shared_iterator(self, pipeline, switch=None):
+        """The call's `LongLivedIterator` of `pipeline`.
+
+        `switch`: the call's `EpochSwitch`, or None; while it may run an
+        epoch without the stage, each staged epoch ends its iterator.
+        """
+        data, kept = self._data, self._data.kept
+        spans = kept is not None and kept.spans_calls
+        if self._shared is None and spans:
+            # The iterator an earlier call on this kept stage left.
+            self._shared = kept.iterator(pipeline)
+            if self._shared is not None:
+                self._shared.made = data._made
+        if self._shared is None:
+            plan = self.plan
+            segmented = plan.stop is not None
+            self._shared = LongLivedIterator(
+                pipeline,
+                plan.batches,
+                plan.epochs,
+                data._made,
+                steps_per_execution=plan.steps_per_execution,
+                start=plan.start,
+                stop=plan.stop,
+                ordinal=plan.ordinal,
+                pool=data.staged.thread_pool,
+                name=data.staged.name,
+                single_epochs=(
+                    (lambda: switch.decision is None)
+                    if segmented and switch is not None
+                    else None
+                ),
+                order=self._order if segmented else None,
+                fed=plan.fed,
+            )
+            if spans:
+                kept.keep_iterator(pipeline, self._shared)
+        return self._shared
+
+    def _raw(self):
+        """One epoch of the source, for epochs run without the stage."""
+        plan, source = self.plan, self._data.source
+        if plan is not None and plan.stop is not None:
+            # Its passes draw as the stage's do, in the order read.
+            return DeferredPipeline(
+                one_pass(source, plan.opens),
+                lambda seconds: None,
+                order=self._order,
+            )
+        return DeferredPipeline(
+            source, lambda seconds: None, defer=self._data.defers
+        )
+
+    def _distributed(self, pipeline):
+        """`pipeline` distributed by the strategy, kept with a kept stage."""
+        kept = self._data.kept
+        if kept is not None:
+            return kept.distributed(pipeline, self._data.distribute)
+        return self._data.distribute(pipeline)
+
+    def resize_makes_an_iterator(self):
+        """Whether a pool resized now makes an iterator the call would not.
+
+        Only a long-lived stage whose next epoch reads on from its iterator
+        (see `LongLivedIterator.next_epoch_reads_on`); a stage making an
+        iterator per epoch makes the next one anyway.
+        """
+        return self._shared is not None and self._shared.next_epoch_reads_on()
+
+    @property
+    def restartable(self):
+        """Whether any epoch can start on a new iterator (see `start`)."""
+        plan = self.plan
+        # A fed source's iterator reads the passes fed, and no other.
+        return plan is None or (
+            not plan.feeds
+            and restarts_anywhere(plan.start, plan.epochs, plan.stop)
+        )
+
+    @property
+    def skippable(self):
+        """Whether the epoch switch can run an epoch without the stage.
+
+        Epochs that can start on a new iterator, or a source that draws
+        per iterator whose staged epochs end their iterators while the
+        switch may still skip one (see `LongLivedIterator`, `stop`).
+        """
+        return self.restartable or self.plan.stop is not None
+
+    def end_call(self):
+        """Drops what iterators of a stage built for the ended call still make.
+
+        Keras may leave such an iterator alive (a traceback holds it); its
+        late elements must not count in the stats the next call shares.
+        A user's own staged dataset stays usable.
+
+        Returns:
+            The thread tearing down the call's long-lived iterator (see
+            `release`), or None.
+        """
+        data, kept = self._data, self._data.kept
+        values = None
+        if kept is not None and kept.carries():
+            values = variable_values(data.split)
+        if values is not None:
+            # Its iterator runs on into the next call (see the module
+            # docstring): its elements are that call's, counted in the
+            # stats the two calls share.
+            kept.end_call(values)
+            return None
+        if data.owned:
+            data.staged.runner.close_gate()
+        released = None
+        if self._shared is not None:
+            # Its epochs not read yet run no further.
+            released = self._shared.close()
+        if kept is not None:
+            kept.drop_iterator()
+            kept.released = released
+            kept.in_use = False
+        return released
+
+
 class LongLivedEpochs:
     """How a stage runs a call's epochs on one iterator.
 
@@ -797,28 +979,21 @@ _FED_CAPACITY = 1
 class FedSource:
     """A long-lived source that each call feeds its own passes.
 
-    A kept stage's iterator that runs on across calls (see
-    the module docstring) reads one dataset object's passes.
-    A call on a new dataset object of the same structure (a user's loop
-    that builds its dataset per call) would build its stage again and
-    make a new iterator of it: the staged map traced, its counters and
-    functions instantiated again, more set-up than a hand-split `map`
-    has. This source is a queue of datasets read one after another: each
-    call feeds its passes (`feed`: `dataset.repeat(passes)`, as one
-    element) and the stage's one iterator reads them next, on the
-    pipeline built before. Every pass reads a fresh iterator of its
-    dataset (a pass of `repeat`), as plain Keras's epochs do: a dataset
-    that draws per iterator (a seeded `shuffle`) draws as many times, in
-    the same order, with the unread iterators Keras makes between epochs
-    (`opens`); one whose kernels draw the same in every fresh iterator
-    (`SourceFacts.kernel_seeded`) is not fed.
+    A call on a new dataset object of a kept stage's structure (a user's
+    loop building its dataset per call) would build the stage again and
+    make a new iterator (the staged map traced and instantiated again).
+    This source is a queue of datasets read one after another: each call
+    feeds its passes (`feed`: `dataset.repeat(passes)`, as one element)
+    and the stage's one iterator reads them next, on the pipeline built
+    before. Every pass reads a fresh iterator of its dataset, as plain
+    Keras's epochs do, with the unread iterators Keras makes between
+    epochs (`opens`); a source whose kernels draw the same in every fresh
+    iterator (`SourceFacts.kernel_seeded`) is not fed.
 
-    The iterator reads nothing past the passes fed: once they are read, its
-    source waits in the queue's dequeue (a tf.data thread, no CPU) for the
-    next call's. So a call must read every pass it fed, or the iterator is
-    not run on (`LongLivedIterator.carries`): its leftover
-    passes are not the next call's. `close` ends the wait, for the
-    iterator's teardown.
+    Once the passes fed are read, the iterator waits in the queue's
+    dequeue (a tf.data thread, no CPU) for the next call's: a call must
+    read every pass it fed to be run on (`LongLivedIterator.carries`).
+    `close` ends the wait, for the iterator's teardown.
 
     Args:
         element_spec: The structure of the fed datasets' elements.

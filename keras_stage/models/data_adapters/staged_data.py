@@ -32,19 +32,13 @@ from keras_stage.models.data_adapters.python_sources import (
     is_python_source,
 )
 from keras_stage.models.kept_iterators import (
-    DeferredPipeline,
-    DistributedEpochPipeline,
-    DrawOrder,
+    CallIterators,
     FedSource,
     KeptStage,
     LongLivedEpochs,
-    LongLivedIterator,
     earlier_stage,
     kept_stage,
-    one_pass,
-    restarts_anywhere,
     switched_data,
-    variable_values,
 )
 
 logger = logging.getLogger("keras_stage")
@@ -172,8 +166,9 @@ class StagedData:
     """A staged dataset and the Keras adapter whose epochs feed it.
 
     Built whole by `stage_data` and not changed after: what varies during
-    the call is its iterators' state (`pipeline`, `end_call`) and the
-    per-call record `costs` (see `calls.staged_data`).
+    the call is its iterators' state (`iterators`, a
+    `kept_iterators.CallIterators`) and the per-call record `costs` (see
+    `calls.staged_data`).
     """
 
     def __init__(
@@ -213,12 +208,6 @@ class StagedData:
         # (a seeded `shuffle` shares its seed generator between
         # iterators), so those are made when Keras makes them.
         self.defers = defers
-        # How the stage runs the call's epochs on one iterator
-        # (`LongLivedEpochs`), or None: an iterator per epoch.
-        self._long_lived = epochs
-        self._shared = None  # its `LongLivedIterator`, made with `pipeline`
-        # The order of a drawing source's passes (see `DrawOrder`).
-        self._order = DrawOrder()
         # The model's kept stage this runs (see `stage_data(kept=...)`).
         self.kept = kept
         # One epoch of the source as Keras would iterate it, or a function
@@ -227,7 +216,7 @@ class StagedData:
         # Why `stage_data(epochs=...)` kept an iterator per epoch, or None.
         self.long_lived_refusal = long_lived_refusal
         # Whether the call reads on from the iterator an earlier call left
-        # (see `kept_iterators`, "Across calls"): what the stage holds
+        # (see `kept_iterators`): what the stage holds
         # when the call begins is its first epoch's.
         self.carried = carried
         # The call's record of what its stage costs, and the stage's work
@@ -237,6 +226,9 @@ class StagedData:
         self.step_clock = self.costs.step_clock
         snapshot = staged.stats.snapshot()
         self.work_before = (snapshot["busy_seconds"], snapshot["produced"])
+        # What Keras iterates, and the iterators behind it; `epochs`: the
+        # `LongLivedEpochs` of one iterator for the call's epochs, or None.
+        self.iterators = CallIterators(self, epochs)
 
     @property
     def source(self):
@@ -261,75 +253,13 @@ class StagedData:
 
         None: Keras gets an iterator per epoch (`DeferredPipeline`).
         """
-        return None if self._long_lived is None else self._long_lived.epochs
+        plan = self.iterators.plan
+        return None if plan is None else plan.epochs
 
     @property
     def long_lived(self):
         """Whether the stage runs the call's epochs on one iterator."""
-        return self._long_lived is not None
-
-    @property
-    def eager_dataset(self):
-        """What Keras reads in Python (predict; every phase on JAX).
-
-        The stage's own dataset, whose eager iterators apply the stage's
-        policies (`StageIterator`); long-lived (see `epochs`), an
-        `EpochPipeline` whose views all read one such iterator.
-        """
-        if self._long_lived is not None:
-            return self._epochs(self.staged)
-        return DeferredPipeline(self.staged, self._made, defer=self.defers)
-
-    def _epochs(self, pipeline, switch=None):
-        """The `EpochPipeline` of the call's one iterator of `pipeline`."""
-        return self._shared_iterator(pipeline, switch).epoch_pipeline(pipeline)
-
-    def _shared_iterator(self, pipeline, switch=None):
-        """The call's `LongLivedIterator` of `pipeline`.
-
-        `switch`: the call's `EpochSwitch`, or None; while it may run an
-        epoch without the stage, each staged epoch ends its iterator.
-        """
-        spans = self.kept is not None and self.kept.spans_calls
-        if self._shared is None and spans:
-            # The iterator an earlier call on this kept stage left.
-            self._shared = self.kept.iterator(pipeline)
-            if self._shared is not None:
-                self._shared.made = self._made
-        if self._shared is None:
-            plan = self._long_lived
-            segmented = plan.stop is not None
-            self._shared = LongLivedIterator(
-                pipeline,
-                plan.batches,
-                plan.epochs,
-                self._made,
-                steps_per_execution=plan.steps_per_execution,
-                start=plan.start,
-                stop=plan.stop,
-                ordinal=plan.ordinal,
-                pool=self.staged.thread_pool,
-                name=self.staged.name,
-                single_epochs=(
-                    (lambda: switch.decision is None)
-                    if segmented and switch is not None
-                    else None
-                ),
-                order=self._order if segmented else None,
-                fed=plan.fed,
-            )
-            if spans:
-                self.kept.keep_iterator(pipeline, self._shared)
-        return self._shared
-
-    def resize_makes_an_iterator(self):
-        """Whether a pool resized now makes an iterator the call would not.
-
-        Only a long-lived stage whose next epoch reads on from its iterator
-        (see `LongLivedIterator.next_epoch_reads_on`); a stage making an
-        iterator per epoch makes the next one anyway.
-        """
-        return self._shared is not None and self._shared.next_epoch_reads_on()
+        return self.iterators.plan is not None
 
     @property
     def set_up_seconds(self):
@@ -339,125 +269,43 @@ class StagedData:
     def _made(self, seconds):
         self.costs.made(seconds)
 
-    def _raw(self):
-        """One epoch of the source, for epochs run without the stage."""
-        plan = self._long_lived
-        if plan is not None and plan.stop is not None:
-            # Its passes draw as the stage's do, in the order read.
-            return DeferredPipeline(
-                one_pass(self.source, plan.opens),
-                lambda seconds: None,
-                order=self._order,
-            )
-        return DeferredPipeline(
-            self.source, lambda seconds: None, defer=self.defers
-        )
+    @property
+    def pipeline(self):
+        """What the compiled step iterates (`CallIterators.switched`)."""
+        return self.iterators.switched(None)
+
+    def switched(self, switch):
+        """What the compiled step iterates, its epochs run as `switch` says."""
+        return self.iterators.switched(switch)
+
+    @property
+    def eager_dataset(self):
+        """What Keras reads in Python (predict; every phase on JAX)."""
+        return self.iterators.eager_dataset()
 
     @property
     def epochs_restartable(self):
-        """Whether any epoch can start on a new iterator (see `start`)."""
-        plan = self._long_lived
-        # A fed source's iterator reads the passes fed, and no other.
-        return plan is None or (
-            not plan.feeds
-            and restarts_anywhere(plan.start, plan.epochs, plan.stop)
-        )
+        """Whether any epoch can start on a new iterator."""
+        return self.iterators.restartable
 
     @property
     def epochs_skippable(self):
-        """Whether the epoch switch can run an epoch without the stage.
+        """Whether the epoch switch can run an epoch without the stage."""
+        return self.iterators.skippable
 
-        Epochs that can start on a new iterator, or a source that draws
-        per iterator whose staged epochs end their iterators while the
-        switch may still skip one (see `LongLivedIterator`, `stop`).
-        """
-        plan = self._long_lived
-        return self.epochs_restartable or plan.stop is not None
+    def resize_makes_an_iterator(self):
+        """Whether a pool resized now makes an iterator the call would not."""
+        return self.iterators.resize_makes_an_iterator()
 
     def end_call(self):
-        """Drops what iterators of a stage built for the ended call still make.
+        """Ends the call's iterators (see `CallIterators.end_call`)."""
+        return self.iterators.end_call()
 
-        Keras may leave such an iterator alive (a traceback holds it); its
-        late elements must not count in the stats the next call shares.
-        A user's own staged dataset stays usable.
-
-        Returns:
-            The thread tearing down the call's long-lived iterator (see
-            `kept_iterators.release`), or None.
-        """
-        kept = self.kept
-        values = None
-        if kept is not None and kept.carries():
-            values = variable_values(self.split)
-        if values is not None:
-            # Its iterator runs on into the next call (see
-            # `kept_iterators`, "Across calls"): its elements are that
-            # call's, counted in the stats the two calls share.
-            kept.end_call(values)
-            return None
-        if self.owned:
-            self.staged.runner.close_gate()
-        released = None
-        if self._shared is not None:
-            # Its epochs not read yet run no further.
-            released = self._shared.close()
-        if kept is not None:
-            kept.drop_iterator()
-            kept.released = released
-            kept.in_use = False
-        return released
-
-    @property
-    def pipeline(self):
-        """What the compiled step iterates (`switched(None)`)."""
-        return self.switched(None)
-
-    def switched(self, switch):
-        """What the compiled step iterates, its epochs run as `switch` says.
-
-        `switch`: the call's `EpochSwitch` (which may run epochs of the
-        source without the stage), or None. Long-lived (see `epochs`): an
-        `EpochPipeline` whose iterators all read one real iterator, made
-        when first read.
-        """
-        pipeline = (
-            self.staged.lean_pipeline if self.in_step else self.staged.pipeline
+    def distribute(self, pipeline):
+        """`pipeline` under the strategy, replicas buffering on devices."""
+        return distribute_inputs(
+            self.strategy, pipeline, self.staged.stage_options
         )
-        if self.strategy is not None:
-            # Its replicas' share of each batch; long-lived, Keras's
-            # iterators of it are views of one distributed iterator. No
-            # epoch switch runs under a strategy (`decision.epochs._refusal`).
-            distributed = self._distributed(pipeline)
-            if self._long_lived is not None:
-                return DistributedEpochPipeline(
-                    self._shared_iterator(distributed),
-                    distributed,
-                    pipeline.element_spec,
-                )
-            return distributed
-        if self._long_lived is not None:
-            epochs = self._epochs(pipeline, switch)
-            if switch is None:
-                return epochs
-            return switch.pipeline(
-                epochs, self._raw(), on_unstaged=self._shared.skip_epoch
-            )
-        staged = DeferredPipeline(pipeline, self._made, defer=self.defers)
-        if switch is None:
-            return staged
-        return switch.pipeline(staged, self._raw())
-
-    def _distributed(self, pipeline):
-        """`pipeline` distributed by the strategy, kept with a kept stage."""
-
-        def distribute(pipeline):
-            return distribute_inputs(
-                self.strategy, pipeline, self.staged.stage_options
-            )
-
-        if self.kept is not None:
-            return self.kept.distributed(pipeline, distribute)
-        return distribute(pipeline)
 
 
 def _draws_per_iterator(dataset, spans_calls):
@@ -773,57 +621,46 @@ def stage_data(
     role=None,
     costs=None,
 ):
-    """Stages the data of one `phase` ("train", "test", "predict").
+    """Stages `x` (with `y`, `sample_weight`) for one call's `phase`.
 
-    `role` names the stage ("train", "val", "test", "predict"; defaults to
-    `phase`): a fit's validation is role "val" of phase "test". `costs`:
-    the call's `StageCosts` record, or None.
+    A flat switch on the type of `x`, as Keras's `get_data_adapter`: each
+    input type's adapter gives the call's `EpochSource`, which one build
+    turns into the `StagedData` the call runs (nobody changes it after).
 
-    With a SmartStage `split`, the stage also runs the split's prefix of
-    the model (in training mode for "train"). With `stats`, the stage counts
-    in them and the compiled step records its fetches there (its pipeline
-    is then the stage's lean one). Under a `strategy` with several
-    replicas, `StagedData.pipeline` is distributed with each replica's
-    buffer on its device.
-
-    With `epochs`, the most times Keras iterates `StagedData.pipeline` in
-    this call (a fit's `epochs - initial_epoch` for its training, its
-    number of validation runs for its validation), the stage runs across
-    those epochs on one iterator when that keeps every epoch's batches and
-    order as plain Keras's (see `models/kept_iterators.py`,
-    "Long-lived epochs", and `models/data_adapters/epoch_sources.py`);
-    `StagedData.long_lived` says whether it does, `long_lived_refusal` why
-    not. `steps_per_execution`: the model's (it must divide an epoch's batch
-    count). `alongside`: the other data the call reads while this stage runs
-    (the fit's validation data for its training, its training data for its
-    validation): a `tf.data.Dataset` sharing a dataset with this one keeps
-    an iterator per epoch (their draws interleave as plain Keras's do).
-
-    `reads_in_python`: whether Keras reads every batch in Python, through
-    `StagedData.eager_dataset` (predict; every phase on JAX), whose
-    iterators record their fetches on the host: the stage builds only its
-    lean pipeline (the fetch records' functions are not traced).
-    `pool_start`: the threads a new stage's adaptive pool starts with (the
-    size a model's last call ended with, see `StagingState.pool_sizes`),
-    or None for the backend's (`Backend.pool_start`). `feedable`: whether
-    the stage may read a fed source (below); False where its epochs must
-    start on new iterators or are checkpointed (see
-    `StagedCall._feedable`).
-
-    `kept`: the model's stages kept between calls, by role (a dict this
-    updates), or None. A stage over a user's `tf.data.Dataset` is built
-    once and run again by later calls on the same dataset object with the
-    same options, staged computation, batch count, stats and epochs on one
-    iterator (a new pipeline of the same dataset would only trace the same
-    functions again), class weights, strategy and use of the tf.data
-    service; each role keeps its latest. Under a strategy of several
-    replicas its distributed dataset is kept too. From a role's first call
-    on another dataset object, its stage is fed each call's passes
-    (`FedSource`) and run again by calls on any dataset of
-    the same structure (element spec, options, batch count).
-
-    `backend`: the `Backend` of the model's steps; defaults to the running
-    Keras backend's.
+    Args:
+        layer: The model's `StagedInput` (its options name the stage).
+        phase: The compiled step that reads it: "train", "test", "predict".
+        x, y, sample_weight, batch_size, steps, shuffle, class_weight: the
+            call's, as Keras's data adapter takes them (`steps`: its
+            `steps_per_epoch` or `steps`).
+        split: The SmartStage split whose prefix the stage runs (in training
+            mode for "train"), or None.
+        stats: The stats the compiled step records its fetches in (the
+            stage's lean pipeline), or None.
+        strategy: Under several replicas, `StagedData.pipeline` is
+            distributed with each replica's buffer on its device.
+        epochs: The most times Keras iterates the pipeline in this call, or
+            None. The stage then runs those epochs on one iterator where
+            that keeps plain Keras's batches and orders (see
+            `kept_iterators`); `StagedData.long_lived_refusal` says why not.
+        steps_per_execution: The model's (it must divide an epoch's count).
+        alongside: The call's other data (a fit's validation for its
+            training, and back): a dataset sharing a dataset with this one
+            keeps an iterator per epoch.
+        kept: The model's kept stages by role (updated here), or None: a
+            stage over a user's `tf.data.Dataset` runs again for later
+            calls on it (see `kept_iterators.KeptStage`).
+        reads_in_python: Whether Keras reads every batch in Python
+            (`StagedData.eager_dataset`: predict; every phase on JAX).
+        pool_start: The threads a new adaptive pool starts with, or None
+            for the backend's (`Backend.pool_start`).
+        feedable: Whether the stage may read a fed source (`FedSource`).
+        backend: The model's `Backend`; defaults to the running Keras
+            backend's.
+        role: The stage's name and key among the kept ("train", "val",
+            "test", "predict"); defaults to `phase`. A fit's validation is
+            role "val" of phase "test".
+        costs: The call's `StageCosts` record, or None.
     """
     backend = backends.get() if backend is None else backend
     role = phase if role is None else role

@@ -606,7 +606,7 @@ def test_an_early_stop_leaves_nothing_running_after_end_call():
     while stats.snapshot()["produced"] <= 6 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert stats.snapshot()["produced"] > 6
-    real = weakref.ref(data._shared._iterator)
+    real = weakref.ref(data.iterators._shared._iterator)
     # Its teardown runs on a thread of its own (it can block).
     data.end_call().join(10)
     gc.collect()
