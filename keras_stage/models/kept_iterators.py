@@ -236,18 +236,6 @@ def _close_running_on():
         shared.close()
 
 
-def restarts_anywhere(start, epochs, stop=None):
-    """Whether a long-lived source's epochs can start on a new iterator.
-
-    `start`: its first-epoch variable (see `long_lived_source`), or None;
-    `epochs` None: a source of free passes, every pass of which is a
-    first one. `stop`: its end-epoch variable, or None; a source with one
-    draws per iterator, and its epochs after the first run on one
-    iterator (see `LongLivedIterator`).
-    """
-    return stop is None and (start is not None or epochs is None)
-
-
 def _read_to_end(iterator):
     """Reads what `iterator` still yields, up to its end."""
     while True:
@@ -261,69 +249,48 @@ class LongLivedIterator:
     """The one real iterator of a pipeline spanning a call's epochs.
 
     Args:
-        pipeline: The long-lived pipeline (`epochs` epochs of `batches`).
-        batches: The batches of one epoch.
-        epochs: The epochs it spans (Keras may read fewer, never more);
-            None: as many as Keras reads (a source of free passes).
+        pipeline: The long-lived pipeline (`plan.epochs` epochs).
+        plan: Its `LongLivedEpochs`: Keras may read fewer epochs, never
+            more (None: as many as Keras reads, a source of free passes).
         made: `made(seconds)`, told how long each real iterator took.
-        steps_per_execution: The batches of one call of the compiled step
-            (it divides `batches`).
-        start: The source's first-epoch variable (`long_lived_source`)
-            where a new iterator can start at any epoch (independent
-            epochs, or with `stop`); else None.
-        stop: The source's end-epoch variable for a source that draws per
-            iterator on an adaptive `pool`: its first epoch reads an
-            iterator that ends with it, the later ones one more, made on
-            the pool sized from the first. Else None.
-        single_epochs: With `stop`, a function telling whether the next
-            iterator must also end with its epoch (while an `EpochSwitch`
-            may still skip one), or None.
-        order: With `stop`, the call's `DrawOrder`.
-        fed: The `FedSource` the pipeline reads, or None: its iterator
-            reads the passes fed, and no new one starts at any epoch.
-        ordinal: The staged random layers' count of numbered elements
-            (`StageSplit.ordinal`) when the pipeline numbers them without
-            writing it, else None: its iterator reads ahead of Keras, so
-            the count is kept here from what Keras took.
         pool: The stage's `StagePool`, or None.
         name: The stage's name, for messages.
+        single_epochs: With `plan.stop`, a function telling whether the
+            next iterator must also end with its epoch (while an
+            `EpochSwitch` may still skip one), or None.
+        order: With `plan.stop`, the call's `DrawOrder`.
     """
 
     def __init__(
         self,
         pipeline,
-        batches,
-        epochs,
+        plan,
         made,
-        steps_per_execution=1,
-        start=None,
-        ordinal=None,
         pool=None,
         name="stage",
-        stop=None,
         single_epochs=None,
         order=None,
-        fed=None,
     ):
         self._pipeline = pipeline
-        self.batches = int(batches)
-        self.epochs = None if epochs is None else int(epochs)
-        self.steps_per_execution = int(steps_per_execution)
+        self.batches = int(plan.batches)
+        self.epochs = None if plan.epochs is None else int(plan.epochs)
+        self.steps_per_execution = int(plan.steps_per_execution)
         self.made = made
-        self._start = start
-        self._stop = stop
+        self._start = plan.start
+        self._stop = plan.stop
         self._single_epochs = single_epochs
         self._order = order
-        self._fed = fed
+        # The `FedSource` it reads: the passes fed, and no other.
+        self._fed = plan.fed
         # Whether a new iterator can start at any epoch.
-        self.restartable = fed is None and restarts_anywhere(
-            start, epochs, stop
-        )
+        self.restartable = plan.restartable
         # With `stop`: the epoch the real iterator ends before.
         self._segment_end = None
         self._pool = pool
         self._name = name
-        self._ordinal = ordinal
+        # The staged random layers' count of numbered elements, kept here
+        # from what Keras took (its iterator reads ahead), or None.
+        self._ordinal = plan.ordinal
         # `ordinal`'s value less the batches read when first made.
         self._ordinal_origin = None
         # The real iterator, in a list a finalizer can hand to `release`.
@@ -781,17 +748,11 @@ class CallIterators:
             if self._shared is not None:
                 self._shared.made = data._made
         if self._shared is None:
-            plan = self.plan
-            segmented = plan.stop is not None
+            segmented = self.plan.stop is not None
             self._shared = LongLivedIterator(
                 pipeline,
-                plan.batches,
-                plan.epochs,
+                self.plan,
                 data._made,
-                steps_per_execution=plan.steps_per_execution,
-                start=plan.start,
-                stop=plan.stop,
-                ordinal=plan.ordinal,
                 pool=data.staged.thread_pool,
                 name=data.staged.name,
                 single_epochs=(
@@ -800,7 +761,6 @@ class CallIterators:
                     else None
                 ),
                 order=self._order if segmented else None,
-                fed=plan.fed,
             )
             if spans:
                 kept.keep_iterator(pipeline, self._shared)
@@ -839,12 +799,7 @@ class CallIterators:
     @property
     def restartable(self):
         """Whether any epoch can start on a new iterator (see `start`)."""
-        plan = self.plan
-        # A fed source's iterator reads the passes fed, and no other.
-        return plan is None or (
-            not plan.feeds
-            and restarts_anywhere(plan.start, plan.epochs, plan.stop)
-        )
+        return self.plan is None or self.plan.restartable
 
     @property
     def skippable(self):
@@ -938,6 +893,21 @@ class LongLivedEpochs:
         if callable(self._source):
             self._source = self._source()
         return self._source
+
+    @property
+    def restartable(self):
+        """Whether its epochs can start on a new iterator.
+
+        With `start` (independent epochs), or a source of free passes
+        (`epochs` None), every pass of which is a first one; not with
+        `stop` (its later epochs run on one iterator), nor fed (its
+        iterator reads the passes fed, and no other).
+        """
+        return (
+            not self.feeds
+            and self.stop is None
+            and (self.start is not None or self.epochs is None)
+        )
 
 
 def _opened(dataset):
@@ -1360,3 +1330,13 @@ def kept_stage(kept, role, wanted, split=None):
             return None
         entry.released = None
     return entry
+
+
+def retire_all(kept):
+    """Ends every stage of `kept` (a model's kept stages, by role) for good.
+
+    Their iterators, if they outlived their calls, are torn down.
+    """
+    for entry in kept.values():
+        entry.retire()
+    kept.clear()

@@ -25,7 +25,7 @@ import keras
 
 from keras_stage import _compat
 from keras_stage.layers.staged_input import StagedInput
-from keras_stage.models import backends
+from keras_stage.models import backends, kept_iterators
 from keras_stage.models.backends import tensorflow_steps
 from keras_stage.models.call.staged_call import StagedCall
 from keras_stage.models.decision import calls
@@ -131,9 +131,7 @@ class StagingMixin:
         state.stage_rent.clear()
         state.unmeasured_rent.clear()
         state.step_traces.clear()
-        for entry in state.stages.values():
-            entry.retire()  # its iterator, if it outlived its call
-        state.stages.clear()
+        kept_iterators.retire_all(state.stages)
         state.switch_verdicts.clear()
         state.announced = False
         state.costs = None

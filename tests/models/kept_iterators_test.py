@@ -24,6 +24,7 @@ from keras_stage.models.kept_iterators import (
     EpochPipeline,
     EpochView,
     KeptIterator,
+    LongLivedEpochs,
     LongLivedIterator,
     release,
     resolve,
@@ -57,15 +58,10 @@ def _epochs_source(start=None, epochs=EPOCHS):
 
 def _shared(start=None, pool=None, steps_per_execution=1, epochs=EPOCHS):
     made = []
+    source = _epochs_source(start, epochs)
+    plan = LongLivedEpochs(epochs, BATCHES, steps_per_execution, start, source)
     shared = LongLivedIterator(
-        _epochs_source(start, epochs),
-        BATCHES,
-        epochs,
-        made.append,
-        steps_per_execution=steps_per_execution,
-        start=start,
-        pool=pool,
-        name="unit",
+        source, plan, made.append, pool=pool, name="unit"
     )
     return shared, made
 
@@ -271,8 +267,10 @@ def _fed(pool=None):
 
     fed = FedSource(epoch(0).element_spec, epoch(0).options())
     made = []
+    plan = LongLivedEpochs(None, BATCHES, 1, None, fed.dataset, feeds=True)
+    plan.fed = fed
     shared = LongLivedIterator(
-        fed.dataset, BATCHES, None, made.append, pool=pool, name="fed", fed=fed
+        fed.dataset, plan, made.append, pool=pool, name="fed"
     )
     return fed, shared, epoch, made
 
