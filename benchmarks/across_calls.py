@@ -12,7 +12,7 @@ with the model's `StagedInput(adaptive=False)`, so that every call is
 staged (not decided away by `decision/calls.py`), beside a plain model in
 the same process, alternating. It measures what a staged call costs once
 its stage is kept: since the iterator runs on across calls (see
-`keras_stage/models/kept_iterators.py`), a call
+`keras_stage/models/iterators/kept_iterators.py`), a call
 after the second makes no iterator of the staged computation. Medians
 leave the first two calls of each mode out (the stage's build and the
 call that builds it again over its repeating source). Results:

@@ -25,11 +25,12 @@ import keras
 
 from keras_stage import _compat
 from keras_stage.layers.staged_input import StagedInput
-from keras_stage.models import backends, kept_iterators
+from keras_stage.models import backends
 from keras_stage.models.backends import tensorflow_steps
 from keras_stage.models.call.staged_call import StagedCall
 from keras_stage.models.decision import calls
 from keras_stage.models.decision.calls import validation_runs
+from keras_stage.models.iterators import kept_iterators
 from keras_stage.models.model_state import state as _state
 from keras_stage.planner.planner import plan_model
 

@@ -26,7 +26,7 @@ from keras_stage import _compat
 from keras_stage.data.errors import StageTimeoutError
 from keras_stage.data.runner import EndOfData, SkipElement
 from keras_stage.data.stats import StageStats
-from keras_stage.models.kept_iterators import KeptIterator, resolve
+from keras_stage.models.iterators.kept_iterators import KeptIterator, resolve
 from keras_stage.models.model_state import (
     FUNCTIONS,
     MAKERS,

@@ -1,6 +1,6 @@
 """One source for all the epochs of a call, in plain Keras's epoch orders.
 
-A stage that runs across epochs (see `models/kept_iterators.py`)
+A stage that runs across epochs (see `models/iterators/kept_iterators.py`)
 reads one dataset spanning every epoch of the call:
 `range(epochs).flat_map` of the epoch's source. Plain Keras makes a new
 iterator of that source every epoch, and some sources draw differently from
@@ -40,7 +40,7 @@ import weakref
 import tensorflow as tf
 
 from keras_stage import _compat
-from keras_stage.models.kept_iterators import _unconverted, one_pass
+from keras_stage.models.iterators.kept_iterators import _unconverted, one_pass
 
 # A seeded replay keeps one epoch of the arrays in memory (a copy of them,
 # in batches); above this it is not worth the memory.

@@ -31,7 +31,7 @@ from keras_stage.models.data_adapters.python_sources import (
     check_source,
     is_python_source,
 )
-from keras_stage.models.kept_iterators import (
+from keras_stage.models.iterators.kept_iterators import (
     CallIterators,
     FedSource,
     KeptStage,

@@ -69,7 +69,7 @@ from keras_stage.models.data_adapters.staged_data import (
     stage_data,
     strategy_refusal,
 )
-from keras_stage.models.kept_iterators import carries
+from keras_stage.models.iterators.kept_iterators import carries
 from keras_stage.models.model_state import UNSTAGED_STEPS
 from keras_stage.models.model_state import state as model_state
 from keras_stage.planner.state_access import all_layers, seed_states

@@ -60,7 +60,7 @@ from keras_stage.models.decision.calls import (
     trace_owed,
     traces_whole_step,
 )
-from keras_stage.models.kept_iterators import KeptIterator, resolve
+from keras_stage.models.iterators.kept_iterators import KeptIterator, resolve
 from keras_stage.models.model_state import state as model_state
 
 logger = logging.getLogger("keras_stage")

@@ -4,7 +4,7 @@
 (keras_stage/models/data_adapters/staged_data.py) builds the stage over
 one source spanning E epochs (models/data_adapters/epoch_sources.py) and
 hands Keras epoch views of one real iterator
-(models/kept_iterators.py). Each epoch must read exactly the
+(models/iterators/kept_iterators.py). Each epoch must read exactly the
 batches, in exactly the order, plain Keras reads: checked here against
 plain Keras's own `fit` (a model recording every batch its steps get) and
 against fresh iterators of Keras's adapter dataset, for arrays (shuffle
@@ -30,7 +30,7 @@ from keras_stage.models.data_adapters.staged_data import (
     StagedData,
     stage_data,
 )
-from keras_stage.models.kept_iterators import (
+from keras_stage.models.iterators.kept_iterators import (
     DeferredPipeline,
     EpochPipeline,
     EpochView,

@@ -25,7 +25,7 @@ from keras_stage.models.data_adapters.staged_data import (
     stage_data,
     strategy_refusal,
 )
-from keras_stage.models.kept_iterators import (
+from keras_stage.models.iterators.kept_iterators import (
     DeferredIterator,
     DeferredPipeline,
 )

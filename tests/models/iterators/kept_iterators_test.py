@@ -1,4 +1,4 @@
-"""Tests for keras_stage/models/kept_iterators.py, on plain pipelines.
+"""Tests for keras_stage/models/iterators/kept_iterators.py, on plain pipelines.
 
 The iterators a staged call hands Keras: deferred ones (made when first
 read) and the epoch views of one long-lived iterator. Here they run on
@@ -15,8 +15,8 @@ import pytest
 import tensorflow as tf
 
 from keras_stage.data.eager_iterated import EagerIterated
-from keras_stage.models import kept_iterators as iterators_module
-from keras_stage.models.kept_iterators import (
+from keras_stage.models.iterators import kept_iterators as iterators_module
+from keras_stage.models.iterators.kept_iterators import (
     RELEASE_THREAD,
     DeferredIterator,
     DeferredPipeline,
@@ -260,7 +260,7 @@ def test_without_a_start_a_resized_pool_keeps_the_iterator():
 
 def _fed(pool=None):
     """A `LongLivedIterator` of a `FedSource` of `BATCHES`-element passes."""
-    from keras_stage.models.kept_iterators import FedSource
+    from keras_stage.models.iterators.kept_iterators import FedSource
 
     def epoch(k):
         return tf.data.Dataset.range(k * BATCHES, (k + 1) * BATCHES)
