@@ -1103,7 +1103,7 @@ def iterators_made(model, role, x, default=1):
     """The iterators of its stage a call of `role` on `x` makes.
 
     None (0) when it reads on from the one an earlier call left (see
-    `staged_data.carries`); else `default`.
+    `kept_iterators.carries`); else `default`.
     """
     return 0 if carries(model_state(model).stages, role, x) else default
 

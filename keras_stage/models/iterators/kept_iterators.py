@@ -485,7 +485,7 @@ class LongLivedIterator:
         )
 
     def _count_taken(self):
-        """Sets `ordinal` to the elements Keras took (see the Args)."""
+        """Sets `ordinal` to the elements Keras took (see `_ordinal`)."""
         if self._ordinal_origin is not None:
             self._ordinal.assign(self._ordinal_origin + self.read_batches)
 
@@ -509,7 +509,7 @@ class LongLivedIterator:
         """Drops the real iterator; nothing of it runs any more.
 
         Its pipeline is torn down on another thread (`release`); the
-        stage's gate, closed first by `StagedData.end_call`, keeps any
+        stage's gate, closed first by `CallIterators.end_call`, keeps any
         element it still finishes out of the stage's counts.
 
         Returns:
