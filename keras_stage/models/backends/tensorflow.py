@@ -80,7 +80,7 @@ class TensorFlowBackend(Backend):
     def feed(self, data, phase, switch=None):
         if not self.reads_in_graph(phase):
             return data.eager_dataset
-        pipeline = data.switched(switch)
+        pipeline = data.iterators.switched(switch)
         if data.strategy is not None and data.long_lived:
             # Views of one distributed iterator: Keras takes them as they are.
             return _compat.distributed_dataset_adapter(pipeline)

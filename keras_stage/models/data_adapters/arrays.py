@@ -166,16 +166,10 @@ def array_batches(adapter, shuffle):
 def epoch_source(adapter, arrays, shuffle, gathers=False, served=False):
     """The `EpochSource` of arrays (and whatever else Keras's adapter takes).
 
-    Args:
-        adapter: Keras's data adapter of the call's data.
-        arrays: The call's `(x, y, sample_weight)`.
-        shuffle: The call's `shuffle` argument.
-        gathers: Whether the stage has work of its own (a SmartStage
-            prefix): it then gathers in its own map, staging the index
-            batches. Defaults to `False`.
-        served: Whether the stage runs on the tf.data service, whose
-            workers rebuild the dataset from its graph: Keras's own
-            dataset, as tested there. Defaults to `False`.
+    `arrays`: the call's `(x, y, sample_weight)`. `gathers`: whether the
+    stage has work of its own (a SmartStage prefix), which then gathers in
+    its own map from the index batches. `served`: on the tf.data service,
+    whose workers rebuild the dataset from its graph, Keras's own dataset.
     """
     batches = None if served else array_batches(adapter, shuffle)
     if batches is None:

@@ -82,24 +82,18 @@ _DRAWING_DATASETS = re.compile("Shuffle|Random")
 
 
 class EpochSource:
-    """One epoch of a call's data, as its input type's adapter hands it over.
-
-    Built by `arrays.epoch_source`, `datasets.epoch_source` or
-    `python_sources.epoch_source` (`staged_data.stage_data` picks one by the
-    type of `x`, as Keras's `get_data_adapter` does) and staged as it is.
+    """One epoch of a call's data, from its input type's `epoch_source`.
 
     Args:
         adapter: Keras's data adapter of the call's data.
         dataset: What the stage stages: one epoch as Keras would iterate
             it, or its row-index batches where `gather` is given.
         arrays: `(x, y, sample_weight)` of in-memory arrays, else None.
-            Defaults to `None`.
         gather: The `ArrayBatches` a stage with work of its own gathers
-            from in its own map, or None. Defaults to `None`.
+            from in its own map, or None.
         keeps: Whether the model may keep its stage for later calls on the
-            same object (a user's `tf.data.Dataset`). Defaults to `False`.
-        long_lived: Whether its epochs may run on one iterator. Defaults to
-            `True`.
+            same object (a user's `tf.data.Dataset`).
+        long_lived: Whether its epochs may run on one iterator.
     """
 
     def __init__(

@@ -200,13 +200,9 @@ class StagedData:
         self.element_spec = element_spec
         staged.runner.records_in_step = in_step
         # Whether Keras gets iterators made when first read (see
-        # `DeferredPipeline`): over Keras's own dataset of in-memory
-        # arrays, built for this call and drawing its shuffle per
-        # iterator, and over a user's dataset that draws nothing when an
-        # iterator starts (`SourceFacts.iterator_draws`). Making an
-        # iterator of any other dataset can change what the next one draws
-        # (a seeded `shuffle` shares its seed generator between
-        # iterators), so those are made when Keras makes them.
+        # `DeferredPipeline`): over arrays, and a dataset that draws nothing
+        # when an iterator starts; any other's next iterator may draw
+        # differently, so those are made when Keras makes them.
         self.defers = defers
         # The model's kept stage this runs (see `stage_data(kept=...)`).
         self.kept = kept
@@ -274,10 +270,6 @@ class StagedData:
         """What the compiled step iterates (`CallIterators.switched`)."""
         return self.iterators.switched(None)
 
-    def switched(self, switch):
-        """What the compiled step iterates, its epochs run as `switch` says."""
-        return self.iterators.switched(switch)
-
     @property
     def eager_dataset(self):
         """What Keras reads in Python (predict; every phase on JAX)."""
@@ -292,10 +284,6 @@ class StagedData:
     def epochs_skippable(self):
         """Whether the epoch switch can run an epoch without the stage."""
         return self.iterators.skippable
-
-    def resize_makes_an_iterator(self):
-        """Whether a pool resized now makes an iterator the call would not."""
-        return self.iterators.resize_makes_an_iterator()
 
     def end_call(self):
         """Ends the call's iterators (see `CallIterators.end_call`)."""

@@ -928,10 +928,10 @@ def resize_cost(model, data):
 
     The measured seconds of a new iterator of its stage where the next
     epoch would read on from the one it has; nothing where it makes one
-    anyway (see `StagedData.resize_makes_an_iterator`); None if not
+    anyway (see `CallIterators.resize_makes_an_iterator`); None if not
     measured.
     """
-    if not data.resize_makes_an_iterator():
+    if not data.iterators.resize_makes_an_iterator():
         return 0.0
     return iterator_cost(model, data.cost_phase)
 

@@ -1,43 +1,31 @@
 """Iterators kept alive: the one place that knows what Keras really reads.
 
 Keras's `EpochIterator` makes an iterator of the dataset it is handed each
-epoch (and one more as each epoch ends). What a staged call hands it makes
-`KeptIterator`s, the one interface of this module: `resolve()` is the real
-iterator of that role's stage for that epoch, asked by the step guard once
-per call of the compiled step (`resolve(iterator)`) and by Keras's Python
-reads (`next`). Behind it, one of:
+epoch (and one more as each epoch ends). A staged call's datasets
+(`CallIterators`) make `KeptIterator`s, the one interface of this module:
+`resolve()` is the real iterator of that role's stage for that epoch,
+asked by the step guard (`resolve(iterator)`) and by Keras's `next`.
+Behind it, one of:
 
-- a new iterator, made when first read (`DeferredIterator`): an iterator
-  Keras makes and never reads costs nothing (an iterator of a staged
-  pipeline costs a trace's worth of instantiated functions);
-- the one iterator of a stage run across the call's epochs (`EpochView` of
-  a `LongLivedIterator`, see `LongLivedEpochs`): `stage_data(epochs=E)`
-  builds, when it is safe, a source spanning all E epochs in plain Keras's
-  orders (`epoch_sources.long_lived_source`); an epoch pays no iterator and
-  the buffer fills on while Keras ends an epoch. Keras reads exactly an
-  epoch's batches from each view (`EpochPipeline` reports one epoch's
-  cardinality); an epoch left early is read to its end, or restarted where
-  passes are independent, so each epoch starts where plain Keras's fresh
-  iterator starts. A source that draws per iterator on an adaptive pool
-  runs its first epoch on an iterator of its own (`stop`), and while an
-  `EpochSwitch` may still run an epoch without the stage each staged epoch
-  ends its iterator; the passes then draw in plain Keras's order
-  (`DrawOrder`). Under a strategy of several replicas the real iterator is
-  one iterator of the distributed dataset (`DistributedEpochPipeline`).
-- the iterator a `KeptStage` (the model's stage per role, kept for its
-  later calls on the same dataset) left running across calls: over a
-  source whose passes are free its iterator repeats for as long as it is
-  read and the next call reads on from the next pass; once a role's call
-  comes on another dataset object, the stage reads a `FedSource` that each
-  call feeds its passes. A call that left an epoch early, or a change of
-  the staged layers' variables, starts a new real iterator instead.
+- a new iterator, made when first read (`DeferredIterator`): one Keras
+  makes and never reads costs nothing (a staged pipeline's iterator costs
+  a trace's worth of instantiated functions);
+- the one `LongLivedIterator` of a stage run across the call's epochs, read
+  through an `EpochView` per epoch: its source spans the epochs in plain
+  Keras's orders (`epoch_sources.long_lived_source`), so an epoch pays no
+  iterator. An epoch left early is read to its end, or restarted where
+  passes are independent; a drawing source's passes draw in plain Keras's
+  order (`DrawOrder`, `stop`);
+- the iterator a `KeptStage` (the model's stage per role) left running
+  across calls: over a source of free passes, or a `FedSource` each call
+  feeds. A call that left an epoch early, or a change of the staged
+  layers' variables, starts a new one.
 
 The batches a long-lived stage holds when an epoch begins are that
 epoch's: a consumer marking each epoch's start in the stage's stats
 (`StageStats.mark_request`) must not count them as orphaned. A call's end
-drops its real iterator on a thread of its own (`release`): the teardown
-can block, and the stage's gate is closed first so nothing it still
-finishes counts.
+drops its real iterator on a thread of its own (`release`), its stage's
+gate closed first so nothing it still finishes counts.
 """
 
 import atexit
@@ -137,13 +125,11 @@ class DeferredPipeline(EagerIterated):
 class DrawOrder:
     """Keeps the draws of a source's passes in the order they are read.
 
-    A source that draws from a seed generator per iterator (a reshuffling
-    `shuffle`) draws when each pass starts and, with plain Keras's unread
-    iterator after it (`one_pass(opens=1)`), when it ends.
-    Each pass's iterator is read to its end (`finish`) before the next one
-    is made, so the draws come in plain Keras's order whatever iterators
-    Keras makes and leaves unread. Shared by a call's epochs run without
-    the stage (`DeferredPipeline`) and its `LongLivedIterator`.
+    A source that draws per iterator (a reshuffling `shuffle`) draws as each
+    pass starts and, with plain Keras's unread iterator after it
+    (`one_pass(opens=1)`), as it ends. Each pass is read to its end
+    (`finish`) before the next is made: the draws come in plain Keras's
+    order whatever iterators Keras leaves unread.
     """
 
     def __init__(self):
@@ -182,18 +168,11 @@ def _exiting():
 def release(held):
     """Empties the list `held` on a daemon thread: its teardown may block.
 
-    Deleting a tf.data iterator cancels and joins its threads in the
-    deleting thread, which at the end of a long-lived call's last epoch
-    can block the call's return (seen in `LongLivedIterator.close`) while
-    the pipeline itself is idle. A list, not the iterator: an argument
-    stays referenced by the caller until the call returns, which would
-    delete it there. The
-    caller must hold no other reference to what the list holds.
-
-    Once the interpreter's exit has begun, `held` is emptied in the
-    calling thread: a thread started then (by an exit hook or finalizer
-    after `_finish_releases`, or by the garbage collector) could still be
-    in the teardown when the interpreter finalizes.
+    Deleting a tf.data iterator joins its threads in the deleting thread,
+    which can block a call's return. A list, not the iterator: an argument
+    stays referenced by the caller until the call returns. Once the
+    interpreter's exit has begun, `held` is emptied in the calling thread
+    (a thread started then could still be in the teardown at finalization).
 
     Returns:
         The thread (tests join it), or None when emptied in place.
@@ -665,15 +644,13 @@ class DistributedEpochPipeline(tf.distribute.DistributedDataset):
 class CallIterators:
     """What Keras iterates of one role's stage in one call.
 
-    The one place a staged call gets its iterators from: `switched(switch)`
-    (the compiled step's dataset), `eager_dataset()` (Keras's Python
-    reads) and `end_call()`. Behind them: a `DeferredIterator` per epoch,
-    or the `EpochView`s of the call's `LongLivedIterator`, which the role's
-    `KeptStage` may keep across calls.
+    `switched(switch)` (the compiled step's dataset), `eager_dataset()`
+    (Keras's Python reads) and `end_call()`: a `DeferredIterator` per
+    epoch, or `EpochView`s of the call's `LongLivedIterator`, which the
+    role's `KeptStage` may keep across calls.
 
     Args:
-        data: The call's `StagedData`: its stage, source, kept stage,
-            strategy, and the record told each iterator's seconds.
+        data: The call's `StagedData`.
         plan: Its `LongLivedEpochs`, or None: an iterator per epoch.
     """
 
@@ -685,11 +662,8 @@ class CallIterators:
         self._order = DrawOrder()
 
     def eager_dataset(self):
-        """What Keras reads in Python (predict; every phase on JAX).
-
-        The stage's own dataset, whose eager iterators apply the stage's
-        policies (`StageIterator`); long-lived, an `EpochPipeline` whose
-        views all read one such iterator.
+        """What Keras reads in Python (predict; every phase on JAX): the
+        stage's own dataset, or an `EpochPipeline` of one of its iterators.
         """
         data = self._data
         if self.plan is not None:
@@ -697,12 +671,8 @@ class CallIterators:
         return DeferredPipeline(data.staged, data._made, defer=data.defers)
 
     def switched(self, switch):
-        """What the compiled step iterates, its epochs run as `switch` says.
-
-        `switch`: the call's `EpochSwitch` (which may run epochs of the
-        source without the stage), or None. Long-lived: an `EpochPipeline`
-        whose iterators all read one real iterator, made when first read.
-        """
+        """What the compiled step iterates, its epochs run as `switch` (the
+        call's `EpochSwitch`, or None) says."""
         data = self._data
         staged = data.staged
         pipeline = staged.lean_pipeline if data.in_step else staged.pipeline
@@ -812,15 +782,14 @@ class CallIterators:
         return self.restartable or self.plan.stop is not None
 
     def end_call(self):
-        """Drops what iterators of a stage built for the ended call still make.
+        """Ends the call's iterators, or detaches one that runs on.
 
-        Keras may leave such an iterator alive (a traceback holds it); its
-        late elements must not count in the stats the next call shares.
-        A user's own staged dataset stays usable.
+        Keras may leave an iterator alive (a traceback holds it); its late
+        elements must not count in the stats the next call shares. A user's
+        own staged dataset stays usable.
 
         Returns:
-            The thread tearing down the call's long-lived iterator (see
-            `release`), or None.
+            The thread tearing down the long-lived iterator, or None.
         """
         data, kept = self._data, self._data.kept
         values = None
