@@ -308,16 +308,11 @@ def _draws_per_iterator(dataset, spans_calls):
 def strategy_refusal(strategy, dataset=None):
     """Why Keras's iterators under `strategy` cannot be views of one.
 
-    None under the default strategy, where Keras iterates the stage's
-    pipeline with `iter`, and under a strategy of several replicas, where it
-    iterates the distributed dataset the stage hands it
-    (`StagedData.pipeline`) with `iter`, unless `dataset` (the stage's
-    source, if known) draws from a seed per iterator: there Keras also
-    makes an iterator of its own at the start of each call (a peek, see
-    `DistributedEpochView`), which takes the next draw (a draw with no seed
-    at all, which nobody can replay, may be taken). Under any other
-    strategy (one replica, such as `OneDeviceStrategy`) Keras distributes
-    the pipeline itself and makes its iterators from the dataset's graph.
+    None under the default strategy, and under several replicas (Keras
+    iterates the distributed dataset the stage hands it) unless `dataset`
+    (the stage's source, if known) draws from a seed per iterator: Keras's
+    peek at each call's start (see `EpochView`) would take a draw. Under
+    one replica Keras distributes the pipeline itself, from its graph.
     """
     if default_strategy(strategy):
         return None
@@ -399,16 +394,12 @@ def _long_lived_epochs(
 ):
     """`(LongLivedEpochs, None)`, or `(None, why not)`, for a safe stage.
 
-    `epoch`: the call's `EpochSource`. See `epoch_sources` for the orders
-    kept.
-    `spans_calls`: whether the iterator may outlive the call, for a source
-    of free passes (`SourceFacts.free_passes`). `first_alone`: whether the
-    first epoch reads an iterator of its own, which ends with it, and the
-    others one more (a drawing dataset's stage on an adaptive pool, sized
-    from its first epoch: see `LongLivedIterator`). `fed`: whether such a
-    source is fed each call's passes (`FedSource`), so a
-    later call on another dataset of its structure reads on too.
-    `unread_opens`: the backend's (`Backend.unread_opens`).
+    `epoch`: the call's `EpochSource` (see `epoch_sources` for the orders
+    kept). `spans_calls`: whether the iterator may outlive the call, for a
+    source of free passes. `first_alone`: whether the first epoch reads an
+    iterator of its own (a drawing dataset on an adaptive pool, see
+    `LongLivedIterator`). `fed`: whether the source is fed each call's
+    passes (`FedSource`). `unread_opens`: `Backend.unread_opens`.
     """
     if not epoch.long_lived:
         return None, "the data is not in-memory arrays or a tf.data.Dataset"
