@@ -7,12 +7,12 @@ data) N times on the same `tf.data.Dataset` object (a notebook's
 evaluate, a validation set passed to every fit, a repeated predict), or
 with `--new-datasets` on a new dataset object of the same data each call
 (a loop that builds its dataset per call: from the second call on, the
-stage reads a fed source, see `epoch_sources.FedSource`),
+stage reads a fed source, see `kept_iterators.FedSource`),
 with the model's `StagedInput(adaptive=False)`, so that every call is
 staged (not decided away by `decision/calls.py`), beside a plain model in
 the same process, alternating. It measures what a staged call costs once
 its stage is kept: since the iterator runs on across calls (see
-`keras_stage/models/call/epoch_iterators.py`, "Across calls"), a call
+`keras_stage/models/iterators/kept_iterators.py`), a call
 after the second makes no iterator of the staged computation. Medians
 leave the first two calls of each mode out (the stage's build and the
 call that builds it again over its repeating source). Results:

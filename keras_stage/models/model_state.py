@@ -74,8 +74,8 @@ class StagingState:
         # resumed from a saved position, whose data ends before Keras's
         # count of the epoch's steps (see `tensorflow_steps.track_iterator`).
         self.resumed_left = {}
-        # Per phase: the stage its last call built over a user's dataset
-        # and what it was built for (see `staged_data.stage_data(kept=...)`).
+        # Per role: the `KeptStage` its last call built over a user's
+        # dataset, run again by later calls (owned by `kept_iterators`).
         self.stages = {}
         # Per phase: the list the compiled step appends its host time per
         # batch to while a call times its steps (see `decision.calls

@@ -30,6 +30,7 @@ from keras_stage.models.backends import tensorflow_steps
 from keras_stage.models.call.staged_call import StagedCall
 from keras_stage.models.decision import calls, learned
 from keras_stage.models.decision.calls import validation_runs
+from keras_stage.models.iterators import kept_iterators
 from keras_stage.models.model_state import state as _state
 from keras_stage.planner.planner import plan_model
 
@@ -127,9 +128,7 @@ class StagingMixin:
         state.smart_stage = smart_stage
         state.plan = state.split = None
         state.staged_functions.clear()
-        for entry in state.stages.values():
-            entry.retire()  # its iterator, if it outlived its call
-        state.stages.clear()
+        kept_iterators.retire_all(state.stages)
         state.announced = False
         # Its costs (another stage signature), and what was paid toward
         # tracing the steps compile drops.
@@ -495,7 +494,7 @@ class StagingMixin:
                 batch_size=batch_size,
                 steps=steps,
                 # One epoch; on a kept stage its iterator may run on into
-                # the next evaluate (see `epoch_iterators`).
+                # the next evaluate (see `kept_iterators`).
                 epochs=1,
                 steps_per_execution=self.steps_per_execution,
             )
@@ -546,7 +545,7 @@ class StagingMixin:
                 batch_size=batch_size,
                 steps=steps,
                 # One epoch; on a kept stage its iterator may run on into
-                # the next predict (see `epoch_iterators`).
+                # the next predict (see `kept_iterators`).
                 epochs=1,
                 steps_per_execution=self.steps_per_execution,
             )

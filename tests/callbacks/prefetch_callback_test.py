@@ -1017,7 +1017,7 @@ def test_keras_steps_count_every_fetch_in_the_step_not_in_the_pipeline():
     assert train.pipeline is train.lean_pipeline
     # Every batch of both epochs, counted exactly once, in the step. Its
     # dataset draws nothing, so the stage's iterator runs on into the next
-    # call on it (see epoch_iterators.py, "Across calls"): what it made
+    # call on it (see kept_iterators.py): what it made
     # past the call waits in its buffer, for that call.
     snap = train.stats.snapshot()
     assert snap["consumed"] == 2 * NUM_BATCHES

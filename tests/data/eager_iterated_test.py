@@ -3,7 +3,7 @@
 An `EagerIterated` is its base dataset everywhere but in an eager `iter()`,
 which its subclass's `eager_iter` answers. The subclasses the models use
 (`DeferredPipeline`, `EpochPipeline`) are tested in
-tests/models/call/epoch_iterators_test.py.
+tests/models/iterators/kept_iterators_test.py.
 """
 
 import pytest

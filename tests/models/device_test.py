@@ -333,14 +333,14 @@ def test_a_fit_under_a_strategy_runs_its_epochs_on_one_iterator():
         FIT_TWINS.format(**FEW_COLUMNS),
         MIRRORED_TWINS,
         """
-        from keras_stage.models.call import epoch_iterators
+        from keras_stage.models.iterators import kept_iterators
 
         made = []
-        make = epoch_iterators.LongLivedIterator._make
+        make = kept_iterators.LongLivedIterator._make
         def counted_make(self):
             made.append(self._name)
             return make(self)
-        epoch_iterators.LongLivedIterator._make = counted_make
+        kept_iterators.LongLivedIterator._make = counted_make
 
         x, y = data(96)
         def dataset():

@@ -2,7 +2,8 @@
 
 Covers the traced SmartStage prefix kept across calls (planner's
 `StageSplit.stage_fn`), the iterators handed to Keras
-(keras_stage/models/call/epoch_iterators.py) and `StagedInput(adaptive=...)`.
+(keras_stage/models/iterators/kept_iterators.py) and
+`StagedInput(adaptive=...)`.
 """
 
 import logging
@@ -13,9 +14,12 @@ import pytest
 import tensorflow as tf
 
 import keras_stage
-from keras_stage.models.call.epoch_iterators import DeferredPipeline, resolve
 from keras_stage.models.decision import calls
 from keras_stage.models.decision.epochs import may_switch
+from keras_stage.models.iterators.kept_iterators import (
+    DeferredPipeline,
+    resolve,
+)
 from keras_stage.models.model_state import UNSTAGED_STEPS
 from keras_stage.models.model_state import state as model_state
 from keras_stage.models.staging_mixin import find_staged_input

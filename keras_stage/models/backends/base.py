@@ -25,9 +25,10 @@ class Backend:
       compiled train/test step), `may_run_unstaged` (whether a call or an
       epoch may skip its stage), `jit_by_default` (`jit_compile="auto"`).
     - Feed: `reads_in_graph(phase)` (Keras's step reads the batches in its
-      graph, not in Python), `host_arrays(data)`, `feed(data, phase)` (what
-      Keras iterates for a `StagedData`), `build(model, data, phase)` (what
-      Keras builds from a first batch, from the stage's specs),
+      graph, not in Python), `host_arrays(data)`, `feed(data, phase,
+      switch)` (what Keras iterates for a `StagedData`), `build(model,
+      data, phase)` (what Keras builds from a first batch, from the stage's
+      specs),
       `shard_batches(dataset)` (a process's batches where Keras shards per
       process), `unread_opens` (iterators Keras opens per epoch, unread).
     - Buffer and pool: `uses_device_buffer`, `pool_start(options)`,

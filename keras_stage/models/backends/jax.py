@@ -73,7 +73,7 @@ class JaxBackend(Backend):
 
         return keras.tree.map_structure(convert, data)
 
-    def feed(self, data, phase):
+    def feed(self, data, phase, switch=None):
         """The stage's eager dataset, as Keras's trainer is to read it.
 
         Across processes under a `keras.distribution`, Keras would shard

@@ -9,7 +9,6 @@ import tensorflow as tf
 from keras_stage import _compat
 from keras_stage.models.backends import tensorflow_steps
 from keras_stage.models.backends.base import Backend
-from keras_stage.models.call.epoch_iterators import DistributedEpochPipeline
 from keras_stage.models.model_state import FUNCTIONS
 
 
@@ -78,11 +77,12 @@ class TensorFlowBackend(Backend):
     def host_arrays(self, data):
         return data
 
-    def feed(self, data, phase):
+    def feed(self, data, phase, switch=None):
         if not self.reads_in_graph(phase):
             return data.eager_dataset
-        pipeline = data.pipeline
-        if isinstance(pipeline, DistributedEpochPipeline):
+        pipeline = data.iterators.switched(switch)
+        if data.strategy is not None and data.long_lived:
+            # Views of one distributed iterator: Keras takes them as they are.
             return _compat.distributed_dataset_adapter(pipeline)
         return pipeline
 

@@ -26,8 +26,8 @@ from keras_stage import _compat
 from keras_stage.data.errors import StageTimeoutError
 from keras_stage.data.runner import EndOfData, SkipElement
 from keras_stage.data.stats import StageStats
-from keras_stage.models.call.epoch_iterators import resolve
 from keras_stage.models.decision.learned import learned
+from keras_stage.models.iterators.kept_iterators import KeptIterator, resolve
 from keras_stage.models.model_state import (
     FUNCTIONS,
     MAKERS,
@@ -63,7 +63,7 @@ def guard(model, phase, function):
         return outputs
 
     def switched(iterator):
-        if getattr(iterator, "unstaged", None) is None:
+        if not isinstance(iterator, KeptIterator) or iterator.unstaged is None:
             return staged(iterator)
         real = iterator.resolve()
         started = time.perf_counter()

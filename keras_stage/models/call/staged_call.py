@@ -106,6 +106,9 @@ class StagedCall:
         self.backend = backends.for_model(model)
         # Per bound phase: the outer call's (runner, recording, placement).
         self._outer = {}
+        # Per `StagedData` whose epochs may run without the stage: its
+        # `EpochSwitch` (`decision.epochs.epoch_switch`).
+        self._switches = {}
 
     # -- stages -----------------------------------------------------------
 
@@ -156,9 +159,11 @@ class StagedCall:
         if not stepped:
             self._own_pools.append((role, data.staged.thread_pool))
         if switch_epochs is not None:
-            data.switch = epoch_switch(
+            switch = epoch_switch(
                 model, self.layer, data, switch_epochs, self.callbacks
             )
+            if switch is not None:
+                self._switches[data] = switch
         self.built.append(data)
         self._bind(phase, data)
         return data
@@ -197,7 +202,7 @@ class StagedCall:
             data.staged,
             data.adapter,
             long_lived=data.long_lived,
-            switch=data.switch,
+            switch=self._switches.get(data),
             pool_shrinks=self.backend.pool_shrinks,
             carried=data.carried,
             call_reason=_reason(learned(self.model).decisions.pop(phase, None)),
@@ -225,7 +230,7 @@ class StagedCall:
 
         The backend's feed (`Backend.feed`); a fit's phases are fed alike.
         """
-        return self.backend.feed(data, self.phases[0])
+        return self.backend.feed(data, self.phases[0], self._switches.get(data))
 
     def _reopen(self, phase, count=1):
         """Makes and drops `count` iterators of `phase`'s source.
@@ -347,7 +352,9 @@ class StagedCall:
                         state.pool_sizes[role] = pool.size
                 for data in self.built:
                     if data.owned:
-                        calls.note_work(self.model, data)
+                        calls.note_work(
+                            self.model, data, self._switches.get(data)
+                        )
                     data.end_call()
             finally:
                 self.prefetch.close()

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from keras_stage import _compat
 from keras_stage.data.staging import graph_ready
+from keras_stage.models.data_adapters.epoch_sources import EpochSource
 
 # Keras's batch size when fit/evaluate/predict get arrays and none is given.
 _KERAS_DEFAULT_BATCH_SIZE = 32
@@ -160,6 +161,32 @@ def array_batches(adapter, shuffle):
     inputs = keras.tree.map_structure(tf.convert_to_tensor, inputs)
     count = int(keras.tree.flatten(inputs)[0].shape[0])
     return ArrayBatches(_index_batches(adapter, shuffle, count), inputs)
+
+
+def epoch_source(adapter, arrays, shuffle, gathers=False, served=False):
+    """The `EpochSource` of arrays (and whatever else Keras's adapter takes).
+
+    `arrays`: the call's `(x, y, sample_weight)`. `gathers`: whether the
+    stage has work of its own (a SmartStage prefix), which then gathers in
+    its own map from the index batches. `served`: on the tf.data service,
+    whose workers rebuild the dataset from its graph, Keras's own dataset.
+    """
+    batches = None if served else array_batches(adapter, shuffle)
+    if batches is None:
+        dataset = adapter.get_tf_dataset()
+    elif gathers:
+        dataset = batches.indices
+    else:
+        dataset = batches.dataset()
+    held = in_memory(arrays[0])
+    return EpochSource(
+        adapter,
+        dataset,
+        arrays=arrays if held else None,
+        gather=batches if gathers else None,
+        # What else Keras's adapter takes (e.g. a DataFrame) runs per epoch.
+        long_lived=held,
+    )
 
 
 def _is_dense(leaf):

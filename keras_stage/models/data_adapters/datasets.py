@@ -1,4 +1,5 @@
-"""What a user's `tf.data.Dataset` tells before a call reads it.
+"""A user's `tf.data.Dataset`: its epoch source, and what it tells before
+a call reads it.
 
 A call on a dataset that only slices, batches and shuffles tensors held in
 memory (`from_tensor_slices(...).shuffle(...).batch(...)`, as the keras.io
@@ -36,6 +37,17 @@ _IN_MEMORY_KINDS = frozenset(
         "_ConcatenateDataset",
     }
 )
+
+
+def epoch_source(adapter):
+    """The `EpochSource` of a user's `tf.data.Dataset`, as Keras iterates it.
+
+    Its stage may be kept for the model's later calls on the same dataset
+    (see `kept_iterators.KeptStage`).
+    """
+    return epoch_sources.EpochSource(
+        adapter, adapter.get_tf_dataset(), keeps=True
+    )
 
 
 def reads_memory_only(dataset):

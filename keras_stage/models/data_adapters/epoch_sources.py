@@ -1,6 +1,6 @@
 """One source for all the epochs of a call, in plain Keras's epoch orders.
 
-A stage that runs across epochs (see `models/call/epoch_iterators.py`)
+A stage that runs across epochs (see `models/iterators/kept_iterators.py`)
 reads one dataset spanning every epoch of the call:
 `range(epochs).flat_map` of the epoch's source. Plain Keras makes a new
 iterator of that source every epoch, and some sources draw differently from
@@ -40,6 +40,7 @@ import weakref
 import tensorflow as tf
 
 from keras_stage import _compat
+from keras_stage.models.iterators.kept_iterators import _unconverted, one_pass
 
 # A seeded replay keeps one epoch of the arrays in memory (a copy of them,
 # in batches); above this it is not worth the memory.
@@ -78,6 +79,38 @@ _OPAQUE_DATASETS = frozenset({"_VariantDataset"})
 # (`shuffle`, `shuffle_and_repeat`, `Dataset.random`; `sample_from_datasets`
 # is built on the latter).
 _DRAWING_DATASETS = re.compile("Shuffle|Random")
+
+
+class EpochSource:
+    """One epoch of a call's data, from its input type's `epoch_source`.
+
+    Args:
+        adapter: Keras's data adapter of the call's data.
+        dataset: What the stage stages: one epoch as Keras would iterate
+            it, or its row-index batches where `gather` is given.
+        arrays: `(x, y, sample_weight)` of in-memory arrays, else None.
+        gather: The `ArrayBatches` a stage with work of its own gathers
+            from in its own map, or None.
+        keeps: Whether the model may keep its stage for later calls on the
+            same object (a user's `tf.data.Dataset`).
+        long_lived: Whether its epochs may run on one iterator.
+    """
+
+    def __init__(
+        self,
+        adapter,
+        dataset,
+        arrays=None,
+        gather=None,
+        keeps=False,
+        long_lived=True,
+    ):
+        self.adapter = adapter
+        self.dataset = dataset
+        self.arrays = arrays
+        self.gather = gather
+        self.keeps = keeps
+        self.long_lived = long_lived
 
 
 class SourceFacts:
@@ -229,27 +262,6 @@ def nbytes(values):
     return total
 
 
-def _opened(dataset):
-    """An empty dataset that makes (and drops) an iterator of `dataset`.
-
-    Reads nothing from it: `choose_from_datasets` makes its inputs'
-    iterators when it starts and reads them as its (empty) selector says.
-    """
-    return tf.data.Dataset.choose_from_datasets(
-        [dataset], tf.data.Dataset.range(0)
-    )
-
-
-def one_pass(dataset, opens=0):
-    """One pass of `dataset`, then `opens` (0 or 1) unread iterators of it.
-
-    An epoch read without the stage, in `long_lived_source`'s passes (see
-    `epoch_iterators.DrawOrder`).
-    """
-    # `concatenate` keeps `dataset`'s options.
-    return dataset.concatenate(_opened(dataset)) if opens else dataset
-
-
 def long_lived_source(
     dataset, epochs, replay=False, opens=0, start=None, stop=None
 ):
@@ -306,117 +318,3 @@ def long_lived_source(
     return passes.flat_map(_unconverted(lambda _: epoch)).with_options(
         dataset.options()
     )
-
-
-def _unconverted(fn):
-    """`fn` (no control flow) for tf.data without AutoGraph's conversion.
-
-    AutoGraph's conversion of a function costs more than its trace (the
-    first in a process most), and plain Keras's steps and adapters never
-    pay it.
-    """
-    return tf.autograph.experimental.do_not_convert(fn)
-
-
-# The calls' passes a fed source holds at once: each call feeds its own as
-# it begins, after the last call read all of its (see `FedSource.feed`).
-_FED_CAPACITY = 1
-
-
-class FedSource:
-    """A long-lived source that each call feeds its own passes.
-
-    A kept stage's iterator that runs on across calls (see
-    `epoch_iterators`, "Across calls") reads one dataset object's passes.
-    A call on a new dataset object of the same structure (a user's loop
-    that builds its dataset per call) would build its stage again and
-    make a new iterator of it: the staged map traced, its counters and
-    functions instantiated again, more set-up than a hand-split `map`
-    has. This source is a queue of datasets read one after another: each
-    call feeds its passes (`feed`: `dataset.repeat(passes)`, as one
-    element) and the stage's one iterator reads them next, on the
-    pipeline built before. Every pass reads a fresh iterator of its
-    dataset (a pass of `repeat`), as plain Keras's epochs do: a dataset
-    that draws per iterator (a seeded `shuffle`) draws as many times, in
-    the same order, with the unread iterators Keras makes between epochs
-    (`opens`); one whose kernels draw the same in every fresh iterator
-    (`SourceFacts.kernel_seeded`) is not fed.
-
-    The iterator reads nothing past the passes fed: once they are read, its
-    source waits in the queue's dequeue (a tf.data thread, no CPU) for the
-    next call's. So a call must read every pass it fed, or the iterator is
-    not run on (`epoch_iterators.LongLivedIterator.carries`): its leftover
-    passes are not the next call's. `close` ends the wait, for the
-    iterator's teardown.
-
-    Args:
-        element_spec: The structure of the fed datasets' elements.
-        options: The fed datasets' `tf.data.Options`, the source's own.
-    """
-
-    def __init__(self, element_spec, options):
-        self.element_spec = element_spec
-        self.options = options
-        # Passes fed so far, by every call.
-        self.passes = 0
-        self.closed = False
-        with tf.init_scope(), tf.device("/CPU:0"):
-            self._queue = tf.queue.FIFOQueue(
-                _FED_CAPACITY, dtypes=[tf.variant], shapes=[[]]
-            )
-        queue = self._queue
-
-        def next_passes(_):
-            return queue.dequeue()
-
-        def passes(variant):
-            return tf.data.experimental.from_variant(variant, element_spec)
-
-        self.dataset = (
-            tf.data.Dataset.from_tensors(tf.constant(0, tf.int64))
-            .repeat()
-            .map(_unconverted(next_passes))
-            .flat_map(_unconverted(passes))
-            .with_options(options)
-        )
-
-    def accepts(self, dataset):
-        """Whether `dataset`'s passes can be fed here (same structure)."""
-        return (
-            not self.closed
-            and dataset.element_spec == self.element_spec
-            and dataset.options() == self.options
-        )
-
-    def feed(self, dataset, passes, opens=0):
-        """Feeds `passes` passes of `dataset`, read after those fed before.
-
-        `opens`: the unread iterators of `dataset` plain Keras makes after
-        each pass it reads (see `long_lived_source`): a dataset that draws
-        per iterator takes its draws in plain Keras's order.
-
-        Raises:
-            RuntimeError: the passes fed before are not all read yet (the
-                queue is full: feeding would wait for ever).
-        """
-        if self.closed or int(self._queue.size()) >= _FED_CAPACITY:
-            raise RuntimeError(
-                "A fed stage source was fed while its last call's passes "
-                "were still unread (or after it was closed)."
-            )
-        self._queue.enqueue(
-            tf.data.experimental.to_variant(
-                one_pass(dataset, opens).repeat(int(passes))
-            )
-        )
-        self.passes += int(passes)
-
-    def close(self):
-        """Ends the source: an iterator waiting for passes ends instead."""
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            self._queue.close(cancel_pending_enqueues=True)
-        except tf.errors.OpError:  # its resource already gone at exit
-            pass

@@ -17,6 +17,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_stage.models.data_adapters.epoch_sources import EpochSource
+
 # Keras fixes the spec of a Python source from its first 2 batches
 # (`NUM_BATCHES_FOR_TENSOR_SPEC` of its data adapters): an axis whose size
 # differs between them is variable, every other one is fixed.
@@ -358,6 +360,15 @@ class _CheckedPyDataset(keras.utils.PyDataset):
             self.source.on_epoch_end()
         except Exception as e:
             raise self._check.raised(e, hook="on_epoch_end") from e
+
+
+def epoch_source(adapter):
+    """The `EpochSource` of a generator or PyDataset, as Keras iterates it.
+
+    Its Python runs as Keras reads each epoch: its epochs are not read
+    ahead on one iterator.
+    """
+    return EpochSource(adapter, adapter.get_tf_dataset(), long_lived=False)
 
 
 def is_python_source(x):

@@ -21,19 +21,24 @@ from keras_stage.data.staging import StagedDataset
 from keras_stage.data.stats import op_determinism_enabled
 from keras_stage.models import backends
 from keras_stage.models.backends.tensorflow import default_strategy
-from keras_stage.models.call.epoch_iterators import (
-    DeferredPipeline,
-    DistributedEpochPipeline,
-    DrawOrder,
-    LongLivedIterator,
-    OrderedPipeline,
-    restarts_anywhere,
+from keras_stage.models.data_adapters import (
+    arrays,
+    datasets,
+    epoch_sources,
+    python_sources,
 )
-from keras_stage.models.data_adapters import epoch_sources
-from keras_stage.models.data_adapters.arrays import array_batches, in_memory
 from keras_stage.models.data_adapters.python_sources import (
     check_source,
     is_python_source,
+)
+from keras_stage.models.iterators.kept_iterators import (
+    CallIterators,
+    FedSource,
+    KeptStage,
+    LongLivedEpochs,
+    earlier_stage,
+    kept_stage,
+    switched_data,
 )
 
 logger = logging.getLogger("keras_stage")
@@ -133,8 +138,38 @@ def distribute_inputs(strategy, pipeline, options):
     return strategy.experimental_distribute_dataset(pipeline, input_options)
 
 
+class StageCosts:
+    """A call's record of what its stage costs (see `calls.staged_data`).
+
+    Args:
+        cost_phase: The phase the costs are noted for. Defaults to `None`.
+        on_iterator: Told the seconds each iterator of the stage took to
+            make. Defaults to `None`.
+        step_clock: The list the step's host times go to (seconds per
+            batch), or None. Defaults to `None`.
+    """
+
+    def __init__(self, cost_phase=None, on_iterator=None, step_clock=None):
+        self.cost_phase = cost_phase
+        self.on_iterator = on_iterator
+        self.step_clock = step_clock
+        # The stage's build (once noted) and iterators, in seconds.
+        self.set_up_seconds = 0.0
+
+    def made(self, seconds):
+        self.set_up_seconds += seconds
+        if self.on_iterator is not None:
+            self.on_iterator(seconds)
+
+
 class StagedData:
-    """A staged dataset and the Keras adapter whose epochs feed it."""
+    """A staged dataset and the Keras adapter whose epochs feed it.
+
+    Built whole by `stage_data` and not changed after: what varies during
+    the call is its iterators' state (`iterators`, a
+    `kept_iterators.CallIterators`) and the per-call record `costs` (see
+    `calls.staged_data`).
+    """
 
     def __init__(
         self,
@@ -147,6 +182,11 @@ class StagedData:
         strategy=None,
         defers=False,
         epochs=None,
+        kept=None,
+        carried=False,
+        long_lived_refusal=None,
+        source=None,
+        costs=None,
     ):
         self.staged = staged
         self.adapter = adapter
@@ -160,60 +200,43 @@ class StagedData:
         self.element_spec = element_spec
         staged.runner.records_in_step = in_step
         # Whether Keras gets iterators made when first read (see
-        # `DeferredPipeline`): over Keras's own dataset of in-memory
-        # arrays, built for this call and drawing its shuffle per
-        # iterator, and over a user's dataset that draws nothing when an
-        # iterator starts (`SourceFacts.iterator_draws`). Making an
-        # iterator of any other dataset can change what the next one draws
-        # (a seeded `shuffle` shares its seed generator between
-        # iterators), so those are made when Keras makes them.
+        # `DeferredPipeline`): over arrays, and a dataset that draws nothing
+        # when an iterator starts; any other's next iterator may draw
+        # differently, so those are made when Keras makes them.
         self.defers = defers
-        # How the stage runs the call's epochs on one iterator
-        # (`LongLivedEpochs`), or None: an iterator per epoch.
-        self._long_lived = epochs
-        self._shared = None  # its `LongLivedIterator`, made with `pipeline`
-        # The order of a drawing source's passes (see `DrawOrder`).
-        self._order = DrawOrder()
         # The model's kept stage this runs (see `stage_data(kept=...)`).
-        self.kept = None
-        # The dataset the stage stages, as Keras would iterate it (set by
-        # `stage_data`; see `source`), and the `EpochSwitch` that may run
-        # epochs of it without the stage (set by the caller before
-        # `pipeline`), or None.
-        self._source = None
-        self.switch = None
+        self.kept = kept
+        # One epoch of the source as Keras would iterate it, or a function
+        # building it when first read (see `source`).
+        self._source = source
         # Why `stage_data(epochs=...)` kept an iterator per epoch, or None.
-        self.long_lived_refusal = None
+        self.long_lived_refusal = long_lived_refusal
         # Whether the call reads on from the iterator an earlier call left
-        # (see `epoch_iterators`, "Across calls"): what the stage holds
+        # (see `kept_iterators`): what the stage holds
         # when the call begins is its first epoch's.
-        self.carried = False
-        # Told the seconds each iterator of `pipeline` took to make.
-        self.on_iterator = None
-        # Set by a consumer that notes the stage's costs (see CallCosts):
-        # the phase they are noted for, and the work counters at the start.
-        self.cost_phase = None
-        self.work_before = None
-        # The host times of the step's calls (seconds per batch) for a
-        # SmartStage call of the train or test phase (see
-        # `CallCosts.note_steps`), or None.
-        self.step_clock = None
+        self.carried = carried
+        # The call's record of what its stage costs, and the stage's work
+        # counters as the call begins.
+        self.costs = StageCosts() if costs is None else costs
+        self.cost_phase = self.costs.cost_phase
+        self.step_clock = self.costs.step_clock
+        snapshot = staged.stats.snapshot()
+        self.work_before = (snapshot["busy_seconds"], snapshot["produced"])
+        # What Keras iterates, and the iterators behind it; `epochs`: the
+        # `LongLivedEpochs` of one iterator for the call's epochs, or None.
+        self.iterators = CallIterators(self, epochs)
 
     @property
     def source(self):
         """One epoch of the source, as Keras would iterate it, or None.
 
-        Set as a dataset, or as a function that builds it when first read
+        Given as a dataset, or as a function that builds it when first read
         (a fused array source's gathered batches, which only an epoch run
         without the stage reads).
         """
         if callable(self._source):
             self._source = self._source()
         return self._source
-
-    @source.setter
-    def source(self, value):
-        self._source = value
 
     @property
     def in_step(self):
@@ -226,486 +249,51 @@ class StagedData:
 
         None: Keras gets an iterator per epoch (`DeferredPipeline`).
         """
-        return None if self._long_lived is None else self._long_lived.epochs
+        plan = self.iterators.plan
+        return None if plan is None else plan.epochs
 
     @property
     def long_lived(self):
         """Whether the stage runs the call's epochs on one iterator."""
-        return self._long_lived is not None
+        return self.iterators.plan is not None
 
     @property
-    def eager_dataset(self):
-        """What Keras reads in Python (predict; every phase on JAX).
-
-        The stage's own dataset, whose eager iterators apply the stage's
-        policies (`StageIterator`); long-lived (see `epochs`), an
-        `EpochPipeline` whose views all read one such iterator.
-        """
-        if self._long_lived is not None:
-            return self._epochs(self.staged)
-        return DeferredPipeline(self.staged, self._made, defer=self.defers)
-
-    def _epochs(self, pipeline):
-        """The `EpochPipeline` of the call's one iterator of `pipeline`."""
-        return self._shared_iterator(pipeline).epoch_pipeline(pipeline)
-
-    def _shared_iterator(self, pipeline):
-        """The call's `LongLivedIterator` of `pipeline`."""
-        spans = self.kept is not None and self.kept.spans_calls
-        if self._shared is None and spans:
-            # The iterator an earlier call on this kept stage left.
-            self._shared = self.kept.iterator(pipeline)
-            if self._shared is not None:
-                self._shared.made = self._made
-        if self._shared is None:
-            plan = self._long_lived
-            segmented = plan.stop is not None
-            self._shared = LongLivedIterator(
-                pipeline,
-                plan.batches,
-                plan.epochs,
-                self._made,
-                steps_per_execution=plan.steps_per_execution,
-                start=plan.start,
-                stop=plan.stop,
-                ordinal=plan.ordinal,
-                pool=self.staged.thread_pool,
-                name=self.staged.name,
-                # While the epoch switch may run an epoch without the
-                # stage, each staged epoch ends its iterator.
-                single_epochs=self._undecided if segmented else None,
-                order=self._order if segmented else None,
-                fed=plan.fed,
-            )
-            if spans:
-                self.kept.keep_iterator(pipeline, self._shared)
-        return self._shared
-
-    def resize_makes_an_iterator(self):
-        """Whether a pool resized now makes an iterator the call would not.
-
-        Only a long-lived stage whose next epoch reads on from its iterator
-        (see `LongLivedIterator.next_epoch_reads_on`); a stage making an
-        iterator per epoch makes the next one anyway.
-        """
-        return self._shared is not None and self._shared.next_epoch_reads_on()
+    def set_up_seconds(self):
+        """The seconds the stage took to build and make its iterators."""
+        return self.costs.set_up_seconds
 
     def _made(self, seconds):
-        if self.on_iterator is not None:
-            self.on_iterator(seconds)
-
-    def _undecided(self):
-        """Whether the epoch switch may still run an epoch unstaged."""
-        return self.switch is not None and self.switch.decision is None
-
-    def _raw(self):
-        """One epoch of the source, for epochs run without the stage."""
-        plan = self._long_lived
-        if plan is not None and plan.stop is not None:
-            # Its passes draw as the stage's do, in the order read.
-            return OrderedPipeline(
-                epoch_sources.one_pass(self.source, plan.opens), self._order
-            )
-        return DeferredPipeline(
-            self.source, lambda seconds: None, defer=self.defers
-        )
-
-    @property
-    def epochs_restartable(self):
-        """Whether any epoch can start on a new iterator (see `start`)."""
-        plan = self._long_lived
-        # A fed source's iterator reads the passes fed, and no other.
-        return plan is None or (
-            not plan.feeds
-            and restarts_anywhere(plan.start, plan.epochs, plan.stop)
-        )
-
-    @property
-    def epochs_skippable(self):
-        """Whether the epoch switch can run an epoch without the stage.
-
-        Epochs that can start on a new iterator, or a source that draws
-        per iterator whose staged epochs end their iterators while the
-        switch may still skip one (see `LongLivedIterator`, `stop`).
-        """
-        plan = self._long_lived
-        return self.epochs_restartable or plan.stop is not None
-
-    def end_call(self):
-        """Drops what iterators of a stage built for the ended call still make.
-
-        Keras may leave such an iterator alive (a traceback holds it); its
-        late elements must not count in the stats the next call shares.
-        A user's own staged dataset stays usable.
-
-        Returns:
-            The thread tearing down the call's long-lived iterator (see
-            `epoch_iterators.release`), or None.
-        """
-        kept = self.kept
-        values = None
-        if kept is not None and kept.carries():
-            values = _variable_values(self.split)
-        if values is not None:
-            # Its iterator runs on into the next call (see
-            # `epoch_iterators`, "Across calls"): its elements are that
-            # call's, counted in the stats the two calls share.
-            kept.end_call(values)
-            return None
-        if self.owned:
-            self.staged.runner.close_gate()
-        released = None
-        if self._shared is not None:
-            # Its epochs not read yet run no further.
-            released = self._shared.close()
-        if kept is not None:
-            kept.drop_iterator()
-            kept.released = released
-            kept.in_use = False
-        return released
+        self.costs.made(seconds)
 
     @property
     def pipeline(self):
-        """What the compiled step iterates.
-
-        Long-lived (see `epochs`): an `EpochPipeline` whose iterators all
-        read one real iterator, made when first read.
-        """
-        pipeline = (
-            self.staged.lean_pipeline if self.in_step else self.staged.pipeline
-        )
-        if self.strategy is not None:
-            # Its replicas' share of each batch; long-lived, Keras's
-            # iterators of it are views of one distributed iterator. No
-            # epoch switch runs under a strategy (`decision.epochs._refusal`).
-            distributed = self._distributed(pipeline)
-            if self._long_lived is not None:
-                return DistributedEpochPipeline(
-                    self._shared_iterator(distributed),
-                    distributed,
-                    pipeline.element_spec,
-                )
-            return distributed
-        if self._long_lived is not None:
-            epochs = self._epochs(pipeline)
-            if self.switch is None:
-                return epochs
-            return self.switch.pipeline(
-                epochs, self._raw(), on_unstaged=self._shared.skip_epoch
-            )
-        staged = DeferredPipeline(pipeline, self._made, defer=self.defers)
-        if self.switch is None:
-            return staged
-        return self.switch.pipeline(staged, self._raw())
-
-    def _distributed(self, pipeline):
-        """`pipeline` distributed by the strategy, kept with a kept stage."""
-
-        def distribute(pipeline):
-            return distribute_inputs(
-                self.strategy, pipeline, self.staged.stage_options
-            )
-
-        if self.kept is not None:
-            return self.kept.distributed(pipeline, distribute)
-        return distribute(pipeline)
-
-
-# How long a call waits for the teardown of a kept stage's last iterator
-# before it builds a stage of its own (see `_KeptStage.released`).
-TEARDOWN_WAIT_SECONDS = 5.0
-
-
-class _KeptStage:
-    """A stage a model keeps for its later calls on the same dataset.
-
-    See `stage_data(kept=...)`. What the stage depends on is held (not
-    only its id, which a new object could take): the layer, the dataset,
-    the staged function (a new one after a staged layer is re-adapted)
-    and the stats. `in_use` while a call runs it: a call nested in it (an
-    evaluate from a fit's callback, on the fit's validation data) builds
-    its own.
-    """
-
-    def __init__(
-        self,
-        layer,
-        phase,
-        source,
-        batches,
-        fn,
-        stats,
-        long_lived,
-        class_weight=None,
-        strategy=None,
-        overrides=None,
-    ):
-        # `strategy`: the one of several replicas that distributes it.
-        self.objects = (layer, source, fn, stats, strategy)
-        self.values = (
-            # A fit's validation and an evaluate run one compiled step.
-            "test" if phase == "val" else phase,
-            batches,
-            repr(sorted(layer.stage_options.get_config().items())),
-            None
-            if long_lived is None
-            else (
-                long_lived.epochs,
-                long_lived.steps_per_execution,
-                long_lived.feeds,
-            ),
-            # Keras weighs the batches in its dataset (a map over the
-            # user's): a stage built with other weights is not this one.
-            # Copied, as a user may change the dict between calls.
-            None
-            if class_weight is None
-            else repr(sorted(dict(class_weight).items())),
-            # How the phase uses the tf.data service (see
-            # `_service_overrides`), and what the data set for it.
-            repr(sorted((overrides or {}).items())),
-        )
-        # The `LongLivedEpochs` whose source the stage runs, or None.
-        self.long_lived = long_lived
-        # One epoch of the call's source, which a fed stage's call feeds
-        # (see `epoch_sources.FedSource`); set by `stage_data`.
-        self.call_source = None
-        # Whether its one iterator outlives calls (`epochs` None: see
-        # `epoch_iterators`, "Across calls"): that iterator, the pipeline
-        # it iterates, and the staged layers' variables' values when the
-        # last call ended (None: none to compare, or not taken).
-        self.spans_calls = long_lived is not None and long_lived.epochs is None
-        self._shared = None
-        self._shared_pipeline = None
-        self._variables = None
-        # The thread tearing down the last call's iterator (see
-        # `epoch_iterators.release`), or None: a call reusing the stage waits
-        # for it before it opens the gate, so nothing that iterator still
-        # finishes counts in the stats the new one reads.
-        self.released = None
-        self.staged = None
-        self.in_use = False
-        # `(pipeline, its distributed dataset)` under a strategy of several
-        # replicas, or None.
-        self._distributed = None
-
-    def distributed(self, pipeline, distribute):
-        """`pipeline` as `distribute(pipeline)` made it, for every call.
-
-        Keras makes its iterators of the distributed dataset; one made
-        again each call would rewrite the pipeline for the replicas again.
-        """
-        if self._distributed is None or self._distributed[0] is not pipeline:
-            self._distributed = (pipeline, distribute(pipeline))
-        return self._distributed[1]
-
-    def same(self, other, split=None):
-        """Whether `other`, wanted by a new call, is this stage.
-
-        With a kept iterator, also whether the staged layers' variables
-        still hold what they held when the last call ended: its buffer
-        was computed with those values.
-        """
-        if self.values != other.values:
-            return False
-        objects, others = self.objects, other.objects
-        if self.long_lived is not None and self.long_lived.feeds:
-            # Fed (see `epoch_sources.FedSource`): another dataset of the
-            # structure its source reads, while its iterator runs on.
-            fed = self.long_lived.fed
-            if (
-                fed is None
-                or not self.keeps_running()
-                or not fed.accepts(other.call_source)
-            ):
-                return False
-            objects, others = objects[:1] + objects[2:], others[:1] + others[2:]
-        if not all(a is b for a, b in zip(objects, others, strict=True)):
-            return False
-        if self._variables is None or not self.keeps_running():
-            return True
-        return _same_values(self._variables, _variable_values(split))
-
-    def iterator(self, pipeline):
-        """The iterator an earlier call left over `pipeline`, or None."""
-        if self._shared is not None and self._shared_pipeline is pipeline:
-            return self._shared
-        return None
-
-    def keep_iterator(self, pipeline, shared):
-        """Keeps `shared`, the one iterator of `pipeline`, across calls."""
-        self.drop_iterator(ends_source=False)
-        self._shared, self._shared_pipeline = shared, pipeline
-
-    def keeps_running(self):
-        """Whether the kept iterator runs on into a next call's epoch."""
-        return self._shared is not None and self._shared.carries
-
-    def carries(self):
-        """Whether a call reusing this stage reads on from its iterator."""
-        return self.spans_calls and self.keeps_running()
-
-    def end_call(self, values):
-        """Ends a call whose iterator runs on (see `keeps_running`).
-
-        `values`: the staged layers' variables' values now.
-        """
-        self._shared.detach()
-        self._variables = values
-        self.in_use = False
-
-    def drop_iterator(self, ends_source=True):
-        """Drops the kept iterator, if any (torn down on another thread).
-
-        A fed source ends with it (`ends_source`): a new iterator of its
-        pipeline would read the same queue of passes.
-        """
-        shared, self._shared = self._shared, None
-        self._shared_pipeline, self._variables = None, None
-        if shared is not None and not shared.closed:
-            self.released = shared.close()
-        fed = None if self.long_lived is None else self.long_lived.fed
-        if ends_source and fed is not None:
-            fed.close()
-
-    def retire(self):
-        """Ends this stage for good: a new one replaces it."""
-        if self._shared is not None and self.staged is not None:
-            # Nothing its iterator still finishes counts in the stats the
-            # next stage shares.
-            self.staged.runner.close_gate()
-        self.drop_iterator()
-
-
-# A kept iterator runs on across calls only when the staged layers'
-# variables are this small in all: a call compares their values with those
-# of the last call's end (a buffer computed with other values is dropped).
-VARIABLES_COMPARED_BYTES = 2**20
-
-
-def _variables_of(split):
-    """`(variables, read)` of `split`'s staged layers (kept per split).
-
-    `read()` returns their values as NumPy arrays. None when they are over
-    `VARIABLES_COMPARED_BYTES` in all.
-    """
-    if split is None:
-        return (), tuple
-    cached = _split_variables.get(split, False)
-    if cached is not False:
-        return cached
-    variables = tuple(split.prefix.variables)
-    size = sum(epoch_sources.nbytes([v]) or 0 for v in variables)
-    found = None
-    if size <= VARIABLES_COMPARED_BYTES:
-        found = variables, split.backend.variable_reader(variables)
-    _split_variables[split] = found
-    return found
-
-
-_split_variables = weakref.WeakKeyDictionary()
-
-
-def _variable_values(split):
-    """The values of `split`'s staged layers' variables (see above)."""
-    found = _variables_of(split)
-    return None if found is None else found[1]()
-
-
-def _same_values(before, now):
-    if before is None or now is None or len(before) != len(now):
-        return False
-    return all(
-        a.shape == b.shape and (a == b).all()
-        for a, b in zip(before, now, strict=True)
-    )
-
-
-class LongLivedEpochs:
-    """How a stage runs a call's epochs on one iterator.
-
-    Attributes:
-        epochs: The epochs its source spans (Keras reads at most these).
-        batches: The batches of one epoch.
-        steps_per_execution: The batches of one call of the compiled step.
-        start: The source's first-epoch variable when its epochs can start
-            on a new iterator (see `LongLivedIterator`), else None.
-        stop: The source's end-epoch variable when its first epoch reads
-            an iterator of its own (see `LongLivedIterator`), else None.
-        opens: The unread iterators of the source each pass makes.
-        source: The long-lived source (built when first read: a call
-            reusing a kept stage reads the one it was built on).
-        ordinal: The staged random layers' count of numbered elements
-            (`StageSplit.ordinal`) when the stage numbers them, else None.
-        feeds: Whether each call feeds its passes to the source (an
-            `epoch_sources.FedSource`, `fed` once built), read on across
-            calls on datasets of one structure.
-    """
-
-    def __init__(
-        self,
-        epochs,
-        batches,
-        steps_per_execution,
-        start,
-        source,
-        stop=None,
-        opens=0,
-        feeds=False,
-    ):
-        self.epochs = epochs
-        self.batches = batches
-        self.steps_per_execution = steps_per_execution
-        self.start = start
-        self.stop = stop
-        self.opens = opens
-        self._source = source  # or a function building it
-        self.ordinal = None
-        self.feeds = feeds
-        self.fed = None
+        """What the compiled step iterates (`CallIterators.switched`)."""
+        return self.iterators.switched(None)
 
     @property
-    def source(self):
-        if callable(self._source):
-            self._source = self._source()
-        return self._source
+    def eager_dataset(self):
+        """What Keras reads in Python (predict; every phase on JAX)."""
+        return self.iterators.eager_dataset()
 
+    @property
+    def epochs_restartable(self):
+        """Whether any epoch can start on a new iterator."""
+        return self.iterators.restartable
 
-def _keeps(kept, x):
-    """Whether `stage_data(kept=kept)` keeps its stage over `x` for later
-    calls (see there)."""
-    return kept is not None and isinstance(x, tf.data.Dataset)
+    @property
+    def epochs_skippable(self):
+        """Whether the epoch switch can run an epoch without the stage."""
+        return self.iterators.skippable
 
+    def end_call(self):
+        """Ends the call's iterators (see `CallIterators.end_call`)."""
+        return self.iterators.end_call()
 
-def _earlier(kept, phase):
-    """The kept stage a `phase` call may run again, or None.
-
-    Its role's; for an evaluate with none yet of its own, a fit's fed
-    validation stage (its step is the same) unless that fit runs it now,
-    which the evaluate feeds then, kept for both roles.
-    """
-    earlier = kept.get(phase)
-    if earlier is None and phase == "test":
-        val = kept.get("val")
-        if (
-            val is not None
-            and not val.in_use
-            and val.long_lived is not None
-            and val.long_lived.feeds
-        ):
-            return val
-    return earlier
-
-
-def _switched(earlier, x):
-    """Whether a call on `x` follows calls of its role on other datasets.
-
-    `earlier`: the role's kept stage, or None. True once its stage is fed
-    (see `epoch_sources.FedSource`) or was built on another dataset object.
-    """
-    if earlier is None:
-        return False
-    plan = earlier.long_lived
-    return (plan is not None and plan.feeds) or earlier.objects[1] is not x
+    def distribute(self, pipeline):
+        """`pipeline` under the strategy, replicas buffering on devices."""
+        return distribute_inputs(
+            self.strategy, pipeline, self.staged.stage_options
+        )
 
 
 def _draws_per_iterator(dataset, spans_calls):
@@ -717,34 +305,14 @@ def _draws_per_iterator(dataset, spans_calls):
     return facts.iterator_draws and not (spans_calls and facts.free_passes)
 
 
-def carries(kept, role, x):
-    """Whether a call of `role` on `x` would read on from a kept iterator.
-
-    See `epoch_iterators`, "Across calls": such a call makes no iterator
-    of the stage's pipeline. `kept`: the model's kept stages, or None.
-    """
-    entry = None if kept is None else kept.get(role)
-    return (
-        entry is not None
-        and not entry.in_use
-        and entry.objects[1] is x
-        and entry.carries()
-    )
-
-
 def strategy_refusal(strategy, dataset=None):
     """Why Keras's iterators under `strategy` cannot be views of one.
 
-    None under the default strategy, where Keras iterates the stage's
-    pipeline with `iter`, and under a strategy of several replicas, where it
-    iterates the distributed dataset the stage hands it
-    (`StagedData.pipeline`) with `iter`, unless `dataset` (the stage's
-    source, if known) draws from a seed per iterator: there Keras also
-    makes an iterator of its own at the start of each call (a peek, see
-    `DistributedEpochView`), which takes the next draw (a draw with no seed
-    at all, which nobody can replay, may be taken). Under any other
-    strategy (one replica, such as `OneDeviceStrategy`) Keras distributes
-    the pipeline itself and makes its iterators from the dataset's graph.
+    None under the default strategy, and under several replicas (Keras
+    iterates the distributed dataset the stage hands it) unless `dataset`
+    (the stage's source, if known) draws from a seed per iterator: Keras's
+    peek at each call's start (see `EpochView`) would take a draw. Under
+    one replica Keras distributes the pipeline itself, from its graph.
     """
     if default_strategy(strategy):
         return None
@@ -812,8 +380,7 @@ def epochs_refusal(
 
 def _long_lived_epochs(
     phase,
-    x,
-    arrays,
+    epoch,
     dataset,
     num_batches,
     steps,
@@ -827,19 +394,16 @@ def _long_lived_epochs(
 ):
     """`(LongLivedEpochs, None)`, or `(None, why not)`, for a safe stage.
 
-    `arrays`: the in-memory data (x, y and the sample weights) when `x`
-    is arrays, else None. See `epoch_sources` for the orders kept.
-    `spans_calls`: whether the iterator may outlive the call, for a source
-    of free passes (`SourceFacts.free_passes`). `first_alone`: whether the
-    first epoch reads an iterator of its own, which ends with it, and the
-    others one more (a drawing dataset's stage on an adaptive pool, sized
-    from its first epoch: see `LongLivedIterator`). `fed`: whether such a
-    source is fed each call's passes (`epoch_sources.FedSource`), so a
-    later call on another dataset of its structure reads on too.
-    `unread_opens`: the backend's (`Backend.unread_opens`).
+    `epoch`: the call's `EpochSource` (see `epoch_sources` for the orders
+    kept). `spans_calls`: whether the iterator may outlive the call, for a
+    source of free passes. `first_alone`: whether the first epoch reads an
+    iterator of its own (a drawing dataset on an adaptive pool, see
+    `LongLivedIterator`). `fed`: whether the source is fed each call's
+    passes (`FedSource`). `unread_opens`: `Backend.unread_opens`.
     """
-    if arrays is None and not isinstance(x, tf.data.Dataset):
+    if not epoch.long_lived:
         return None, "the data is not in-memory arrays or a tf.data.Dataset"
+    arrays = epoch.arrays
     facts = epoch_sources.inspect_source(dataset)
     if facts.refusal is not None:
         return None, f"its source cannot be read ahead: {facts.refusal}"
@@ -948,9 +512,7 @@ def _fed_epochs(
         opens = unread_opens  # spans_calls: no steps_per_epoch
 
     def fed_source():
-        plan.fed = epoch_sources.FedSource(
-            dataset.element_spec, dataset.options()
-        )
+        plan.fed = FedSource(dataset.element_spec, dataset.options())
         return plan.fed.dataset
 
     plan = LongLivedEpochs(
@@ -963,6 +525,55 @@ def _fed_epochs(
         feeds=True,
     )
     return plan, None
+
+
+def _already_staged(layer, x, y, sample_weight, split, epochs, costs):
+    """The `StagedData` of a dataset the user staged with
+    `keras_stage.data.stage`: its own stage, run as it is."""
+    if y is not None or sample_weight is not None:
+        raise ValueError(
+            "When `x` is a staged dataset, pass labels and sample "
+            "weights inside it, not as `y`/`sample_weight`. Received: "
+            f"y={type(y).__name__}, "
+            f"sample_weight={type(sample_weight).__name__}"
+        )
+    if x.stage_options.get_config() != layer.stage_options.get_config():
+        logger.info(
+            "`x` is already staged by stage '%s'; its own options are "
+            "used, not those of StagedInput '%s'.",
+            x.name,
+            layer.name,
+        )
+    if split is not None:
+        logger.info(
+            "`x` is already staged by stage '%s', so smart_stage cannot "
+            "add the model's prefix to it: the whole model runs in the "
+            "step for this call.",
+            x.name,
+        )
+    return StagedData(
+        x,
+        None,
+        owned=False,
+        long_lived_refusal=None
+        if epochs is None
+        else "the data is a user's staged dataset",
+        costs=costs,
+    )
+
+
+def _serve(layer, overrides, adapter, dataset, arrays, steps):
+    """Adds what the tf.data service needs of the call's data to `overrides`.
+
+    `arrays`: the `EpochSource`'s in-memory arrays, or None.
+    """
+    # Before `split.number`, whose ordinals a peek would consume.
+    overrides["rebatch"] = _batch_size(adapter, dataset)
+    if arrays is not None:
+        if steps is None:
+            # The examples of one pass, for the epoch's count of lost ones.
+            overrides["per_copy"] = int(tf.nest.flatten(arrays[0])[0].shape[0])
+        _warn_one_split(layer, overrides)
 
 
 def stage_data(
@@ -986,90 +597,61 @@ def stage_data(
     pool_start=None,
     feedable=True,
     backend=None,
+    role=None,
+    costs=None,
 ):
-    """Stages the data of one phase ("train", "val", "test", "predict").
+    """Stages `x` (with `y`, `sample_weight`) for one call's `phase`.
 
-    With a SmartStage `split`, the stage also runs the split's prefix of
-    the model (in training mode for "train"). With `stats`, the stage counts
-    in them and the compiled step records its fetches there (its pipeline
-    is then the stage's lean one). Under a `strategy` with several
-    replicas, `StagedData.pipeline` is distributed with each replica's
-    buffer on its device.
+    A flat switch on the type of `x`, as Keras's `get_data_adapter`: each
+    input type's adapter gives the call's `EpochSource`, which one build
+    turns into the `StagedData` the call runs (nobody changes it after).
 
-    With `epochs`, the most times Keras iterates `StagedData.pipeline` in
-    this call (a fit's `epochs - initial_epoch` for its training, its
-    number of validation runs for its validation), the stage runs across
-    those epochs on one iterator when that keeps every epoch's batches and
-    order as plain Keras's (see `models/call/epoch_iterators.py`,
-    "Long-lived epochs", and `models/data_adapters/epoch_sources.py`);
-    `StagedData.long_lived` says whether it does, `long_lived_refusal` why
-    not. `steps_per_execution`: the model's (it must divide an epoch's batch
-    count). `alongside`: the other data the call reads while this stage runs
-    (the fit's validation data for its training, its training data for its
-    validation): a `tf.data.Dataset` sharing a dataset with this one keeps
-    an iterator per epoch (their draws interleave as plain Keras's do).
-
-    `reads_in_python`: whether Keras reads every batch in Python, through
-    `StagedData.eager_dataset` (predict; every phase on JAX), whose
-    iterators record their fetches on the host: the stage builds only its
-    lean pipeline (the fetch records' functions are not traced).
-    `pool_start`: the threads a new stage's adaptive pool starts with (the
-    size a model's last call ended with, see `StagingState.pool_sizes`),
-    or None for the backend's (`Backend.pool_start`). `feedable`: whether
-    the stage may read a fed source (below); False where its epochs must
-    start on new iterators or are checkpointed (see
-    `StagedCall._feedable`).
-
-    `kept`: the model's stages kept between calls, by role (a dict this
-    updates), or None. A stage over a user's `tf.data.Dataset` is built
-    once and run again by later calls on the same dataset object with the
-    same options, staged computation, batch count, stats and epochs on one
-    iterator (a new pipeline of the same dataset would only trace the same
-    functions again), class weights, strategy and use of the tf.data
-    service; each role keeps its latest. Under a strategy of several
-    replicas its distributed dataset is kept too. From a role's first call
-    on another dataset object, its stage is fed each call's passes
-    (`epoch_sources.FedSource`) and run again by calls on any dataset of
-    the same structure (element spec, options, batch count).
-
-    `backend`: the `Backend` of the model's steps; defaults to the running
-    Keras backend's.
+    Args:
+        layer: The model's `StagedInput` (its options name the stage).
+        phase: The compiled step that reads it: "train", "test", "predict".
+        x, y, sample_weight, batch_size, steps, shuffle, class_weight: the
+            call's, as Keras's data adapter takes them (`steps`: its
+            `steps_per_epoch` or `steps`).
+        split: The SmartStage split whose prefix the stage runs (in training
+            mode for "train"), or None.
+        stats: The stats the compiled step records its fetches in (the
+            stage's lean pipeline), or None.
+        strategy: Under several replicas, `StagedData.pipeline` is
+            distributed with each replica's buffer on its device.
+        epochs: The most times Keras iterates the pipeline in this call, or
+            None. The stage then runs those epochs on one iterator where
+            that keeps plain Keras's batches and orders (see
+            `kept_iterators`); `StagedData.long_lived_refusal` says why not.
+        steps_per_execution: The model's (it must divide an epoch's count).
+        alongside: The call's other data (a fit's validation for its
+            training, and back): a dataset sharing a dataset with this one
+            keeps an iterator per epoch.
+        kept: The model's kept stages by role (updated here), or None: a
+            stage over a user's `tf.data.Dataset` runs again for later
+            calls on it (see `kept_iterators.KeptStage`).
+        reads_in_python: Whether Keras reads every batch in Python
+            (`StagedData.eager_dataset`: predict; every phase on JAX).
+        pool_start: The threads a new adaptive pool starts with, or None
+            for the backend's (`Backend.pool_start`).
+        feedable: Whether the stage may read a fed source (`FedSource`).
+        backend: The model's `Backend`; defaults to the running Keras
+            backend's.
+        role: The stage's name and key among the kept ("train", "val",
+            "test", "predict"); defaults to `phase`. A fit's validation is
+            role "val" of phase "test".
+        costs: The call's `StageCosts` record, or None.
     """
     backend = backends.get() if backend is None else backend
+    role = phase if role is None else role
     if isinstance(x, StagedDataset):
-        # Already staged by the user with keras_stage.data.stage.
-        if y is not None or sample_weight is not None:
-            raise ValueError(
-                "When `x` is a staged dataset, pass labels and sample "
-                "weights inside it, not as `y`/`sample_weight`. Received: "
-                f"y={type(y).__name__}, "
-                f"sample_weight={type(sample_weight).__name__}"
-            )
-        if x.stage_options.get_config() != layer.stage_options.get_config():
-            logger.info(
-                "`x` is already staged by stage '%s'; its own options are "
-                "used, not those of StagedInput '%s'.",
-                x.name,
-                layer.name,
-            )
-        if split is not None:
-            logger.info(
-                "`x` is already staged by stage '%s', so smart_stage cannot "
-                "add the model's prefix to it: the whole model runs in the "
-                "step for this call.",
-                x.name,
-            )
-        data = StagedData(x, None, owned=False)
-        if epochs is not None:
-            data.long_lived_refusal = "the data is a user's staged dataset"
-        return data
-    overrides, python_source = {}, is_python_source(x)
+        return _already_staged(layer, x, y, sample_weight, split, epochs, costs)
+    overrides = {}
     if layer.stage_options.service is not None:
-        overrides = _service_overrides(layer, phase, python_source)
-    # A failing generator or PyDataset names itself and the batch.
-    x = check_source(x)
+        overrides = _service_overrides(layer, phase, is_python_source(x))
+    served = overrides.get("service", layer.stage_options.service) is not None
     adapter = _compat.get_data_adapter(
-        x=x,
+        # A failing generator or PyDataset names itself and the batch.
+        x=check_source(x),
         y=y,
         sample_weight=sample_weight,
         batch_size=batch_size,
@@ -1077,20 +659,20 @@ def stage_data(
         shuffle=shuffle,
         class_weight=class_weight,
     )
-    served = overrides.get("service", layer.stage_options.service) is not None
-    # Arrays' batches gathered from the arrays (see `ArrayBatches`); not on
-    # the tf.data service, whose workers rebuild the dataset from its
-    # graph: that path runs Keras's own dataset, as tested there.
-    batches = None if served else array_batches(adapter, shuffle)
-    # A stage with work of its own (a SmartStage prefix) gathers in its
-    # own map: it stages the index batches.
-    fused = batches is not None and split is not None
-    if batches is None:
-        dataset = adapter.get_tf_dataset()
-    elif fused:
-        dataset = batches.indices
+    # One adapter per input type, as Keras's `get_data_adapter` picks.
+    if isinstance(x, tf.data.Dataset):
+        epoch = datasets.epoch_source(adapter)
+    elif is_python_source(x):
+        epoch = python_sources.epoch_source(adapter)
     else:
-        dataset = batches.dataset()
+        epoch = arrays.epoch_source(
+            adapter,
+            (x, y, sample_weight),
+            shuffle,
+            gathers=split is not None,
+            served=served,
+        )
+    dataset = epoch.dataset
     num_batches = adapter.num_batches
     if num_batches is None:
         num_batches = backend.shard_batches(x)
@@ -1110,23 +692,18 @@ def stage_data(
             tf.data.experimental.assert_cardinality(num_batches)
         )
     if served:
-        # Before `split.number`, whose ordinals a peek would consume.
-        overrides["rebatch"] = _batch_size(adapter, dataset)
-        if in_memory(x) and steps is None:
-            # The examples of one pass, for the epoch's count of lost ones.
-            overrides["per_copy"] = int(tf.nest.flatten(x)[0].shape[0])
-        if in_memory(x):
-            _warn_one_split(layer, overrides)
+        _serve(layer, overrides, adapter, dataset, epoch.arrays, steps)
     distributed = strategy is not None and strategy.num_replicas_in_sync > 1
     source = dataset  # one epoch of what the stage stages
+    keeps = kept is not None and epoch.keeps
     long_lived, refusal = None, None
     # Whether a kept stage's iterator may outlive the call (see
-    # `epoch_iterators`, "Across calls"): a user's dataset the stage is
-    # kept for, read whole by compiled steps or by Keras's `next` in
-    # Python (predict, and every phase on JAX), where an epoch view ends
-    # with its epoch (with `steps`, Keras's epochs end where the data
-    # does, not where a repeat would).
-    spans_calls = epochs is not None and steps is None and _keeps(kept, x)
+    # `kept_iterators`): a user's dataset the stage is kept for, read
+    # whole by compiled steps or by Keras's `next` in Python (predict, and
+    # every phase on JAX), where an epoch view ends with its epoch (with
+    # `steps`, Keras's epochs end where the data does, not where a repeat
+    # would).
+    spans_calls = epochs is not None and steps is None and keeps
     if epochs is not None:
         refusal = epochs_refusal(
             layer,
@@ -1153,7 +730,7 @@ def stage_data(
             and phase == "train"
             and split is not None
             and layer.stage_options.adaptive_pool
-            and not in_memory(x)
+            and epoch.arrays is None
             and _draws_per_iterator(dataset, spans_calls)
         )
         if first_alone and op_determinism_enabled():
@@ -1166,20 +743,21 @@ def stage_data(
                 "iterator)"
             )
         if refusal is None:
-            arrays = (x, y, sample_weight) if in_memory(x) else None
-            # Fed across calls (see `epoch_sources.FedSource`) once a call
-            # of the role came on another dataset object than the kept
-            # stage's (a stage run on for one object reads its next pass
-            # ahead between calls), and a fit's validation from its first
-            # call (a later evaluate on new data of its structure feeds it:
-            # `_earlier`), where `feedable`; not a numbered split
+            # Fed across calls (see `FedSource`) once a call of the role
+            # came on another dataset object than the kept stage's (a
+            # stage run on for one object reads its next pass ahead
+            # between calls), and a fit's validation from its first call
+            # (a later evaluate on new data of its structure feeds it:
+            # `earlier_stage`), where `feedable`; not a numbered split
             # (its count runs per pipeline), nor under op determinism,
             # where the queue's stateful dequeue would make tf.data run
             # the whole pipeline one element at a time.
             feeds = (
                 spans_calls
                 and feedable
-                and (phase == "val" or _switched(_earlier(kept, phase), x))
+                and (
+                    role == "val" or switched_data(earlier_stage(kept, role), x)
+                )
                 and not served
                 and not distributed
                 and not (split is not None and split.numbers(phase == "train"))
@@ -1187,8 +765,7 @@ def stage_data(
             )
             long_lived, refusal = _long_lived_epochs(
                 phase,
-                x,
-                arrays,
+                epoch,
                 dataset,
                 num_batches,
                 steps,
@@ -1200,18 +777,19 @@ def stage_data(
                 fed=feeds,
                 unread_opens=backend.unread_opens,
             )
-    fn = None
+    gather = epoch.gather
     # The long-lived source's too: it repeats, replays or flat-maps passes.
-    element_spec = batches.element_spec if fused else dataset.element_spec
+    element_spec = (gather or dataset).element_spec
     # Whether the staged random layers' draws are numbered (`split.number`).
     numbered = split is not None and split.numbers(phase == "train")
     if numbered and long_lived is not None:
         # Its one iterator reads ahead of Keras: it keeps the count itself.
         long_lived.ordinal = split.ordinal
+    fn = None
     if split is not None:
         fn = split.stage_fn(training=phase == "train")
-        if fused:
-            fn = batches.staged_fn(fn, numbered=numbered)
+        if gather is not None:
+            fn = gather.staged_fn(fn, numbered=numbered)
     if served:
         mode = overrides.get(
             "processing_mode", layer.stage_options.processing_mode
@@ -1225,43 +803,25 @@ def stage_data(
             overrides["cardinality"] = num_batches
     call_plan = long_lived  # a kept stage's replaces it below
     entry = None
-    if _keeps(kept, x):
-        entry = _KeptStage(
-            layer,
-            phase,
-            x,
-            num_batches,
-            fn,
-            stats,
-            long_lived,
-            class_weight=class_weight,
-            strategy=strategy if distributed else None,
-            overrides=overrides,
+    if keeps:
+        entry = kept_stage(
+            kept,
+            role,
+            KeptStage(
+                layer,
+                phase,
+                x,
+                num_batches,
+                fn,
+                stats,
+                long_lived,
+                class_weight=class_weight,
+                strategy=strategy if distributed else None,
+                overrides=overrides,
+                call_source=source,
+            ),
+            split,
         )
-        entry.call_source = source
-        earlier = _earlier(kept, phase)
-        if earlier is not None and earlier.in_use:
-            entry = None  # a call nested in the one running it: its own
-        elif (
-            earlier is not None
-            and earlier.same(entry, split)
-            and not earlier.staged.stats.closed  # by a timeout: it ended
-        ):
-            entry = earlier
-            kept[phase] = entry  # an evaluate's, too, once it feeds one
-        elif kept.get(phase) is not None:
-            if kept[phase] is kept.get("val") and phase == "test":
-                del kept[phase]  # the fit's validation's, which goes on
-            else:
-                kept[phase].retire()  # this call's stage replaces it
-    if entry is not None and entry.released is not None:
-        entry.released.join(TEARDOWN_WAIT_SECONDS)
-        if entry.released.is_alive():
-            # Its last iterator is still being torn down: a stage of its
-            # own for this call, rather than that one's gate reopened.
-            entry = None
-        else:
-            entry.released = None
     carried = False
     if entry is not None and entry.staged is not None:
         staged = entry.staged
@@ -1277,7 +837,7 @@ def stage_data(
         staged = layer.stage(
             dataset,
             fn=fn,
-            name=f"{layer.stage_options.name}_{phase}",
+            name=f"{layer.stage_options.name}_{role}",
             stats=stats,
             consumer_records=stats is not None or reads_in_python,
             # On JAX, Keras's trainer copies each batch to the device.
@@ -1293,7 +853,7 @@ def stage_data(
         )
         if entry is not None:
             entry.staged = staged
-            kept[phase] = entry
+            kept[role] = entry
     if long_lived is not None and long_lived.feeds:
         # A fed stage's call feeds its passes of one epoch's source, with
         # the unread iterators this call's source needs (`call_plan`).
@@ -1312,25 +872,25 @@ def stage_data(
         )
     if entry is not None:
         entry.in_use = True
-    data = StagedData(
+    return StagedData(
         staged,
         adapter,
         split,
         element_spec,
         in_step=stats is not None,
         strategy=strategy if distributed else None,
-        defers=in_memory(x)
+        defers=epoch.arrays is not None
         or (
-            isinstance(x, tf.data.Dataset)
+            epoch.keeps
             and not epoch_sources.inspect_source(source).iterator_draws
         ),
         epochs=long_lived,
+        kept=entry,
+        carried=carried,
+        long_lived_refusal=refusal,
+        # Index batches when gathered: the gathered ones are built if read.
+        source=source
+        if gather is None
+        else functools.partial(gather.dataset, source),
+        costs=costs,
     )
-    data.long_lived_refusal = refusal
-    data.kept = entry
-    data.carried = carried
-    # Index batches when fused: the gathered ones are built if read.
-    data.source = (
-        functools.partial(batches.dataset, source) if fused else source
-    )
-    return data

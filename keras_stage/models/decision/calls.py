@@ -18,6 +18,7 @@ call is decided") has the rules and the regimes each serves.
 import collections
 import dataclasses
 import enum
+import functools
 import logging
 import statistics
 import time
@@ -30,12 +31,13 @@ from keras_stage.layers.staged_input import StagedInput
 from keras_stage.models.data_adapters import datasets
 from keras_stage.models.data_adapters.arrays import batch_count
 from keras_stage.models.data_adapters.staged_data import (
-    carries,
+    StageCosts,
     epochs_refusal,
     stage_data,
     strategy_refusal,
 )
 from keras_stage.models.decision.learned import learned
+from keras_stage.models.iterators.kept_iterators import carries
 from keras_stage.models.model_state import UNSTAGED_STEPS
 from keras_stage.models.model_state import state as model_state
 from keras_stage.planner.state_access import all_layers, seed_states
@@ -862,13 +864,21 @@ def _unbounded_figures(x):
     }
 
 
-def staged_data(model, phase, *args, **kwargs):
-    """`stage_data(*args, **kwargs)`, its costs noted for `phase`."""
+def staged_data(model, phase, layer, role, *args, **kwargs):
+    """`stage_data(layer, phase, *args, role=role, **kwargs)`, its costs
+    noted for `phase` (in the `StageCosts` the `StagedData` holds)."""
     measured = costs(model)
     split = kwargs.get("split")
     traced = 0.0 if split is None else split.trace_seconds
+    record = StageCosts(
+        phase,
+        on_iterator=functools.partial(measured.note_iterator, phase),
+        # The host times the steps (`note_steps`) of a SmartStage call:
+        # what a staged step costs beside the whole model's.
+        step_clock=[] if split is not None and phase in TIMED_PHASES else None,
+    )
     started = time.perf_counter()
-    data = stage_data(*args, **kwargs)
+    data = stage_data(layer, phase, *args, role=role, costs=record, **kwargs)
     seconds = time.perf_counter() - started
     if split is not None and split.trace_seconds > traced:
         # Tracing the staged layers is paid once per model, not per call:
@@ -877,20 +887,7 @@ def staged_data(model, phase, *args, **kwargs):
         seconds -= split.trace_seconds - traced
     measured.note_build(phase, seconds)
     # This call's own set-up, for its rent if it was decided unmeasured.
-    data.set_up_seconds = seconds
-
-    def made(seconds):
-        measured.note_iterator(phase, seconds)
-        data.set_up_seconds += seconds
-
-    data.on_iterator = made
-    data.cost_phase = phase
-    snapshot = data.staged.stats.snapshot()
-    data.work_before = (snapshot["busy_seconds"], snapshot["produced"])
-    if split is not None and phase in TIMED_PHASES:
-        # The host times the steps (`note_steps`): what a staged step
-        # costs beside the whole model's.
-        data.step_clock = []
+    record.set_up_seconds += seconds
     return data
 
 
@@ -911,16 +908,19 @@ def resize_cost(model, data):
 
     The measured seconds of a new iterator of its stage where the next
     epoch would read on from the one it has; nothing where it makes one
-    anyway (see `StagedData.resize_makes_an_iterator`); None if not
+    anyway (see `CallIterators.resize_makes_an_iterator`); None if not
     measured.
     """
-    if not data.resize_makes_an_iterator():
+    if not data.iterators.resize_makes_an_iterator():
         return 0.0
     return iterator_cost(model, data.cost_phase)
 
 
-def note_work(model, data):
-    """Notes the staged work `data`'s stage did in the call ending."""
+def note_work(model, data, switch=None):
+    """Notes the staged work `data`'s stage did in the call ending.
+
+    `switch`: the call's `EpochSwitch` of `data`'s epochs, or None.
+    """
     if data.staged.stats.closed:
         return
     snapshot = data.staged.stats.snapshot()
@@ -933,7 +933,6 @@ def note_work(model, data):
         data.cost_phase, busy, produced, has_work=data.split is not None
     )
     _note_unmeasured_rent(model, data, busy, produced)
-    switch = data.switch
     if switch is not None and switch.step_seconds is not None:
         # Its trial epoch ran the whole model's steps: the call's clock
         # holds both kinds, the switch's epochs tell them apart.
@@ -1082,7 +1081,7 @@ def iterators_made(model, role, x, default=1):
     """The iterators of its stage a call of `role` on `x` makes.
 
     None (0) when it reads on from the one an earlier call left (see
-    `staged_data.carries`); else `default`.
+    `kept_iterators.carries`); else `default`.
     """
     return 0 if carries(model_state(model).stages, role, x) else default
 

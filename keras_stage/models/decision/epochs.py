@@ -18,7 +18,6 @@ import time
 import keras
 
 from keras_stage.data.eager_iterated import EagerIterated
-from keras_stage.models.call.epoch_iterators import ResolvingIterator, resolve
 from keras_stage.models.decision.calls import (
     TRACE_SHARE,
     Kind,
@@ -29,6 +28,7 @@ from keras_stage.models.decision.calls import (
     traces_whole_step,
 )
 from keras_stage.models.decision.learned import learned
+from keras_stage.models.iterators.kept_iterators import KeptIterator, resolve
 
 logger = logging.getLogger("keras_stage")
 
@@ -77,7 +77,7 @@ def may_switch(model, layer, split, epochs):
     Before its stage is built, from the part of `_refusal` that does not
     depend on its data (`split`: the call's SmartStage split, or None): a
     stage whose epochs cannot skip one (a fed source, see
-    `epoch_sources.FedSource`) is built only where no switch could run.
+    `kept_iterators.FedSource`) is built only where no switch could run.
     """
     adaptive = layer.stage_options.adaptive_pool
     return _model_refusal(model, layer, split, epochs, adaptive) is None
@@ -396,7 +396,7 @@ class SwitchPipeline(EagerIterated):
         )
 
 
-class SwitchedIterator(ResolvingIterator):
+class SwitchedIterator(KeptIterator):
     """An epoch's iterator of a `SwitchPipeline`, timed step by step.
 
     `unstaged`: whether the whole model's step reads it. The step guard

@@ -144,7 +144,7 @@ def test_a_staged_fit_on_arrays_reads_the_gathered_batches(monkeypatch):
     # The stage's source is this module's dataset, and the fit trains on
     # the same data as plain Keras (same weights, shuffled).
     built = []
-    original = keras_stage.models.data_adapters.staged_data.array_batches
+    original = keras_stage.models.data_adapters.arrays.array_batches
 
     def spy(adapter, shuffle):
         batches = original(adapter, shuffle)
@@ -152,7 +152,7 @@ def test_a_staged_fit_on_arrays_reads_the_gathered_batches(monkeypatch):
         return batches
 
     monkeypatch.setattr(
-        keras_stage.models.data_adapters.staged_data, "array_batches", spy
+        keras_stage.models.data_adapters.arrays, "array_batches", spy
     )
     rng = np.random.default_rng(0)
     x = rng.normal(size=(40, 3)).astype("float32")

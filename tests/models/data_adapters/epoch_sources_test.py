@@ -4,7 +4,7 @@
 (keras_stage/models/data_adapters/staged_data.py) builds the stage over
 one source spanning E epochs (models/data_adapters/epoch_sources.py) and
 hands Keras epoch views of one real iterator
-(models/call/epoch_iterators.py). Each epoch must read exactly the
+(models/iterators/kept_iterators.py). Each epoch must read exactly the
 batches, in exactly the order, plain Keras reads: checked here against
 plain Keras's own `fit` (a model recording every batch its steps get) and
 against fresh iterators of Keras's adapter dataset, for arrays (shuffle
@@ -24,14 +24,18 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage import _compat
-from keras_stage.models.call.epoch_iterators import (
+from keras_stage.models.data_adapters import epoch_sources
+from keras_stage.models.data_adapters.staged_data import (
+    StageCosts,
+    StagedData,
+    stage_data,
+)
+from keras_stage.models.iterators.kept_iterators import (
     DeferredPipeline,
     EpochPipeline,
     EpochView,
     resolve,
 )
-from keras_stage.models.data_adapters import epoch_sources
-from keras_stage.models.data_adapters.staged_data import StagedData, stage_data
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -94,9 +98,8 @@ def _dataset(seed=3, reshuffle=True, size=N):
 
 
 def _staged(x, made, phase="train", **kwargs):
-    data = stage_data(_layer(), phase, x, **kwargs)
-    data.on_iterator = made.append
-    return data
+    costs = StageCosts(on_iterator=made.append)
+    return stage_data(_layer(), phase, x, costs=costs, **kwargs)
 
 
 def _firsts(batches):
@@ -247,7 +250,14 @@ def test_datasets_read_plain_keras_epochs_and_validation(source, steps):
     train = _staged(
         train_x, made, steps=steps, epochs=EPOCHS, alongside=(val_x,)
     )
-    val = _staged(val_x, made, phase="val", epochs=EPOCHS, alongside=(train_x,))
+    val = _staged(
+        val_x,
+        made,
+        phase="test",
+        role="val",
+        epochs=EPOCHS,
+        alongside=(train_x,),
+    )
     assert train.long_lived and val.long_lived
     staged = _fit(
         train.pipeline, validation_data=val.pipeline, steps_per_epoch=steps
@@ -311,7 +321,7 @@ def test_an_epoch_left_early_is_finished_before_the_next():
     iterations = [_firsts(_values(b) for b in reference) for _ in range(6)]
     keras.utils.set_random_seed(SEED)
     made = []
-    data = _staged(_dataset(), made, phase="val", epochs=EPOCHS)
+    data = _staged(_dataset(), made, phase="test", role="val", epochs=EPOCHS)
     view = iter(data.pipeline)
     first = _values(next(view))
     assert first[0] == iterations[0][:BATCH]
@@ -354,9 +364,15 @@ def test_arrays_start_a_new_iterator_when_the_pool_is_resized():
     labels = np.zeros((48, 1), "float32")
     made = []
     data = stage_data(
-        layer, "train", words, labels, batch_size=16, split=split, epochs=3
+        layer,
+        "train",
+        words,
+        labels,
+        batch_size=16,
+        split=split,
+        epochs=3,
+        costs=StageCosts(on_iterator=made.append),
     )
-    data.on_iterator = made.append
     pool = data.staged.thread_pool
     assert data.long_lived and pool is not None
     first = _read_epoch(data.pipeline, 3)
@@ -400,11 +416,17 @@ def test_a_dataset_on_the_adaptive_pool_runs_long_lived_unless_it_draws():
     words = np.array([f"w{i % 7}" for i in range(48)], dtype=object)
     labels = np.zeros((48, 1), "float32")
     ds = tf.data.Dataset.from_tensor_slices((words, labels)).batch(16)
-    data = stage_data(layer, "train", ds, split=split, epochs=3)
+    made = []
+    data = stage_data(
+        layer,
+        "train",
+        ds,
+        split=split,
+        epochs=3,
+        costs=StageCosts(on_iterator=made.append),
+    )
     assert data.staged.thread_pool is not None
     assert data.long_lived and data.epochs_restartable
-    made = []
-    data.on_iterator = made.append
     first = _read_epoch(data.pipeline, 3)
     data.staged.thread_pool.resize(1)  # the verdict, between epochs
     second = _read_epoch(data.pipeline, 3)
@@ -460,10 +482,21 @@ def test_a_drawing_dataset_on_the_adaptive_pool_reads_plain_orders(
     train_x, val_x = make(3), make(4)
     made = []
     train, val = (
-        stage_data(layer, phase, x, split=split, epochs=EPOCHS, alongside=(o,))
-        for phase, x, o in (("train", train_x, val_x), ("val", val_x, train_x))
+        stage_data(
+            layer,
+            phase,
+            x,
+            role=role,
+            split=split,
+            epochs=EPOCHS,
+            alongside=(o,),
+            costs=StageCosts(on_iterator=made.append),
+        )
+        for phase, role, x, o in (
+            ("train", "train", train_x, val_x),
+            ("test", "val", val_x, train_x),
+        )
     )
-    train.on_iterator = val.on_iterator = made.append
     assert train.staged.thread_pool is not None
     assert train.long_lived and val.long_lived
     assert not train.epochs_restartable
@@ -573,7 +606,7 @@ def test_an_early_stop_leaves_nothing_running_after_end_call():
     while stats.snapshot()["produced"] <= 6 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert stats.snapshot()["produced"] > 6
-    real = weakref.ref(data._shared._iterator)
+    real = weakref.ref(data.iterators._shared._iterator)
     # Its teardown runs on a thread of its own (it can block).
     data.end_call().join(10)
     gc.collect()
@@ -738,7 +771,7 @@ def test_unsafe_cases_keep_an_iterator_per_epoch(case, expected, monkeypatch):
     elif case == "steps_per_execution":
         kwargs["steps_per_execution"] = 2  # 3 batches: a call reads past
     elif case == "partial_evaluations":
-        phase, kwargs["steps"] = "val", 2
+        phase, kwargs["role"], kwargs["steps"] = "test", "val", 2
     elif case == "ignored_exceptions":
         layer = keras_stage.layers.StagedInput(
             ignored_exception_types=(tf.errors.InvalidArgumentError,)
@@ -775,8 +808,8 @@ def test_unsafe_cases_keep_an_iterator_per_epoch(case, expected, monkeypatch):
     elif case == "max_steps_per_epoch":
         monkeypatch.setattr(keras.config, "max_steps_per_epoch", lambda: 2)
     made = []
-    data = stage_data(layer, phase, data_x, data_y, **kwargs)
-    data.on_iterator = made.append
+    costs = StageCosts(on_iterator=made.append)
+    data = stage_data(layer, phase, data_x, data_y, costs=costs, **kwargs)
     assert not data.long_lived and data.epochs is None
     assert expected in data.long_lived_refusal
     if phase == "predict":

@@ -16,17 +16,18 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage.data.service import DISTRIBUTED_EPOCH
-from keras_stage.models.call.epoch_iterators import (
-    DeferredIterator,
-    DeferredPipeline,
-)
 from keras_stage.models.data_adapters.staged_data import (
+    StageCosts,
     StagedData,
     _batch_size,
     _service_overrides,
     default_strategy,
     stage_data,
     strategy_refusal,
+)
+from keras_stage.models.iterators.kept_iterators import (
+    DeferredIterator,
+    DeferredPipeline,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -100,8 +101,8 @@ def test_predict_reads_the_stage_in_python_through_its_own_iterator():
 
 def test_made_iterators_are_reported_once_each():
     made = []
-    data = stage_data(_layer(), "train", X, Y, batch_size=4)
-    data.on_iterator = made.append
+    costs = StageCosts(on_iterator=made.append)
+    data = stage_data(_layer(), "train", X, Y, batch_size=4, costs=costs)
     unread = iter(data.pipeline)  # Keras's next-epoch iterator
     assert isinstance(unread, DeferredIterator) and made == []
     assert len(_labels(data.pipeline)) == 3
@@ -294,8 +295,10 @@ def test_calls_on_a_kept_stage_read_on_from_one_iterator():
     layer, dataset, kept = _layer(), _dataset(), {}
     made = []
     for _ in range(3):
-        data = stage_data(layer, "test", dataset, epochs=1, kept=kept)
-        data.on_iterator = made.append
+        costs = StageCosts(on_iterator=made.append)
+        data = stage_data(
+            layer, "test", dataset, epochs=1, kept=kept, costs=costs
+        )
         assert data.long_lived and data.kept.spans_calls
         assert data.carried is bool(made)  # the first call makes it
         assert _read(data) == _labels(dataset)

@@ -1,4 +1,4 @@
-"""Tests for keras_stage/models/call/epoch_iterators.py, on plain pipelines.
+"""Tests for keras_stage/models/iterators/kept_iterators.py, on plain pipelines.
 
 The iterators a staged call hands Keras: deferred ones (made when first
 read) and the epoch views of one long-lived iterator. Here they run on
@@ -15,17 +15,17 @@ import pytest
 import tensorflow as tf
 
 from keras_stage.data.eager_iterated import EagerIterated
-from keras_stage.models.call import epoch_iterators as iterators_module
-from keras_stage.models.call.epoch_iterators import (
+from keras_stage.models.iterators import kept_iterators as iterators_module
+from keras_stage.models.iterators.kept_iterators import (
     RELEASE_THREAD,
     DeferredIterator,
     DeferredPipeline,
     DistributedEpochPipeline,
-    DistributedEpochView,
     EpochPipeline,
     EpochView,
+    KeptIterator,
+    LongLivedEpochs,
     LongLivedIterator,
-    ResolvingIterator,
     release,
     resolve,
 )
@@ -58,15 +58,10 @@ def _epochs_source(start=None, epochs=EPOCHS):
 
 def _shared(start=None, pool=None, steps_per_execution=1, epochs=EPOCHS):
     made = []
+    source = _epochs_source(start, epochs)
+    plan = LongLivedEpochs(epochs, BATCHES, steps_per_execution, start, source)
     shared = LongLivedIterator(
-        _epochs_source(start, epochs),
-        BATCHES,
-        epochs,
-        made.append,
-        steps_per_execution=steps_per_execution,
-        start=start,
-        pool=pool,
-        name="unit",
+        source, plan, made.append, pool=pool, name="unit"
     )
     return shared, made
 
@@ -75,10 +70,10 @@ def _read(view, count):
     return [int(next(view)) for _ in range(count)]
 
 
-# -- ResolvingIterator and the deferred iterators ---------------------------
+# -- KeptIterator and the deferred iterators ---------------------------
 
 
-class _Fixed(ResolvingIterator):
+class _Fixed(KeptIterator):
     def __init__(self, values):
         self.real = iter(tf.data.Dataset.from_tensor_slices(values))
         self.resolved = 0
@@ -96,7 +91,7 @@ def test_a_resolving_iterator_reads_what_it_resolves_to():
     assert resolve(iterator) is iterator.real
     assert iterator.resolved == 3
     with pytest.raises(NotImplementedError):
-        ResolvingIterator().resolve()
+        KeptIterator().resolve()
 
 
 def test_resolve_passes_other_iterators_through():
@@ -265,15 +260,17 @@ def test_without_a_start_a_resized_pool_keeps_the_iterator():
 
 def _fed(pool=None):
     """A `LongLivedIterator` of a `FedSource` of `BATCHES`-element passes."""
-    from keras_stage.models.data_adapters.epoch_sources import FedSource
+    from keras_stage.models.iterators.kept_iterators import FedSource
 
     def epoch(k):
         return tf.data.Dataset.range(k * BATCHES, (k + 1) * BATCHES)
 
     fed = FedSource(epoch(0).element_spec, epoch(0).options())
     made = []
+    plan = LongLivedEpochs(None, BATCHES, 1, None, fed.dataset, feeds=True)
+    plan.fed = fed
     shared = LongLivedIterator(
-        fed.dataset, BATCHES, None, made.append, pool=pool, name="fed", fed=fed
+        fed.dataset, plan, made.append, pool=pool, name="fed"
     )
     return fed, shared, epoch, made
 
@@ -421,12 +418,12 @@ def test_a_distributed_views_first_python_read_is_a_peek_of_zeros():
         "text": tf.TensorSpec((None,), tf.string),
         "ragged": tf.RaggedTensorSpec((None, None), tf.float32),
     }
-    peeked = next(DistributedEpochView(shared, None, spec))
+    peeked = next(EpochView(shared, None, spec))
     assert peeked["ids"].shape == (0, 2) and peeked["ids"].dtype == tf.int64
     assert peeked["text"].shape == (0,) and peeked["text"].dtype == tf.string
     assert peeked["ragged"] == spec["ragged"]  # shapes and dtypes only
     assert made == [] and shared.read_batches == 0
-    view = DistributedEpochView(shared, None, spec)
+    view = EpochView(shared, None, spec)
     assert int(next(resolve(view))) == 0  # the step reads the epoch whole
     assert [int(next(resolve(view))) for _ in range(2)] == [1, 2]
     assert len(made) == 1
@@ -435,10 +432,10 @@ def test_a_distributed_views_first_python_read_is_a_peek_of_zeros():
 def test_a_distributed_view_peeks_only_before_it_is_read():
     shared, _ = _shared()
     spec = tf.TensorSpec((None,), tf.int64)
-    view = DistributedEpochView(shared, None, spec)
+    view = EpochView(shared, None, spec)
     assert int(next(resolve(view))) == 0
     assert int(next(view)) == 1  # a real read once the step has read
-    view = DistributedEpochView(shared, None, spec)
+    view = EpochView(shared, None, spec)
     assert next(view).shape == (0,)
     assert [int(view.get_next()) for _ in range(3)] == [3, 4, 5]
 
@@ -454,7 +451,7 @@ def test_a_distributed_epoch_pipeline_is_one_epoch_to_keras():
     assert pipeline.cardinality() == BATCHES
     assert pipeline.element_spec == distributed.element_spec
     view = iter(pipeline)
-    assert isinstance(view, DistributedEpochView)
+    assert isinstance(view, EpochView)
     assert next(view).shape == (0,)
     with pytest.raises(TypeError, match="reduce the dataset before"):
         pipeline.reduce(0, lambda state, value: state)

@@ -1,0 +1,1311 @@
+"""Iterators kept alive: the one place that knows what Keras really reads.
+
+Keras's `EpochIterator` makes an iterator of the dataset it is handed each
+epoch (and one more as each epoch ends). A staged call's datasets
+(`CallIterators`) make `KeptIterator`s, the one interface of this module:
+`resolve()` is the real iterator of that role's stage for that epoch,
+asked by the step guard (`resolve(iterator)`) and by Keras's `next`.
+Behind it, one of:
+
+- a new iterator, made when first read (`DeferredIterator`): one Keras
+  makes and never reads costs nothing (a staged pipeline's iterator costs
+  a trace's worth of instantiated functions);
+- the one `LongLivedIterator` of a stage run across the call's epochs, read
+  through an `EpochView` per epoch: its source spans the epochs in plain
+  Keras's orders (`epoch_sources.long_lived_source`), so an epoch pays no
+  iterator. An epoch left early is read to its end, or restarted where
+  passes are independent; a drawing source's passes draw in plain Keras's
+  order (`DrawOrder`, `stop`);
+- the iterator a `KeptStage` (the model's stage per role) left running
+  across calls: over a source of free passes, or a `FedSource` each call
+  feeds. A call that left an epoch early, or a change of the staged
+  layers' variables, starts a new one.
+
+The batches a long-lived stage holds when an epoch begins are that
+epoch's: a consumer marking each epoch's start in the stage's stats
+(`StageStats.mark_request`) must not count them as orphaned. A call's end
+drops its real iterator on a thread of its own (`release`), its stage's
+gate closed first so nothing it still finishes counts.
+"""
+
+import atexit
+import sys
+import threading
+import time
+import weakref
+
+import tensorflow as tf
+
+from keras_stage.data.eager_iterated import EagerIterated
+from keras_stage.data.runner import wait_at_exit
+
+
+class KeptIterator:
+    """An iterator Keras holds that stands for a real one (`resolve`).
+
+    The step guard hands the compiled step `resolve()`; Keras's Python
+    reads (`next`, `get_next`) read it too. `unstaged`: None, or for an
+    epoch of an `EpochSwitch`, whether the whole model's step reads it.
+    """
+
+    unstaged = None
+
+    def resolve(self):
+        """The real iterator."""
+        raise NotImplementedError
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.resolve())
+
+    def get_next(self):
+        return self.resolve().get_next()
+
+
+def resolve(iterator):
+    """`iterator`'s real iterator: what a compiled step call reads."""
+    if isinstance(iterator, KeptIterator):
+        return iterator.resolve()
+    return iterator
+
+
+class DeferredIterator(KeptIterator):
+    """An eager iterator of `pipeline`, made when first read.
+
+    With a `DrawOrder`, the pass read before it is read to its end first:
+    an iterator Keras makes and never reads draws nothing.
+    """
+
+    def __init__(self, pipeline, made, order=None):
+        self._pipeline = pipeline
+        self._made = made
+        self._order = order
+        self._iterator = None
+
+    def resolve(self):
+        """The real iterator, made now if it was not yet."""
+        if self._iterator is None:
+            if self._order is not None:
+                self._order.finish()
+            started = time.perf_counter()
+            self._iterator = iter(self._pipeline)
+            self._made(time.perf_counter() - started)
+            if self._order is not None:
+                self._order.hold(self._iterator)
+        return self._iterator
+
+    @property
+    def element_spec(self):
+        return self._pipeline.element_spec
+
+
+class DeferredPipeline(EagerIterated):
+    """`pipeline` as a dataset whose eager iterators are `DeferredIterator`s.
+
+    Used as a dataset otherwise (inside a `tf.function`, transformed) it is
+    `pipeline` itself. `made(seconds)` is told how long each real
+    iterator took to make. With `defer=False` the real iterators are made
+    when Keras asks for them, and only timed. `order`: the call's
+    `DrawOrder` (one pass of a drawing source, read without the stage).
+    """
+
+    def __init__(self, pipeline, made, defer=True, order=None):
+        self._made = made
+        self._defer = defer
+        self._order = order
+        super().__init__(pipeline)
+
+    def eager_iter(self):
+        iterator = DeferredIterator(self._base, self._made, self._order)
+        return iterator if self._defer else iterator.resolve()
+
+
+class DrawOrder:
+    """Keeps the draws of a source's passes in the order they are read.
+
+    A source that draws per iterator (a reshuffling `shuffle`) draws as each
+    pass starts and, with plain Keras's unread iterator after it
+    (`one_pass(opens=1)`), as it ends. Each pass is read to its end
+    (`finish`) before the next is made: the draws come in plain Keras's
+    order whatever iterators Keras leaves unread.
+    """
+
+    def __init__(self):
+        self._current = None
+
+    def hold(self, iterator):
+        """`iterator` reads a pass now (after `finish`)."""
+        self._current = iterator
+
+    def finish(self):
+        """Reads the pass read last to its end, and drops its iterator."""
+        if self._current is not None:
+            current, self._current = self._current, None
+            _read_to_end(current)
+
+
+# The name of `release`'s threads: not a stage's helper thread
+# (`keras_stage-<stage>`), as it holds no stage, only a dropped iterator.
+RELEASE_THREAD = "tf.data-iterator-release"
+_releases = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_releases():
+    # Teardowns still running are waited for (see `runner.wait_at_exit`:
+    # seen aborting in an iterator's function library's stack traces).
+    # They end on their own, in well under a second.
+    wait_at_exit(thread.join for thread in list(_releases))
+
+
+def _exiting():
+    """Whether the interpreter's exit has begun (its main thread ended)."""
+    return sys.is_finalizing() or not threading.main_thread().is_alive()
+
+
+def release(held):
+    """Empties the list `held` on a daemon thread: its teardown may block.
+
+    Deleting a tf.data iterator joins its threads in the deleting thread,
+    which can block a call's return. A list, not the iterator: an argument
+    stays referenced by the caller until the call returns. Once the
+    interpreter's exit has begun, `held` is emptied in the calling thread
+    (a thread started then could still be in the teardown at finalization).
+
+    Returns:
+        The thread (tests join it), or None when emptied in place.
+    """
+    if _exiting():
+        held.clear()
+        return None
+
+    def drop():
+        held.clear()
+
+    thread = threading.Thread(target=drop, name=RELEASE_THREAD, daemon=True)
+    thread.start()
+    _releases.add(thread)
+    return thread
+
+
+# The long-lived iterators that outlived a call (see the module docstring).
+_running_on = weakref.WeakSet()
+
+
+def _release_box(box, fed=None):
+    """Finalizer of a `LongLivedIterator` that ran on: its iterator dropped
+    on a release thread (the box stays, for a still live owner at exit),
+    its fed source (if any) ended first."""
+    if fed is not None:
+        fed.close()
+    if box[0] is not None:
+        held, box[0] = [box[0]], None
+        release(held)
+
+
+@atexit.register
+def _close_running_on():
+    # The iterators that ran on past their calls are torn down here, in
+    # the exiting thread (see `release`), while the interpreter can still
+    # run the Python a staged map calls (tearing one down gives the
+    # interpreter lock up while TensorFlow waits for its threads).
+    for shared in list(_running_on):
+        shared.close()
+
+
+def _read_to_end(iterator):
+    """Reads what `iterator` still yields, up to its end."""
+    while True:
+        try:
+            next(iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            return
+
+
+class LongLivedIterator:
+    """The one real iterator of a pipeline spanning a call's epochs.
+
+    Args:
+        pipeline: The long-lived pipeline (`plan.epochs` epochs).
+        plan: Its `LongLivedEpochs`: Keras may read fewer epochs, never
+            more (None: as many as Keras reads, a source of free passes).
+        made: `made(seconds)`, told how long each real iterator took.
+        pool: The stage's `StagePool`, or None.
+        name: The stage's name, for messages.
+        single_epochs: With `plan.stop`, a function telling whether the
+            next iterator must also end with its epoch (while an
+            `EpochSwitch` may still skip one), or None.
+        order: With `plan.stop`, the call's `DrawOrder`.
+    """
+
+    def __init__(
+        self,
+        pipeline,
+        plan,
+        made,
+        pool=None,
+        name="stage",
+        single_epochs=None,
+        order=None,
+    ):
+        self._pipeline = pipeline
+        self.batches = int(plan.batches)
+        self.epochs = None if plan.epochs is None else int(plan.epochs)
+        self.steps_per_execution = int(plan.steps_per_execution)
+        self.made = made
+        self._start = plan.start
+        self._stop = plan.stop
+        self._single_epochs = single_epochs
+        self._order = order
+        # The `FedSource` it reads: the passes fed, and no other.
+        self._fed = plan.fed
+        # Whether a new iterator can start at any epoch.
+        self.restartable = plan.restartable
+        # With `stop`: the epoch the real iterator ends before.
+        self._segment_end = None
+        self._pool = pool
+        self._name = name
+        # The staged random layers' count of numbered elements, kept here
+        # from what Keras took (its iterator reads ahead), or None.
+        self._ordinal = plan.ordinal
+        # `ordinal`'s value less the batches read when first made.
+        self._ordinal_origin = None
+        # The real iterator, in a list a finalizer can hand to `release`.
+        self._box = [None]
+        self._pool_size = None  # the pool size it was made on
+        self._view = None  # the view Keras reads now
+        self.read_batches = 0  # batches Keras took (or was skipped past)
+        self.closed = False
+        self.iterators_made = 0
+        # The `EpochPipeline` of each pipeline read through this iterator.
+        self._epoch_pipelines = {}
+
+    @property
+    def _iterator(self):
+        return self._box[0]
+
+    @_iterator.setter
+    def _iterator(self, iterator):
+        self._box[0] = iterator
+
+    def epoch_pipeline(self, pipeline):
+        """The `EpochPipeline` Keras reads `pipeline`'s epochs through.
+
+        Built once: a later call reading on from this iterator builds no
+        dataset (its `take` and cardinality ops cost a call's worth of
+        eager ops).
+        """
+        held = self._epoch_pipelines.get(id(pipeline))
+        if held is None or held[0] is not pipeline:
+            held = (pipeline, EpochPipeline(self, pipeline))
+            self._epoch_pipelines[id(pipeline)] = held
+        return held[1]
+
+    @property
+    def _limit(self):
+        """The epochs its source holds (None: as many as are read)."""
+        return self.epochs if self._fed is None else self._fed.passes
+
+    @property
+    def epoch(self):
+        """The epoch Keras reads now (0-based; the next, between epochs)."""
+        return self.read_batches // self.batches
+
+    def read(self, view, batches):
+        """The real iterator, for `batches` batches of `view`'s epoch."""
+        if self.closed:
+            raise RuntimeError(
+                f"Stage '{self._name}': its call has ended; an iterator "
+                "Keras kept from it cannot be read."
+            )
+        if view is not self._view:
+            self._begin(view)
+        self.read_batches += batches
+        return self._iterator
+
+    def _begin(self, view):
+        """Keras reads an iterator it has not read before: an epoch begins."""
+        self._view = view
+        left = -self.read_batches % self.batches
+        if left:
+            # Keras left the last epoch early (plain Keras would drop that
+            # iterator): the next starts where a fresh one would.
+            if self.restartable:
+                self._iterator = None  # the next is made at the next epoch
+            else:
+                for _ in range(left):
+                    next(self._iterator)
+            self.read_batches += left
+        if self._limit is not None and self.epoch >= self._limit:
+            raise RuntimeError(
+                f"Stage '{self._name}' was built for {self._limit} epochs "
+                "on one iterator, and Keras began one more: the caller of "
+                "stage_data(epochs=...) must pass an upper bound of the "
+                "epochs Keras reads."
+            )
+        if (
+            self._iterator is not None
+            and self.restartable
+            and self._pool is not None
+            and self._pool.size != self._pool_size
+        ):
+            # The adaptive pool was resized for this epoch: a new iterator
+            # runs on it (an iterator's pool is fixed when it is made).
+            self._iterator = None
+        if self._iterator is not None and self._segment_end is not None:
+            if self.epoch >= self._segment_end:
+                # Its iterator ended with the last epoch: the next runs on
+                # another, on the pool as sized now (see `_end_segment`).
+                self._end_segment()
+        if self._iterator is None:
+            self._make()
+
+    def next_epoch_reads_on(self):
+        """Whether the next epoch reads on from the real iterator.
+
+        Where it does, a pool resized for it makes a new iterator the call
+        would not have made; where it does not (none yet, its segment ends,
+        or a source that cannot restart, whose iterator keeps its pool), a
+        resize makes none.
+        """
+        return (
+            self._iterator is not None
+            and self.restartable
+            and (self._segment_end is None or self.epoch < self._segment_end)
+        )
+
+    def skip_epoch(self):
+        """Keras reads the next epoch elsewhere (without the stage).
+
+        Only for a source whose epochs can start on a new iterator
+        (`start`): the real iterator is dropped (nothing of it runs on),
+        and the epoch after starts a new one past the skipped epoch.
+        """
+        if not self.restartable and self._stop is None:
+            raise RuntimeError(
+                f"Stage '{self._name}': an epoch of a long-lived source that "
+                "cannot start at any epoch cannot be skipped."
+            )
+        self.read_batches += -self.read_batches % self.batches  # its end
+        if self._limit is not None and self.epoch >= self._limit:
+            raise RuntimeError(
+                f"Stage '{self._name}' was built for {self._limit} epochs "
+                "on one iterator, and Keras began one more."
+            )
+        if self._iterator is not None and self._segment_end is not None:
+            if self._segment_end > self.epoch:
+                raise RuntimeError(
+                    f"Stage '{self._name}': epoch {self.epoch} runs on an "
+                    "iterator of the stage's draws, and cannot be skipped."
+                )
+            self._end_segment()
+        self.read_batches += self.batches
+        self._iterator = None
+        self._view = None
+
+    def _end_segment(self):
+        """Reads the real iterator to its end (`stop`), then drops it.
+
+        Its last pass makes the unread iterator plain Keras makes at its
+        end: read to its end, that pass has taken its draws before the
+        next iterator's first pass takes the next, whenever its threads
+        would have got there.
+        """
+        _read_to_end(self._iterator)
+        self._iterator = None
+
+    def _make(self):
+        self._iterator = None  # the one it replaces goes first
+        if self._start is not None:
+            self._start.assign(self.epoch)
+        if self._stop is not None:
+            if self._order is not None:
+                self._order.finish()  # an epoch read without the stage
+            single = self.epoch == 0 or (
+                self._single_epochs is not None and self._single_epochs()
+            )
+            self._segment_end = self.epoch + 1 if single else self.epochs
+            self._stop.assign(self._segment_end)
+        if self._ordinal is not None:
+            if self._ordinal_origin is None:
+                value = int(self._ordinal.numpy())
+                self._ordinal_origin = value - self.read_batches
+            self._count_taken()  # what the new iterator numbers on from
+        self._pool_size = None if self._pool is None else self._pool.size
+        started = time.perf_counter()
+        self._iterator = iter(self._pipeline)
+        self.iterators_made += 1
+        self.made(time.perf_counter() - started)
+
+    @property
+    def carries(self):
+        """Whether its iterator runs on into a next epoch, read from its start.
+
+        So what it holds belongs to the epoch a later call reads first.
+        """
+        return (
+            not self.closed
+            and self._iterator is not None
+            and self.read_batches % self.batches == 0
+            and (self._fed is None or self._fed_read())
+        )
+
+    def _fed_read(self):
+        """Whether it read every pass fed, on the pool as sized now.
+
+        Passes fed and not read are not the next call's; and its pool was
+        fixed when it was made, so a pool resized since (grown after an
+        epoch that kept the step waiting) runs in a stage built anew.
+        """
+        return self.epoch == self._fed.passes and (
+            self._pool is None or self._pool.size == self._pool_size
+        )
+
+    def _count_taken(self):
+        """Sets `ordinal` to the elements Keras took (see `_ordinal`)."""
+        if self._ordinal_origin is not None:
+            self._ordinal.assign(self._ordinal_origin + self.read_batches)
+
+    def detach(self):
+        """Ends a call without dropping the iterator (see `KeptStage`).
+
+        The next view read begins an epoch: the next pass, or a new
+        iterator if the call left its epoch early. From now on the real
+        iterator is never deleted in the thread that drops this object
+        (its teardown can wait on a thread running the staged Python, a
+        `tf.py_function`, that waits for the interpreter lock), and is
+        dropped before the interpreter exits (`_close_running_on`).
+        """
+        self._view = None
+        self._count_taken()
+        if self not in _running_on:
+            _running_on.add(self)
+            weakref.finalize(self, _release_box, self._box, self._fed)
+
+    def close(self):
+        """Drops the real iterator; nothing of it runs any more.
+
+        Its pipeline is torn down on another thread (`release`); the
+        stage's gate, closed first by `CallIterators.end_call`, keeps any
+        element it still finishes out of the stage's counts.
+
+        Returns:
+            The thread that drops it (None once the interpreter exits).
+        """
+        self.closed = True
+        self._count_taken()
+        _running_on.discard(self)
+        if self._fed is not None:
+            # Its source's wait for passes ends: nothing else is fed.
+            self._fed.close()
+        held, self._iterator = [self._iterator], None
+        self._view = None
+        return release(held)
+
+
+class EpochView(KeptIterator):
+    """The iterator Keras gets for one epoch of a long-lived pipeline.
+
+    It reads the shared `LongLivedIterator`: `resolve` hands the compiled
+    step that iterator, for `steps_per_execution` batches. Python reads end
+    with its epoch, as a fresh iterator of one epoch ends: a reader that
+    reads ahead (Keras's JAX trainer reads the batch after the one it hands
+    the step) then gets the end, not the next epoch's first batch.
+
+    `spec`: under a strategy of several replicas, one replica's batch
+    structure. Keras reads one batch in Python from the first iterator of
+    each `fit` and `evaluate`, then drops it (`_maybe_symbolic_build` in
+    Keras's TensorFlow trainer), to build what is unbuilt; the staged call
+    has built all of it (`TensorFlowBackend.build`). So a view's first
+    Python read, before any step read it, gets a batch of zeros of `spec`
+    (no rows) and reads nothing from the shared iterator.
+    """
+
+    def __init__(self, shared, element_spec, spec=None):
+        self._shared = shared
+        self._element_spec = element_spec
+        self._python_reads = 0
+        self._spec = spec
+        self._peeked = spec is None  # nothing to peek without a strategy
+        self._stepped = False
+
+    def resolve(self):
+        """The real iterator, for one call of the compiled step."""
+        self._stepped = True
+        return self._shared.read(self, self._shared.steps_per_execution)
+
+    def _peek(self):
+        if self._peeked or self._stepped or self._python_reads:
+            return None
+        self._peeked = True
+        return tf.nest.map_structure(_empty_batch, self._spec)
+
+    def _read_one(self):
+        if self._python_reads >= self._shared.batches:
+            return None  # the epoch's end
+        self._python_reads += 1
+        return self._shared.read(self, 1)
+
+    def __next__(self):
+        peeked = self._peek()
+        if peeked is not None:
+            return peeked
+        iterator = self._read_one()
+        if iterator is None:
+            raise StopIteration
+        return next(iterator)
+
+    def get_next(self):
+        peeked = self._peek()
+        if peeked is not None:
+            return peeked
+        iterator = self._read_one()
+        if iterator is None:
+            raise tf.errors.OutOfRangeError(None, None, "End of sequence")
+        return iterator.get_next()
+
+    @property
+    def element_spec(self):
+        return self._element_spec
+
+
+class EpochPipeline(EagerIterated):
+    """One epoch of a long-lived pipeline, as Keras sees it.
+
+    Its cardinality is one epoch's batches (Keras's count of an epoch); its
+    eager iterators are `EpochView`s of the shared `LongLivedIterator`.
+    Used as a dataset otherwise (inside a `tf.function`, transformed) it is
+    the long-lived pipeline's first epoch.
+    """
+
+    def __init__(self, shared, pipeline):
+        self._shared = shared
+        super().__init__(
+            pipeline.take(shared.batches).apply(
+                tf.data.experimental.assert_cardinality(shared.batches)
+            )
+        )
+
+    def eager_iter(self):
+        return EpochView(self._shared, self._base.element_spec)
+
+
+def _empty_batch(spec):
+    """A value of `spec` with no rows (a `None` dimension as 0).
+
+    A composite spec (ragged, sparse) stands for itself: Keras's peek reads
+    only shapes and dtypes, which specs have.
+    """
+    if not isinstance(spec, tf.TensorSpec):
+        return spec
+    shape = [0 if dim is None else dim for dim in spec.shape.as_list()]
+    if spec.dtype == tf.string:
+        return tf.fill(shape, "")
+    return tf.zeros(shape, spec.dtype)
+
+
+class DistributedEpochPipeline(tf.distribute.DistributedDataset):
+    """One epoch of a long-lived distributed pipeline, as Keras sees it.
+
+    Under a strategy of several replicas Keras takes a distributed dataset
+    as it is and makes its iterators with `iter`: they are
+    `EpochView`s of the shared `LongLivedIterator`, whose real
+    iterator is one iterator of the distributed pipeline. Keras takes it
+    wrapped in its dataset adapter (`_compat.distributed_dataset_adapter`).
+    """
+
+    def __init__(self, shared, distributed, spec):
+        self._shared = shared
+        self._distributed = distributed
+        self._spec = spec  # one replica's batch (see `EpochView`)
+
+    def __iter__(self):
+        return EpochView(
+            self._shared, self._distributed.element_spec, self._spec
+        )
+
+    @property
+    def element_spec(self):
+        return self._distributed.element_spec
+
+    def cardinality(self):
+        """The batches of one epoch (what Keras's adapter counts)."""
+        return self._shared.batches
+
+    def reduce(self, initial_state, reduce_func):
+        raise TypeError(
+            "One epoch of a long-lived staged pipeline is read only through "
+            "its iterators; reduce the dataset before it is staged instead."
+        )
+
+
+class CallIterators:
+    """What Keras iterates of one role's stage in one call.
+
+    `switched(switch)` (the compiled step's dataset), `eager_dataset()`
+    (Keras's Python reads) and `end_call()`: a `DeferredIterator` per
+    epoch, or `EpochView`s of the call's `LongLivedIterator`, which the
+    role's `KeptStage` may keep across calls.
+
+    Args:
+        data: The call's `StagedData`.
+        plan: Its `LongLivedEpochs`, or None: an iterator per epoch.
+    """
+
+    def __init__(self, data, plan=None):
+        self._data = data
+        self.plan = plan
+        self._shared = None  # its `LongLivedIterator`, made when read
+        # The order of a drawing source's passes (see `DrawOrder`).
+        self._order = DrawOrder()
+
+    def eager_dataset(self):
+        """What Keras reads in Python (predict; every phase on JAX): the
+        stage's own dataset, or an `EpochPipeline` of one of its iterators.
+        """
+        data = self._data
+        if self.plan is not None:
+            return self._epochs(data.staged)
+        return DeferredPipeline(data.staged, data._made, defer=data.defers)
+
+    def switched(self, switch):
+        """What the compiled step iterates, its epochs run as `switch` (the
+        call's `EpochSwitch`, or None) says."""
+        data = self._data
+        staged = data.staged
+        pipeline = staged.lean_pipeline if data.in_step else staged.pipeline
+        if data.strategy is not None:
+            # Its replicas' share of each batch; long-lived, Keras's
+            # iterators of it are views of one distributed iterator. No
+            # epoch switch runs under a strategy (`decision.epochs._refusal`).
+            distributed = self._distributed(pipeline)
+            if self.plan is not None:
+                return DistributedEpochPipeline(
+                    self._shared_iterator(distributed),
+                    distributed,
+                    pipeline.element_spec,
+                )
+            return distributed
+        if self.plan is not None:
+            epochs = self._epochs(pipeline, switch)
+            if switch is None:
+                return epochs
+            return switch.pipeline(
+                epochs, self._raw(), on_unstaged=self._shared.skip_epoch
+            )
+        deferred = DeferredPipeline(pipeline, data._made, defer=data.defers)
+        if switch is None:
+            return deferred
+        return switch.pipeline(deferred, self._raw())
+
+    def _epochs(self, pipeline, switch=None):
+        """The `EpochPipeline` of the call's one iterator of `pipeline`."""
+        return self._shared_iterator(pipeline, switch).epoch_pipeline(pipeline)
+
+    def _shared_iterator(self, pipeline, switch=None):
+        """The call's `LongLivedIterator` of `pipeline`.
+
+        `switch`: the call's `EpochSwitch`, or None; while it may run an
+        epoch without the stage, each staged epoch ends its iterator.
+        """
+        data, kept = self._data, self._data.kept
+        spans = kept is not None and kept.spans_calls
+        if self._shared is None and spans:
+            # The iterator an earlier call on this kept stage left.
+            self._shared = kept.iterator(pipeline)
+            if self._shared is not None:
+                self._shared.made = data._made
+        if self._shared is None:
+            segmented = self.plan.stop is not None
+            self._shared = LongLivedIterator(
+                pipeline,
+                self.plan,
+                data._made,
+                pool=data.staged.thread_pool,
+                name=data.staged.name,
+                single_epochs=(
+                    (lambda: switch.decision is None)
+                    if segmented and switch is not None
+                    else None
+                ),
+                order=self._order if segmented else None,
+            )
+            if spans:
+                kept.keep_iterator(pipeline, self._shared)
+        return self._shared
+
+    def _raw(self):
+        """One epoch of the source, for epochs run without the stage."""
+        plan, source = self.plan, self._data.source
+        if plan is not None and plan.stop is not None:
+            # Its passes draw as the stage's do, in the order read.
+            return DeferredPipeline(
+                one_pass(source, plan.opens),
+                lambda seconds: None,
+                order=self._order,
+            )
+        return DeferredPipeline(
+            source, lambda seconds: None, defer=self._data.defers
+        )
+
+    def _distributed(self, pipeline):
+        """`pipeline` distributed by the strategy, kept with a kept stage."""
+        kept = self._data.kept
+        if kept is not None:
+            return kept.distributed(pipeline, self._data.distribute)
+        return self._data.distribute(pipeline)
+
+    def resize_makes_an_iterator(self):
+        """Whether a pool resized now makes an iterator the call would not.
+
+        Only a long-lived stage whose next epoch reads on from its iterator
+        (see `LongLivedIterator.next_epoch_reads_on`); a stage making an
+        iterator per epoch makes the next one anyway.
+        """
+        return self._shared is not None and self._shared.next_epoch_reads_on()
+
+    @property
+    def restartable(self):
+        """Whether any epoch can start on a new iterator (see `start`)."""
+        return self.plan is None or self.plan.restartable
+
+    @property
+    def skippable(self):
+        """Whether the epoch switch can run an epoch without the stage.
+
+        Epochs that can start on a new iterator, or a source that draws
+        per iterator whose staged epochs end their iterators while the
+        switch may still skip one (see `LongLivedIterator`, `stop`).
+        """
+        return self.restartable or self.plan.stop is not None
+
+    def end_call(self):
+        """Ends the call's iterators, or detaches one that runs on.
+
+        Keras may leave an iterator alive (a traceback holds it); its late
+        elements must not count in the stats the next call shares. A user's
+        own staged dataset stays usable.
+
+        Returns:
+            The thread tearing down the long-lived iterator, or None.
+        """
+        data, kept = self._data, self._data.kept
+        values = None
+        if kept is not None and kept.carries():
+            values = variable_values(data.split)
+        if values is not None:
+            # Its iterator runs on into the next call (see the module
+            # docstring): its elements are that call's, counted in the
+            # stats the two calls share.
+            kept.end_call(values)
+            return None
+        if data.owned:
+            data.staged.runner.close_gate()
+        released = None
+        if self._shared is not None:
+            # Its epochs not read yet run no further.
+            released = self._shared.close()
+        if kept is not None:
+            kept.drop_iterator()
+            kept.released = released
+            kept.in_use = False
+        return released
+
+
+class LongLivedEpochs:
+    """How a stage runs a call's epochs on one iterator.
+
+    Attributes:
+        epochs: The epochs its source spans (Keras reads at most these).
+        batches: The batches of one epoch.
+        steps_per_execution: The batches of one call of the compiled step.
+        start: The source's first-epoch variable when its epochs can start
+            on a new iterator (see `LongLivedIterator`), else None.
+        stop: The source's end-epoch variable when its first epoch reads
+            an iterator of its own (see `LongLivedIterator`), else None.
+        opens: The unread iterators of the source each pass makes.
+        source: The long-lived source (built when first read: a call
+            reusing a kept stage reads the one it was built on).
+        ordinal: The staged random layers' count of numbered elements
+            (`StageSplit.ordinal`) when the stage numbers them, else None.
+        feeds: Whether each call feeds its passes to the source (an
+            `FedSource`, `fed` once built), read on across
+            calls on datasets of one structure.
+    """
+
+    def __init__(
+        self,
+        epochs,
+        batches,
+        steps_per_execution,
+        start,
+        source,
+        stop=None,
+        opens=0,
+        feeds=False,
+    ):
+        self.epochs = epochs
+        self.batches = batches
+        self.steps_per_execution = steps_per_execution
+        self.start = start
+        self.stop = stop
+        self.opens = opens
+        self._source = source  # or a function building it
+        self.ordinal = None
+        self.feeds = feeds
+        self.fed = None
+
+    @property
+    def source(self):
+        if callable(self._source):
+            self._source = self._source()
+        return self._source
+
+    @property
+    def restartable(self):
+        """Whether its epochs can start on a new iterator.
+
+        With `start` (independent epochs), or a source of free passes
+        (`epochs` None), every pass of which is a first one; not with
+        `stop` (its later epochs run on one iterator), nor fed (its
+        iterator reads the passes fed, and no other).
+        """
+        return (
+            not self.feeds
+            and self.stop is None
+            and (self.start is not None or self.epochs is None)
+        )
+
+
+def _opened(dataset):
+    """An empty dataset that makes (and drops) an iterator of `dataset`.
+
+    Reads nothing from it: `choose_from_datasets` makes its inputs'
+    iterators when it starts and reads them as its (empty) selector says.
+    """
+    return tf.data.Dataset.choose_from_datasets(
+        [dataset], tf.data.Dataset.range(0)
+    )
+
+
+def one_pass(dataset, opens=0):
+    """One pass of `dataset`, then `opens` (0 or 1) unread iterators of it.
+
+    An epoch read without the stage, in `long_lived_source`'s passes (see
+    `DrawOrder`).
+    """
+    # `concatenate` keeps `dataset`'s options.
+    return dataset.concatenate(_opened(dataset)) if opens else dataset
+
+
+def _unconverted(fn):
+    """`fn` (no control flow) for tf.data without AutoGraph's conversion.
+
+    AutoGraph's conversion of a function costs more than its trace (the
+    first in a process most), and plain Keras's steps and adapters never
+    pay it.
+    """
+    return tf.autograph.experimental.do_not_convert(fn)
+
+
+# The calls' passes a fed source holds at once: each call feeds its own as
+# it begins, after the last call read all of its (see `FedSource.feed`).
+_FED_CAPACITY = 1
+
+
+class FedSource:
+    """A long-lived source that each call feeds its own passes.
+
+    A call on a new dataset object of a kept stage's structure (a user's
+    loop building its dataset per call) would build the stage again and
+    make a new iterator (the staged map traced and instantiated again).
+    This source is a queue of datasets read one after another: each call
+    feeds its passes (`feed`: `dataset.repeat(passes)`, as one element)
+    and the stage's one iterator reads them next, on the pipeline built
+    before. Every pass reads a fresh iterator of its dataset, as plain
+    Keras's epochs do, with the unread iterators Keras makes between
+    epochs (`opens`); a source whose kernels draw the same in every fresh
+    iterator (`SourceFacts.kernel_seeded`) is not fed.
+
+    Once the passes fed are read, the iterator waits in the queue's
+    dequeue (a tf.data thread, no CPU) for the next call's: a call must
+    read every pass it fed to be run on (`LongLivedIterator.carries`).
+    `close` ends the wait, for the iterator's teardown.
+
+    Args:
+        element_spec: The structure of the fed datasets' elements.
+        options: The fed datasets' `tf.data.Options`, the source's own.
+    """
+
+    def __init__(self, element_spec, options):
+        self.element_spec = element_spec
+        self.options = options
+        # Passes fed so far, by every call.
+        self.passes = 0
+        self.closed = False
+        with tf.init_scope(), tf.device("/CPU:0"):
+            self._queue = tf.queue.FIFOQueue(
+                _FED_CAPACITY, dtypes=[tf.variant], shapes=[[]]
+            )
+        queue = self._queue
+
+        def next_passes(_):
+            return queue.dequeue()
+
+        def passes(variant):
+            return tf.data.experimental.from_variant(variant, element_spec)
+
+        self.dataset = (
+            tf.data.Dataset.from_tensors(tf.constant(0, tf.int64))
+            .repeat()
+            .map(_unconverted(next_passes))
+            .flat_map(_unconverted(passes))
+            .with_options(options)
+        )
+
+    def accepts(self, dataset):
+        """Whether `dataset`'s passes can be fed here (same structure)."""
+        return (
+            not self.closed
+            and dataset.element_spec == self.element_spec
+            and dataset.options() == self.options
+        )
+
+    def feed(self, dataset, passes, opens=0):
+        """Feeds `passes` passes of `dataset`, read after those fed before.
+
+        `opens`: the unread iterators of `dataset` plain Keras makes after
+        each pass it reads (see `long_lived_source`): a dataset that draws
+        per iterator takes its draws in plain Keras's order.
+
+        Raises:
+            RuntimeError: the passes fed before are not all read yet (the
+                queue is full: feeding would wait for ever).
+        """
+        if self.closed or int(self._queue.size()) >= _FED_CAPACITY:
+            raise RuntimeError(
+                "A fed stage source was fed while its last call's passes "
+                "were still unread (or after it was closed)."
+            )
+        self._queue.enqueue(
+            tf.data.experimental.to_variant(
+                one_pass(dataset, opens).repeat(int(passes))
+            )
+        )
+        self.passes += int(passes)
+
+    def close(self):
+        """Ends the source: an iterator waiting for passes ends instead."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._queue.close(cancel_pending_enqueues=True)
+        except tf.errors.OpError:  # its resource already gone at exit
+            pass
+
+
+# How long a call waits for the teardown of a kept stage's last iterator
+# before it builds a stage of its own (see `KeptStage.released`).
+TEARDOWN_WAIT_SECONDS = 5.0
+
+
+class KeptStage:
+    """A stage a model keeps for its later calls on the same dataset.
+
+    See `stage_data(kept=...)`. What the stage depends on is held (not
+    only its id, which a new object could take): the layer, the dataset,
+    the staged function (a new one after a staged layer is re-adapted)
+    and the stats. `in_use` while a call runs it: a call nested in it (an
+    evaluate from a fit's callback, on the fit's validation data) builds
+    its own.
+    """
+
+    def __init__(
+        self,
+        layer,
+        phase,
+        source,
+        batches,
+        fn,
+        stats,
+        long_lived,
+        class_weight=None,
+        strategy=None,
+        overrides=None,
+        call_source=None,
+    ):
+        # `strategy`: the one of several replicas that distributes it.
+        self.objects = (layer, source, fn, stats, strategy)
+        self.values = (
+            # A fit's validation and an evaluate run one compiled step.
+            phase,
+            batches,
+            repr(sorted(layer.stage_options.get_config().items())),
+            None
+            if long_lived is None
+            else (
+                long_lived.epochs,
+                long_lived.steps_per_execution,
+                long_lived.feeds,
+            ),
+            # Keras weighs the batches in its dataset (a map over the
+            # user's): a stage built with other weights is not this one.
+            # Copied, as a user may change the dict between calls.
+            None
+            if class_weight is None
+            else repr(sorted(dict(class_weight).items())),
+            # How the phase uses the tf.data service (see
+            # `_service_overrides`), and what the data set for it.
+            repr(sorted((overrides or {}).items())),
+        )
+        # The `LongLivedEpochs` whose source the stage runs, or None.
+        self.long_lived = long_lived
+        # One epoch of the call's source, which a fed stage's call feeds
+        # (see `FedSource`).
+        self.call_source = call_source
+        # Whether its one iterator outlives calls (`epochs` None: see
+        # the module docstring): that iterator, the pipeline
+        # it iterates, and the staged layers' variables' values when the
+        # last call ended (None: none to compare, or not taken).
+        self.spans_calls = long_lived is not None and long_lived.epochs is None
+        self._shared = None
+        self._shared_pipeline = None
+        self._variables = None
+        # The thread tearing down the last call's iterator (see
+        # `release`), or None: a call reusing the stage waits
+        # for it before it opens the gate, so nothing that iterator still
+        # finishes counts in the stats the new one reads.
+        self.released = None
+        self.staged = None
+        self.in_use = False
+        # `(pipeline, its distributed dataset)` under a strategy of several
+        # replicas, or None.
+        self._distributed = None
+
+    def distributed(self, pipeline, distribute):
+        """`pipeline` as `distribute(pipeline)` made it, for every call.
+
+        Keras makes its iterators of the distributed dataset; one made
+        again each call would rewrite the pipeline for the replicas again.
+        """
+        if self._distributed is None or self._distributed[0] is not pipeline:
+            self._distributed = (pipeline, distribute(pipeline))
+        return self._distributed[1]
+
+    def same(self, other, split=None):
+        """Whether `other`, wanted by a new call, is this stage.
+
+        With a kept iterator, also whether the staged layers' variables
+        still hold what they held when the last call ended: its buffer
+        was computed with those values.
+        """
+        if self.values != other.values:
+            return False
+        objects, others = self.objects, other.objects
+        if self.long_lived is not None and self.long_lived.feeds:
+            # Fed (see `FedSource`): another dataset of the
+            # structure its source reads, while its iterator runs on.
+            fed = self.long_lived.fed
+            if (
+                fed is None
+                or not self.keeps_running()
+                or not fed.accepts(other.call_source)
+            ):
+                return False
+            objects, others = objects[:1] + objects[2:], others[:1] + others[2:]
+        if not all(a is b for a, b in zip(objects, others, strict=True)):
+            return False
+        if self._variables is None or not self.keeps_running():
+            return True
+        return _same_values(self._variables, variable_values(split))
+
+    def iterator(self, pipeline):
+        """The iterator an earlier call left over `pipeline`, or None."""
+        if self._shared is not None and self._shared_pipeline is pipeline:
+            return self._shared
+        return None
+
+    def keep_iterator(self, pipeline, shared):
+        """Keeps `shared`, the one iterator of `pipeline`, across calls."""
+        self.drop_iterator(ends_source=False)
+        self._shared, self._shared_pipeline = shared, pipeline
+
+    def keeps_running(self):
+        """Whether the kept iterator runs on into a next call's epoch."""
+        return self._shared is not None and self._shared.carries
+
+    def carries(self):
+        """Whether a call reusing this stage reads on from its iterator."""
+        return self.spans_calls and self.keeps_running()
+
+    def end_call(self, values):
+        """Ends a call whose iterator runs on (see `keeps_running`).
+
+        `values`: the staged layers' variables' values now.
+        """
+        self._shared.detach()
+        self._variables = values
+        self.in_use = False
+
+    def drop_iterator(self, ends_source=True):
+        """Drops the kept iterator, if any (torn down on another thread).
+
+        A fed source ends with it (`ends_source`): a new iterator of its
+        pipeline would read the same queue of passes.
+        """
+        shared, self._shared = self._shared, None
+        self._shared_pipeline, self._variables = None, None
+        if shared is not None and not shared.closed:
+            self.released = shared.close()
+        fed = None if self.long_lived is None else self.long_lived.fed
+        if ends_source and fed is not None:
+            fed.close()
+
+    def retire(self):
+        """Ends this stage for good: a new one replaces it."""
+        if self._shared is not None and self.staged is not None:
+            # Nothing its iterator still finishes counts in the stats the
+            # next stage shares.
+            self.staged.runner.close_gate()
+        self.drop_iterator()
+
+
+# A kept iterator runs on across calls only when the staged layers'
+# variables are this small in all: a call compares their values with those
+# of the last call's end (a buffer computed with other values is dropped).
+VARIABLES_COMPARED_BYTES = 2**20
+
+
+def _variables_of(split):
+    """`(variables, read)` of `split`'s staged layers (kept per split).
+
+    `read()` returns their values as NumPy arrays. None when they are over
+    `VARIABLES_COMPARED_BYTES` in all.
+    """
+    if split is None:
+        return (), tuple
+    cached = _split_variables.get(split, False)
+    if cached is not False:
+        return cached
+    variables = tuple(split.prefix.variables)
+    size = sum(
+        tf.TensorShape(v.shape).num_elements() * tf.as_dtype(v.dtype).size
+        for v in variables
+    )
+    found = None
+    if size <= VARIABLES_COMPARED_BYTES:
+        found = variables, split.backend.variable_reader(variables)
+    _split_variables[split] = found
+    return found
+
+
+_split_variables = weakref.WeakKeyDictionary()
+
+
+def variable_values(split):
+    """The values of `split`'s staged layers' variables (see above)."""
+    found = _variables_of(split)
+    return None if found is None else found[1]()
+
+
+def _same_values(before, now):
+    if before is None or now is None or len(before) != len(now):
+        return False
+    return all(
+        a.shape == b.shape and (a == b).all()
+        for a, b in zip(before, now, strict=True)
+    )
+
+
+def earlier_stage(kept, role):
+    """The kept stage a call of `role` may run again, or None.
+
+    Its role's; for an evaluate with none yet of its own, a fit's fed
+    validation stage (its step is the same) unless that fit runs it now,
+    which the evaluate feeds then, kept for both roles.
+    """
+    earlier = kept.get(role)
+    if earlier is None and role == "test":
+        val = kept.get("val")
+        if (
+            val is not None
+            and not val.in_use
+            and val.long_lived is not None
+            and val.long_lived.feeds
+        ):
+            return val
+    return earlier
+
+
+def switched_data(earlier, x):
+    """Whether a call on `x` follows calls of its role on other datasets.
+
+    `earlier`: the role's kept stage, or None. True once its stage is fed
+    (see `FedSource`) or was built on another dataset object.
+    """
+    if earlier is None:
+        return False
+    plan = earlier.long_lived
+    return (plan is not None and plan.feeds) or earlier.objects[1] is not x
+
+
+def carries(kept, role, x):
+    """Whether a call of `role` on `x` would read on from a kept iterator.
+
+    See the module docstring: such a call makes no iterator
+    of the stage's pipeline. `kept`: the model's kept stages, or None.
+    """
+    entry = None if kept is None else kept.get(role)
+    return (
+        entry is not None
+        and not entry.in_use
+        and entry.objects[1] is x
+        and entry.carries()
+    )
+
+
+def kept_stage(kept, role, wanted, split=None):
+    """The kept stage a call of `role` runs: an earlier one, or `wanted`.
+
+    `kept`: the model's kept stages by role (updated here); `wanted`: the
+    `KeptStage` the call would build. None where the call builds a stage
+    of its own, not kept: a call nested in the one running the role's
+    stage, or one whose earlier iterator is still being torn down.
+    """
+    earlier = earlier_stage(kept, role)
+    entry = wanted
+    if earlier is not None and earlier.in_use:
+        return None  # a call nested in the one running it: its own
+    if (
+        earlier is not None
+        and earlier.same(wanted, split)
+        and not earlier.staged.stats.closed  # by a timeout: it ended
+    ):
+        entry = earlier
+        kept[role] = entry  # an evaluate's, too, once it feeds one
+    elif kept.get(role) is not None:
+        if kept[role] is kept.get("val") and role == "test":
+            del kept[role]  # the fit's validation's, which goes on
+        else:
+            kept[role].retire()  # this call's stage replaces it
+    if entry.released is not None:
+        entry.released.join(TEARDOWN_WAIT_SECONDS)
+        if entry.released.is_alive():
+            # Its last iterator is still being torn down: a stage of its
+            # own for this call, rather than that one's gate reopened.
+            return None
+        entry.released = None
+    return entry
+
+
+def retire_all(kept):
+    """Ends every stage of `kept` (a model's kept stages, by role) for good.
+
+    Their iterators, if they outlived their calls, are torn down.
+    """
+    for entry in kept.values():
+        entry.retire()
+    kept.clear()
