@@ -34,7 +34,7 @@ _POLL_SECONDS = 0.5
 # consumer's recording step (see `StageRunner.call`'s `ready_fn`).
 READY_SAMPLE = 16
 # How long the interpreter's exit waits for keras_stage's threads still
-# running (the helpers here, `epoch_iterators`' teardowns).
+# running (the helpers here, the kept iterators' teardowns).
 EXIT_WAIT_SECONDS = 10.0
 # Every helper thread (`_CallThread`) not yet ended.
 _call_threads = weakref.WeakSet()
