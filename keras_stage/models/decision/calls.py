@@ -136,8 +136,9 @@ def _weighed(f):
     def ms(key):
         return f"{1000 * f[key]:+.1f} ms"
 
+    epochs = "epoch" if f["epochs"] == 1 else f"{f['epochs']} epochs"
     starts = (
-        f", {ms('starts')} of Keras starting its {f['epochs']} epochs"
+        f", {ms('starts')} of Keras starting its {epochs}"
         if f["starts"]
         else ""
     )
