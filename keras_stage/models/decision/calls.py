@@ -240,8 +240,6 @@ class Decision:
     @property
     def rent(self):
         """What a staged call pays toward the whole step's trace."""
-        if self.kind is Kind.LEARNING:
-            return self.figures["set_up"]
         return self.figures.get("rent", 0.0)
 
     @property
@@ -649,7 +647,13 @@ class CallCosts:
             set_up = self._set_up(costs, iterators, plans, traces, compiles)
             return Decision(
                 Kind.LEARNING,
-                {"batches": batches, "owed": owed, "set_up": set_up},
+                # Its whole set-up is rent toward the trial's trace.
+                {
+                    "batches": batches,
+                    "owed": owed,
+                    "set_up": set_up,
+                    "rent": set_up,
+                },
             )
         set_up = self._set_up(costs, iterators, plans, traces, compiles)
         # Signed: staged steps slower than the whole model's lose time.

@@ -137,6 +137,7 @@ def test_untimed_staged_work_pays_its_set_up_toward_the_trials_trace():
         "batches": 100,
         "owed": 0.05,
         "set_up": pytest.approx(0.09),
+        "rent": pytest.approx(0.09),
     }
     # Its first staged calls also pay the plan, the prefix's trace and the
     # trunk's first call.
