@@ -73,7 +73,6 @@ class _Binding:
         staged,
         adapter,
         long_lived=False,
-        switch=None,
         pool_shrinks=True,
         carried=False,
         call_reason=None,
@@ -84,7 +83,6 @@ class _Binding:
         self.staged = staged
         self.adapter = adapter
         self.pool_shrinks = pool_shrinks
-        self.switch = switch
         self.long_lived = long_lived
         self.carried = carried
         self.call_reason = call_reason
@@ -104,14 +102,9 @@ class _Binding:
             if self.staged.runner.records_in_step:
                 # The step marks each next fetch at its end; the epoch's
                 # first begins now. A long-lived stage already holds the
-                # epoch's batches, unless the last epoch ran without it.
-                after_unstaged = (
-                    self.switch is not None and self.switch.last_unstaged
-                )
+                # epoch's batches.
                 held = self.long_lived and (self.epochs_begun or self.carried)
-                self.staged.stats.mark_request(
-                    orphan=not held or after_unstaged
-                )
+                self.staged.stats.mark_request(orphan=not held)
             self.epochs_begun += 1
             self.skipped_before = self.staged.stats.snapshot()["skipped"]
         self.in_epoch = True
@@ -143,10 +136,9 @@ class PrefetchCallback(keras.callbacks.Callback):
       step asked for a batch (0..1). Near 1: batches were waiting.
     - `stage_skipped`: batches skipped this epoch by
       `ignored_exception_types`.
-    - `stage_unstaged`: 1 for an epoch that ran the whole model in Keras's
-      step (its other `stage_*` figures are then 0), else 0; logged in a
-      fit whose epochs may run without the stage, and every epoch of a fit
-      the model runs wholly without it.
+    - `stage_unstaged`: 1 for every epoch of a fit the model runs in
+      Keras's step without its stage (its other `stage_*` figures are then
+      0); not logged by a staged fit.
 
     With `verbose=1` it prints a one-line verdict per epoch: input-bound or
     compute-bound, and what to change, by DeepRec's rules of thumb
@@ -241,7 +233,6 @@ class PrefetchCallback(keras.callbacks.Callback):
         staged,
         adapter=None,
         long_lived=False,
-        switch=None,
         pool_shrinks=True,
         carried=False,
         call_reason=None,
@@ -250,8 +241,7 @@ class PrefetchCallback(keras.callbacks.Callback):
         """Registers the stage feeding `phase` ("train", "test", "predict").
 
         `long_lived`: the call's epochs run on one iterator; `carried`: an
-        earlier call left it. `switch`: the fit's `EpochSwitch`, if epochs
-        may run without the stage. `pool_shrinks`: whether the verdict may
+        earlier call left it. `pool_shrinks`: whether the verdict may
         shrink an adaptive pool, or only grow it. `call_reason`: why the
         call is staged. `iterator_cost`: what a resized pool costs, or None
         (see `_shrink_cannot_pay`). Called by `keras_stage.Model`.
@@ -261,7 +251,6 @@ class PrefetchCallback(keras.callbacks.Callback):
             staged,
             adapter,
             long_lived,
-            switch,
             pool_shrinks,
             carried,
             call_reason,
@@ -453,20 +442,6 @@ class PrefetchCallback(keras.callbacks.Callback):
         self._epoch_start = None
         self._after_first_step = None
         self._starting_epoch = False
-        switch = binding.switch
-        if switch is not None:
-            unstaged = switch.last_unstaged
-            if logs is not None:
-                logs["stage_unstaged"] = float(unstaged)
-            if unstaged:
-                if logs is not None:
-                    # Logged all the same, so every epoch has the keys.
-                    if stats["wait_ratio"] is not None:
-                        logs["stage_wait_ratio"] = 0.0
-                    logs["stage_buffer_fill"] = 0.0
-                    logs["stage_skipped"] = 0
-                self._end_unstaged_epoch(epoch, stats, binding, switch)
-                return
         if logs is not None:
             # Not measured: left out, as NaN would read as a diverged loss.
             if stats["wait_ratio"] is not None:
@@ -490,7 +465,6 @@ class PrefetchCallback(keras.callbacks.Callback):
             )
         self.verdict["staged"] = True
         self._add_call_reason(binding)
-        self._add_switch_report(switch)
         self._write_summaries(epoch, stats, self.verdict)
         self._say()
         self._report_skips(binding, now, stats["skipped"])
@@ -511,28 +485,6 @@ class PrefetchCallback(keras.callbacks.Callback):
         self.verdict["call"] = self._unstaged_call
         self._say(first)
 
-    def _end_unstaged_epoch(self, epoch, stats, binding, switch):
-        """The verdict of an epoch that ran the whole model in the step."""
-        pool = binding.staged.thread_pool
-        message = (
-            f"Stage '{binding.staged.name}': this epoch ran the whole model "
-            "in Keras's step, without the stage"
-            + (
-                " (a trial: the stage's step did not wait for input)."
-                if switch.decision is None or switch.report_pending
-                else ", as measured to be faster."
-            )
-        )
-        self.verdict = _unstaged_verdict(
-            message,
-            epoch,
-            thread_pool_size=None if pool is None else pool.size,
-            cpu_load=stats.get("cpu_load"),
-        )
-        self._add_call_reason(binding)
-        self._add_switch_report(switch)
-        self._say()
-
     def _say(self, printed=True):
         """Prints the verdict's message with `verbose`, else logs it."""
         if self.verbose and printed:
@@ -547,12 +499,6 @@ class PrefetchCallback(keras.callbacks.Callback):
             self.verdict["message"] += (
                 f" The call is staged: {binding.call_reason}."
             )
-
-    def _add_switch_report(self, switch):
-        """Adds the switch's decision to the verdict, the epoch it is made."""
-        report = None if switch is None else switch.report()
-        if report is not None:
-            self.verdict["message"] += " " + report
 
     def _adapt_pool(self, pool, verdict, shrink=True, keep=None):
         """Resizes the stage's pool for the next epoch from `verdict`.
@@ -686,12 +632,12 @@ _VERDICT_FIGURES = (
 )
 
 
-def _unstaged_verdict(message, epoch, thread_pool_size=None, cpu_load=None):
+def _unstaged_verdict(message, epoch):
     """The verdict of an epoch run without the stage: no figures."""
     return {
         **{key: None for key in _VERDICT_FIGURES},
-        "thread_pool_size": thread_pool_size,
-        "cpu_load": cpu_load,
+        "thread_pool_size": None,
+        "cpu_load": None,
         "cores_busy": None,
         "message": message,
         "epoch": epoch,

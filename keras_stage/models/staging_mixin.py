@@ -411,7 +411,6 @@ class StagingMixin:
                 epochs=left if long_lived else None,
                 steps_per_execution=self.steps_per_execution,
                 alongside=() if validation_data is None else (val_x,),
-                switch_epochs=left if backend.may_run_unstaged else None,
             )
             val = None
             if validation_data is not None:

@@ -24,7 +24,6 @@ from keras_stage.callbacks import PrefetchCallback
 from keras_stage.callbacks.prefetch_callback import epoch_statistics, verdict
 from keras_stage.data import StageOptions
 from keras_stage.layers import StagedInput
-from keras_stage.models.decision import epochs as epoch_switch
 from tests.helpers import printed_in_forked_python, tensorboard_scalars
 
 SLEEP_SECONDS = 0.03
@@ -1129,38 +1128,6 @@ def test_keras_tensorboard_callback_records_the_stage_logs(tmp_path):
     scalars = tensorboard_scalars(tmp_path / "train")
     for key in ("stage_wait_ratio", "stage_buffer_fill", "stage_skipped"):
         assert [step for step, _ in scalars[f"epoch_{key}"]] == [0, 1]
-
-
-@pytest.mark.timeout(180)
-def test_callback_of_epochs_the_switch_runs_unstaged_is_not_warned(
-    monkeypatch, caplog
-):
-    # Every trial happens and finds the whole model faster (as in
-    # tests/models/decision/epochs_test.py): the later epochs run unstaged,
-    # and the switch logs its own verdict.
-    monkeypatch.setattr(epoch_switch, "TRIAL_WAIT_RATIO", float("inf"))
-    monkeypatch.setattr(epoch_switch, "TRACE_SHARE", float("inf"))
-    monkeypatch.setattr(epoch_switch, "MARGIN", -1e9)
-    words = np.array([f"w{i % 7}" for i in range(96)], dtype=object)
-    labels = np.linspace(0.0, 1.0, 96, dtype="float32").reshape(-1, 1)
-    inputs = keras.Input(shape=(), dtype="string")
-    x = StagedInput(name="words")(inputs)
-    x = keras.layers.StringLookup(vocabulary=[f"w{i}" for i in range(7)])(x)
-    x = keras.layers.Embedding(9, 4)(x)
-    model = keras_stage.Model(inputs, keras.layers.Dense(1)(x))
-    model.compile(optimizer="adam", loss="mse", smart_stage=True)
-    cb = PrefetchCallback(verbose=1)
-    with caplog.at_level(logging.INFO, logger="keras_stage"):
-        history = model.fit(
-            tf.data.Dataset.from_tensor_slices((words, labels)).batch(8),
-            epochs=4,
-            shuffle=False,
-            verbose=0,
-            callbacks=[cb],
-        ).history
-    assert history["stage_unstaged"][-1] == 1
-    assert "does not pay" in caplog.text
-    assert _warnings(caplog) == []
 
 
 @pytest.mark.timeout(120)

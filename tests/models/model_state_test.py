@@ -15,14 +15,12 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage.models.decision import calls
-from keras_stage.models.decision.epochs import may_switch
 from keras_stage.models.iterators.kept_iterators import (
     DeferredPipeline,
     resolve,
 )
 from keras_stage.models.model_state import UNSTAGED_STEPS
 from keras_stage.models.model_state import state as model_state
-from keras_stage.models.staging_mixin import find_staged_input
 from tests.helpers import run_forked
 
 pytestmark = pytest.mark.timeout(120)
@@ -559,26 +557,8 @@ def test_a_fed_fit_stopped_early_leaves_no_passes_to_the_next(monkeypatch):
     assert [name.rsplit("_", 1)[1] for name, _ in built] == ["train"] * 3
 
 
-def test_training_that_may_switch_or_is_backed_up_is_not_fed(tmp_path):
-    # A fed source's epochs cannot start on a new iterator (an epoch run
-    # without the stage) and are not in a tf.data checkpoint.
-    switching = _model(adaptive=True)
-    for _ in range(2):
-        # Its adaptive pool is measured for two epochs before a trial.
-        switching.fit(_dataset(), epochs=4, shuffle=False, verbose=0)
-    kept = switching._keras_stage_state.stages["train"]
-    assert kept.long_lived is not None and not kept.long_lived.feeds
-    # Before its data: an adaptive pool is measured for two epochs before
-    # a trial, a fixed one for one; each trial needs one more to gain.
-    for pool, fewest in ((None, 4), (2, 3)):
-        model = _model(adaptive=True, thread_pool_size=pool)
-        layer = find_staged_input(model)
-        split = model._stage_plan()[1]
-        assert may_switch(model, layer, split, fewest)
-        assert not may_switch(model, layer, split, fewest - 1)
-    model = _model(adaptive=False)
-    split = model._stage_plan()[1]
-    assert not may_switch(model, find_staged_input(model), split, 10)
+def test_training_that_is_backed_up_is_not_fed(tmp_path):
+    # A fed source's epochs are not in a tf.data checkpoint.
     backed_up = _model(adaptive=False)
     for _ in range(2):
         backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
@@ -808,8 +788,7 @@ def test_a_fit_on_a_dataset_that_draws_nothing_makes_one_iterator(
 
 def test_a_users_loop_on_one_dataset_makes_one_iterator_per_stage():
     staged = _loop_as_plain(epochs=1)
-    # Each stage ran on one iterator across the calls; the training one may
-    # have started again after an epoch its switch ran without it.
+    # Each stage ran on one iterator across the calls.
     kept = staged._keras_stage_state.stages
     assert kept["val"]._shared.iterators_made == 1
     assert kept["test"]._shared.iterators_made == 1

@@ -22,11 +22,11 @@ class Backend:
       staged call), `check_strategy(model)`, `check_exportable(model)`.
     - Steps: `step(model, phase, keras_step, *args)` (the model's
       train/test/predict step), `make_function(model, phase, make)` (a
-      compiled train/test step), `may_run_unstaged` (whether a call or an
-      epoch may skip its stage), `jit_by_default` (`jit_compile="auto"`).
+      compiled train/test step), `may_run_unstaged` (whether a call may
+      skip its stage), `jit_by_default` (`jit_compile="auto"`).
     - Feed: `reads_in_graph(phase)` (Keras's step reads the batches in its
-      graph, not in Python), `host_arrays(data)`, `feed(data, phase,
-      switch)` (what Keras iterates for a `StagedData`), `build(model,
+      graph, not in Python), `host_arrays(data)`, `feed(data,
+      phase)` (what Keras iterates for a `StagedData`), `build(model,
       data, phase)` (what Keras builds from a first batch, from the stage's
       specs),
       `shard_batches(dataset)` (a process's batches where Keras shards per

@@ -24,7 +24,7 @@ logger = logging.getLogger("keras_stage")
 class JaxBackend(Backend):
     """The JAX backend; see `Backend` and the module docstring."""
 
-    # A string prefix cannot run unstaged: calls and epochs are staged.
+    # A string prefix cannot run unstaged: every call is staged.
     may_run_unstaged = False
     jit_by_default = True  # Keras's "auto" on JAX: jit what it can
     # Keras's trainer copies each batch to the device itself, one batch
@@ -73,7 +73,7 @@ class JaxBackend(Backend):
 
         return keras.tree.map_structure(convert, data)
 
-    def feed(self, data, phase, switch=None):
+    def feed(self, data, phase):
         """The stage's eager dataset, as Keras's trainer is to read it.
 
         Across processes under a `keras.distribution`, Keras would shard

@@ -77,10 +77,10 @@ class TensorFlowBackend(Backend):
     def host_arrays(self, data):
         return data
 
-    def feed(self, data, phase, switch=None):
+    def feed(self, data, phase):
         if not self.reads_in_graph(phase):
             return data.eager_dataset
-        pipeline = data.iterators.switched(switch)
+        pipeline = data.pipeline
         if data.strategy is not None and data.long_lived:
             # Views of one distributed iterator: Keras takes them as they are.
             return _compat.distributed_dataset_adapter(pipeline)

@@ -27,23 +27,16 @@ from keras_stage.data.errors import StageTimeoutError
 from keras_stage.data.runner import EndOfData, SkipElement
 from keras_stage.data.stats import StageStats
 from keras_stage.models.decision.learned import learned
-from keras_stage.models.iterators.kept_iterators import KeptIterator, resolve
-from keras_stage.models.model_state import (
-    FUNCTIONS,
-    MAKERS,
-    UNSTAGED_STEPS,
-    drop_traced_steps,
-    set_aside,
-)
+from keras_stage.models.iterators.kept_iterators import resolve
+from keras_stage.models.model_state import FUNCTIONS, drop_traced_steps
 from keras_stage.models.model_state import state as _state
 
 
 def guard(model, phase, function):
     """Wraps a compiled Keras step with the stage runner of `phase`.
 
-    An epoch of an `EpochSwitch` (models/decision/epochs.py) is timed step by
-    step, and an unstaged one runs the whole model's step instead; a call
-    whose steps the host times (`StagingState.step_clocks`) is too.
+    A call whose steps the host times (`StagingState.step_clocks`) is timed
+    step by step.
     """
     unrecorded = UnrecordedStep(model, phase)
     # Whether this compiled step ran unstaged yet (its first call traces).
@@ -52,26 +45,14 @@ def guard(model, phase, function):
     def guarded(iterator):
         clock = _state(model).step_clocks.get(phase)
         if clock is None or len(clock) >= TIMED_STEPS_KEPT:
-            return switched(iterator)
+            return staged(iterator)
         # Timed on the host for `decision.calls`: what a staged step costs
         # beside the whole model's.
         started = time.perf_counter()
-        outputs = switched(iterator)
+        outputs = staged(iterator)
         clock.append(
             (time.perf_counter() - started) / model.steps_per_execution
         )
-        return outputs
-
-    def switched(iterator):
-        if not isinstance(iterator, KeptIterator) or iterator.unstaged is None:
-            return staged(iterator)
-        real = iterator.resolve()
-        started = time.perf_counter()
-        if iterator.unstaged:
-            outputs = run_whole_model(model, phase, real)
-        else:
-            outputs = staged(real)
-        iterator.clock.add(time.perf_counter() - started)
         return outputs
 
     def staged(iterator):
@@ -140,7 +121,6 @@ def guard(model, phase, function):
                 raise
 
     guarded.keras_stage_guarded = True
-    guarded.step = function  # Keras's own, for `whole_model_step`
     return guarded
 
 
@@ -171,48 +151,6 @@ def build_optimizer(model):
 def guarded(function):
     """Whether `function` is a compiled step `guard` already wrapped."""
     return getattr(function, "keras_stage_guarded", False)
-
-
-def whole_model_step(model, phase):
-    """`phase`'s compiled step of the whole model, without the guard.
-
-    The one calls that skip their stage run (kept on the model under
-    `UNSTAGED_STEPS`), made now if none was: Keras makes it while the
-    model's own attribute is set aside.
-    """
-    state = _state(model)
-    key = (phase, UNSTAGED_STEPS)
-    function = state.staged_functions.get(key)
-    if function is None:
-        attr = FUNCTIONS[phase]
-        current = getattr(model, attr, None)
-        setattr(model, attr, None)
-        try:
-            function = getattr(model, MAKERS[phase])()
-        finally:
-            setattr(model, attr, current)
-        state.staged_functions[key] = function
-    return getattr(function, "step", function)
-
-
-def run_whole_model(model, phase, iterator):
-    """Runs the whole model's step on `iterator` within a staged call.
-
-    For an epoch an `EpochSwitch` runs without its stage: the step is
-    traced (the first time) and run as an unstaged call's, with no trunk,
-    no recording and no unpacking, whatever the call binds for the staged
-    epochs.
-    """
-    state = _state(model)
-    active, jit = state.active.get(phase), state.staged_jit
-    state.active[phase] = None
-    state.staged_jit = None
-    try:
-        with set_aside(phase, state.recording, state.placements):
-            return reported(whole_model_step(model, phase)(iterator))[0]
-    finally:
-        state.active[phase] = active
-        state.staged_jit = jit
 
 
 def track_iterator(state, phase, iterator):

@@ -37,7 +37,6 @@ from keras_stage.callbacks.prefetch_callback import PrefetchCallback
 from keras_stage.models import backends
 from keras_stage.models.backends import tensorflow_steps
 from keras_stage.models.decision import calls
-from keras_stage.models.decision.epochs import epoch_switch, may_switch
 from keras_stage.models.decision.learned import learned
 from keras_stage.models.model_state import (
     FUNCTIONS,
@@ -106,9 +105,6 @@ class StagedCall:
         self.backend = backends.for_model(model)
         # Per bound phase: the outer call's (runner, recording, placement).
         self._outer = {}
-        # Per `StagedData` whose epochs may run without the stage: its
-        # `EpochSwitch` (`decision.epochs.epoch_switch`).
-        self._switches = {}
 
     # -- stages -----------------------------------------------------------
 
@@ -119,16 +115,13 @@ class StagedCall:
         x,
         y=None,
         sample_weight=None,
-        switch_epochs=None,
         **kwargs,
     ):
         """Stages `x` (and its labels and weights) for `phase`'s step.
 
         `role` names the stage ("train", "val", "test", "predict"); `kwargs`
         go to `staged_data.stage_data` (batch size, steps, shuffle,
-        class_weight). With `switch_epochs` (a fit's training: its epochs),
-        the epochs may run without the stage where it does not pay
-        (`epoch_switch`). Returns the `StagedData`, bound to the step: its
+        class_weight). Returns the `StagedData`, bound to the step: its
         pipeline is what Keras must iterate.
         """
         model = self.model
@@ -151,39 +144,25 @@ class StagedCall:
             strategy=model.distribute_strategy if stepped else None,
             kept=self._state.stages,
             reads_in_python=not stepped,
-            feedable=self._feedable(phase, switch_epochs),
+            feedable=self._feedable(phase),
             # A compiled step's stats keep their pool across calls.
             pool_start=None if stepped else self._state.pool_sizes.get(role),
             **kwargs,
         )
         if not stepped:
             self._own_pools.append((role, data.staged.thread_pool))
-        if switch_epochs is not None:
-            switch = epoch_switch(
-                model, self.layer, data, switch_epochs, self.callbacks
-            )
-            if switch is not None:
-                self._switches[data] = switch
         self.built.append(data)
         self._bind(phase, data)
         return data
 
-    def _feedable(self, phase, switch_epochs):
+    def _feedable(self, phase):
         """Whether `phase`'s stage may read a fed source across calls.
 
-        A fed source's epochs cannot start on a new iterator, and its queue
-        is not in a tf.data checkpoint: not for a compiled training step
-        that `BackupAndRestore` saves, or whose fit may run an epoch
-        without the stage (`epochs.may_switch`).
+        A fed source's queue is not in a tf.data checkpoint: not for a
+        compiled training step that `BackupAndRestore` saves.
         """
-        return phase != "train" or not (
-            any(isinstance(cb, DataBackup) for cb in self.callbacks)
-            or (
-                switch_epochs is not None
-                and may_switch(
-                    self.model, self.layer, self.split, switch_epochs
-                )
-            )
+        return phase != "train" or not any(
+            isinstance(cb, DataBackup) for cb in self.callbacks
         )
 
     def _bind(self, phase, data):
@@ -202,7 +181,6 @@ class StagedCall:
             data.staged,
             data.adapter,
             long_lived=data.long_lived,
-            switch=self._switches.get(data),
             pool_shrinks=self.backend.pool_shrinks,
             carried=data.carried,
             call_reason=_reason(learned(self.model).decisions.pop(phase, None)),
@@ -230,7 +208,7 @@ class StagedCall:
 
         The backend's feed (`Backend.feed`); a fit's phases are fed alike.
         """
-        return self.backend.feed(data, self.phases[0], self._switches.get(data))
+        return self.backend.feed(data, self.phases[0])
 
     def _reopen(self, phase, count=1):
         """Makes and drops `count` iterators of `phase`'s source.
@@ -352,9 +330,7 @@ class StagedCall:
                         state.pool_sizes[role] = pool.size
                 for data in self.built:
                     if data.owned:
-                        calls.note_work(
-                            self.model, data, self._switches.get(data)
-                        )
+                        calls.note_work(self.model, data)
                     data.end_call()
             finally:
                 self.prefetch.close()

@@ -153,11 +153,8 @@ class StageCosts:
         self.cost_phase = cost_phase
         self.on_iterator = on_iterator
         self.step_clock = step_clock
-        # The stage's build (once noted) and iterators, in seconds.
-        self.set_up_seconds = 0.0
 
     def made(self, seconds):
-        self.set_up_seconds += seconds
         if self.on_iterator is not None:
             self.on_iterator(seconds)
 
@@ -257,18 +254,13 @@ class StagedData:
         """Whether the stage runs the call's epochs on one iterator."""
         return self.iterators.plan is not None
 
-    @property
-    def set_up_seconds(self):
-        """The seconds the stage took to build and make its iterators."""
-        return self.costs.set_up_seconds
-
     def _made(self, seconds):
         self.costs.made(seconds)
 
     @property
     def pipeline(self):
-        """What the compiled step iterates (`CallIterators.switched`)."""
-        return self.iterators.switched(None)
+        """What the compiled step iterates (see `CallIterators`)."""
+        return self.iterators.compiled_dataset()
 
     @property
     def eager_dataset(self):
@@ -279,11 +271,6 @@ class StagedData:
     def epochs_restartable(self):
         """Whether any epoch can start on a new iterator."""
         return self.iterators.restartable
-
-    @property
-    def epochs_skippable(self):
-        """Whether the epoch switch can run an epoch without the stage."""
-        return self.iterators.skippable
 
     def end_call(self):
         """Ends the call's iterators (see `CallIterators.end_call`)."""

@@ -1,18 +1,13 @@
-"""Whether a call of a keras_stage model is staged, from measured costs.
+"""Whether a call of a keras_stage model runs staged, from measured costs.
 
 With `StagedInput(adaptive=True)`, a call on in-memory data (arrays, or a
 `tf.data.Dataset` of tensors in memory) that cannot repay its stage runs
-the whole model in Keras's step, unstaged, with the same results. A stage
-saves at most the staged work of every batch but the first, less what it
-slows the steps (the host times both kinds in one unstaged call, the
-trial), and costs its set-up: its pipeline, each iterator it makes, and a
-model's first plan and traces. Running unstaged first traces the whole
-model's step, which counts against it until the model's staged calls have
-paid as much (`trace_owed`). Costs are noted per phase (`CallCosts`),
-shared by models of the same stage (`stage_signature`). Data the stage
-overlaps (maps, files, Python) or of unknown length is always staged.
-Each call's `Decision` is a `Kind` and its figures; docs/design.md ("How a
-call is decided") has the rules and the regimes each serves.
+the whole model in Keras's step, unstaged, with the same results. One
+function decides (`CallCosts.decide`), from costs measured per phase on
+the model's calls and shared by models of the same stage
+(`stage_signature`); a `Decision` is a `Kind` and the signed figures it
+weighed. docs/design.md ("How a call is decided") has the rules and the
+regime each serves.
 """
 
 import collections
@@ -46,31 +41,21 @@ logger = logging.getLogger("keras_stage")
 
 # The fewest warm steps (after a call's first) whose median is noted.
 MIN_TIMED_STEPS = 4
-# The phases whose compiled steps the host can time (`tensorflow_steps.guard`
-# wraps them; predict's batches are read in Python).
+# The phases whose compiled steps the host times (`tensorflow_steps.guard`).
 TIMED_PHASES = ("train", "test")
-# The most of a call's own step time that tracing the whole model's step
-# for an unstaged trial may cost (as `epochs.TRACE_SHARE` for an epoch).
+# The most of a call's staged step time a trial's trace of the whole
+# model's step may cost.
 TRACE_SHARE = 0.1
-# The staged calls of a phase (on models with its stage) after which its
-# trial runs whatever tracing the whole step costs: calls that repeat (a
-# loop of fits or evaluates) repay the trace, and a stage that slows their
-# steps costs each of them more than its set-up says.
+# The staged calls of a phase after which its trial runs whatever the
+# trace costs: calls that repeat repay it.
 LOOP_CALLS = 3
-# The most batches a first call from in-memory data (nothing measured on a
-# model with its stage yet) may read and still run unstaged: a stage's
-# set-up (plan, pipeline, traces, iterators) is repaid by in-memory
-# preprocessing only over more batches than this (docs/smart-stage.md,
-# calls that skip their stage). Unstaged, such a call costs what plain
-# Keras's does.
+# The most in-memory batches a first call (nothing measured yet) may read
+# and still run unstaged: fewer do not repay a stage's set-up.
 FIRST_CALL_BATCHES = 32
 
 
 class Kind(enum.Enum):
-    """What decided a call: each kind stages it or not, and says why.
-
-    Its value is the name the log and the verdict give it.
-    """
+    """What decided a call; its value is the name the log gives it."""
 
     BY_REQUEST = "by_request"  # adaptive=False, a policy, the service
     JIT_COMPILE = "jit_compile"
@@ -80,7 +65,6 @@ class Kind(enum.Enum):
     FIRST_CALL = "first_call"
     UNMEASURED = "unmeasured"
     TRIAL = "trial"
-    LEARNING = "learning"  # steps timed, the whole model's not yet
     PAYS = "pays"
     DOES_NOT_PAY = "does_not_pay"
     VALIDATION_PAYS = "validation_pays"  # a fit staged for its validation
@@ -112,8 +96,7 @@ def _unbounded(f):
     if f["source"] == "python":
         return (
             "its data is read in Python (a generator or a PyDataset), which "
-            "the stage overlaps and which is not measured: the call keeps "
-            "its stage"
+            "the stage overlaps: the call keeps its stage"
         )
     why = [
         text
@@ -124,10 +107,7 @@ def _unbounded(f):
         )
         if f.get(key)
     ] or ["its data is read by a pipeline the stage overlaps"]
-    return " and ".join(why) + (
-        ", so its staged work cannot be weighed before it runs: the call "
-        "keeps its stage"
-    )
+    return " and ".join(why) + ": the call keeps its stage"
 
 
 def _weighed(f):
@@ -137,15 +117,12 @@ def _weighed(f):
         return f"{1000 * f[key]:+.1f} ms"
 
     epochs = "epoch" if f["epochs"] == 1 else f"{f['epochs']} epochs"
-    starts = (
-        f", {ms('starts')} of Keras starting its {epochs}"
-        if f["starts"]
-        else ""
-    )
+    starts = f", {ms('starts')} of Keras starting its {epochs}"
     return (
         f"staging {f['batches']} batches saves {ms('saving')} of steps"
-        f"{starts} and {ms('owed')} of tracing the whole model's step, and "
-        f"costs {_ms(f['set_up'])} of set-up: {ms('gain')} in all"
+        f"{starts if f['starts'] else ''} and {ms('owed')} of tracing the "
+        f"whole model's step, and costs {_ms(f['set_up'])} of set-up: "
+        f"{ms('gain')} in all"
     )
 
 
@@ -170,14 +147,11 @@ MESSAGES = {
         f"most {FIRST_CALL_BATCHES}) is too short to repay a stage's set-up; "
         "the next is staged and measured"
     ),
-    Kind.UNMEASURED: lambda f: "nothing is measured on a model with its stage",
+    Kind.UNMEASURED: lambda f: (
+        "what staging saves it is not measured yet on a model with its stage"
+    ),
     Kind.TRIAL: lambda f: (
         "it times the whole model's steps once, against the staged steps"
-    ),
-    Kind.LEARNING: lambda f: (
-        f"the whole model's steps are not timed yet and tracing them "
-        f"({_ms(f['owed'])}) outweighs this call; its {_ms(f['set_up'])} of "
-        "set-up count toward that trace"
     ),
     Kind.PAYS: _weighed,
     Kind.DOES_NOT_PAY: _weighed,
@@ -193,29 +167,16 @@ MESSAGES = {
 }
 
 
-def compare(staged_seconds, whole_seconds, margin=0.0):
-    """The policy's one comparison, for a call and for a fit's epochs.
-
-    `Kind.DOES_NOT_PAY` when the whole model in Keras's step takes at most
-    `1 - margin` of the staged time, else `Kind.PAYS`: within `margin`, the
-    stage keeps the work.
-    """
-    if whole_seconds <= staged_seconds * (1.0 - margin):
-        return Kind.DOES_NOT_PAY
-    return Kind.PAYS
-
-
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """How a call runs: a `Kind` and the figures (seconds) it weighed.
 
-    Figures: `batches`, `set_up` (the stage's build, iterators, plan and
-    traces the call pays), `saving` (staged steps against the whole
-    model's, signed: below zero the stage slows them), `owed` (tracing
-    the whole model's step, were it unstaged), `starts` (Keras's epoch
-    starts unstaged), `gain` (what staging saves the call, signed) and
-    `rent` (what a staged call pays over an unstaged, traced one), where
-    the kind weighed them.
+    Figures, where the kind weighed them: `batches`, `epochs`, `set_up`
+    (the stage's build and iterators, and a model's first plan and
+    traces), `saving` (staged steps against the whole model's, signed),
+    `owed` (tracing the whole model's step, were it unstaged), `starts`
+    (Keras starting its epochs unstaged) and `gain` (`saving + owed +
+    starts - set_up`).
     """
 
     kind: Kind
@@ -238,11 +199,6 @@ class Decision:
         return self.figures.get("gain")
 
     @property
-    def rent(self):
-        """What a staged call pays toward the whole step's trace."""
-        return self.figures.get("rent", 0.0)
-
-    @property
     def reason(self):
         """Why, in a sentence (`MESSAGES`)."""
         return MESSAGES[self.kind](self.figures)
@@ -251,9 +207,8 @@ class Decision:
 def may_skip_stage(layer):
     """Whether skipping a call's stage changes nothing but its speed.
 
-    `layer`: the call's `StagedInput`. Exception policies and the tf.data
-    service change what a call does; the timeout guards reading, which
-    in-memory arrays do not do.
+    Exception policies and the tf.data service change what a call does;
+    the timeout guards reading, which in-memory data does not do.
     """
     options = layer.stage_options
     return (
@@ -266,12 +221,8 @@ def may_skip_stage(layer):
 
 
 def call_batches(x, batch_size, steps):
-    """The batches a call reads from in-memory data, or None.
-
-    In-memory arrays, or a `tf.data.Dataset` of tensors in memory (see
-    `datasets.batch_count`): data whose reading a stage cannot overlap.
-    None for anything else (always staged).
-    """
+    """The batches a call reads from in-memory data, or None (anything else,
+    always staged; see `datasets.batch_count`)."""
     if isinstance(x, tf.data.Dataset):
         return datasets.batch_count(x, steps)
     return batch_count(x, batch_size, steps)
@@ -301,12 +252,8 @@ def fit_batches(
     validation_batch_size,
     validation_freq,
 ):
-    """A fit's `((batches, epochs), (batches, runs))`.
-
-    For its training and its validation: batches in all (None when not
-    from in-memory data, see `call_batches`), and the epochs and
-    validation runs, each making one iterator.
-    """
+    """A fit's `((batches, epochs), (batches, runs))`, for its training and
+    its validation (batches None when not from in-memory data)."""
     epochs, first = max(epochs - initial_epoch, 0), initial_epoch
     train = call_batches(x, batch_size, steps_per_epoch)
     train = None if train is None else train * epochs
@@ -321,23 +268,19 @@ def fit_batches(
 
 
 class PhaseCosts:
-    """What staging one phase (train, test, predict) cost on a model.
+    """What staging one phase (train, test, predict) costs on a model.
 
-    The set-up and trace costs are the medians of the last `SAMPLES`
-    measured (`note`): one slow build, iterator or trace (a busy moment of
-    the machine) does not flip the decisions after it.
+    Set-up and trace costs are the medians of the last `SAMPLES` noted:
+    one busy moment of the machine does not flip the decisions after it.
     """
 
     SAMPLES = 5
 
     def __init__(self):
-        # Seconds to build a call's stage, to make one iterator of it, of
-        # the first call of the whole model's step and of the trunk's (its
-        # trace, graph set-up and one step), of the trunk's step's Python
-        # while traced (see `note_traces`), and of what Keras spends
-        # starting and ending each epoch of an unstaged fit
-        # (`EpochStartClock`): the
-        # last few measured.
+        # Seconds to build a stage, to make one iterator of it, of the
+        # first call of the whole model's step and of the trunk's (trace,
+        # graph set-up, one step), of the trunk's step's Python while
+        # traced, and of Keras starting and ending an unstaged epoch.
         self._samples = {
             key: collections.deque(maxlen=self.SAMPLES)
             for key in (
@@ -349,23 +292,17 @@ class PhaseCosts:
                 "epoch_start",
             )
         }
-        # Seconds of staged work per batch; None when not measured (no
-        # staged computation, or under op determinism a pipeline whose
-        # tf.data model could not be read).
+        # Staged work per batch (None: not measured, e.g. under op
+        # determinism where tf.data's model cannot be read).
         self.batch_seconds = None
-        # Seconds a model's first staged call of the phase spends tracing
-        # its staged prefix (0 without a SmartStage split).
+        # A model's first staged call's trace of its prefix.
         self.trace_seconds = 0.0
-        # The median warm step of the phase's last staged call and of its
-        # unstaged trial, timed on the host, per batch: what the stage
-        # saved a step (`batch_saving`).
+        # The median warm step of the last staged call and of the trial,
+        # timed on the host.
         self.staged_step_seconds = None
         self.unstaged_step_seconds = None
-        # Whether a first call of the phase ran unstaged, unmeasured (see
-        # `FIRST_CALL_BATCHES`): the next short one is staged and measured.
-        self.first_call_skipped = False
-        # The staged calls of the phase whose work was noted (`LOOP_CALLS`).
-        self.staged_calls = 0
+        self.first_call_skipped = False  # see `FIRST_CALL_BATCHES`
+        self.staged_calls = 0  # see `LOOP_CALLS`
 
     def _median(self, key, default=None):
         samples = self._samples[key]
@@ -373,73 +310,50 @@ class PhaseCosts:
 
     @property
     def build_seconds(self):
-        """Seconds to build a call's stage, or None."""
         return self._median("build")
 
     @property
     def iterator_seconds(self):
-        """Seconds to make one iterator of it, or None."""
         return self._median("iterator")
 
     @property
     def epoch_start_seconds(self):
-        """Seconds an unstaged fit's epoch takes to start and end, or None.
-
-        Keras makes each epoch's iterator of the data (for arrays, a
-        shuffled and sliced pipeline) before its first step and lets it go
-        after its last; a stage whose epochs run on one iterator makes one
-        for them all.
-        """
+        """Seconds an unstaged fit's epoch takes to start and end, or None:
+        Keras makes each epoch's iterator, a long-lived stage one in all."""
         return self._median("epoch_start")
 
     @property
     def unstaged_trace_seconds(self):
-        """Seconds the whole model's step took to trace, or None."""
         return self._median("whole_trace")
 
     @property
     def step_trace_seconds(self):
-        """Seconds the trunk's step's Python took while traced, or 0."""
         return self._median("step_trace", 0.0)
 
     @property
     def step_call_seconds(self):
-        """Seconds of the trunk's step's first call, or its Python's (0).
-
-        What a staged call that compiles the step adds: its trace, graph
-        set-up and first step, with the wait for the stage's first batch.
-        """
+        """The trunk's step's first call, or its Python's trace (0)."""
         return self._median("step_call", self.step_trace_seconds)
 
     def note(self, **seconds):
-        """Notes measured seconds: `build`, `iterator`, `whole_trace`,
-        `step_call`, `step_trace`, `epoch_start` (see `__init__`)."""
+        """Notes seconds under the keys of `_samples`."""
         for key, value in seconds.items():
             self._samples[key].append(value)
 
     def batch_saving(self):
-        """What staging saves per batch at most, in seconds, or None.
+        """What staging saves per batch, signed, or None.
 
-        The staged work per batch bounds it; what the host measured once
-        both kinds of steps were timed bounds it too: the whole model's
-        step less the staged step (which includes its waits for the
-        stage). On cores the trunk keeps busy, the stage's threads take
-        them from the trunk: that saving is then below zero, and a call
-        loses by staging (signed, it is weighed as it was measured).
+        The staged work per batch bounds it; once the trial timed both
+        kinds of steps, so does the whole model's step less the staged
+        one, below zero where the stage's threads slow the trunk.
         """
         steps = None
-        if (
-            self.staged_step_seconds is not None
-            and self.unstaged_step_seconds is not None
-        ):
-            steps = self.unstaged_step_seconds - self.staged_step_seconds
-        if self.batch_seconds is None:
-            return steps
-        return (
-            self.batch_seconds
-            if steps is None
-            else min(steps, self.batch_seconds)
-        )
+        if self.staged_step_seconds is not None:
+            if self.unstaged_step_seconds is not None:
+                steps = self.unstaged_step_seconds - self.staged_step_seconds
+        if self.batch_seconds is None or steps is None:
+            return self.batch_seconds if steps is None else steps
+        return min(steps, self.batch_seconds)
 
     def measured(self):
         return (
@@ -449,11 +363,7 @@ class PhaseCosts:
         )
 
     def trial_due(self):
-        """Whether the next call should run unstaged to time its steps.
-
-        Once a staged call's steps were timed on the host, one unstaged
-        call of the phase gives the other side of the comparison.
-        """
+        """Whether staged steps were timed and the whole model's not."""
         return (
             self.build_seconds is not None
             and self.iterator_seconds is not None
@@ -462,7 +372,7 @@ class PhaseCosts:
         )
 
     def saving(self, batches):
-        """The most staging `batches` batches can save, in seconds."""
+        """What staging `batches` batches saves, signed, in seconds."""
         return max(batches - 1, 0) * self.batch_saving()
 
     def step_seconds(self, batches):
@@ -481,8 +391,7 @@ class CallCosts:
 
     def __init__(self):
         self._phases = {}
-        # Seconds a model's SmartStage plan took (paid once per model).
-        self.plan_seconds = 0.0
+        self.plan_seconds = 0.0  # a model's SmartStage plan, paid once
 
     def phase(self, phase):
         if phase not in self._phases:
@@ -502,12 +411,8 @@ class CallCosts:
         self.plan_seconds = seconds
 
     def note_work(self, phase, busy_seconds, produced, has_work):
-        """Notes the staged work a call did: its busy seconds per batch.
-
-        `has_work`: whether the stage computes anything (a SmartStage
-        prefix); a stage of in-memory arrays that computes nothing has
-        nothing to overlap.
-        """
+        """Notes a staged call's work per batch (`has_work`: whether the
+        stage computes anything; arrays alone have nothing to overlap)."""
         costs = self.phase(phase)
         costs.staged_calls += 1
         if not has_work:
@@ -516,37 +421,19 @@ class CallCosts:
             costs.batch_seconds = busy_seconds / produced
 
     def note_steps(self, phase, seconds, staged):
-        """Notes the host-timed steps of a call, seconds per batch each.
-
-        `staged`: whether the call ran its stage. The first step (which
-        makes the iterator and may trace) is left out; too few to tell
-        note nothing.
-        """
+        """Notes the median warm step of a call's host-timed steps (the
+        first left out: it makes the iterator and may trace)."""
         warm = list(seconds)[1:]
         if len(warm) < MIN_TIMED_STEPS:
             return
-        costs = self.phase(phase)
-        median = statistics.median(warm)
         if staged:
-            costs.staged_step_seconds = median
+            self.phase(phase).staged_step_seconds = statistics.median(warm)
         else:
-            costs.unstaged_step_seconds = median
-
-    def note_step_pair(self, phase, staged, unstaged):
-        """Notes a staged and a whole-model warm step, seconds per batch,
-        timed in one call (an `EpochSwitch`'s staged epoch and its trial).
-        """
-        costs = self.phase(phase)
-        costs.staged_step_seconds = staged
-        costs.unstaged_step_seconds = unstaged
+            self.phase(phase).unstaged_step_seconds = statistics.median(warm)
 
     def measured_like(self, phase):
-        """The costs `phase`'s calls are weighed by.
-
-        Its own; for a `predict` not measured yet, those of `test` when
-        measured: the same stage of the same inference prefix, and a step
-        that differs by the loss and metrics alone.
-        """
+        """`phase`'s costs; for a `predict` not measured yet, `test`'s when
+        measured (the same stage, a step without the loss)."""
         costs = self.phase(phase)
         if phase == "predict" and not costs.measured():
             test = self.phase("test")
@@ -557,13 +444,9 @@ class CallCosts:
     def whole_trace(self, phase):
         """About what tracing the whole model's `phase` step costs.
 
-        As measured in an unstaged call of a model with this stage (its
-        step's first call: the trace, the graph's set-up and one step);
-        before that, what tracing its staged prefix and the trunk's step's
-        first call took (the whole step traces both and sets up a graph
-        holding both). Not the trunk's trace alone: the graph's set-up is
-        often more than the trace, and an estimate short of it would run a
-        call unstaged to pay more than the stage it avoids.
+        As an unstaged call measured it; before that, the prefix's trace
+        and the trunk's step's first call (the whole step sets up a graph
+        of both; its trace alone would leave that set-up out).
         """
         costs = self.measured_like(phase)
         if costs.unstaged_trace_seconds is not None:
@@ -574,24 +457,9 @@ class CallCosts:
         )
         return prefix + costs.step_call_seconds
 
-    def _set_up(self, costs, iterators, plans, traces, compiles):
-        """What a call pays for its stage by `costs` (see `decide`)."""
-        set_up = costs.cost(iterators)
-        if plans:
-            set_up += self.plan_seconds
-        if traces:
-            set_up += costs.trace_seconds
-        if compiles:
-            set_up += costs.step_call_seconds
-        return set_up
-
     def stages(self, *args, **kwargs):
         """Whether a call should be staged: `decide(...).staged`."""
         return self.decide(*args, **kwargs).staged
-
-    def describe(self, *args, **kwargs):
-        """Why `stages` decided as it did, in a sentence."""
-        return self.decide(*args, **kwargs).reason
 
     def decide(
         self,
@@ -604,20 +472,17 @@ class CallCosts:
         compiles=False,
         unstaged_epochs=0,
     ):
-        """The `Decision` on a call of `phase` by the measured costs.
+        """The `Decision` on a call of `phase`, by the measured costs.
 
-        `batches`: the batches it reads from in-memory data (see
-        `call_batches`), or None when it reads something else (always
-        staged). `iterators`: the iterators it makes (one per epoch).
-        `plans` / `traces`: whether the call would also plan the model's
-        SmartStage / trace its prefix for the phase (a model's first
-        staged calls). `owed`: the seconds of tracing the whole model's
-        step that running unstaged would add (see `trace_owed`).
-        `compiles`: whether the call would trace the trunk's step (the
-        model has no staged step of the phase). `unstaged_epochs`: the
-        epochs Keras would start unstaged, each making its own iterator of
-        the data (a fit's training; see `PhaseCosts.epoch_start_seconds`),
-        which a stage's epochs on one iterator do not.
+        Args:
+            batches: The batches it reads from in-memory data, or None.
+            iterators: The iterators its stage makes.
+            plans: Whether it would plan the model's SmartStage.
+            traces: Whether it would trace its prefix for the phase.
+            owed: The seconds of tracing the whole step running unstaged
+                would add (`trace_owed`).
+            compiles: Whether it would trace the trunk's step.
+            unstaged_epochs: The epochs Keras would start unstaged.
         """
         if batches is None:
             return Decision(Kind.UNBOUNDED, {"source": "pipeline"})
@@ -631,61 +496,41 @@ class CallCosts:
             return Decision(Kind.TRIAL, {"batches": batches, "owed": owed})
         costs = self.measured_like(phase)
         if not costs.measured():
-            if costs.build_seconds is None or costs.iterator_seconds is None:
-                first = self.phase(phase)
-                if (
-                    batches <= FIRST_CALL_BATCHES
-                    and not first.first_call_skipped
-                ):
-                    return Decision(Kind.FIRST_CALL, {"batches": batches})
-                return Decision(Kind.UNMEASURED, {"batches": batches})
-            # Its staged steps are timed, its staged work is not (op
-            # determinism where tf.data's model cannot be read) and the
-            # trial's trace outweighs this call: the stage's set-up, which
-            # an unstaged call would not pay, is rent toward that trace
-            # (see `trace_owed`), so a later call runs the trial.
-            set_up = self._set_up(costs, iterators, plans, traces, compiles)
-            return Decision(
-                Kind.LEARNING,
-                # Its whole set-up is rent toward the trial's trace.
-                {
-                    "batches": batches,
-                    "owed": owed,
-                    "set_up": set_up,
-                    "rent": set_up,
-                },
-            )
-        set_up = self._set_up(costs, iterators, plans, traces, compiles)
-        # Signed: staged steps slower than the whole model's lose time.
+            first = self.phase(phase)
+            if (
+                (costs.build_seconds is None or costs.iterator_seconds is None)
+                and batches <= FIRST_CALL_BATCHES
+                and not first.first_call_skipped
+            ):
+                return Decision(Kind.FIRST_CALL, {"batches": batches})
+            return Decision(Kind.UNMEASURED, {"batches": batches})
+        set_up = costs.cost(iterators)
+        set_up += self.plan_seconds if plans else 0.0
+        set_up += costs.trace_seconds if traces else 0.0
+        set_up += costs.step_call_seconds if compiles else 0.0
         saving = costs.saving(batches)
         starts = unstaged_epochs * (costs.epoch_start_seconds or 0.0)
-        # What the call costs staged and unstaged beyond the staged steps.
-        kind = compare(set_up, saving + owed + starts)
         gain = saving + owed + starts - set_up
-        figures = {
-            "batches": batches,
-            "epochs": unstaged_epochs,
-            "set_up": set_up,
-            "saving": saving,
-            "owed": owed,
-            "starts": starts,
-            "gain": gain,
-        }
-        if kind is Kind.PAYS:
-            # Over an unstaged call, which would start its epochs too.
-            figures["rent"] = max(set_up - saving - starts, 0.0)
-        return Decision(kind, figures)
+        return Decision(
+            Kind.PAYS if gain > 0 else Kind.DOES_NOT_PAY,
+            {
+                "batches": batches,
+                "epochs": unstaged_epochs,
+                "set_up": set_up,
+                "saving": saving,
+                "owed": owed,
+                "starts": starts,
+                "gain": gain,
+            },
+        )
 
 
 def stage_signature(model, smart_stage):
     """What a model's stage costs depend on, as a hashable value.
 
-    Two models with the same signature stage the same computation on the
-    same data: the same inputs, the same layer classes in the same order,
-    the same non-trainable state shapes (what a staged prefix may hold:
-    adapted statistics, frozen weights) and the same `StagedInput`
-    options. Trainable weights are left out: a layer that training changes
-    is never staged, so a trunk's widths do not change the stage.
+    The inputs, the layer classes in order, their non-trainable state
+    shapes and the `StagedInput` options; not trainable weights (a layer
+    training changes is never staged).
     """
     parts = [type(model).__qualname__, repr(smart_stage)]
     try:
@@ -710,8 +555,8 @@ def stage_signature(model, smart_stage):
     return tuple(parts)
 
 
-# The costs measured per stage signature in this process (see
-# `shared_costs`), the least recently used dropped beyond the bound.
+# The costs measured per stage signature in this process, the least
+# recently used dropped beyond the bound.
 _SHARED = collections.OrderedDict()
 _SHARED_BOUND = 64
 
@@ -734,10 +579,10 @@ def forget_shared_costs():
 
 def costs(model):
     """The `CallCosts` of `model`'s stage, shared with models like it."""
-    state = model_state(model)
     record = learned(model)
     if record.costs is None:
-        record.costs = shared_costs(stage_signature(model, state.smart_stage))
+        signature = stage_signature(model, model_state(model).smart_stage)
+        record.costs = shared_costs(signature)
     return record.costs
 
 
@@ -753,14 +598,8 @@ def _first_costs(model, phase):
 
 
 def _random_prefix(model, phase):
-    """Whether a training call stages random layers (Dropout, noise...).
-
-    The stage draws their randomness per batch from seeds of its own (see
-    `StageSplit.number`), the step from the layers' seed generators: the
-    same model trained staged or unstaged would differ, so such calls are
-    always staged. A model with no random layer at all is not planned for
-    this.
-    """
+    """Whether a training call stages random layers (Dropout, noise...),
+    which draw from the stage's seeds: unstaged they would draw others."""
     state = model_state(model)
     if phase != "train" or not state.smart_stage:
         return False
@@ -773,10 +612,9 @@ def _random_prefix(model, phase):
 def stages(model, layer, phase, batches, iterators=1, x=None):
     """Whether a call of `phase` reading `batches` batches is staged.
 
-    See `CallCosts.stages`; `batches` is None when not from in-memory
-    data (`call_batches`). Why, in a sentence, is kept in the model's
-    `call_decisions[phase]` for the verdict (`x`, the call's data, tells a
-    dataset of unknown length from one that maps or reads files).
+    `batches`: None when not from in-memory data (`call_batches`); `x`:
+    the call's data, for the message. The decision is logged and kept in
+    `Learned.decisions[phase]` for the verdict.
     """
     decision = _decide(model, layer, phase, batches, iterators, x)
     _keep(model, phase, decision)
@@ -789,13 +627,6 @@ def _keep(model, phase, decision):
     if decision.first_call:
         # Once: a loop of short calls stages its next one and measures it.
         costs(model).phase(phase).first_call_skipped = True
-    if decision.staged:
-        _pay_rent(model, phase, decision.rent)
-        if decision.kind is Kind.UNMEASURED:
-            # A fit's training and validation plan once between them.
-            plans = _first_costs(model, phase)[0]
-            unmeasured = learned(model).unmeasured_rent
-            unmeasured[phase] = plans and not any(unmeasured.values())
     logger.info(
         "Model '%s': %s %s [%s]: %s.",
         model.name,
@@ -809,25 +640,17 @@ def _keep(model, phase, decision):
 
 
 def trace_owed(model, phase, measured):
-    """What running `phase` unstaged would add by tracing the whole step.
-
-    Nothing once the model traced it (an unstaged call or epoch ran it);
-    else about what that trace costs (`CallCosts.whole_trace`), less what
-    the model's staged calls of the phase have paid over such a step so
-    far (`Learned.rent`): once they have paid as much as the
-    trace costs, it is paid whenever the whole step is faster.
-    """
+    """What running `phase` unstaged would add by tracing the whole step:
+    nothing once the model traced it, else about what that costs."""
     if not traces_whole_step(model, phase):
         return 0.0
-    paid = learned(model).rent.get(phase, 0.0)
-    return max(measured.whole_trace(phase) - paid, 0.0)
+    return measured.whole_trace(phase)
 
 
 def _decide(model, layer, phase, batches, iterators, x, unstaged_epochs=0):
     if not may_skip_stage(layer):
         return Decision(Kind.BY_REQUEST)
     if batches is None:
-        # Never skipped (and the signature is not computed).
         return Decision(Kind.UNBOUNDED, _unbounded_figures(x))
     state = model_state(model)
     if state.smart_stage and state.requested_jit is True:
@@ -870,38 +693,30 @@ def _unbounded_figures(x):
 
 
 def staged_data(model, phase, layer, role, *args, **kwargs):
-    """`stage_data(layer, phase, *args, role=role, **kwargs)`, its costs
-    noted for `phase` (in the `StageCosts` the `StagedData` holds)."""
+    """`stage_data(layer, phase, *args, role=role, **kwargs)`, its build,
+    trace and iterators noted for `phase`."""
     measured = costs(model)
     split = kwargs.get("split")
     traced = 0.0 if split is None else split.trace_seconds
     record = StageCosts(
         phase,
         on_iterator=functools.partial(measured.note_iterator, phase),
-        # The host times the steps (`note_steps`) of a SmartStage call:
-        # what a staged step costs beside the whole model's.
+        # The host times a SmartStage call's steps (`note_work`).
         step_clock=[] if split is not None and phase in TIMED_PHASES else None,
     )
     started = time.perf_counter()
     data = stage_data(layer, phase, *args, role=role, costs=record, **kwargs)
     seconds = time.perf_counter() - started
     if split is not None and split.trace_seconds > traced:
-        # Tracing the staged layers is paid once per model, not per call:
-        # noted apart, for the first calls of models like this one.
+        # Tracing the prefix is paid once per model: noted apart.
         measured.note_trace(phase, split.trace_seconds - traced)
         seconds -= split.trace_seconds - traced
     measured.note_build(phase, seconds)
-    # This call's own set-up, for its rent if it was decided unmeasured.
-    record.set_up_seconds += seconds
     return data
 
 
 def iterator_cost(model, phase):
-    """The measured seconds of a new iterator of a `phase` stage, or None.
-
-    What a resized pool costs the call (the `PrefetchCallback` weighs it
-    before it shrinks the pool).
-    """
+    """The measured seconds of a new iterator of a `phase` stage, or None."""
     measured = learned(model).costs
     if measured is None or phase is None:
         return None
@@ -911,77 +726,35 @@ def iterator_cost(model, phase):
 def resize_cost(model, data):
     """What resizing `data`'s pool before the next epoch costs, or None.
 
-    The measured seconds of a new iterator of its stage where the next
-    epoch would read on from the one it has; nothing where it makes one
-    anyway (see `CallIterators.resize_makes_an_iterator`); None if not
-    measured.
+    A new iterator where the next epoch would read on from the one it has
+    (`CallIterators.resize_makes_an_iterator`), else nothing.
     """
     if not data.iterators.resize_makes_an_iterator():
         return 0.0
     return iterator_cost(model, data.cost_phase)
 
 
-def note_work(model, data, switch=None):
-    """Notes the staged work `data`'s stage did in the call ending.
-
-    `switch`: the call's `EpochSwitch` of `data`'s epochs, or None.
-    """
+def note_work(model, data):
+    """Notes the staged work and steps of `data`'s stage in the call ending."""
     if data.staged.stats.closed:
         return
     snapshot = data.staged.stats.snapshot()
     busy, produced = data.work_before
-    busy = snapshot["busy_seconds"] - busy
-    produced = snapshot["produced"] - produced
     measured = costs(model)
     note_traces(model)
     measured.note_work(
-        data.cost_phase, busy, produced, has_work=data.split is not None
+        data.cost_phase,
+        snapshot["busy_seconds"] - busy,
+        snapshot["produced"] - produced,
+        has_work=data.split is not None,
     )
-    _note_unmeasured_rent(model, data, busy, produced)
-    if switch is not None and switch.step_seconds is not None:
-        # Its trial epoch ran the whole model's steps: the call's clock
-        # holds both kinds, the switch's epochs tell them apart.
-        measured.note_step_pair(data.cost_phase, *switch.step_seconds)
-    elif data.step_clock is not None:
+    if data.step_clock is not None:
         measured.note_steps(data.cost_phase, data.step_clock, staged=True)
 
 
-def _note_unmeasured_rent(model, data, busy, produced):
-    """Adds what a call staged before anything was measured paid for its
-    stage to its phase's rent (`trace_owed`).
-
-    Decided unmeasured, it paid no rent then; what its stage cost over an
-    unstaged call (its build and iterators, its model's plan if it made
-    it, less the staged work of every batch but the first) is known now.
-    Its traces are not counted: an unstaged first call traces too.
-    """
-    planned = learned(model).unmeasured_rent.pop(data.cost_phase, None)
-    if planned is None:
-        return
-    rent = data.set_up_seconds
-    if planned:
-        rent += costs(model).plan_seconds
-    if data.split is not None and produced > 0 and busy == busy:
-        # Not timed (NaN) under op determinism: nothing known to subtract.
-        rent -= busy * max(produced - 1, 0) / produced
-    _pay_rent(model, data.cost_phase, max(rent, 0.0))
-
-
-def _pay_rent(model, phase, seconds):
-    """Adds `seconds` to what `model`'s staged `phase` calls paid toward
-    tracing its whole step (`trace_owed`)."""
-    rent = learned(model).rent
-    rent[phase] = rent.get(phase, 0.0) + seconds
-
-
 def timed_unstaged_phases(model, phases):
-    """The phases of an unstaged call whose steps the host should time.
-
-    Those of `TIMED_PHASES` whose staged calls timed their steps and
-    whose unstaged step is not known yet (see `PhaseCosts.trial_due`),
-    and those whose whole-model step the call traces (`traces_whole_step`):
-    a call that pays that trace also tells what the whole step costs.
-    """
+    """The phases of an unstaged call whose steps the host should time:
+    those whose trial is due or whose whole step the call traces."""
     measured = learned(model).costs
     if measured is None:
         return ()
@@ -1003,13 +776,9 @@ def traces_whole_step(model, phase):
 class EpochStartClock(keras.callbacks.Callback):
     """Times how long each epoch of an unstaged fit takes to start and end.
 
-    From the epoch's begin to its first step's (Keras making the epoch's
-    iterator of the data), and from its last step's end to its validation
-    or its end (Keras letting that iterator go): what an epoch costs
-    beyond its steps, which a stage whose epochs share one iterator pays
-    once (`PhaseCosts.epoch_start_seconds`). Given to a fit that runs
-    unstaged (`StagedCall.run_unstaged`), after the user's callbacks;
-    `seconds` holds one figure per epoch, once it ended.
+    From the epoch's begin to its first step's (Keras making its
+    iterator), and from its last step's end to its validation or its end
+    (Keras letting it go): `seconds` holds one figure per ended epoch.
     """
 
     def __init__(self):
@@ -1032,8 +801,7 @@ class EpochStartClock(keras.callbacks.Callback):
         self._stepped = time.perf_counter()
 
     def on_test_begin(self, logs=None):
-        # The fit's validation: not the training epoch's own end.
-        self._end()
+        self._end()  # the fit's validation: not the epoch's own end
 
     def on_epoch_end(self, epoch, logs=None):
         self._end()
@@ -1046,14 +814,8 @@ class EpochStartClock(keras.callbacks.Callback):
 
 
 def note_epoch_starts(model, seconds):
-    """Notes the epochs' starts and ends an `EpochStartClock` timed.
-
-    Their lower median: now and then an epoch's start takes several times
-    the others' (the previous epoch's iterator let go, a collection), and
-    a fit of two epochs would otherwise note the mean of one such and one
-    usual start. Left out, those make the figure low, never high: a call
-    is not staged on one slow moment of the machine.
-    """
+    """Notes the lower median of an `EpochStartClock`'s epochs: now and
+    then one start takes several times the others (a collection)."""
     if seconds:
         costs(model).phase("train").note(
             epoch_start=statistics.median_low(seconds)
@@ -1068,11 +830,7 @@ def note_unstaged_steps(model, clocks):
 
 
 def note_traces(model):
-    """Notes how long the steps traced since the last call took to trace.
-
-    The whole model's (an unstaged call, an unstaged epoch) and the
-    trunk's (a staged call), from `Learned.traces`.
-    """
+    """Notes the steps' traces timed since the last call (`Learned.traces`)."""
     record = learned(model)
     traces, record.traces = record.traces, []
     if not traces:
@@ -1083,20 +841,14 @@ def note_traces(model):
 
 
 def iterators_made(model, role, x, default=1):
-    """The iterators of its stage a call of `role` on `x` makes.
-
-    None (0) when it reads on from the one an earlier call left (see
-    `kept_iterators.carries`); else `default`.
-    """
+    """The iterators of its stage a call of `role` on `x` makes: none when
+    it reads on from the one an earlier call left, else `default`."""
     return 0 if carries(model_state(model).stages, role, x) else default
 
 
 def _iterators(model, layer, role, x, batches, epochs, steps, long_lived):
-    """The iterators a fit's phase makes: one if its epochs share one.
-
-    See `staged_data.stage_data(epochs=...)`; `batches` is all the epochs'.
-    `role`: the stage's ("train" or "val"); `x`: the data it reads.
-    """
+    """The iterators a fit's role makes: one if its epochs share one (see
+    `stage_data(epochs=...)`); `batches` is all the epochs'."""
     if not long_lived or not batches or not epochs:
         return epochs
     if not iterators_made(model, role, x):
@@ -1119,12 +871,9 @@ def _iterators(model, layer, role, x, batches, epochs, steps, long_lived):
 def fit_stages(model, layer, x, validation_data, long_lived=True, **kwargs):
     """Whether a fit is staged: its training or its validation can pay.
 
-    A staged fit stages both, so where its training alone would not pay
-    by the measured costs, its validation stages it only if what staging
-    gains the validation outweighs what it loses the training; a training
-    that runs unstaged to time the whole model's steps (the trial) runs
-    so whatever its validation. `long_lived`: whether the fit may run its
-    epochs on one iterator.
+    A staged fit stages both: where its training alone would not pay, its
+    validation stages it only if it gains more than the training loses; a
+    training due a trial runs it whatever its validation.
     """
     (train, epochs), (val, runs) = fit_batches(x, validation_data, **kwargs)
     training = _decide(
@@ -1172,9 +921,7 @@ def fit_stages(model, layer, x, validation_data, long_lived=True, **kwargs):
         and (validation.gain is not None or val is not None)
         and training.gain + (validation.gain or 0.0) <= 0
     ):
-        # Measured: staging the training loses more than the validation
-        # gains (a validation in memory not measured yet gains nothing
-        # known).
+        # A validation in memory not measured yet gains nothing known.
         validation = Decision(
             Kind.TRAINING_LOSES,
             {"training": training, "validation": validation},

@@ -14,8 +14,8 @@ Behind it, one of:
   through an `EpochView` per epoch: its source spans the epochs in plain
   Keras's orders (`epoch_sources.long_lived_source`), so an epoch pays no
   iterator. An epoch left early is read to its end, or restarted where
-  passes are independent; a drawing source's passes draw in plain Keras's
-  order (`DrawOrder`, `stop`);
+  passes are independent; a drawing source's first epoch may end its
+  iterator (`stop`) so the adaptive pool's resize makes the next;
 - the iterator a `KeptStage` (the model's stage per role) left running
   across calls: over a source of free passes, or a `FedSource` each call
   feeds. A call that left an epoch early, or a change of the staged
@@ -44,11 +44,8 @@ class KeptIterator:
     """An iterator Keras holds that stands for a real one (`resolve`).
 
     The step guard hands the compiled step `resolve()`; Keras's Python
-    reads (`next`, `get_next`) read it too. `unstaged`: None, or for an
-    epoch of an `EpochSwitch`, whether the whole model's step reads it.
+    reads (`next`, `get_next`) read it too.
     """
-
-    unstaged = None
 
     def resolve(self):
         """The real iterator."""
@@ -72,28 +69,19 @@ def resolve(iterator):
 
 
 class DeferredIterator(KeptIterator):
-    """An eager iterator of `pipeline`, made when first read.
+    """An eager iterator of `pipeline`, made when first read."""
 
-    With a `DrawOrder`, the pass read before it is read to its end first:
-    an iterator Keras makes and never reads draws nothing.
-    """
-
-    def __init__(self, pipeline, made, order=None):
+    def __init__(self, pipeline, made):
         self._pipeline = pipeline
         self._made = made
-        self._order = order
         self._iterator = None
 
     def resolve(self):
         """The real iterator, made now if it was not yet."""
         if self._iterator is None:
-            if self._order is not None:
-                self._order.finish()
             started = time.perf_counter()
             self._iterator = iter(self._pipeline)
             self._made(time.perf_counter() - started)
-            if self._order is not None:
-                self._order.hold(self._iterator)
         return self._iterator
 
     @property
@@ -107,43 +95,17 @@ class DeferredPipeline(EagerIterated):
     Used as a dataset otherwise (inside a `tf.function`, transformed) it is
     `pipeline` itself. `made(seconds)` is told how long each real
     iterator took to make. With `defer=False` the real iterators are made
-    when Keras asks for them, and only timed. `order`: the call's
-    `DrawOrder` (one pass of a drawing source, read without the stage).
+    when Keras asks for them, and only timed.
     """
 
-    def __init__(self, pipeline, made, defer=True, order=None):
+    def __init__(self, pipeline, made, defer=True):
         self._made = made
         self._defer = defer
-        self._order = order
         super().__init__(pipeline)
 
     def eager_iter(self):
-        iterator = DeferredIterator(self._base, self._made, self._order)
+        iterator = DeferredIterator(self._base, self._made)
         return iterator if self._defer else iterator.resolve()
-
-
-class DrawOrder:
-    """Keeps the draws of a source's passes in the order they are read.
-
-    A source that draws per iterator (a reshuffling `shuffle`) draws as each
-    pass starts and, with plain Keras's unread iterator after it
-    (`one_pass(opens=1)`), as it ends. Each pass is read to its end
-    (`finish`) before the next is made: the draws come in plain Keras's
-    order whatever iterators Keras leaves unread.
-    """
-
-    def __init__(self):
-        self._current = None
-
-    def hold(self, iterator):
-        """`iterator` reads a pass now (after `finish`)."""
-        self._current = iterator
-
-    def finish(self):
-        """Reads the pass read last to its end, and drops its iterator."""
-        if self._current is not None:
-            current, self._current = self._current, None
-            _read_to_end(current)
 
 
 # The name of `release`'s threads: not a stage's helper thread
@@ -234,10 +196,6 @@ class LongLivedIterator:
         made: `made(seconds)`, told how long each real iterator took.
         pool: The stage's `StagePool`, or None.
         name: The stage's name, for messages.
-        single_epochs: With `plan.stop`, a function telling whether the
-            next iterator must also end with its epoch (while an
-            `EpochSwitch` may still skip one), or None.
-        order: With `plan.stop`, the call's `DrawOrder`.
     """
 
     def __init__(
@@ -247,8 +205,6 @@ class LongLivedIterator:
         made,
         pool=None,
         name="stage",
-        single_epochs=None,
-        order=None,
     ):
         self._pipeline = pipeline
         self.batches = int(plan.batches)
@@ -257,8 +213,6 @@ class LongLivedIterator:
         self.made = made
         self._start = plan.start
         self._stop = plan.stop
-        self._single_epochs = single_epochs
-        self._order = order
         # The `FedSource` it reads: the passes fed, and no other.
         self._fed = plan.fed
         # Whether a new iterator can start at any epoch.
@@ -376,35 +330,6 @@ class LongLivedIterator:
             and (self._segment_end is None or self.epoch < self._segment_end)
         )
 
-    def skip_epoch(self):
-        """Keras reads the next epoch elsewhere (without the stage).
-
-        Only for a source whose epochs can start on a new iterator
-        (`start`): the real iterator is dropped (nothing of it runs on),
-        and the epoch after starts a new one past the skipped epoch.
-        """
-        if not self.restartable and self._stop is None:
-            raise RuntimeError(
-                f"Stage '{self._name}': an epoch of a long-lived source that "
-                "cannot start at any epoch cannot be skipped."
-            )
-        self.read_batches += -self.read_batches % self.batches  # its end
-        if self._limit is not None and self.epoch >= self._limit:
-            raise RuntimeError(
-                f"Stage '{self._name}' was built for {self._limit} epochs "
-                "on one iterator, and Keras began one more."
-            )
-        if self._iterator is not None and self._segment_end is not None:
-            if self._segment_end > self.epoch:
-                raise RuntimeError(
-                    f"Stage '{self._name}': epoch {self.epoch} runs on an "
-                    "iterator of the stage's draws, and cannot be skipped."
-                )
-            self._end_segment()
-        self.read_batches += self.batches
-        self._iterator = None
-        self._view = None
-
     def _end_segment(self):
         """Reads the real iterator to its end (`stop`), then drops it.
 
@@ -421,12 +346,11 @@ class LongLivedIterator:
         if self._start is not None:
             self._start.assign(self.epoch)
         if self._stop is not None:
-            if self._order is not None:
-                self._order.finish()  # an epoch read without the stage
-            single = self.epoch == 0 or (
-                self._single_epochs is not None and self._single_epochs()
+            # The first epoch ends its iterator: the adaptive pool is
+            # resized after it, and a drawing source cannot restart.
+            self._segment_end = (
+                self.epoch + 1 if self.epoch == 0 else self.epochs
             )
-            self._segment_end = self.epoch + 1 if single else self.epochs
             self._stop.assign(self._segment_end)
         if self._ordinal is not None:
             if self._ordinal_origin is None:
@@ -644,7 +568,7 @@ class DistributedEpochPipeline(tf.distribute.DistributedDataset):
 class CallIterators:
     """What Keras iterates of one role's stage in one call.
 
-    `switched(switch)` (the compiled step's dataset), `eager_dataset()`
+    `compiled_dataset()` (the compiled step's dataset), `eager_dataset()`
     (Keras's Python reads) and `end_call()`: a `DeferredIterator` per
     epoch, or `EpochView`s of the call's `LongLivedIterator`, which the
     role's `KeptStage` may keep across calls.
@@ -658,8 +582,6 @@ class CallIterators:
         self._data = data
         self.plan = plan
         self._shared = None  # its `LongLivedIterator`, made when read
-        # The order of a drawing source's passes (see `DrawOrder`).
-        self._order = DrawOrder()
 
     def eager_dataset(self):
         """What Keras reads in Python (predict; every phase on JAX): the
@@ -670,16 +592,14 @@ class CallIterators:
             return self._epochs(data.staged)
         return DeferredPipeline(data.staged, data._made, defer=data.defers)
 
-    def switched(self, switch):
-        """What the compiled step iterates, its epochs run as `switch` (the
-        call's `EpochSwitch`, or None) says."""
+    def compiled_dataset(self):
+        """What the compiled step iterates."""
         data = self._data
         staged = data.staged
         pipeline = staged.lean_pipeline if data.in_step else staged.pipeline
         if data.strategy is not None:
             # Its replicas' share of each batch; long-lived, Keras's
-            # iterators of it are views of one distributed iterator. No
-            # epoch switch runs under a strategy (`decision.epochs._refusal`).
+            # iterators of it are views of one distributed iterator.
             distributed = self._distributed(pipeline)
             if self.plan is not None:
                 return DistributedEpochPipeline(
@@ -689,27 +609,15 @@ class CallIterators:
                 )
             return distributed
         if self.plan is not None:
-            epochs = self._epochs(pipeline, switch)
-            if switch is None:
-                return epochs
-            return switch.pipeline(
-                epochs, self._raw(), on_unstaged=self._shared.skip_epoch
-            )
-        deferred = DeferredPipeline(pipeline, data._made, defer=data.defers)
-        if switch is None:
-            return deferred
-        return switch.pipeline(deferred, self._raw())
+            return self._epochs(pipeline)
+        return DeferredPipeline(pipeline, data._made, defer=data.defers)
 
-    def _epochs(self, pipeline, switch=None):
+    def _epochs(self, pipeline):
         """The `EpochPipeline` of the call's one iterator of `pipeline`."""
-        return self._shared_iterator(pipeline, switch).epoch_pipeline(pipeline)
+        return self._shared_iterator(pipeline).epoch_pipeline(pipeline)
 
-    def _shared_iterator(self, pipeline, switch=None):
-        """The call's `LongLivedIterator` of `pipeline`.
-
-        `switch`: the call's `EpochSwitch`, or None; while it may run an
-        epoch without the stage, each staged epoch ends its iterator.
-        """
+    def _shared_iterator(self, pipeline):
+        """The call's `LongLivedIterator` of `pipeline`."""
         data, kept = self._data, self._data.kept
         spans = kept is not None and kept.spans_calls
         if self._shared is None and spans:
@@ -718,37 +626,16 @@ class CallIterators:
             if self._shared is not None:
                 self._shared.made = data._made
         if self._shared is None:
-            segmented = self.plan.stop is not None
             self._shared = LongLivedIterator(
                 pipeline,
                 self.plan,
                 data._made,
                 pool=data.staged.thread_pool,
                 name=data.staged.name,
-                single_epochs=(
-                    (lambda: switch.decision is None)
-                    if segmented and switch is not None
-                    else None
-                ),
-                order=self._order if segmented else None,
             )
             if spans:
                 kept.keep_iterator(pipeline, self._shared)
         return self._shared
-
-    def _raw(self):
-        """One epoch of the source, for epochs run without the stage."""
-        plan, source = self.plan, self._data.source
-        if plan is not None and plan.stop is not None:
-            # Its passes draw as the stage's do, in the order read.
-            return DeferredPipeline(
-                one_pass(source, plan.opens),
-                lambda seconds: None,
-                order=self._order,
-            )
-        return DeferredPipeline(
-            source, lambda seconds: None, defer=self._data.defers
-        )
 
     def _distributed(self, pipeline):
         """`pipeline` distributed by the strategy, kept with a kept stage."""
@@ -770,16 +657,6 @@ class CallIterators:
     def restartable(self):
         """Whether any epoch can start on a new iterator (see `start`)."""
         return self.plan is None or self.plan.restartable
-
-    @property
-    def skippable(self):
-        """Whether the epoch switch can run an epoch without the stage.
-
-        Epochs that can start on a new iterator, or a source that draws
-        per iterator whose staged epochs end their iterators while the
-        switch may still skip one (see `LongLivedIterator`, `stop`).
-        """
-        return self.restartable or self.plan.stop is not None
 
     def end_call(self):
         """Ends the call's iterators, or detaches one that runs on.

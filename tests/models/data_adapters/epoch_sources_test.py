@@ -384,33 +384,6 @@ def test_arrays_start_a_new_iterator_when_the_pool_is_resized():
     assert len(made) == 2
 
 
-def test_an_epoch_of_arrays_skipped_starts_the_next_past_it():
-    # An epoch run without the stage (models/decision/epochs.py): the stage's
-    # iterator is dropped, and the epoch after starts a new one past it.
-    x, y, _ = _arrays()
-    made = []
-    data = _staged(x, made, y=y, batch_size=BATCH, epochs=EPOCHS)
-    shared_view = iter(data.pipeline)
-    first = _read_epoch(data.pipeline, 3)
-    shared = shared_view._shared
-    shared.skip_epoch()
-    third = _read_epoch(data.pipeline, 3)
-    data.end_call()
-    assert first == third
-    assert shared.read_batches == 3 * 3
-    assert len(made) == 2  # a new iterator after the skipped epoch
-
-
-def test_a_dataset_on_one_iterator_cannot_skip_an_epoch():
-    made = []
-    data = _staged(_dataset(), made, epochs=EPOCHS)
-    assert data.long_lived and not data.epochs_restartable
-    _read_epoch(data.pipeline, 3)
-    with pytest.raises(RuntimeError, match="cannot be skipped"):
-        iter(data.pipeline)._shared.skip_epoch()
-    data.end_call()
-
-
 def test_a_dataset_on_the_adaptive_pool_runs_long_lived_unless_it_draws():
     _, layer, split = _words_model()
     words = np.array([f"w{i % 7}" for i in range(48)], dtype=object)

@@ -26,7 +26,6 @@ from keras_stage.models.decision.calls import (
     stage_signature,
 )
 from keras_stage.models.decision.learned import learned
-from keras_stage.models.model_state import UNSTAGED_STEPS
 from keras_stage.models.model_state import state as model_state
 from tests.helpers import count_step_traces
 
@@ -117,39 +116,24 @@ def test_staged_steps_slower_than_the_whole_models_lose_the_call():
     assert "-357.0 ms" in decision.reason
 
 
-def test_untimed_staged_work_pays_its_set_up_toward_the_trials_trace():
+def test_untimed_staged_work_stays_staged_until_the_loops_trial():
     # Op determinism where tf.data's model cannot be read (TF 2.16): the
-    # staged work is never measured, so until the trial times the whole
-    # model's steps, a staged call's set-up is its only known rent toward
-    # the trace the trial owes; without it no trial ever runs.
+    # staged work is never measured, so the call is staged, unmeasured,
+    # until the trial times the whole model's steps: at once where its
+    # trace is a small share of the call, else by the LOOP_CALLS-th call.
     costs = CallCosts()
-    assert costs.decide("train", 100, 1, owed=1.0).rent == 0.0  # nothing known
     costs.note_build("train", 0.05)
     costs.note_iterator("train", 0.02)
+    costs.note_work("train", float("nan"), 10, has_work=True)
     costs.note_steps("train", [1.0] + [0.004] * 5, staged=True)
-    # 100 steps of 4 ms allow 40 ms of trace: 50 owed keep the call staged,
-    # paying its 2 iterators and its build, 90 ms.
+    # 100 steps of 4 ms allow 40 ms of trace: 50 owed keep it staged.
     decision = costs.decide("train", 100, 2, owed=0.05)
-    assert not decision.first_call and not decision.trial
-    assert decision.staged and decision.rent == pytest.approx(0.09)
-    assert decision.kind is Kind.LEARNING
-    assert decision.figures == {
-        "batches": 100,
-        "owed": 0.05,
-        "set_up": pytest.approx(0.09),
-        "rent": pytest.approx(0.09),
-    }
-    # Its first staged calls also pay the plan, the prefix's trace and the
-    # trunk's first call.
-    costs.note_plan(0.1)
-    costs.note_trace("train", 0.2)
-    costs.phase("train").note(step_call=0.3)
-    rent = costs.decide(
-        "train", 100, 1, owed=0.05, plans=True, traces=True, compiles=True
-    ).rent
-    assert rent == pytest.approx(0.67)
-    # Once paid, nothing is owed and the trial runs.
-    assert not costs.stages("train", 100, 1, owed=0.0)
+    assert decision.kind is Kind.UNMEASURED and decision.staged
+    assert decision.figures == {"batches": 100}
+    assert costs.decide("train", 100, 2, owed=0.04).kind is Kind.TRIAL
+    while costs.phase("train").staged_calls < calls.LOOP_CALLS:
+        costs.note_work("train", float("nan"), 10, has_work=True)
+    assert costs.decide("train", 100, 2, owed=10.0).kind is Kind.TRIAL
 
 
 def test_host_timed_steps_bound_the_timed_work():
@@ -254,13 +238,12 @@ def test_the_epochs_keras_would_start_unstaged_count_against_it():
     assert decision.figures["starts"] == pytest.approx(0.096)
     assert decision.figures["epochs"] == 8
     assert decision.gain == pytest.approx(0.096 - 0.07)
-    assert decision.rent == 0.0  # nothing paid over an unstaged fit
     costs.phase("train").note(epoch_start=0.002, build=0.05)
     costs.phase("train").note(epoch_start=0.002, build=0.05)
     # Medians of 0.012, 0.002, 0.002: 16 ms of starts, less than the set-up.
     decision = costs.decide("train", 240, 1, unstaged_epochs=8, owed=0.1)
     assert decision.staged
-    assert decision.rent == pytest.approx(0.07 - 0.016)
+    assert decision.gain == pytest.approx(0.1 + 0.016 - 0.07)
     # Fewer epochs, or a stage that makes an iterator per epoch too.
     assert not costs.stages("train", 240, 1, unstaged_epochs=5)
     decision = costs.decide("train", 30, 1, unstaged_epochs=1)
@@ -527,31 +510,6 @@ def test_a_call_that_cannot_repay_its_set_up_is_not_staged(caplog):
     assert calls.stages(model, layer, "train", 72)
 
 
-def test_staged_calls_pay_towards_the_whole_steps_trace(caplog):
-    # Renting against buying: a model's staged calls pay their set-up over
-    # what a traced whole step would cost, until that adds up to the trace.
-    model, layer = _model()
-    costs = _note(model)  # 70 ms of set-up, 1 ms saved a batch
-    costs.phase("train").note(whole_trace=0.05)  # a model like it
-    assert calls.trace_owed(model, "train", costs) == pytest.approx(0.05)
-    # 39 ms saved and 50 owed beat 70 ms of set-up: staged, paying 31.
-    with caplog.at_level(logging.INFO, logger="keras_stage"):
-        assert calls.stages(model, layer, "train", 40)
-    assert "train is staged [pays]: staging 40 batches" in caplog.text
-    assert learned(model).rent["train"] == pytest.approx(0.031)
-    assert calls.trace_owed(model, "train", costs) == pytest.approx(0.019)
-    # 39 ms saved and 19 owed do not: the same call now runs unstaged.
-    assert not calls.stages(model, layer, "train", 40)
-    # Once the model traced its whole step, nothing is owed.
-    model_state(model).staged_functions[("train", UNSTAGED_STEPS)] = object()
-    assert calls.trace_owed(model, "train", costs) == 0.0
-    # Compiling again drops the traced steps and what was paid towards them.
-    model.compile(optimizer="sgd", loss="mse")
-    assert learned(model).rent == {}
-    owed = calls.trace_owed(model, "train", calls.costs(model))
-    assert owed == pytest.approx(0.05)
-
-
 def test_every_iterator_a_call_makes_counts():
     model, layer = _model()
     _note(model)
@@ -671,11 +629,9 @@ def test_a_model_not_yet_planned_pays_its_plan_and_trace_too():
     # the whole step (at least the prefix's 10 ms): 91 batches save 90 ms.
     assert not calls.stages(model, layer, "train", 91)
     assert calls.stages(model, layer, "train", 92)
-    # The staged call pays 9 ms over a traced whole step: 1 ms is owed.
-    assert learned(model).rent["train"] == pytest.approx(0.009)
     model.get_stage_plan()  # planned now, but not traced
-    assert not calls.stages(model, layer, "train", 80)
-    assert calls.stages(model, layer, "train", 81)
+    assert not calls.stages(model, layer, "train", 71)
+    assert calls.stages(model, layer, "train", 72)
 
 
 def test_without_smart_stage_no_plan_or_trace_is_added():
@@ -836,60 +792,3 @@ def test_staged_data_and_note_work_note_what_a_staged_call_costs():
     assert costs.batch_seconds == 0.0
     assert costs.measured()
     data.end_call()
-
-
-def test_a_call_staged_unmeasured_pays_toward_the_trace_when_it_ends():
-    # Staged before anything was measured, a call pays no rent toward
-    # tracing the whole model's step when decided; when it ends, what its
-    # stage cost over an unstaged call (its build and iterators: these
-    # arrays have no staged work to subtract, no plan) is paid.
-    model, layer = _model()
-    state = learned(model)
-    assert calls.stages(model, layer, "test", 30)
-    assert state.rent["test"] == 0.0
-    assert state.unmeasured_rent == {"test": False}  # it plans nothing
-    data = calls.staged_data(model, "test", layer, "test", X, Y, batch_size=8)
-    list(data.pipeline)
-    calls.note_work(model, data)
-    costs = calls.costs(model).phase("test")
-    rent = state.rent["test"]
-    assert rent == pytest.approx(costs.build_seconds + costs.iterator_seconds)
-    assert rent > 0 and state.unmeasured_rent == {}
-    data.end_call()
-    # A measured call's rent is its decision's: nothing is added at its end.
-    data = calls.staged_data(model, "test", layer, "test", X, Y, batch_size=8)
-    list(data.pipeline)
-    calls.note_work(model, data)
-    assert state.rent["test"] == rent
-    data.end_call()
-
-
-def test_unmeasured_rent_counts_the_plan_once_and_untimed_work_as_none():
-    # A first fit's training and validation are both decided unmeasured;
-    # the plan they share is paid once. Under op determinism the staged
-    # work is not timed (NaN): the rent is the set-up, never NaN.
-    model, layer = _model([keras.layers.Rescaling(0.5)], smart_stage=True)
-    state = learned(model)
-    calls.costs(model).note_plan(0.5)
-    for phase in ("train", "test"):
-        assert calls.stages(model, layer, phase, 30)
-    assert state.unmeasured_rent == {"train": True, "test": False}
-
-    class Data:
-        split = object()  # a SmartStage prefix: staged work to subtract
-        set_up_seconds = 0.1
-
-    for phase, busy in (("train", float("nan")), ("test", 0.05)):
-        Data.cost_phase = phase
-        calls._note_unmeasured_rent(model, Data, busy, 10)
-    assert state.rent["train"] == pytest.approx(0.1 + 0.5)
-    assert state.rent["test"] == pytest.approx(0.1 - 0.045)
-
-
-def test_one_comparison_decides_a_call_and_a_fits_epochs():
-    # A call: the stage's set-up against what running unstaged adds.
-    assert calls.compare(0.07, 0.071) is Kind.PAYS
-    assert calls.compare(0.07, 0.07) is Kind.DOES_NOT_PAY
-    # A fit's epochs: within the margin, the stage keeps them.
-    assert calls.compare(1.0, 0.98, margin=0.03) is Kind.PAYS
-    assert calls.compare(1.0, 0.97, margin=0.03) is Kind.DOES_NOT_PAY

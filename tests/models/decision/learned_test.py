@@ -24,12 +24,11 @@ def test_a_model_learns_into_one_record_until_compile_forgets_it():
     assert isinstance(record, Learned) and learned(model) is record
     costs = calls.costs(model)
     assert record.costs is costs
-    record.rent["train"] = 0.5
-    record.switch_verdicts["train"] = "staged"
+    record.decisions["train"] = calls.Decision(calls.Kind.PAYS)
     model.compile(optimizer="sgd", loss="mse", smart_stage=True)
     fresh = learned(model)
     assert fresh is not record
-    assert fresh.rent == {} and fresh.switch_verdicts == {}
+    assert fresh.decisions == {}
     # The stage's costs are shared by its signature, looked up again.
     assert calls.costs(model) is costs
     forget(model)

@@ -320,27 +320,6 @@ def test_a_fed_source_holds_one_calls_passes_at_most():
         fed.feed(epoch(1), 1)
 
 
-def test_a_skipped_epoch_is_passed_and_the_next_starts_after_it():
-    start = tf.Variable(0, dtype=tf.int64)
-    shared, made = _shared(start=start)
-    _read(EpochView(shared, None), 1)  # left early, then skipped
-    shared.skip_epoch()
-    assert shared.read_batches == 2 * BATCHES and shared.epoch == 2
-    assert _read(EpochView(shared, None), BATCHES) == [6, 7, 8]
-    assert len(made) == 2
-
-
-def test_skipping_needs_a_start_and_an_epoch_left():
-    shared, _ = _shared()
-    with pytest.raises(RuntimeError, match="cannot be skipped"):
-        shared.skip_epoch()
-    start = tf.Variable(0, dtype=tf.int64)
-    shared, _ = _shared(start=start, epochs=1)
-    _read(EpochView(shared, None), BATCHES)
-    with pytest.raises(RuntimeError, match="built for 1 epochs"):
-        shared.skip_epoch()
-
-
 # -- EpochView and EpochPipeline --------------------------------------------
 
 
