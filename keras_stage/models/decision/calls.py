@@ -627,16 +627,17 @@ def _keep(model, phase, decision):
     if decision.first_call:
         # Once: a loop of short calls stages its next one and measures it.
         costs(model).phase(phase).first_call_skipped = True
-    logger.info(
-        "Model '%s': %s %s [%s]: %s.",
-        model.name,
-        phase,
-        "is staged"
-        if decision.staged
-        else "runs the whole model in Keras's step, unstaged",
-        decision.kind.value,
-        decision.reason,
-    )
+    if logger.isEnabledFor(logging.INFO):  # a short call pays no message
+        logger.info(
+            "Model '%s': %s %s [%s]: %s.",
+            model.name,
+            phase,
+            "is staged"
+            if decision.staged
+            else "runs the whole model in Keras's step, unstaged",
+            decision.kind.value,
+            decision.reason,
+        )
 
 
 def trace_owed(model, phase, measured):
@@ -876,45 +877,27 @@ def fit_stages(model, layer, x, validation_data, long_lived=True, **kwargs):
     training due a trial runs it whatever its validation.
     """
     (train, epochs), (val, runs) = fit_batches(x, validation_data, **kwargs)
-    training = _decide(
-        model,
-        layer,
+
+    def decide(role, data, batches, count, steps, **extra):
+        iterators = _iterators(
+            model, layer, role, data, batches, count, steps, long_lived
+        )
+        phase = "train" if role == "train" else "test"
+        return _decide(model, layer, phase, batches, iterators, data, **extra)
+
+    training = decide(
         "train",
-        train,
-        _iterators(
-            model,
-            layer,
-            "train",
-            x,
-            train,
-            epochs,
-            kwargs["steps_per_epoch"],
-            long_lived,
-        ),
         x,
+        train,
+        epochs,
+        kwargs["steps_per_epoch"],
         unstaged_epochs=epochs,
     )
     if training.staged or validation_data is None or training.trial:
         _keep(model, "train", training)
         return training.staged
     val_x = keras.utils.unpack_x_y_sample_weight(validation_data)[0]
-    validation = _decide(
-        model,
-        layer,
-        "test",
-        val,
-        _iterators(
-            model,
-            layer,
-            "val",
-            val_x,
-            val,
-            runs,
-            kwargs["validation_steps"],
-            long_lived,
-        ),
-        val_x,
-    )
+    validation = decide("val", val_x, val, runs, kwargs["validation_steps"])
     if (
         validation.staged
         and training.gain is not None
