@@ -1,10 +1,7 @@
 """`StagePlan`: what SmartStage stages in a model, and why the rest is not.
 
-This module owns the plan as users see it: the staged and trunk layers in
-topological order, a reason for every trunk layer, the tensors that cross
-the cut, the cuts the planner weighed and why it chose its own, and the
-table `Model.stage_summary()` prints. It computes nothing; `planner.py`
-fills it in.
+The plan as users see it, and the table `Model.stage_summary()` prints;
+`planner.py` fills it in.
 """
 
 import math
@@ -80,10 +77,8 @@ class StagePlan:
     """Which layers of a model SmartStage runs in the stage, and why not.
 
     Returned by `keras_stage.Model.get_stage_plan()`. The staged layers run
-    inside the staging pipeline during fit/evaluate/predict (parallel,
-    buffered, ahead of the train step); the trunk layers run in the train
-    step. A layer called on both sides of the cut (a shared layer) is in
-    both lists.
+    in the staging pipeline, the trunk layers in the train step; a shared
+    layer called on both sides is in both lists.
 
     Attributes:
         model_name: The planned model's name.
@@ -100,13 +95,10 @@ class StagePlan:
         cut_reason: Why the cut is where it is, or `""` when nothing could
             be planned.
         candidate_cuts: The cuts the planner weighed, in topological
-            order: `(after_layer_name, bytes_per_example)` for the cut
-            after each staged call of the longest prefix (`@k` for a
-            layer's k-th call). The first is the stage's input: after the
-            `StagedInput`, or `None` for the model inputs. Sizes are `None`
-            when not static (strings, unknown dimensions). Cuts the stage
-            cannot hand over (a tensor without batch dimension) are left
-            out.
+            order: `(after_layer_name, bytes_per_example)` after each staged
+            call of the longest prefix; the first name is the `StagedInput`,
+            or `None` for the model inputs. Sizes are `None` when not
+            static.
 
     Example:
 
@@ -252,11 +244,7 @@ def _render(plan, width):
     where_width = 7
     reason_width = max(20, width - layer_width - where_width - 2)
     rows = []
-    seen = []
-    for name in plan.staged_layers + plan.trunk_layers:
-        if name not in seen:
-            seen.append(name)
-    for name in seen:
+    for name in dict.fromkeys(plan.staged_layers + plan.trunk_layers):
         staged = name in plan.staged_layers
         trunk = name in plan.trunk_layers
         where = "both" if staged and trunk else "stage" if staged else "trunk"
