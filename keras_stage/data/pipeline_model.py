@@ -1,13 +1,10 @@
 """A stage's figures read on the host from tf.data's own model of its iterator.
 
-tf.data's autotuner models every iterator: per node the elements made,
-their processing time and the buffer's count, and the gaps between the
-consumer's last fetches. `tf.data.experimental.get_model_proto` (TF 2.17+)
-reads it between steps with no op in the pipeline: what a stage measures
-under op determinism, where its pipeline holds no counter or clock
-(`StageStats.count_nothing`). The wait is the time the consumer did not
-spend between fetches, the staged map's time the busy time. Without it
-(TF 2.16, or autotuning off) those figures stay not measured.
+`tf.data.experimental.get_model_proto` (TF 2.17+) reads the autotuner's
+model of an iterator between steps, with no op in the pipeline: what a
+stage measures under op determinism (`StageStats.count_nothing`). The wait
+is the time the consumer did not spend between fetches; the busy time the
+staged map's processing time.
 """
 
 import collections
@@ -24,8 +21,7 @@ AVAILABLE = _get_model_proto is not None
 # tf.data keeps the gaps of an iterator's last fetches
 # (`Model::RecordIteratorGapTime`).
 GAP_WINDOW = 100
-# How many fetches apart a consumer samples, at most: well within the gap
-# window, and often enough for the buffer's count to average over an epoch.
+# How many fetches apart a consumer samples, at most (within the window).
 SAMPLE_FETCHES = 10
 # The recent samples of a ready buffer whose fetch time is the baseline.
 READY_SAMPLES = 20
@@ -59,11 +55,8 @@ def _chain(model):
 
 
 def stage_nodes(model, maps_above):
-    """The stage's buffer node and the node of its map (None: not found).
-
-    The buffer is the first `Prefetch` from the consumer's end; the
-    stage's map is below it, after `maps_above` maps (packing).
-    """
+    """The stage's buffer node (the first `Prefetch` from the consumer's
+    end) and its map's, `maps_above` maps below it (None: not found)."""
     chain = _chain(model)
     for i, node in enumerate(chain):
         if node.name == _BUFFER:

@@ -1,15 +1,10 @@
 """The private thread pool of an `"auto"` stage, resized between epochs.
 
-A stage that waits on IO needs many more threads than cores; one that
-computes on cores the training step keeps busy only loses to extra
-threads. Which it is is known once it has run (see docs/engine.md).
-
-A tf.data pool is fixed when its pipeline is built, so a stage with a
-`StagePool` has a pipeline per size (`pipelines`), built when an iterator
-first needs it; each eager iterator (each epoch of a Keras `fit`) is made
-from the pipeline of the size current then. `adapt` sets the next epoch's
-size from the epoch that ended: `PrefetchCallback` calls it with each
-training epoch's verdict.
+A stage waiting on IO needs more threads than cores; one computing on
+busy cores loses to extra threads. A tf.data pool is fixed when its
+pipeline is built, so a `StagePool` keeps a pipeline per size and makes
+each eager iterator from the current size's; `adapt` sets the next
+epoch's size from the epoch that ended (`PrefetchCallback` calls it).
 
 Example:
 
@@ -34,10 +29,8 @@ class StagePool:
     Args:
         name: The stage's name (names the variable).
         largest: The size it starts with, and the most `adapt` gives a
-            stage unless it waits on IO: the pool `"auto"` sizes from the
-            machine (`StageOptions.resolved_pool_size`).
-        smallest: The fewest threads `adapt` leaves: the machine's cores,
-            what tf.data's shared pool has.
+            stage unless it waits on IO.
+        smallest: The fewest threads `adapt` leaves (the cores).
         most: The most threads `adapt` gives a stage that waits on IO
             (`StageOptions.most_pool_size`). Defaults to `largest`.
         start: The size the first iterator's pool gets. Defaults to
@@ -96,13 +89,11 @@ class StagePool:
     def adapt(self, input_bound, needed_threads, cores_busy=True, shrink=True):
         """Sizes the next epoch's pool from the epoch that ended.
 
-        An input-bound epoch gets at least `largest` back (it may wait on
-        IO, which more threads overlap), and with idle cores the threads
-        the verdict asks for, up to `most`. An epoch that kept up and
-        needed no more than `smallest` threads gets what it needs (more
-        would contend with the step), never fewer than a size that once
-        kept the step waiting, plus one. Any other epoch keeps the size: an
-        in-between size would starve a stage waiting on IO.
+        An input-bound epoch gets at least `largest` back, and with idle
+        cores the threads the verdict asks for, up to `most`. An epoch that
+        kept up with no more than `smallest` threads gets what it needs,
+        never a size that once kept the step waiting. Any other epoch keeps
+        the size.
 
         Args:
             input_bound: Whether the epoch kept the step waiting.
@@ -130,10 +121,8 @@ class StagePool:
         return self.resize(threads)
 
     def pipelines(self, build):
-        """The stage's pipelines, each iterator's on a pool of the size then.
-
-        Used as a dataset otherwise (transformed, iterated in a
-        `tf.function`), each is the pipeline of the size when built.
+        """The stage's pipelines, each iterator's on a pool of the size then
+        (used as a dataset otherwise, the size when built).
 
         Args:
             build: `build(size)` -> `(lean, measured)`.
