@@ -1,11 +1,9 @@
 """Devices of a stage: where its buffer lives and which GPU stream it uses.
 
-This module owns the `device` and `stream` options. `resolve_device` turns
-a stage's `device` into the name of a logical device (or None for the
-host). `configure_streams` is DeepRec's MultiStream: TensorFlow gives each
-logical GPU its own CUDA streams, so it splits every physical GPU into N
-logical GPUs, and `stream_device` maps a stage's `stream` to one of them.
-It knows nothing of Keras.
+`resolve_device` turns a stage's `device` into a logical device's name
+(None for the host). `configure_streams` is DeepRec's MultiStream: it
+splits every physical GPU into N logical GPUs (each has its own CUDA
+streams), and `stream_device` maps a stage's `stream` to one of them.
 """
 
 import logging
@@ -85,10 +83,8 @@ def _check_device(device, name):
 
 
 def validate_device_argument(device):
-    """Checks the form of a stage's `device` option, without TensorFlow.
-
-    A constructor must not initialise TensorFlow's devices
-    (`configure_streams` runs first); `resolve_device` checks existence.
+    """Checks the form of a stage's `device` option, without initialising
+    TensorFlow's devices (`resolve_device` checks they exist).
 
     Args:
         device: `"auto"`, `"cpu"` or a TensorFlow device string with a
@@ -113,8 +109,7 @@ def validate_device_argument(device):
 
 
 def _same_task(wanted, found):
-    # Logical devices of a purely local context have no job in their name;
-    # they belong to job "localhost", replica 0, task 0.
+    # A local context's logical devices name no job: localhost, task 0.
     local = {"job": "localhost", "replica": 0, "task": 0}
     for part, default in local.items():
         want = getattr(wanted, part)
@@ -165,8 +160,6 @@ def _resolve_device(device, device_type="GPU", name="device"):
 
 def resolve_device(device):
     """The device a stage's buffer lives on, or None for the host.
-
-    Call it once TensorFlow may initialise its devices (it lists them).
 
     Args:
         device: `"auto"` for the first logical GPU, or the host when
@@ -246,11 +239,8 @@ def _free_gpu_memory_mb():
 
 
 def _reserved_memory_mb(free_mb, compute_capability):
-    """Memory TensorFlow leaves to CUDA itself on a GPU it uses whole.
-
-    TensorFlow's own rule (`MinSystemMemory` in gpu_device.cc), which it
-    does not apply to logical GPUs given explicit limits.
-    """
+    """Memory TensorFlow leaves to CUDA on a GPU it uses whole (its
+    `MinSystemMemory`, not applied to logical GPUs with explicit limits)."""
     if free_mb < 2048:
         return 225
     major = compute_capability[0] if compute_capability else None
@@ -301,12 +291,12 @@ def _default_memory_limit_mb(devices, num_streams):
     return limit
 
 
-def _streams_per_device(devices):
-    counts = [
+def _logical_counts(devices):
+    """Logical devices configured on each of `devices`."""
+    return [
         len(tf.config.get_logical_device_configuration(d) or [None])
         for d in devices
     ]
-    return min(counts)
 
 
 def _configure_streams(num_streams, memory_limit_mb=None, device_type="GPU"):
@@ -323,9 +313,8 @@ def _configure_streams(num_streams, memory_limit_mb=None, device_type="GPU"):
             )
         return 0
     if num_streams == 1 and memory_limit_mb is None:
-        return _streams_per_device(devices)
-    # A second identical call (or one after the user's own split) must not
-    # re-read the free memory: TensorFlow may hold some of it by then.
+        return min(_logical_counts(devices))
+    # A repeated call must not re-read the free memory TensorFlow holds.
     todo = [
         d
         for d in devices
@@ -353,25 +342,22 @@ def _configure_streams(num_streams, memory_limit_mb=None, device_type="GPU"):
                     "TensorFlow has already initialised its devices, and "
                     f"they cannot be split any more. {_FIX_STREAMS}"
                 ) from e
-    return _streams_per_device(devices)
+    return min(_logical_counts(devices))
 
 
 def configure_streams(num_streams, memory_limit_mb=None):
     """Gives every GPU `num_streams` streams for staged work (MultiStream).
 
-    TensorFlow gives each logical GPU its own CUDA streams, so this splits
-    each physical GPU into `num_streams` logical GPUs: the training step
-    runs on the first of each (stream 0), a stage with `stream=k` on the
-    k-th (see `stream_device`). Call it at the very start of the program,
-    before TensorFlow initialises its devices.
+    Splits each physical GPU into `num_streams` logical GPUs (each has its
+    own CUDA streams): the training step runs on the first (stream 0), a
+    stage with `stream=k` on the k-th. Call it at the very start of the
+    program, before TensorFlow initialises its devices.
 
     Args:
         num_streams: Logical GPUs per physical GPU: a positive int. `1`
             leaves the GPUs whole (no change).
         memory_limit_mb: MB of GPU memory for each logical GPU. Defaults to
-            `None`: the least free memory of any GPU (read with
-            nvidia-smi), less what TensorFlow leaves to CUDA, split
-            evenly. Without nvidia-smi, pass it.
+            `None`: the GPUs' free memory (nvidia-smi) split evenly.
 
     Returns:
         The number of logical GPUs per physical GPU now configured (the
@@ -422,10 +408,7 @@ def _stream_device(stream, base_device, device_type="GPU"):
                 f"are {device_type} streams.",
             )
         return None
-    counts = [
-        len(tf.config.get_logical_device_configuration(d) or [None])
-        for d in devices
-    ]
+    counts = _logical_counts(devices)
     logical = {
         tf.DeviceSpec.from_string(d.name).device_index: d.name
         for d in tf.config.list_logical_devices(device_type)
