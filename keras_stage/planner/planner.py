@@ -155,12 +155,9 @@ def plan_model(model, boundary_layer=None, smart_stage=True, backend=None):
         model: A built keras_stage model.
         boundary_layer: Its `StagedInput`, or None to stage from the model
             inputs.
-        smart_stage: `True` for the transfer-aware cut: the longest prefix
-            training does not change, unless its cut carries more than
-            `CUT_INFLATION_LIMIT` times the bytes per example of a shorter
-            prefix's cut (and more than `CUT_INFLATION_MIN_BYTES`); then
-            the shorter prefix with the fewest bytes. `"longest"` for the
-            longest prefix always. Defaults to `True`.
+        smart_stage: `True` for the transfer-aware cut (the longest prefix,
+            unless its cut inflates past `CUT_INFLATION_LIMIT`); `"longest"`
+            for the longest prefix always. Defaults to `True`.
         backend: The backend of the model's steps (a
             `keras_stage.models.backends.Backend`), which says what can run
             in tf.data. Defaults to the model's own.
@@ -326,9 +323,8 @@ def _assign(
 ):
     """Splits `nodes` into staged and trunk, producers first.
 
-    `held` maps nodes kept in the trunk for their outputs to the reason.
-    Returns the staged nodes, the trunk nodes, the reason for each trunk
-    layer and the ids of the tensors available in the stage.
+    `held` maps nodes kept in the trunk to the reason. Returns the staged
+    and trunk nodes, the reasons, and the ids of the staged tensors.
     """
     available = {id(t) for t in graph.inputs}
     producer = {}
@@ -409,11 +405,8 @@ def _boundary_tensor(tensor, specs, names):
 
 
 class _Candidate:
-    """A cut along the staged prefix: after its first `count` staged calls.
-
-    `label` names the last of them (None for the model inputs); `size` is
-    the bytes per example crossing the cut, or None if not static.
-    """
+    """A cut after the first `count` staged calls: `label` names the last
+    (None: the model inputs), `size` is its bytes per example (or None)."""
 
     def __init__(self, label, size, count):
         self.label = label
@@ -431,9 +424,8 @@ def _candidate_cuts(
 ):
     """The valid cuts after each staged call, shortest prefix first.
 
-    Returns `(candidates, ordered)`: `ordered` lists the staged nodes in
-    the order the prefixes grow (the `StagedInput` first: it marks where
-    the stage starts, so every prefix keeps it).
+    Returns `(candidates, ordered)`: the staged nodes in the order the
+    prefixes grow, the `StagedInput` first.
     """
     base = [n for n in staged_nodes if n.operation is boundary_layer]
     ordered = base + [
@@ -516,12 +508,8 @@ def _choose_cut(candidates, smart_stage):
 
 
 def _as_input(value, tensor):
-    """`value` with the dtype and rank of the model input `tensor`.
-
-    What Keras's functional call does to its inputs: a numeric value is
-    cast to the input's dtype, and a trailing dimension of 1 is added or
-    dropped to match its rank.
-    """
+    """`value` with the dtype and rank of the model input `tensor`, as
+    Keras's functional call casts and expands or squeezes its inputs."""
     value = tf.convert_to_tensor(value) if not tf.is_tensor(value) else value
     rank = len(tensor.shape)
     if isinstance(value, tf.Tensor) and value.shape.rank is not None:
@@ -601,9 +589,8 @@ class StageSplit:
         prefix: A functional model from the model inputs to the cut
             tensors (a list), built on the user's own layers.
         trunk: A functional model from the cut tensors to the model
-            outputs, built by calling the user's trunk layers again on new
-            inputs: it shares their weights, so training it trains the
-            model.
+            outputs, calling the user's trunk layers again: training it
+            trains the model.
         seed_states: Seed-state variables of the staged random layers.
         backend: The backend of the model's steps (see `plan_model`).
     """
@@ -652,18 +639,13 @@ class StageSplit:
         self.trunk = keras.Model(
             trunk_inputs, outputs, name=f"{graph.name}_trunk"
         )
-        # Counts the elements entering a training stage, so each gets its
-        # own random seeds whatever thread runs it.
-        self._ordinal = (
-            tf.Variable(0, dtype=tf.int64, trainable=False)
-            if self.seed_states
-            else None
-        )
-        # Set when an iterator is restored (`DataBackup`); cleared as an
-        # element is numbered.
-        self.unnumbered = (
-            tf.Variable(False, trainable=False) if self.seed_states else None
-        )
+        # `_ordinal` counts the elements entering a training stage, so each
+        # gets its own seeds; `unnumbered` is set when an iterator is
+        # restored (`DataBackup`) and cleared as an element is numbered.
+        self._ordinal = self.unnumbered = None
+        if self.seed_states:
+            self._ordinal = tf.Variable(0, dtype=tf.int64, trainable=False)
+            self.unnumbered = tf.Variable(False, trainable=False)
         # Per training flag: (the state objects it was traced with, fn);
         # one for both where the flag changes nothing (`_trace_key`).
         self._stage_fns = {}
@@ -681,11 +663,8 @@ class StageSplit:
     def number(self, dataset, writes=True):
         """Tags each element with its ordinal, in data order, if seeds need it.
 
-        Args:
-            dataset: What the stage stages.
-            writes: Whether each element's ordinal is written to `ordinal`.
-                False for an iterator that runs on across epochs and calls
-                (it reads ahead of Keras, and sets `ordinal` itself).
+        `writes`: whether each element's ordinal is written to `ordinal`
+        (not for an iterator run across calls, which sets it itself).
         """
         if self._ordinal is None:
             return dataset

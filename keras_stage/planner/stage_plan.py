@@ -12,17 +12,13 @@ class BoundaryTensor:
     """A tensor that crosses the cut, from the stage to the trunk.
 
     Attributes:
-        name: The producing layer's name (with `[i]` for the i-th output of
-            a multi-output layer, `@k` for its k-th call), or the model
-            input's name.
-        dtype: The dtype's name, from a trace (e.g. `"string"`, `"int64"`).
-        shape: The shape, a tuple with `None` for unknown dimensions; the
-            first is the batch.
+        name: The producing layer's name (`[i]` for its i-th output, `@k`
+            for its k-th call), or the model input's name.
+        dtype: The dtype's name, from a trace (e.g. `"int64"`).
+        shape: The shape, a tuple (`None`: unknown); the first is the batch.
         kind: `"dense"`, `"sparse"` or `"ragged"`.
-        bytes_per_example: Bytes of one example when its shape is static
-            and dense and the dtype has a fixed size, else `None`.
-        bytes_per_batch: `bytes_per_example` times the batch size, when
-            the batch size is static too, else `None`.
+        bytes_per_example: Bytes of one example, or `None` if not static.
+        bytes_per_batch: Bytes of one batch, or `None` if not static.
     """
 
     def __init__(self, name, dtype, shape, kind="dense"):
@@ -88,12 +84,10 @@ class StagePlan:
         reasons: For every trunk layer, a short reason it is not staged.
         boundary: The `BoundaryTensor`s crossing the cut, in the order the
             stage hands them to the trunk.
-        automatic: Whether the stage starts at the model inputs because
-            the model has no `StagedInput`.
-        note: Why nothing could be planned (a subclassed model), or `""`.
+        automatic: Whether the model has no `StagedInput`.
+        note: Why nothing could be planned, or `""`.
         layer_types: The class name of every planned layer, by name.
-        cut_reason: Why the cut is where it is, or `""` when nothing could
-            be planned.
+        cut_reason: Why the cut is where it is, or `""`.
         candidate_cuts: The cuts the planner weighed, in topological
             order: `(after_layer_name, bytes_per_example)` after each staged
             call of the longest prefix; the first name is the `StagedInput`,

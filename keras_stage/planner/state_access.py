@@ -76,13 +76,10 @@ class NodeAccess:
         writes: Keras variables the call assigns.
         table_writes: Whether it modifies a lookup table.
         foreign: `(kind, op_type)` for each captured resource that is no
-            Keras variable of the model, used in a way that could see
-            training's changes.
+            Keras variable of the model.
         adds_loss: Whether the call added a loss.
-        outputs: The traced output tensors (`tf.TypeSpec`s), aligned with
-            the node's outputs.
-        failure: The `TraceError` of a call that failed (`keep_going`),
-            or None.
+        outputs: The `tf.TypeSpec`s of the node's outputs.
+        failure: The `TraceError` of a failed call (`keep_going`), or None.
     """
 
     def __init__(self):
@@ -123,18 +120,6 @@ def _variable_handles(model):
         if handle is not None:
             handles[id(handle)] = variable
     return handles
-
-
-class _Library:
-    """The function definitions of a traced graph, by name."""
-
-    def __init__(self, graph):
-        self._functions = {
-            f.signature.name: f for f in graph.as_graph_def().library.function
-        }
-
-    def get(self, name):
-        return self._functions.get(name)
 
 
 def _called_functions(node_def):
@@ -220,19 +205,14 @@ def _resource_uses(op_consumers, library, tensor, depth=0):
 def trace_access(model, nodes, keep_going=False, skip=()):
     """Traces `nodes` of `model` in training mode; returns their access.
 
-    Args:
-        model: A built functional model.
-        nodes: Its call nodes, producers first (`_compat.functional_nodes`).
-        keep_going: On a call that fails, record the failure in its
-            `NodeAccess` and trace on (the calls that need its outputs
-            get no access) instead of raising `TraceError`.
-        skip: Nodes not to call: they get no access, and neither do the
-            nodes that need their outputs.
+    `nodes`: its call nodes, producers first. `keep_going`: record a failed
+    call in its `NodeAccess` and trace on instead of raising `TraceError`.
+    `skip`: nodes not to call. Calls needing the outputs of either get no
+    access.
 
     Returns:
-        A dict `node -> NodeAccess` for the nodes traced, and a dict
-        `id(KerasTensor) -> tf.TypeSpec` for every tensor they made (and
-        the model inputs).
+        `{node: NodeAccess}` for the nodes traced, and
+        `{id(KerasTensor): tf.TypeSpec}` for the tensors they made.
     """
     skip = set(skip)
     model_inputs = list(model.inputs)
@@ -269,7 +249,7 @@ def trace_access(model, nodes, keep_going=False, skip=()):
                 break
             access = NodeAccess()
             access.adds_loss = bool(getattr(layer, "losses", None)) and any(
-                _is_graph_tensor(loss, graph) for loss in layer.losses
+                getattr(loss, "graph", None) is graph for loss in layer.losses
             )
             for t, v in zip(outputs, out, strict=True):
                 values[id(t)] = v
@@ -283,14 +263,16 @@ def trace_access(model, nodes, keep_going=False, skip=()):
     # AutoGraph off, as in Keras's own compiled steps.
     traced = tf.function(walk, autograph=False)
     graph = traced.get_concrete_function(*specs).graph
-    if failures:
-        _clear_trace_losses(nodes)
-        raise failures[0]
     _clear_trace_losses(nodes)
+    if failures:
+        raise failures[0]
 
     handles = _variable_handles(model)
     internal_to_external = {id(i): e for e, i in graph.captures}
-    library = _Library(graph)
+    # The function definitions of the traced graph, by name.
+    library = {
+        f.signature.name: f for f in graph.as_graph_def().library.function
+    }
     consumers = {}
     for op in graph.get_operations():
         for t in op.inputs:
@@ -340,10 +322,6 @@ def run_node(node, values, **kwargs):
 
 def _has(variables, variable):
     return any(v is variable for v in variables)
-
-
-def _is_graph_tensor(value, graph):
-    return getattr(value, "graph", None) is graph
 
 
 def _resources_used(ops, graph):
