@@ -86,15 +86,9 @@ def validate_device_argument(device):
     """Checks the form of a stage's `device` option, without initialising
     TensorFlow's devices (`resolve_device` checks they exist).
 
-    Args:
-        device: `"auto"`, `"cpu"` or a TensorFlow device string with a
-            type and an index, such as `"/GPU:1"`.
-
-    Returns:
-        `device`, unchanged.
-
-    Raises:
-        ValueError: if `device` is not a string of one of those forms.
+    Returns `device` if it is `"auto"`, `"cpu"` or a TensorFlow device
+    string with a type and an index, such as `"/GPU:1"`; else raises
+    `ValueError`.
 
     Example:
 
@@ -169,12 +163,10 @@ def resolve_device(device):
 
     Returns:
         The full name of the logical device, or None for the host (with a
-        warning, once per process, for an explicit GPU on a machine
-        without one).
+        warning for an explicit GPU on a machine without one).
 
     Raises:
-        ValueError: if `device` is not a string of those forms, or names a
-            device TensorFlow does not have.
+        ValueError: if `device` is not of those forms, or does not exist.
 
     Example:
 
@@ -184,24 +176,6 @@ def resolve_device(device):
     '/device:CPU:0'
     """
     return _resolve_device(device, "GPU", "device")
-
-
-def _check_num_streams(num_streams):
-    if not _is_int(num_streams, 1):
-        raise ValueError(
-            "Invalid value for argument `num_streams`. Expected a positive "
-            f"int (1 leaves each GPU whole). Received: num_streams="
-            f"{num_streams!r}"
-        )
-
-
-def _check_memory_limit(memory_limit_mb):
-    if memory_limit_mb is not None and not _is_int(memory_limit_mb, 1):
-        raise ValueError(
-            "Invalid value for argument `memory_limit_mb`. Expected a "
-            "positive int (MB of memory for each logical GPU) or None. "
-            f"Received: memory_limit_mb={memory_limit_mb!r}"
-        )
 
 
 def _parse_free_memory_mb(text):
@@ -300,8 +274,18 @@ def _logical_counts(devices):
 
 
 def _configure_streams(num_streams, memory_limit_mb=None, device_type="GPU"):
-    _check_num_streams(num_streams)
-    _check_memory_limit(memory_limit_mb)
+    if not _is_int(num_streams, 1):
+        raise ValueError(
+            "Invalid value for argument `num_streams`. Expected a positive "
+            f"int (1 leaves each GPU whole). Received: num_streams="
+            f"{num_streams!r}"
+        )
+    if memory_limit_mb is not None and not _is_int(memory_limit_mb, 1):
+        raise ValueError(
+            "Invalid value for argument `memory_limit_mb`. Expected a "
+            "positive int (MB of memory for each logical GPU) or None. "
+            f"Received: memory_limit_mb={memory_limit_mb!r}"
+        )
     devices = _physical_devices(device_type)
     if not devices:
         if num_streams > 1 or memory_limit_mb is not None:
@@ -360,13 +344,12 @@ def configure_streams(num_streams, memory_limit_mb=None):
             `None`: the GPUs' free memory (nvidia-smi) split evenly.
 
     Returns:
-        The number of logical GPUs per physical GPU now configured (the
-        smallest, if the GPUs differ), or 0 without a GPU (with a warning).
+        The logical GPUs per physical GPU now configured, or 0 without a
+        GPU (with a warning).
 
     Raises:
-        ValueError: if `num_streams` is not a positive int, if
-            `memory_limit_mb` is not None or a positive int, or if it is
-            None and the free memory cannot be read.
+        ValueError: for an invalid argument, or when the free memory cannot
+            be read and `memory_limit_mb` is None.
         RuntimeError: if TensorFlow has already initialised its devices.
 
     Example:
@@ -451,17 +434,16 @@ def stream_device(stream, base_device=None):
     Args:
         stream: A non-negative int below the `num_streams` given to
             `configure_streams`.
-        base_device: The stage's device, as `resolve_device` returns it (or
-            any form it accepts): the stream is taken from the same
-            physical GPU. Defaults to `None` (the host: no stream).
+        base_device: The stage's device (any form `resolve_device`
+            takes): the stream is on its physical GPU. Defaults to `None`.
 
     Returns:
         The full name of the logical GPU, or None for the default device
         (with a warning when `stream > 0` cannot be honoured).
 
     Raises:
-        ValueError: if `stream` is not a non-negative int, or is not below
-            the number of streams configured.
+        ValueError: if `stream` is not a non-negative int below the streams
+            configured.
 
     Example:
 
