@@ -35,18 +35,12 @@ _name_counter = itertools.count()
 _live_stages = weakref.WeakSet()
 
 
-def _default_name():
-    return f"stage_{next(_name_counter)}"
-
-
 class Placement:
     """Where a stage's finished elements wait, and whether they are packed.
 
-    Args:
-        device: The device holding the buffer, or None for the host.
-        pack: The `pack_transfer` option: `"auto"`, True or False.
-        unpacks: Whether the consumer unpacks in its own step (the Keras
-            integration); `"auto"` packs only for such consumers.
+    `device`: None for the host. `pack`: the `pack_transfer` option.
+    `unpacks`: whether the consumer unpacks in its own step (`"auto"` packs
+    only for such consumers).
     """
 
     def __init__(self, device=None, pack=False, unpacks=False):
@@ -534,10 +528,9 @@ def stage(
 ):
     """Runs `fn` over `dataset` ahead of the consumer, in parallel, buffered.
 
-    The tf.data counterpart of DeepRec's `tf.staged`: `fn` (parsing,
-    decoding, IO) runs on `num_threads` workers of a private thread pool,
-    and at most `capacity` finished elements wait for the consumer. Keras
-    users get it through `StagedInput`.
+    DeepRec's `tf.staged` on tf.data: `fn` runs on `num_threads` workers of
+    a private thread pool, and at most `capacity` finished elements wait
+    for the consumer. Keras users get it through `StagedInput`.
 
     Args:
         dataset: A `tf.data.Dataset`.
@@ -576,7 +569,7 @@ def stage(
             f"element or None. Received: fn={fn!r}"
         )
     if name is None:
-        name = _default_name()
+        name = f"stage_{next(_name_counter)}"
     # The stage options by name (`locals()` also holds `dataset` and `fn`).
     given = locals()
     options = StageOptions(**{o.name: given[o.name] for o in OPTIONS})
@@ -607,12 +600,11 @@ def build_stage(
 ):
     """`stage()` with validated `StageOptions` and the `StageStats` to use.
 
-    `stats`: None makes new ones. `consumer_records`: the consumer reads
-    only the lean pipeline. `distributed`, `unpacks`: see
-    `Placement.resolve`. With a service: `rebatch` the batch size to
-    re-form, `cardinality` an epoch's batches, `per_copy` the examples one
-    pass holds. `reads_in_python`: the consumer reads every element
-    eagerly. `pool_start`: an adaptive pool's first size.
+    `consumer_records`: the consumer reads only the lean pipeline. With a
+    service: `rebatch` the batch size to re-form, `cardinality` an epoch's
+    batches, `per_copy` the examples one pass holds. `reads_in_python`: the
+    consumer reads every element eagerly. `pool_start`: an adaptive pool's
+    first size.
     """
     if stats is None:
         stats = new_stats(options)
