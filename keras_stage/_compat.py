@@ -44,10 +44,8 @@ def private_map_dataset():
 def inline_map(dataset, fn, name):
     """`dataset.map(fn, name=name)` with `fn`'s ops run by the calling thread.
 
-    For the stage's tiny per-element functions, whose hand-offs to the
-    inter-op pool would cost more than their ops; the switch is only on
-    TensorFlow's private `_MapDataset`. `fn` must hold no control flow:
-    never a user's function.
+    For the stage's tiny functions (the switch is only on TensorFlow's
+    private `_MapDataset`); `fn` must hold no control flow.
     """
     import tensorflow as tf
 

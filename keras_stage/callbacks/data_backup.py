@@ -96,11 +96,9 @@ class DataBackup(keras.callbacks.Callback):
     """Saves and restores the training data's position beside a backup.
 
     Args:
-        backup: The run's `keras.callbacks.BackupAndRestore`; this callback
-            follows its `backup_dir` and `save_freq`, and must come right
-            after it in the callbacks.
-        current_iterator: Returns the iterator the training step read last
-            (or None).
+        backup: The run's `keras.callbacks.BackupAndRestore`, which this
+            callback follows right after.
+        current_iterator: Returns the iterator the step read last, or None.
         restore_next: Called as the epoch begins with a function restoring
             the iterator's position (run before the next step), the epoch's
             steps left after it (None if unknown), and the epoch.
@@ -279,8 +277,7 @@ class DataBackup(keras.callbacks.Callback):
         position["weights"] = None
         if os.path.exists(weights):
             previous = (self._read_journal() or {}).get("weights")
-            # Two names in turn: the copy the journal names stays whole
-            # while the next one is written.
+            # Two names in turn: the journal's copy stays whole meanwhile.
             name = (
                 "weights-b.h5" if previous == "weights-a.h5" else "weights-a.h5"
             )

@@ -25,8 +25,7 @@ _POLL_SECONDS = 0.2
 # Arrived from the service, copies started and ended, rows delivered.
 _ARRIVED, _COPIES, _DELIVERED, _ENDED = range(4)
 _SLOTS = 4
-# What the end branch (and the reads' own end) says: nothing yet, the
-# reads ended, end the epoch now; data elements are `_DATA`.
+# What the end branch says: nothing yet, the reads ended, end the epoch.
 _NOTHING, _FINISHED, _END, _STOP = 0, 1, 2, 3
 _DATA = _NOTHING
 # Seconds a consumer waits in an epoch that has all its elements (see
@@ -41,15 +40,10 @@ _END_MARK = "keras_stage: the service epoch was ended by fail-over"
 class ServiceLedger:
     """The fail-over and per-epoch counts of one stage on the tf.data service.
 
-    Args:
-        name: The stage's name, for messages.
-        processing_mode: The stage's `processing_mode`.
-        worker_timeout: Seconds the consumer may wait in an epoch that has
-            delivered before the epoch is ended (the stage option), or
-            None for never.
-        per_copy: Examples (or elements) one pass over the source holds,
-            or None if unknown: then what was lost cannot be counted.
-        batched: Whether elements are batches whose rows are counted.
+    `name`, `processing_mode` and `worker_timeout` are the stage's;
+    `per_copy`: the examples (or elements) one pass over the source holds,
+    or None if unknown; `batched`: whether elements are batches whose rows
+    are counted.
     """
 
     def __init__(

@@ -208,15 +208,10 @@ def _processing_mode(name, value):
 class Option:
     """One stage option: its name, default, check and documentation.
 
-    Args:
-        name: The argument's name, the same in every entry point.
-        default: Its default value.
-        check: `check(name, value)` returns the value normalised, or raises
-            `ValueError`/`TypeError` naming the argument.
-        doc: What the option does, in one paragraph; "Defaults to ..." is
-            added from `default`.
-        exception_classes: Whether the value is a tuple of exception
-            classes, which a saved config stores by name.
+    `check(name, value)` returns the value normalised or raises naming the
+    argument; `doc` is one paragraph ("Defaults to ..." is added);
+    `exception_classes`: the value is a tuple of exception classes, which a
+    saved config stores by name.
     """
 
     def __init__(self, name, default, check, doc, exception_classes=False):
@@ -284,9 +279,7 @@ OPTIONS = (
         f"""Maximum number of finished elements (batches, in a Keras model)
         waiting for the consumer: a positive int, or `"auto"` to let
         tf.data size the buffer ({IDLE_CAPACITY} elements for a host stage
-        with nothing to compute). With ints, at no time are more than
-        `capacity` finished elements buffered plus `num_threads` in
-        production.""",
+        with nothing to compute).""",
     ),
     Option(
         "num_threads",
@@ -353,10 +346,8 @@ OPTIONS = (
         _device,
         """Where finished elements wait: `"auto"` (the first GPU if
         TensorFlow sees one, else the host), `"cpu"` (the host), or a
-        device such as `"/GPU:1"`. The staged computation always runs on
-        host threads; with a device, the buffer lives there and the copy
-        overlaps the consumer's step. Under a `tf.distribute` strategy each
-        replica's device holds its own buffer.""",
+        device such as `"/GPU:1"`. The staged computation runs on host
+        threads; the copy to the device overlaps the consumer's step.""",
     ),
     Option(
         "stream",
@@ -371,12 +362,10 @@ OPTIONS = (
         "pack_transfer",
         AUTO,
         _auto_or_bool,
-        """Pack an element's many small tensors per dtype into one tensor
-        each, so the copy to `device` is a few large copies: `"auto"` (for
-        a consumer that unpacks in its own step, as a Keras model does,
-        when it copies fewer tensors), `True` or `False`. A packed stage
-        yields packed elements; `StagedDataset.unpack` restores them on the
-        device.""",
+        """Pack an element's many small tensors into a few, so the copy to
+        `device` is a few large copies: `"auto"` (for a consumer that
+        unpacks in its own step, as a Keras model does), `True` or `False`.
+        `StagedDataset.unpack` restores packed elements.""",
     ),
     Option(
         "service",
@@ -384,11 +373,9 @@ OPTIONS = (
         _service,
         """The address of a tf.data service dispatcher, `"grpc://host:port"`
         (see `keras_stage.data.service`): the dataset and the staged
-        computation run on the service's workers, with `num_threads`
-        parallel calls per worker, and finished elements come back into
-        this process's buffer. A Keras model needs a tf.data source for it
-        (a `tf.data.Dataset`, arrays or tensors), not a generator. `None`
-        stages in this process.""",
+        computation run on the service's workers, and finished elements
+        come back into this process's buffer. It needs a tf.data source,
+        not a generator. `None` stages in this process.""",
     ),
     Option(
         "processing_mode",

@@ -295,9 +295,8 @@ class Packer:
         """Packs `element` into a dict of a few flat tensors.
 
         Args:
-            *element: An element matching the packer's element spec. A
-                tuple element may also be passed as separate arguments,
-                as `tf.data.Dataset.map` does.
+            *element: An element matching the packer's element spec (a
+                tuple may come as separate arguments, as from `map`).
 
         Returns:
             A dict of tensors matching `packed_spec`.
@@ -342,12 +341,10 @@ class Packer:
         """Rebuilds the element `pack` packed.
 
         Args:
-            packed: A dict matching `packed_spec`, as returned by `pack`
-                (possibly after a copy to another device).
+            packed: A dict matching `packed_spec`, as `pack` returned it.
 
         Returns:
-            The element, with the structure, dtypes, static shapes and
-            composite types of the packer's element spec.
+            The element, as the packer's element spec describes it.
         """
         if not isinstance(packed, dict) or set(packed) != set(
             self._packed_spec

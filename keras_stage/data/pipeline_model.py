@@ -73,9 +73,8 @@ class PipelineModel:
     """Running totals of a stage's figures, sampled from tf.data's model.
 
     Args:
-        maps_above: Maps between the stage's buffer and its own map (the
-            device packing); `None`: the stage has no map (nothing to
-            compute), so its busy time is 0.
+        maps_above: Maps between the stage's buffer and its own map;
+            `None`: the stage has no map, so its busy time is 0.
     """
 
     def __init__(self, maps_above=0):
@@ -83,12 +82,9 @@ class PipelineModel:
         self._iterator = None  # a weak reference: never keep it running
         self._last = None  # (fetches, map ns, held) at the last sample
         self._sampled = None  # when the last sample ran
-        # The time from the last fetch to the last sample, estimated.
-        self._tail = 0.0
-        # Per-fetch time outside the gaps of recent samples that found the
-        # buffer holding elements at both ends (see `sample`).
+        self._tail = 0.0  # from the last fetch to the last sample, estimated
+        # Per-fetch time outside the gaps of recent samples (`_add_wait`).
         self._ready = collections.deque(maxlen=READY_SAMPLES)
-        # Per-fetch time outside the gaps of recent samples between steps.
         self._fetching = collections.deque(maxlen=READY_SAMPLES)
         self.fetches = 0
         self.gap_seconds = 0.0
@@ -96,8 +92,7 @@ class PipelineModel:
         self.busy_seconds = 0.0
         self.buffered_sum = 0.0
         self.buffered_peak = 0
-        # False once a sample found no model of the stage.
-        self.measures = AVAILABLE
+        self.measures = AVAILABLE  # False once no model of the stage is found
 
     def watch(self, iterator):
         """Samples `iterator` from now on (the consumer's newest)."""
@@ -110,12 +105,8 @@ class PipelineModel:
         self._tail = 0.0  # a first fetch has no gap to hold the last tail
 
     def sample(self, boundary=False):
-        """Adds what the watched iterator did since the last sample.
-
-        Args:
-            boundary: Whether the consumer samples at an epoch's boundary
-                (its end, or a new iterator's start), not between steps.
-        """
+        """Adds what the watched iterator did since the last sample
+        (`boundary`: at an epoch's end or a new iterator's start)."""
         iterator = None if self._iterator is None else self._iterator()
         if iterator is None:
             return

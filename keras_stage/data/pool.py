@@ -27,14 +27,13 @@ class StagePool:
     """The resizable private thread pool of one stage.
 
     Args:
-        name: The stage's name (names the variable).
+        name: The stage's name, for messages.
         largest: The size it starts with, and the most `adapt` gives a
             stage unless it waits on IO.
         smallest: The fewest threads `adapt` leaves (the cores).
-        most: The most threads `adapt` gives a stage that waits on IO
-            (`StageOptions.most_pool_size`). Defaults to `largest`.
-        start: The size the first iterator's pool gets. Defaults to
-            `largest`.
+        most: The most threads `adapt` gives a stage that waits on IO.
+            Defaults to `largest`.
+        start: The first iterator's size. Defaults to `largest`.
     """
 
     def __init__(self, name, largest, smallest, most=None, start=None):
@@ -64,12 +63,9 @@ class StagePool:
         return self._size
 
     def resize(self, threads):
-        """Gives iterators made from now on a pool of `threads`.
+        """Gives iterators made from now on a pool of `threads`; returns it.
 
         Iterators already running keep theirs (a tf.data pool is fixed).
-
-        Returns:
-            The new size.
         """
         if isinstance(threads, bool) or not isinstance(threads, int):
             raise TypeError(
@@ -87,7 +83,7 @@ class StagePool:
         return threads
 
     def adapt(self, input_bound, needed_threads, cores_busy=True, shrink=True):
-        """Sizes the next epoch's pool from the epoch that ended.
+        """Sizes the next epoch's pool from the epoch that ended; returns it.
 
         An input-bound epoch gets at least `largest` back, and with idle
         cores the threads the verdict asks for, up to `most`. An epoch that
@@ -98,14 +94,10 @@ class StagePool:
         Args:
             input_bound: Whether the epoch kept the step waiting.
             needed_threads: The verdict's `suggested_num_threads`.
-            cores_busy: Whether the process kept the machine's cores busy
-                over the epoch. Defaults to True (no growth past
-                `largest`).
+            cores_busy: Whether the process kept the cores busy (then no
+                growth past `largest`). Defaults to True.
             shrink: Whether an epoch that kept up may shrink the pool.
                 Defaults to True.
-
-        Returns:
-            The new size.
         """
         if input_bound:
             if self.size < self.largest:
@@ -121,15 +113,9 @@ class StagePool:
         return self.resize(threads)
 
     def pipelines(self, build):
-        """The stage's pipelines, each iterator's on a pool of the size then
-        (used as a dataset otherwise, the size when built).
-
-        Args:
-            build: `build(size)` -> `(lean, measured)`.
-
-        Returns:
-            `(lean, measured)`, resized per iterator.
-        """
+        """`(lean, measured)` from `build(size)`, each eager iterator's on
+        a pool of the size then (used as a dataset otherwise, the size when
+        built)."""
         built = {}
 
         def pipeline(size, which):

@@ -201,10 +201,7 @@ class ReadyElements:
     A call needing no more than the elements counted ready and not consumed
     cannot time out. The counters are shared by every iterator, so a count
     is trusted only for an iterator started after every earlier one was
-    gone, less what those left behind.
-
-    Args:
-        stats: The stage's `StageStats`.
+    gone, less what those left behind (read from the stage's `stats`).
     """
 
     def __init__(self, stats):
@@ -303,14 +300,11 @@ class StageRunner:
     Args:
         options: The stage's `StageOptions`.
         stats: The stage's `StageStats`.
-        gate: The pipeline's open flag (a boolean variable) that `close`
-            and a timeout clear, or None. Defaults to `None`.
+        gate: The pipeline's open flag (a boolean variable) that a timeout
+            clears, or None. Defaults to `None`.
         counts_in_order: Whether the stage counts its elements ready in
-            the order the consumer gets them (see `ReadyElements`).
-            Defaults to `False`.
-        ledger: The stage's `ServiceLedger` (a stage on the tf.data
-            service), whose epoch a wait of `worker_timeout` ends, or None.
-            Defaults to `None`.
+            delivery order (see `ReadyElements`). Defaults to `False`.
+        ledger: The stage's `ServiceLedger`, or None. Defaults to `None`.
     """
 
     def __init__(
@@ -370,12 +364,10 @@ class StageRunner:
         """Runs `fn(*args)` under the stage's policies.
 
         With `check_origin`, errors not raised by the stage's pipeline pass
-        through untouched. `elements`: the most elements the call fetches
-        from the stage's iterator `args[0]`; a call whose elements are
-        buffered runs in this thread. `ready_fn`: the same call without
-        recording, run when buffered but for one call in `READY_SAMPLE`.
-        `host_timed`: the consumer times its fetches on the host; every
-        buffered call runs `ready_fn`.
+        through. `elements`: the most elements the call fetches from the
+        stage's iterator `args[0]`. `ready_fn`: the same call without
+        recording, for buffered calls (all if `host_timed`, else all but one
+        in `READY_SAMPLE`).
 
         Raises:
             SkipElement: the element failed with an ignored exception type.

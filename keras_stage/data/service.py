@@ -144,17 +144,14 @@ class LocalService:
 
     Args:
         num_workers: Workers to start. Defaults to `2`.
-        host: The address the servers announce to clients (workers to the
-            dispatcher, the dispatcher in `target`). Not where they listen:
-            that is every interface. Defaults to `"localhost"`.
+        host: The address the servers announce to clients (not where they
+            listen: that is every interface). Defaults to `"localhost"`.
         port: The dispatcher's port; `0` picks a free one. Defaults to
             `0`.
-        heartbeat_ms: How often workers report to the dispatcher; a
-            stopped worker is noticed after a few missed heartbeats.
-            Defaults to `500` (TensorFlow's default is 30 s).
+        heartbeat_ms: How often workers report to the dispatcher. Defaults
+            to `500` (TensorFlow's default is 30 s).
         allow_remote: Whether `host` may be an address other machines use
-            (not loopback): a deliberate opt-in to serving them. Defaults
-            to `False`.
+            (not loopback). Defaults to `False`.
 
     Example:
 

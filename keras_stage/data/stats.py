@@ -25,15 +25,11 @@ MAX_SKIPPED_MESSAGES = 5
 # Slots of the one float64 counter vector (one update op per side).
 _PRODUCED, _BUSY = 0, 1
 _CONSUMED, _WAIT, _BUFFERED = 2, 3, 4
-# Start time of the last fetch that finished; one is in progress while the
-# last fetch started is later.
-_DONE_FETCH = 5
-# The usual time from a step's end to a ready batch's arrival, and the
-# elements left in the buffers of iterators dropped before an epoch began.
+_DONE_FETCH = 5  # start time of the last fetch that finished
+# The usual time from a step's end to a ready batch's arrival; elements
+# left in the buffers of dropped iterators.
 _BASELINE, _ORPHANS = 6, 7
-# Elements that entered the buffer, counted in the order the consumer gets
-# them (see `count_ready`); `_PRODUCED` counts them as they finish.
-_READY = 8
+_READY = 8  # elements that entered the buffer, in delivery order
 _SLOTS = 9
 # Weight of one ready fetch in the moving baseline.
 _BASELINE_WEIGHT = 0.1
@@ -90,8 +86,7 @@ _UNCONSUMED[_PRODUCED] = 1.0
 _UNCONSUMED[_CONSUMED] = _UNCONSUMED[_ORPHANS] = -1.0
 
 # A step's report (see `StageStats.report`): the fetch's start mark, its
-# arrival time, the counters at the arrival and after the step; or, for a
-# step that accumulated its fetches in the graph, the counters after it.
+# arrival time, the counters at the arrival and after the step.
 _REPORT_MARK, _REPORT_ARRIVED, _REPORT_COUNTERS = 0, 1, 2
 _REPORT_SIZE = 2 + 2 * _SLOTS
 
@@ -147,11 +142,8 @@ def _note_no_clock():
 class StageStats:
     """Counters of one stage, read with `snapshot()`.
 
-    Args:
-        name: The stage's name.
-        track_peak: Also track the largest buffer fill seen (one more
-            update per fetch; needed to scale the fill of `"auto"`
-            buffers). Defaults to `False`.
+    `track_peak`: also track the largest buffer fill (one more update per
+    fetch), to scale the fill of `"auto"` buffers.
     """
 
     # The length of a step's report of its fetch (see `report`).
@@ -255,14 +247,9 @@ class StageStats:
     def count_produced(self, started, gate, ready=True):
         """Counts one finished element; fails it if its pipeline was closed.
 
-        Args:
-            started: When the staged computation began on it
-                (`start_busy`), or None for no busy time.
-            gate: The pipeline's boolean variable, False once it is closed
-                (see `staging.build_stage`).
-            ready: Whether to count it ready too (see `count_ready`), for a
-                stage that finishes elements in delivery order. Defaults
-                to `True`.
+        `started`: `start_busy`'s timestamp, or None. `gate`: the pipeline's
+        boolean variable, False once closed. `ready`: also count it ready
+        (a stage finishing elements in delivery order).
         """
         check = tf.debugging.Assert(
             gate,
@@ -348,14 +335,9 @@ class StageStats:
         see `_fetch_figures`. An epoch's first fetch (marked negative by
         `mark_request`) is not counted. Fails if the stage was closed.
 
-        Args:
-            element: The fetched element; the record waits for it.
-            accumulate: Whether to add the fetch's wait and buffer fill to
-                the counters here; with False only the element is counted,
-                for `take_report` or `accumulate`. Defaults to `True`.
-
-        Returns:
-            The fetch: `(mark, arrival time, counters before it)`.
+        `accumulate`: add the fetch's wait and fill to the counters here;
+        with False only the element is counted (see `report`). Returns the
+        fetch: `(mark, arrival time, counters before it)`.
         """
         leaves = tf.nest.flatten(element, expand_composites=True)
         check = self._open_check()
@@ -377,11 +359,8 @@ class StageStats:
     def accumulate(self, fetch, count=False):
         """Adds a fetch's wait and buffer fill to the counters, in the graph.
 
-        Args:
-            fetch: What `record_fetch` returned.
-            count: Also count the element consumed and mark the fetch done
-                (`record_fetch` with `accumulate=True` does). Defaults to
-                `False`.
+        `fetch`: what `record_fetch` returned. `count`: also count the
+        element consumed and mark the fetch done.
         """
         marked, arrived, counters = fetch
         if arrived is None:  # no clock: the fill only
@@ -407,13 +386,9 @@ class StageStats:
         )
 
     def report(self, fetch, end):
-        """A step's report for `take_report`: one float64 vector.
-
-        Args:
-            fetch: What `record_fetch(..., accumulate=False)` returned, or
-                None for a step that accumulated its fetches itself.
-            end: What `record_step_end` returned.
-        """
+        """A step's report for `take_report`: one float64 vector, from
+        `record_fetch(..., accumulate=False)` (or None) and
+        `record_step_end`."""
         if fetch is None:
             return end
         marked, arrived, counters = fetch
@@ -422,14 +397,8 @@ class StageStats:
         return tf.concat([tf.stack([marked, arrived]), counters, end], 0)
 
     def record_step_end(self, outputs):
-        """Marks, at the end of a step, that the next fetch begins.
-
-        Args:
-            outputs: The step's outputs, which the mark waits for.
-
-        Returns:
-            The counters once the step is done, for `report`.
-        """
+        """Marks, once the step's `outputs` are done, that the next fetch
+        begins; returns the counters then, for `report`."""
         leaves = tf.nest.flatten(outputs, expand_composites=True)
         if not self._wait_clock():
             with tf.control_dependencies(leaves):
@@ -444,15 +413,9 @@ class StageStats:
     def take_report(self, values, called=None):
         """Accumulates a step's `report` as `accumulate` does, in Python.
 
-        Args:
-            values: The report's values, a sequence of floats.
-            called: When the consumer's call began (`time.time()`), if the
-                fetch was the call's first: timed from there, not from the
-                previous step's end. None otherwise.
-
-        Returns:
-            The elements ready and not consumed once the step was done
-            (see `unconsumed`): a floor for the next call.
+        `called`: when the consumer's call began (`time.time()`), if the
+        fetch was the call's first. Returns the elements ready and not
+        consumed once the step was done (see `unconsumed`).
         """
         if len(values) == _REPORT_SIZE:
             self._take_fetch(values, called)
@@ -501,9 +464,7 @@ class StageStats:
         """Counts, in Python, the fetches of a call that did not record them
         (its elements were buffered, so they did not wait).
 
-        Args:
-            elements: The fetches the call made.
-            buffered: The buffer fill to record for each.
+        `buffered`: the buffer fill to record for each of `elements`.
         """
         with self._lock:
             self._taken += elements
@@ -568,12 +529,8 @@ class StageStats:
                 )
 
     def seconds_waiting(self, since=None):
-        """Seconds the consumer has been waiting for its current element.
-
-        Args:
-            since: When the consumer's current call began (`time.time()`),
-                for a consumer recording in its step. Defaults to `None`.
-        """
+        """Seconds the consumer has been waiting for its current element
+        (`since`: its call's start, for a consumer recording in its step)."""
         started = abs(float(self._fetch_start.numpy()))
         done = max(
             float(self._counters.numpy()[_DONE_FETCH]),

@@ -165,13 +165,8 @@ def explain_tfio_error(exc):
     """The clear message for an error from a tfio op that did not load.
 
     The message `require_tensorflow_io` raises, if `exc` or an exception it
-    was raised from is tensorflow-io failing to load its native ops.
-
-    Args:
-        exc: An exception.
-
-    Returns:
-        A string, or `None`.
+    was raised from is tensorflow-io failing to load its native ops; else
+    `None`.
 
     Example:
 
