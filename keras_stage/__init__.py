@@ -6,12 +6,9 @@ Three lines make a Keras model's input run ahead of training: a
 omitted), and `keras_stage.Model`/`Sequential` in place of Keras's.
 `keras_stage.data.stage` is the Keras-free engine underneath.
 
-`import keras_stage` loads the whole package, and registers its layers
-and models with Keras's serialization (`keras.saving.load_model` finds
-them). `import keras_stage.data` loads the engine alone, for a custom
-TensorFlow loop: no module of keras_stage that needs Keras. After it, the
-names that need Keras (`Model`, `Sequential`, `StagePlan`, `callbacks`,
-`layers`) load on their first use.
+`import keras_stage` loads the whole package and registers its layers and
+models with Keras's serialization. `import keras_stage.data` loads the
+engine alone; the names that need Keras then load on their first use.
 """
 
 import importlib
@@ -43,9 +40,8 @@ if typing.TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-# Each name that needs Keras, and the module that defines it: loaded with
-# the package, or by `__getattr__` (PEP 562) after an import of the engine
-# alone.
+# Each name that needs Keras, and the module that defines it (loaded by
+# `__getattr__` after an import of the engine alone).
 _KERAS_NAMES = {
     "Model": "keras_stage.models",
     "Sequential": "keras_stage.models",
@@ -87,12 +83,9 @@ def __dir__():
 def _imported_for_the_engine_alone():
     """Whether this import is Python's first step of `import keras_stage.data`.
 
-    Python imports a package before the submodule asked for, and runs this
-    file without saying which: the import system's frames do, one
-    `importlib._bootstrap._find_and_load(name, ...)` per module under
-    import, the requested one outside this package's own. CPython's
-    internals, unavoidable here; `tests/import_test.py` checks both imports
-    in fresh processes and fails loudly if they change.
+    Only the import system's frames (`_find_and_load(name, ...)`) say which
+    submodule was asked for: CPython's internals, checked by
+    `tests/import_test.py`.
     """
     frame = sys._getframe(1)
     while frame is not None:

@@ -1,18 +1,10 @@
 """`DataBackup`: exactly-once resume for `keras.callbacks.BackupAndRestore`.
 
-Keras's `BackupAndRestore` restarts a run killed mid-epoch from that
-epoch's first batch. `DataBackup` saves, with each of its saves, a
-checkpoint of the tf.data iterator the training step reads (shuffle
-buffers and the stage's buffer included), the epoch's metrics and the seed
-generators: the resumed epoch continues after the last saved batch, so
-every example is trained on exactly once (see docs/reliability.md).
+With each `BackupAndRestore` save, `DataBackup` saves a checkpoint of the
+tf.data iterator the training step reads, the epoch's metrics and the seed
+generators, so a resumed epoch continues after the last saved batch.
 `recover()` keeps the weights and the position from one save when a kill
-cuts a backup.
-
-`keras_stage.Model.fit` adds one, right after the `BackupAndRestore`,
-whenever the run is staged. Python generators and `keras.utils.PyDataset`
-cannot be checkpointed: their resumed epoch starts again from its first
-batch, as with plain Keras, and a warning says so.
+cuts a backup. `keras_stage.Model.fit` adds one to every staged run.
 """
 
 import hashlib
@@ -34,8 +26,7 @@ logger = logging.getLogger("keras_stage")
 # The folder inside the BackupAndRestore's backup_dir that holds ours.
 SUBDIR = "keras_stage_data"
 _JOURNAL = "position.json"
-# Iterator checkpoints kept: the journal's, and the one written after it
-# when a kill falls before the journal names it.
+# Iterator checkpoints kept: the journal's, and one written after it.
 _KEPT = 2
 
 
@@ -83,11 +74,8 @@ def _read_text(path):
 
 
 def _with_epoch(metadata, epoch):
-    """Keras's metadata file, made to name `epoch`; returns its text.
-
-    BackupAndRestore learns the epoch it saves in only as an epoch ends: a
-    run resumed into epoch 2 and killed again would go back to epoch 0.
-    """
+    """Keras's metadata file, made to name `epoch`; returns its text
+    (BackupAndRestore learns the epoch only as it ends)."""
     text = _read_text(metadata)
     if text is None:
         return None
@@ -108,33 +96,25 @@ class DataBackup(keras.callbacks.Callback):
     """Saves and restores the training data's position beside a backup.
 
     Args:
-        backup: The run's `keras.callbacks.BackupAndRestore`; this callback
-            follows its `backup_dir` and `save_freq`, and must come right
-            after it in the callbacks.
-        current_iterator: Returns the iterator the training step read last
-            (or None).
-        restore_next: Called with a function of the iterator to run before
-            the next training step, to restore its position, the count of
-            the epoch's steps left after that position (None if Keras does
-            not know the epoch's length), and the epoch, as it begins.
-        build_metrics: Called (if given) before the resumed epoch's
-            metrics get their saved values: builds them if Keras has not
-            yet (without a strategy it builds them as it traces the first
-            step, after the epoch began).
+        backup: The run's `keras.callbacks.BackupAndRestore`, which this
+            callback follows right after.
+        current_iterator: Returns the iterator the step read last, or None.
+        restore_next: Called as the epoch begins with a function restoring
+            the iterator's position (run before the next step), the epoch's
+            steps left after it (None if unknown), and the epoch.
+        build_metrics: Called (if given) to build the metrics before the
+            resumed epoch's metrics get their saved values.
         stage_state: Returns (if given) a dict of `tf.Variable`s the
-            stage's pipeline reads and writes (the staged random layers'
-            element count), saved with the iterator and restored before it.
+            stage's pipeline uses, saved with the iterator and restored
+            before it.
         stage_restored: Called (if given) with the dict `stage_state`
-            returns once its variables hold their saved values, before the
-            iterator is restored.
-        ordered: Whether the stage keeps the data's order
-            (`deterministic=True`). If not, a resumed run trains every
-            example once but in another order than a run never stopped,
-            and the first save warns once that its weights will differ.
+            returns once its variables are restored.
+        ordered: Whether the stage keeps the data's order; if not, the
+            first save warns that a resumed run's weights will differ.
 
     Each save is one position in `backup_dir/keras_stage_data/`: the
-    iterator checkpoint, a copy of the weights and metadata Keras wrote
-    just before, and a journal naming them, written last and atomically.
+    iterator checkpoint, a copy of Keras's weights and metadata, and a
+    journal naming them, written last and atomically.
     """
 
     def __init__(
@@ -200,9 +180,8 @@ class DataBackup(keras.callbacks.Callback):
         self._note_untrained_results()
 
     def _note_untrained_results(self):
-        # A resumed epoch saved after its last batch runs no step: its
-        # logs get the restored metrics, noted before validation resets
-        # them.
+        # A resumed epoch saved after its last batch runs no step: its logs
+        # get the restored metrics, noted before validation resets them.
         if self._offset and not self._stepped and self._untrained is None:
             self._untrained = {
                 key: float(np.asarray(value))
@@ -234,8 +213,8 @@ class DataBackup(keras.callbacks.Callback):
         path = None
         if iterator is not None:
             try:
-                # Numbered by the optimizer's step: a resumed run that
-                # saves the same position again writes the same name.
+                # Numbered by the optimizer's step: the same position gets
+                # the same name.
                 path = self._manager(iterator).save(
                     checkpoint_number=self._step()
                 )
@@ -298,8 +277,7 @@ class DataBackup(keras.callbacks.Callback):
         position["weights"] = None
         if os.path.exists(weights):
             previous = (self._read_journal() or {}).get("weights")
-            # Two names in turn: the copy the journal names stays whole
-            # while the next one is written.
+            # Two names in turn: the journal's copy stays whole meanwhile.
             name = (
                 "weights-b.h5" if previous == "weights-a.h5" else "weights-a.h5"
             )
@@ -373,9 +351,8 @@ class DataBackup(keras.callbacks.Callback):
     def recover(self):
         """Makes Keras's backup files the ones the journal names.
 
-        Run before `BackupAndRestore` loads them. A kill during Keras's
-        write, or between it and the journal's, puts the copy saved with
-        the journal back: the run resumes from the save before.
+        Run before `BackupAndRestore` loads them: after a kill during a
+        save, the copy saved with the journal is put back.
 
         Raises:
             TornBackupError: if that copy is not whole either.
@@ -437,13 +414,11 @@ class DataBackup(keras.callbacks.Callback):
         logger.warning(message)
 
     def on_train_begin(self, logs=None):
-        # BackupAndRestore (just before) restored the weights and the epoch
-        # to resume; the journal says where in that epoch its last save was.
+        # The journal says where in the epoch BackupAndRestore resumes.
         position = self._read_journal()
         weights, _ = _compat.backup_files(self.backup)
         if position is None and not os.path.exists(weights):
-            # Marks a fresh run, to tell a kill during the first save from
-            # a backup of plain Keras.
+            # Marks a fresh run, to tell a cut first save from plain Keras's.
             os.makedirs(self.directory, exist_ok=True)
             _write_json(
                 os.path.join(self.directory, _JOURNAL),

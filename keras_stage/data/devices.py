@@ -1,11 +1,9 @@
 """Devices of a stage: where its buffer lives and which GPU stream it uses.
 
-This module owns the `device` and `stream` options. `resolve_device` turns
-a stage's `device` into the name of a logical device (or None for the
-host). `configure_streams` is DeepRec's MultiStream: TensorFlow gives each
-logical GPU its own CUDA streams, so it splits every physical GPU into N
-logical GPUs, and `stream_device` maps a stage's `stream` to one of them.
-It knows nothing of Keras.
+`resolve_device` turns a stage's `device` into a logical device's name
+(None for the host). `configure_streams` is DeepRec's MultiStream: it
+splits every physical GPU into N logical GPUs (each has its own CUDA
+streams), and `stream_device` maps a stage's `stream` to one of them.
 """
 
 import logging
@@ -85,20 +83,12 @@ def _check_device(device, name):
 
 
 def validate_device_argument(device):
-    """Checks the form of a stage's `device` option, without TensorFlow.
+    """Checks the form of a stage's `device` option, without initialising
+    TensorFlow's devices (`resolve_device` checks they exist).
 
-    A constructor must not initialise TensorFlow's devices
-    (`configure_streams` runs first); `resolve_device` checks existence.
-
-    Args:
-        device: `"auto"`, `"cpu"` or a TensorFlow device string with a
-            type and an index, such as `"/GPU:1"`.
-
-    Returns:
-        `device`, unchanged.
-
-    Raises:
-        ValueError: if `device` is not a string of one of those forms.
+    Returns `device` if it is `"auto"`, `"cpu"` or a TensorFlow device
+    string with a type and an index, such as `"/GPU:1"`; else raises
+    `ValueError`.
 
     Example:
 
@@ -113,8 +103,7 @@ def validate_device_argument(device):
 
 
 def _same_task(wanted, found):
-    # Logical devices of a purely local context have no job in their name;
-    # they belong to job "localhost", replica 0, task 0.
+    # A local context's logical devices name no job: localhost, task 0.
     local = {"job": "localhost", "replica": 0, "task": 0}
     for part, default in local.items():
         want = getattr(wanted, part)
@@ -166,8 +155,6 @@ def _resolve_device(device, device_type="GPU", name="device"):
 def resolve_device(device):
     """The device a stage's buffer lives on, or None for the host.
 
-    Call it once TensorFlow may initialise its devices (it lists them).
-
     Args:
         device: `"auto"` for the first logical GPU, or the host when
             TensorFlow sees no GPU; `"cpu"` to keep everything on the host;
@@ -176,12 +163,10 @@ def resolve_device(device):
 
     Returns:
         The full name of the logical device, or None for the host (with a
-        warning, once per process, for an explicit GPU on a machine
-        without one).
+        warning for an explicit GPU on a machine without one).
 
     Raises:
-        ValueError: if `device` is not a string of those forms, or names a
-            device TensorFlow does not have.
+        ValueError: if `device` is not of those forms, or does not exist.
 
     Example:
 
@@ -191,24 +176,6 @@ def resolve_device(device):
     '/device:CPU:0'
     """
     return _resolve_device(device, "GPU", "device")
-
-
-def _check_num_streams(num_streams):
-    if not _is_int(num_streams, 1):
-        raise ValueError(
-            "Invalid value for argument `num_streams`. Expected a positive "
-            f"int (1 leaves each GPU whole). Received: num_streams="
-            f"{num_streams!r}"
-        )
-
-
-def _check_memory_limit(memory_limit_mb):
-    if memory_limit_mb is not None and not _is_int(memory_limit_mb, 1):
-        raise ValueError(
-            "Invalid value for argument `memory_limit_mb`. Expected a "
-            "positive int (MB of memory for each logical GPU) or None. "
-            f"Received: memory_limit_mb={memory_limit_mb!r}"
-        )
 
 
 def _parse_free_memory_mb(text):
@@ -246,11 +213,8 @@ def _free_gpu_memory_mb():
 
 
 def _reserved_memory_mb(free_mb, compute_capability):
-    """Memory TensorFlow leaves to CUDA itself on a GPU it uses whole.
-
-    TensorFlow's own rule (`MinSystemMemory` in gpu_device.cc), which it
-    does not apply to logical GPUs given explicit limits.
-    """
+    """Memory TensorFlow leaves to CUDA on a GPU it uses whole (its
+    `MinSystemMemory`, not applied to logical GPUs with explicit limits)."""
     if free_mb < 2048:
         return 225
     major = compute_capability[0] if compute_capability else None
@@ -301,17 +265,27 @@ def _default_memory_limit_mb(devices, num_streams):
     return limit
 
 
-def _streams_per_device(devices):
-    counts = [
+def _logical_counts(devices):
+    """Logical devices configured on each of `devices`."""
+    return [
         len(tf.config.get_logical_device_configuration(d) or [None])
         for d in devices
     ]
-    return min(counts)
 
 
 def _configure_streams(num_streams, memory_limit_mb=None, device_type="GPU"):
-    _check_num_streams(num_streams)
-    _check_memory_limit(memory_limit_mb)
+    if not _is_int(num_streams, 1):
+        raise ValueError(
+            "Invalid value for argument `num_streams`. Expected a positive "
+            f"int (1 leaves each GPU whole). Received: num_streams="
+            f"{num_streams!r}"
+        )
+    if memory_limit_mb is not None and not _is_int(memory_limit_mb, 1):
+        raise ValueError(
+            "Invalid value for argument `memory_limit_mb`. Expected a "
+            "positive int (MB of memory for each logical GPU) or None. "
+            f"Received: memory_limit_mb={memory_limit_mb!r}"
+        )
     devices = _physical_devices(device_type)
     if not devices:
         if num_streams > 1 or memory_limit_mb is not None:
@@ -323,9 +297,8 @@ def _configure_streams(num_streams, memory_limit_mb=None, device_type="GPU"):
             )
         return 0
     if num_streams == 1 and memory_limit_mb is None:
-        return _streams_per_device(devices)
-    # A second identical call (or one after the user's own split) must not
-    # re-read the free memory: TensorFlow may hold some of it by then.
+        return min(_logical_counts(devices))
+    # A repeated call must not re-read the free memory TensorFlow holds.
     todo = [
         d
         for d in devices
@@ -353,34 +326,30 @@ def _configure_streams(num_streams, memory_limit_mb=None, device_type="GPU"):
                     "TensorFlow has already initialised its devices, and "
                     f"they cannot be split any more. {_FIX_STREAMS}"
                 ) from e
-    return _streams_per_device(devices)
+    return min(_logical_counts(devices))
 
 
 def configure_streams(num_streams, memory_limit_mb=None):
     """Gives every GPU `num_streams` streams for staged work (MultiStream).
 
-    TensorFlow gives each logical GPU its own CUDA streams, so this splits
-    each physical GPU into `num_streams` logical GPUs: the training step
-    runs on the first of each (stream 0), a stage with `stream=k` on the
-    k-th (see `stream_device`). Call it at the very start of the program,
-    before TensorFlow initialises its devices.
+    Splits each physical GPU into `num_streams` logical GPUs (each has its
+    own CUDA streams): the training step runs on the first (stream 0), a
+    stage with `stream=k` on the k-th. Call it at the very start of the
+    program, before TensorFlow initialises its devices.
 
     Args:
         num_streams: Logical GPUs per physical GPU: a positive int. `1`
             leaves the GPUs whole (no change).
         memory_limit_mb: MB of GPU memory for each logical GPU. Defaults to
-            `None`: the least free memory of any GPU (read with
-            nvidia-smi), less what TensorFlow leaves to CUDA, split
-            evenly. Without nvidia-smi, pass it.
+            `None`: the GPUs' free memory (nvidia-smi) split evenly.
 
     Returns:
-        The number of logical GPUs per physical GPU now configured (the
-        smallest, if the GPUs differ), or 0 without a GPU (with a warning).
+        The logical GPUs per physical GPU now configured, or 0 without a
+        GPU (with a warning).
 
     Raises:
-        ValueError: if `num_streams` is not a positive int, if
-            `memory_limit_mb` is not None or a positive int, or if it is
-            None and the free memory cannot be read.
+        ValueError: for an invalid argument, or when the free memory cannot
+            be read and `memory_limit_mb` is None.
         RuntimeError: if TensorFlow has already initialised its devices.
 
     Example:
@@ -422,10 +391,7 @@ def _stream_device(stream, base_device, device_type="GPU"):
                 f"are {device_type} streams.",
             )
         return None
-    counts = [
-        len(tf.config.get_logical_device_configuration(d) or [None])
-        for d in devices
-    ]
+    counts = _logical_counts(devices)
     logical = {
         tf.DeviceSpec.from_string(d.name).device_index: d.name
         for d in tf.config.list_logical_devices(device_type)
@@ -468,17 +434,16 @@ def stream_device(stream, base_device=None):
     Args:
         stream: A non-negative int below the `num_streams` given to
             `configure_streams`.
-        base_device: The stage's device, as `resolve_device` returns it (or
-            any form it accepts): the stream is taken from the same
-            physical GPU. Defaults to `None` (the host: no stream).
+        base_device: The stage's device (any form `resolve_device`
+            takes): the stream is on its physical GPU. Defaults to `None`.
 
     Returns:
         The full name of the logical GPU, or None for the default device
         (with a warning when `stream > 0` cannot be honoured).
 
     Raises:
-        ValueError: if `stream` is not a non-negative int, or is not below
-            the number of streams configured.
+        ValueError: if `stream` is not a non-negative int below the streams
+            configured.
 
     Example:
 

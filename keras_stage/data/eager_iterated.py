@@ -1,9 +1,7 @@
 """`EagerIterated`: a dataset whose eager iterators are made its own way.
 
-The stage's pool hands out iterators on its current size, and a staged
-model hands Keras iterators made when first read or read across epochs:
-each is a `tf.data.Dataset` that is another dataset in a graph and makes
-its own iterators in Python. This is their shared shape.
+Each is another dataset in a graph and makes its own iterators in Python
+(the pool's on its current size, a staged model's kept across epochs).
 """
 
 import tensorflow as tf

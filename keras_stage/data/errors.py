@@ -1,8 +1,7 @@
 """Errors a stage raises, and how stage errors keep their type.
 
-A failure inside the staged computation must reach the user with its
-original TensorFlow type and message, plus the stage it came from. This
-module owns that annotation and the timeout error.
+A failure inside the staged computation reaches the user with its own
+TensorFlow type and message, plus the stage it came from.
 """
 
 import tensorflow as tf
@@ -35,13 +34,10 @@ def annotate(error, stage_name, hint=None):
         note += f": {hint}"
     text = f"{message}\n{note}"
     if isinstance(error, tf.errors.OpError):
-        try:
-            new = type(error)(error.node_def, error.op, text)
-        except TypeError:  # an OpError subclass with its own signature
-            return error
+        args = (error.node_def, error.op, text)
     else:
-        try:
-            new = type(error)(text)
-        except TypeError:
-            return error
-    return new
+        args = (text,)
+    try:
+        return type(error)(*args)
+    except TypeError:  # a subclass with its own signature
+        return error

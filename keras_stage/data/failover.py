@@ -1,20 +1,11 @@
 """Ending a tf.data service epoch whose worker was lost, and its ledger.
 
-A service epoch whose worker died never ends: the client waits for the
-lost worker's elements for good, and every later job gets a task on it
-too (see docs/distributed.md). So the stage ends such an epoch itself:
-once the consumer has waited `worker_timeout` seconds in an epoch that has
-delivered, a second branch of the pipeline, beside the service's reads,
-delivers an end marker whose error the runner reads as the end of the
-data. A `"distributed_epoch"` source of known size ends once it holds
-every row; in `"parallel_epochs"` an epoch whose every started stream has
-ended is ended after `_COMPLETE_WAIT`.
-
-The ledger counts, in the pipeline, what each epoch delivered against one
-pass of the source (`"distributed_epoch"`) or one per worker stream that
-started (`"parallel_epochs"`, told apart by the workers' numbering), so
-what was lost or repeated is reported exactly: examples for a batched
-consumer, elements for `stage()`.
+A service epoch whose worker died never ends, so once the consumer has
+waited `worker_timeout` seconds in an epoch that has delivered, a branch
+beside the service's reads delivers an end marker whose error the runner
+reads as the end of the data. The ledger counts what each epoch delivered
+against one pass of the source (or one per worker stream in
+`"parallel_epochs"`) and reports what was lost or repeated.
 """
 
 import logging
@@ -29,19 +20,16 @@ logger = logging.getLogger("keras_stage")
 
 __all__ = ["ServiceLedger"]
 
-# How long a poll of the end request blocks in its pipeline thread: the
-# most the end of a lost epoch waits after it is asked for.
+# How long a poll of the end request blocks in its pipeline thread.
 _POLL_SECONDS = 0.2
 # Arrived from the service, copies started and ended, rows delivered.
 _ARRIVED, _COPIES, _DELIVERED, _ENDED = range(4)
 _SLOTS = 4
-# What the end branch (and the reads' own end) says: nothing yet, the
-# reads ended, end the epoch now; data elements are `_DATA`.
+# What the end branch says: nothing yet, the reads ended, end the epoch.
 _NOTHING, _FINISHED, _END, _STOP = 0, 1, 2, 3
 _DATA = _NOTHING
 # Seconds a consumer waits in an epoch that has all its elements (see
-# `_complete`) before the stage ends it, losing the re-formed last batch:
-# the service's own end can come seconds late on a loaded machine.
+# `_complete`) before the stage ends it: the service's end can come late.
 _COMPLETE_WAIT = 5.0
 # Tokens of ended iterators kept (those dropped mid-epoch never finish).
 _MAX_TOKENS = 64
@@ -52,18 +40,10 @@ _END_MARK = "keras_stage: the service epoch was ended by fail-over"
 class ServiceLedger:
     """The fail-over and per-epoch counts of one stage on the tf.data service.
 
-    `StagedDataset.service_ledger`. Its graph side wraps the service's part
-    of the pipeline; the runner and whoever closes an epoch use the rest.
-
-    Args:
-        name: The stage's name, for messages.
-        processing_mode: The stage's `processing_mode`.
-        worker_timeout: Seconds the consumer may wait in an epoch that has
-            delivered before the epoch is ended (the stage option), or
-            None for never.
-        per_copy: Examples (or elements) one pass over the source holds,
-            or None if unknown: then what was lost cannot be counted.
-        batched: Whether elements are batches whose rows are counted.
+    `name`, `processing_mode` and `worker_timeout` are the stage's;
+    `per_copy`: the examples (or elements) one pass over the source holds,
+    or None if unknown; `batched`: whether elements are batches whose rows
+    are counted.
     """
 
     def __init__(
@@ -102,11 +82,8 @@ class ServiceLedger:
     # -- graph side ----------------------------------------------------------
 
     def worker_side(self, dataset):
-        """`dataset` numbered on each worker: `(element, position)`.
-
-        Only `"parallel_epochs"` needs it: the first position of a stream
-        marks a copy. The numbering is a `scan`, run on the worker.
-        """
+        """`dataset` numbered on each worker, `(element, position)`, in
+        `"parallel_epochs"`: a stream's first position marks a copy."""
         if not self.parallel:
             return dataset
 
@@ -115,8 +92,7 @@ class ServiceLedger:
             return position + 1, (element, position)
 
         numbered = dataset.scan(tf.constant(0, tf.int64), number)
-        # Each worker's stream ends with a mark (position -1): the copies
-        # that ended tell the client when an epoch has all it will get.
+        # Each worker's stream ends with a mark (position -1).
         spec = numbered.element_spec[0]
         if not _placeable(spec):
             return numbered
@@ -129,11 +105,8 @@ class ServiceLedger:
         return numbered.concatenate(end)
 
     def client_side(self, dataset):
-        """The service's stream counted, with the end branch beside it.
-
-        `dataset` is what `distribute` returns (numbered by `worker_side`
-        in `"parallel_epochs"`). Returns the same elements, unnumbered.
-        """
+        """The service's stream (from `distribute`) counted, unnumbered,
+        with the end branch beside it."""
         parallel = self.parallel
         unpacked = type(dataset.element_spec) is tuple
         batched = self.batched
@@ -158,14 +131,9 @@ class ServiceLedger:
 
         served = dataset.map(arrive, name=f"{self.name}_arrive")
         spec = served.element_spec[1]
-        if self.worker_timeout is None:
-            # No fail-over asked for: counted only.
-            served = served.filter(lambda state, _: state != _FINISHED)
-            return served.map(lambda _, element: element)
-        if not _placeable(spec):
+        if self.worker_timeout is not None and not _placeable(spec):
             # The end marker needs a placeholder element of the same
-            # structure; composite tensors have none. The runner's
-            # `timeout` still ends a lost epoch, with an error.
+            # structure; composite tensors have none.
             logger.warning(
                 "Stage '%s': its elements hold composite tensors (ragged or "
                 "sparse) or tensors of unknown rank, so an epoch whose "
@@ -174,16 +142,15 @@ class ServiceLedger:
                 self.name,
             )
             self.worker_timeout = None
+        if self.worker_timeout is None:  # counted only
             served = served.filter(lambda state, _: state != _FINISHED)
             return served.map(lambda _, element: element)
         new_token, poll, finish = self._new_token, self._poll, self._finish
 
         def epoch(token):
-            # One iterator's (one epoch's) pipeline: the service's reads
-            # and the end branch side by side; whichever has an element
-            # gives it. The reads may block for good; the end branch then
-            # still delivers. When the reads end, they tell the end branch
-            # (`_finish`), which ends too: a whole epoch ends as usual.
+            # One epoch's pipeline: the service's reads (which may block for
+            # good) and the end branch side by side. When the reads end,
+            # they end the end branch too (`_finish`).
             def marked(_):
                 state = tf.py_function(finish, [token], tf.int64)
                 return state, tf.nest.map_structure(_placeholder, spec)
@@ -254,10 +221,8 @@ class ServiceLedger:
             self._finished[token] = threading.Event()
             self._started[token] = self._read()
             if ordered:
-                # Op determinism makes tf.data take the two branches in
-                # turn, `deterministic=False` or not: the reads would wait
-                # for the end branch. It ends at once instead (see
-                # `should_end`).
+                # Op determinism takes the two branches in turn: the end
+                # branch ends at once instead.
                 self._finished[token].set()
         if ordered and not self._warned_ordered:
             self._warned_ordered = True
@@ -280,8 +245,7 @@ class ServiceLedger:
         return _FINISHED
 
     def _poll(self, token):
-        # Runs in a pipeline thread: blocks a little (so the end branch
-        # costs a few Python calls a second) unless its reads end.
+        # Blocks a little, so the end branch costs few Python calls.
         with self._lock:
             event = self._finished.get(int(token))
         if event is None or event.wait(_POLL_SECONDS):
@@ -303,12 +267,8 @@ class ServiceLedger:
 
     @property
     def streams_started(self):
-        """The worker streams that started in the epoch being read.
-
-        `"parallel_epochs"` only (each worker streams the whole dataset,
-        and its first element says it started); None in
-        `"distributed_epoch"`, where the workers share one pass.
-        """
+        """The worker streams that started in the epoch being read
+        (`"parallel_epochs"`; None in `"distributed_epoch"`)."""
         if not self.parallel:
             return None
         return self._read()[_COPIES] - self._settled[_COPIES]
@@ -377,12 +337,10 @@ class ServiceLedger:
     def settle(self):
         """Closes an epoch's count; returns its report (also in `epochs`).
 
-        The report: `delivered` (examples, or elements, the consumer got),
-        `copies` (`"parallel_epochs"`: the workers' streams that started),
-        `expected` (None if the source's size is unknown), `lost` and
-        `repeated` (None when `expected` is), and `ended_early` (whether
-        fail-over ended the epoch). A loss or a repeat is logged as a
-        warning.
+        The report: `delivered`, `copies` (`"parallel_epochs"`), `expected`,
+        `lost` and `repeated` (None for a source of unknown size), and
+        `ended_early` (fail-over ended the epoch). A loss or a repeat is
+        logged as a warning.
         """
         now = self._read()
         delivered = now[_DELIVERED] - self._settled[_DELIVERED]
@@ -444,14 +402,8 @@ def _rows(element, batched):
 
 
 def _until_complete(served, per_copy, spec, batched):
-    """`served` (`(state, element)`) ended once it has `per_copy` rows.
-
-    In `"distributed_epoch"` an epoch holds the source once: with all of
-    its rows in, the reads end at once, without asking the service for
-    more. A job whose task on a lost worker never ends (TensorFlow gives
-    new jobs a task on it) then ends like any other, its last partial
-    batch included.
-    """
+    """`served` (`(state, element)`) ended once it has `per_copy` rows, so
+    a `"distributed_epoch"` job with a task on a lost worker still ends."""
 
     def tally(total, state_and_element):
         state, element = state_and_element

@@ -1,11 +1,8 @@
 """Stage options: the DeepRec `tf.staged` knobs, defined and validated once.
 
-`OPTIONS` is the one table of the options: name, default, check and
-documentation of each. `StageOptions` validates from it, so a bad value gets
-the same message wherever it is passed; `keras_stage.data.stage`,
-`StagedInput` and `StageOptions` draw their `Args:` entries from it
-(`document_options`), and `StagedInput.get_config` its keys. It knows
-nothing of Keras.
+`OPTIONS` is the one table of the options (name, default, check, doc):
+`StageOptions` validates from it, the entry points draw their `Args:` from
+it (`document_options`) and `StagedInput.get_config` its keys.
 """
 
 import builtins
@@ -26,15 +23,12 @@ from keras_stage.data.service import (
 AUTO = "auto"
 """The value of an option left to keras_stage (or tf.data's autotuning)."""
 
-# Upper bound for the private pool when `num_threads="auto"`: staged work is
-# often waiting on IO, so concurrency may usefully exceed the core count.
+# The private pool when `num_threads="auto"`: above the cores, for IO.
 _AUTO_POOL_MIN = 16
 _AUTO_POOL_PER_CPU = 4
-# How far past its starting size an adaptive pool grows for a stage that
-# waits on IO (`StagePool.most`).
+# How far past its start an adaptive pool grows on IO (`StagePool.most`).
 _AUTO_POOL_GROWTH = 4
-# The buffer of a host stage with nothing to compute and capacity "auto"
-# (tf.data's autotuner would keep it at about one element).
+# The buffer of a host stage with nothing to compute and capacity "auto".
 IDLE_CAPACITY = 8
 
 
@@ -77,8 +71,7 @@ def _find_exception(name):
         return getattr(tf.errors, name[len("tf.errors.") :], None)
     if "." not in name:
         return getattr(builtins, name, None)
-    # "package.module.Outer.Inner": the module is the longest importable
-    # prefix, the rest is the class's __qualname__.
+    # The module is the longest importable prefix, the rest a __qualname__.
     parts = name.split(".")
     for split in range(len(parts) - 1, 0, -1):
         try:
@@ -178,8 +171,7 @@ def _stage_name(name, value):
 
 
 def _device(name, value):
-    # Only the form: which devices exist is known once TensorFlow has
-    # initialised them (see `devices.resolve_device`).
+    # Only the form: devices exist once TensorFlow initialised them.
     return validate_device_argument(value)
 
 
@@ -196,7 +188,6 @@ def _stream(name, value):
 
 
 def _auto_or_bool(name, value):
-    # `1 == True` and `0 == False`: only the bools themselves are accepted.
     if value == AUTO or isinstance(value, bool):
         return value
     raise ValueError(
@@ -206,8 +197,7 @@ def _auto_or_bool(name, value):
 
 
 def _service(name, value):
-    # Only the form: whether a dispatcher answers is checked when a stage
-    # is built (a saved model may name a service not running).
+    # Only the form: a dispatcher is reached when a stage is built.
     return validate_service_argument(value)
 
 
@@ -218,15 +208,10 @@ def _processing_mode(name, value):
 class Option:
     """One stage option: its name, default, check and documentation.
 
-    Args:
-        name: The argument's name, the same in every entry point.
-        default: Its default value.
-        check: `check(name, value)` returns the value normalised, or raises
-            `ValueError`/`TypeError` naming the argument.
-        doc: What the option does, in one paragraph; "Defaults to ..." is
-            added from `default`.
-        exception_classes: Whether the value is a tuple of exception
-            classes, which a saved config stores by name.
+    `check(name, value)` returns the value normalised or raises naming the
+    argument; `doc` is one paragraph ("Defaults to ..." is added);
+    `exception_classes`: the value is a tuple of exception classes, which a
+    saved config stores by name.
     """
 
     def __init__(self, name, default, check, doc, exception_classes=False):
@@ -284,10 +269,8 @@ def _as_code(value):
     return repr(value)
 
 
-# The stage options, in the order of every entry point's signature. The
-# names are DeepRec's where it has the knob (`capacity`, `num_threads`,
-# `closed_exception_types`, `ignored_exception_types`), so a DeepRec user
-# recognises them.
+# The stage options, in the order of every entry point's signature; the
+# names are DeepRec's where it has the knob.
 OPTIONS = (
     Option(
         "capacity",
@@ -296,9 +279,7 @@ OPTIONS = (
         f"""Maximum number of finished elements (batches, in a Keras model)
         waiting for the consumer: a positive int, or `"auto"` to let
         tf.data size the buffer ({IDLE_CAPACITY} elements for a host stage
-        with nothing to compute). With ints, at no time are more than
-        `capacity` finished elements buffered plus `num_threads` in
-        production.""",
+        with nothing to compute).""",
     ),
     Option(
         "num_threads",
@@ -340,11 +321,9 @@ OPTIONS = (
         f"""Size of the stage's private thread pool, at least
         `num_threads`; `None` sizes it from `num_threads`. With
         `num_threads="auto"` the pool is resized between epochs
-        (`StagedDataset.thread_pool`; in a Keras model `PrefetchCallback`
-        does it after each training epoch): {_AUTO_POOL_PER_CPU} threads
-        per core (at least {_AUTO_POOL_MIN}) while the consumer waits for
-        data, one per core once an epoch kept up with no more threads than
-        that.""",
+        (`StagedDataset.thread_pool`, `PrefetchCallback`): up to
+        {_AUTO_POOL_PER_CPU} threads per core (at least {_AUTO_POOL_MIN})
+        while the consumer waits, one per core once an epoch kept up.""",
     ),
     Option(
         "deterministic",
@@ -367,10 +346,8 @@ OPTIONS = (
         _device,
         """Where finished elements wait: `"auto"` (the first GPU if
         TensorFlow sees one, else the host), `"cpu"` (the host), or a
-        device such as `"/GPU:1"`. The staged computation always runs on
-        host threads; with a device, the buffer lives there and the copy
-        overlaps the consumer's step. Under a `tf.distribute` strategy each
-        replica's device holds its own buffer.""",
+        device such as `"/GPU:1"`. The staged computation runs on host
+        threads; the copy to the device overlaps the consumer's step.""",
     ),
     Option(
         "stream",
@@ -385,12 +362,10 @@ OPTIONS = (
         "pack_transfer",
         AUTO,
         _auto_or_bool,
-        """Pack an element's many small tensors per dtype into one tensor
-        each, so the copy to `device` is a few large copies: `"auto"` (for
-        a consumer that unpacks in its own step, as a Keras model does,
-        when it copies fewer tensors), `True` or `False`. A packed stage
-        yields packed elements; `StagedDataset.unpack` restores them on the
-        device.""",
+        """Pack an element's many small tensors into a few, so the copy to
+        `device` is a few large copies: `"auto"` (for a consumer that
+        unpacks in its own step, as a Keras model does), `True` or `False`.
+        `StagedDataset.unpack` restores packed elements.""",
     ),
     Option(
         "service",
@@ -398,11 +373,9 @@ OPTIONS = (
         _service,
         """The address of a tf.data service dispatcher, `"grpc://host:port"`
         (see `keras_stage.data.service`): the dataset and the staged
-        computation run on the service's workers, with `num_threads`
-        parallel calls per worker, and finished elements come back into
-        this process's buffer. A Keras model needs a tf.data source for it
-        (a `tf.data.Dataset`, arrays or tensors), not a generator. `None`
-        stages in this process.""",
+        computation run on the service's workers, and finished elements
+        come back into this process's buffer. It needs a tf.data source,
+        not a generator. `None` stages in this process.""",
     ),
     Option(
         "processing_mode",
@@ -420,11 +393,9 @@ OPTIONS = (
         _seconds_or_none,
         """With a `service`: seconds the consumer may wait for the next
         element, in an epoch that has already delivered, before the stage
-        takes a worker as lost and ends the epoch with what arrived (the
-        service itself never ends an epoch whose worker died); what was
-        lost is counted and reported per epoch. Set it above the time your
-        slowest element takes. `None` never ends an epoch early (then
-        `timeout` raises).""",
+        takes a worker as lost and ends the epoch with what arrived (what
+        was lost is reported). Set it above your slowest element's time.
+        `None` never ends an epoch early (then `timeout` raises).""",
     ),
 )
 
@@ -433,12 +404,8 @@ OPTIONS_MARKER = "{stage_options}"
 
 
 def options_docstring(docstring, parameters):
-    """`docstring` with its `OPTIONS_MARKER` line replaced by `Args:` entries.
-
-    One entry per option in `parameters` (the names in the documented
-    signature), in the table's order, at the marker's indentation. The
-    docs build (`docs/hooks/`) applies it to the source docstrings too.
-    """
+    """`docstring` with its `OPTIONS_MARKER` line replaced by the `Args:`
+    entries of the options in `parameters` (also used by `docs/hooks/`)."""
     lines = []
     for line in docstring.split("\n"):
         if line.strip() != OPTIONS_MARKER:
@@ -454,11 +421,7 @@ def options_docstring(docstring, parameters):
 
 
 def document_options(obj):
-    """Decorator: fills in the stage options of `obj`'s `Args:` section.
-
-    For a function or class that takes stage options and documents them
-    with a `{stage_options}` line.
-    """
+    """Decorator: fills in the `{stage_options}` line of `obj`'s `Args:`."""
     if obj.__doc__ is not None:  # docstrings are gone under `python -OO`
         parameters = inspect.signature(obj).parameters
         obj.__doc__ = options_docstring(obj.__doc__, parameters)
@@ -469,9 +432,8 @@ def document_options(obj):
 class StageOptions:
     """Validated options of one stage.
 
-    `keras_stage.data.stage` and `keras_stage.layers.StagedInput` take the
-    same options and check them here, so a bad value gets the same message
-    from either. Make one directly to check options ahead of time.
+    `keras_stage.data.stage` and `keras_stage.layers.StagedInput` check
+    their options here; make one directly to check options ahead of time.
 
     Args:
         {stage_options}
@@ -500,8 +462,7 @@ class StageOptions:
         processing_mode=DISTRIBUTED_EPOCH,
         worker_timeout=10.0,
     ):
-        # The arguments by name, for the table (`locals()` holds only them
-        # and `self` at this point).
+        # The arguments by name (`locals()` holds only them and `self`).
         given = locals()
         for option in OPTIONS:
             setattr(self, option.name, option.check(given[option.name]))
@@ -529,11 +490,7 @@ class StageOptions:
 
     @property
     def adaptive_pool(self):
-        """Whether the pool is resized between epochs (`data.pool`).
-
-        It is when both `num_threads` and the pool are left to keras_stage
-        and the stage runs in this process.
-        """
+        """Whether the pool is resized between epochs (`data.pool`)."""
         return (
             self.num_threads == AUTO
             and self.thread_pool_size is None

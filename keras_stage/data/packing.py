@@ -1,12 +1,9 @@
 """`Packer`: many small tensors in, a few big ones out, bit for bit.
 
-This module owns packed transfers, DeepRec's `ENABLE_STAGE_PACK_TRANS`: a
-batch of many small leaves (a Criteo batch has 39 columns) costs one
-host-to-device copy per tensor, so the stage packs every numeric leaf into
-one flat tensor, every string leaf into another, and the runtime sizes of
-all leaves into a third, and unpacks them where they are consumed. Packing
-only reinterprets bits (`tf.bitcast`) and copies them, so every value,
-NaN payloads included, comes back exactly. It knows nothing of Keras.
+DeepRec's `ENABLE_STAGE_PACK_TRANS`: a batch of many small leaves costs one
+host-to-device copy per tensor, so the stage packs them into a few flat
+tensors and unpacks them where they are consumed. Packing only
+reinterprets bits (`tf.bitcast`), so every value comes back exactly.
 """
 
 import math
@@ -42,9 +39,8 @@ _WIDTHS = {
 def _carrier_dtype(widths: list[int]) -> tf.DType:
     """The dtype of the numeric tensor: the widest one every leaf fills.
 
-    Only uint8, uint32 and int64 qualify: GPUs have no slicing kernel for
-    uint16 or uint64 (the slice would run on the host), and an int32 tensor
-    is kept in host memory by TensorFlow's GPU kernels.
+    Only uint8, uint32 and int64: GPUs cannot slice uint16 or uint64, and
+    TensorFlow keeps int32 tensors in host memory.
     """
     common = math.gcd(*widths)
     if common >= 8:
@@ -109,22 +105,18 @@ def _product(factors):
 class Packer:
     """Packs the leaves of a `tf.data` element into a few flat tensors.
 
-    Use it to cut the number of host-to-device copies of a batch with many
-    small tensors: `pack` runs on the host (in a `tf.data` map), the packed
-    element crosses to the device, and `unpack` runs there. The packed
-    element is a dict of at most three 1-D tensors:
+    `pack` runs on the host (in a `tf.data` map), the packed element
+    crosses to the device, and `unpack` runs there. The packed element is a
+    dict of at most three 1-D tensors:
 
-    - `"numeric"`: every non-string leaf, reinterpreted as the widest of
-      uint8, uint32 or int64 that all of them fill exactly (`tf.bitcast`;
-      bool as uint8) and concatenated. Float32 and int64 columns pack as
-      uint32, so NaN payloads and int64 extremes survive.
+    - `"numeric"`: every non-string leaf, bitcast to the widest of uint8,
+      uint32 or int64 that all of them fill exactly, concatenated.
     - `"strings"`: every string leaf, flattened and concatenated.
     - `"shapes"`: int64, the runtime dimensions the element spec leaves
-      unknown (e.g. the batch size), to split the others again. It is kept
-      apart because slicing and reshaping read their sizes on the host.
+      unknown (e.g. the batch size).
 
     A key is absent when it would be empty. Ragged and sparse leaves pack
-    as their component tensors and are rebuilt by `unpack`.
+    as their component tensors.
 
     Args:
         element_spec: The element spec of the dataset to pack, e.g.
@@ -149,9 +141,6 @@ class Packer:
     >>> batch = next(iter(packed.map(packer.unpack)))
     >>> batch["c2"].numpy().tolist()
     [0, 1, 2, 3]
-
-    Both methods trace into graphs (`tf.data` maps, `tf.function`) and
-    handle dimensions unknown until run time, such as the batch size.
     """
 
     def __init__(self, element_spec):
@@ -165,8 +154,7 @@ class Packer:
                     f"{spec!r})"
                 )
         self._element_spec = element_spec
-        # Components of each outer leaf: a ragged or sparse spec has several
-        # (values, row splits / indices, dense shape), a None spec none.
+        # Components of each outer leaf (several for ragged or sparse).
         self._parts = [
             tf.nest.flatten(s, expand_composites=True) for s in outer
         ]
@@ -188,8 +176,7 @@ class Packer:
         self._leaves = [_Leaf(c, self._carrier) for c in components]
 
         # Layout of `shapes`: the unknown dimensions of leaves of known
-        # rank, then the rank of each leaf of unknown rank, then all its
-        # dimensions (their number is only known at run time).
+        # rank, the rank of each leaf of unknown rank, then its dimensions.
         slot = 0
         for leaf in self._leaves:
             leaf.slots = list(range(slot, slot + len(leaf.dynamic)))
@@ -300,8 +287,7 @@ class Packer:
                 f"shape {value.shape} ({value!r})"
             )
         if _is_more_specific(spec.shape, value.shape):
-            # `unpack` takes the static dimensions from the spec: check
-            # at run time the ones this graph cannot check now.
+            # `unpack` takes the static dimensions from the spec.
             value = tf.ensure_shape(value, spec.shape)
         return value
 
@@ -309,9 +295,8 @@ class Packer:
         """Packs `element` into a dict of a few flat tensors.
 
         Args:
-            *element: An element matching the packer's element spec. A
-                tuple element may also be passed as separate arguments,
-                as `tf.data.Dataset.map` does.
+            *element: An element matching the packer's element spec (a
+                tuple may come as separate arguments, as from `map`).
 
         Returns:
             A dict of tensors matching `packed_spec`.
@@ -356,12 +341,10 @@ class Packer:
         """Rebuilds the element `pack` packed.
 
         Args:
-            packed: A dict matching `packed_spec`, as returned by `pack`
-                (possibly after a copy to another device).
+            packed: A dict matching `packed_spec`, as `pack` returned it.
 
         Returns:
-            The element, with the structure, dtypes, static shapes and
-            composite types of the packer's element spec.
+            The element, as the packer's element spec describes it.
         """
         if not isinstance(packed, dict) or set(packed) != set(
             self._packed_spec

@@ -1,13 +1,10 @@
 """A stage's figures read on the host from tf.data's own model of its iterator.
 
-tf.data's autotuner models every iterator: per node the elements made,
-their processing time and the buffer's count, and the gaps between the
-consumer's last fetches. `tf.data.experimental.get_model_proto` (TF 2.17+)
-reads it between steps with no op in the pipeline: what a stage measures
-under op determinism, where its pipeline holds no counter or clock
-(`StageStats.count_nothing`). The wait is the time the consumer did not
-spend between fetches, the staged map's time the busy time. Without it
-(TF 2.16, or autotuning off) those figures stay not measured.
+`tf.data.experimental.get_model_proto` (TF 2.17+) reads the autotuner's
+model of an iterator between steps, with no op in the pipeline: what a
+stage measures under op determinism (`StageStats.count_nothing`). The wait
+is the time the consumer did not spend between fetches; the busy time the
+staged map's processing time.
 """
 
 import collections
@@ -24,8 +21,7 @@ AVAILABLE = _get_model_proto is not None
 # tf.data keeps the gaps of an iterator's last fetches
 # (`Model::RecordIteratorGapTime`).
 GAP_WINDOW = 100
-# How many fetches apart a consumer samples, at most: well within the gap
-# window, and often enough for the buffer's count to average over an epoch.
+# How many fetches apart a consumer samples, at most (within the window).
 SAMPLE_FETCHES = 10
 # The recent samples of a ready buffer whose fetch time is the baseline.
 READY_SAMPLES = 20
@@ -59,11 +55,8 @@ def _chain(model):
 
 
 def stage_nodes(model, maps_above):
-    """The stage's buffer node and the node of its map (None: not found).
-
-    The buffer is the first `Prefetch` from the consumer's end; the
-    stage's map is below it, after `maps_above` maps (packing).
-    """
+    """The stage's buffer node (the first `Prefetch` from the consumer's
+    end) and its map's, `maps_above` maps below it (None: not found)."""
     chain = _chain(model)
     for i, node in enumerate(chain):
         if node.name == _BUFFER:
@@ -80,9 +73,8 @@ class PipelineModel:
     """Running totals of a stage's figures, sampled from tf.data's model.
 
     Args:
-        maps_above: Maps between the stage's buffer and its own map (the
-            device packing); `None`: the stage has no map (nothing to
-            compute), so its busy time is 0.
+        maps_above: Maps between the stage's buffer and its own map;
+            `None`: the stage has no map, so its busy time is 0.
     """
 
     def __init__(self, maps_above=0):
@@ -90,12 +82,9 @@ class PipelineModel:
         self._iterator = None  # a weak reference: never keep it running
         self._last = None  # (fetches, map ns, held) at the last sample
         self._sampled = None  # when the last sample ran
-        # The time from the last fetch to the last sample, estimated.
-        self._tail = 0.0
-        # Per-fetch time outside the gaps of recent samples that found the
-        # buffer holding elements at both ends (see `sample`).
+        self._tail = 0.0  # from the last fetch to the last sample, estimated
+        # Per-fetch time outside the gaps of recent samples (`_add_wait`).
         self._ready = collections.deque(maxlen=READY_SAMPLES)
-        # Per-fetch time outside the gaps of recent samples between steps.
         self._fetching = collections.deque(maxlen=READY_SAMPLES)
         self.fetches = 0
         self.gap_seconds = 0.0
@@ -103,8 +92,7 @@ class PipelineModel:
         self.busy_seconds = 0.0
         self.buffered_sum = 0.0
         self.buffered_peak = 0
-        # False once a sample found no model of the stage.
-        self.measures = AVAILABLE
+        self.measures = AVAILABLE  # False once no model of the stage is found
 
     def watch(self, iterator):
         """Samples `iterator` from now on (the consumer's newest)."""
@@ -117,12 +105,8 @@ class PipelineModel:
         self._tail = 0.0  # a first fetch has no gap to hold the last tail
 
     def sample(self, boundary=False):
-        """Adds what the watched iterator did since the last sample.
-
-        Args:
-            boundary: Whether the consumer samples at an epoch's boundary
-                (its end, or a new iterator's start), not between steps.
-        """
+        """Adds what the watched iterator did since the last sample
+        (`boundary`: at an epoch's end or a new iterator's start)."""
         iterator = None if self._iterator is None else self._iterator()
         if iterator is None:
             return

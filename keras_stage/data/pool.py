@@ -1,15 +1,10 @@
 """The private thread pool of an `"auto"` stage, resized between epochs.
 
-A stage that waits on IO needs many more threads than cores; one that
-computes on cores the training step keeps busy only loses to extra
-threads. Which it is is known once it has run (see docs/engine.md).
-
-A tf.data pool is fixed when its pipeline is built, so a stage with a
-`StagePool` has a pipeline per size (`pipelines`), built when an iterator
-first needs it; each eager iterator (each epoch of a Keras `fit`) is made
-from the pipeline of the size current then. `adapt` sets the next epoch's
-size from the epoch that ended: `PrefetchCallback` calls it with each
-training epoch's verdict.
+A stage waiting on IO needs more threads than cores; one computing on
+busy cores loses to extra threads. A tf.data pool is fixed when its
+pipeline is built, so a `StagePool` keeps a pipeline per size and makes
+each eager iterator from the current size's; `adapt` sets the next
+epoch's size from the epoch that ended (`PrefetchCallback` calls it).
 
 Example:
 
@@ -32,16 +27,13 @@ class StagePool:
     """The resizable private thread pool of one stage.
 
     Args:
-        name: The stage's name (names the variable).
+        name: The stage's name, for messages.
         largest: The size it starts with, and the most `adapt` gives a
-            stage unless it waits on IO: the pool `"auto"` sizes from the
-            machine (`StageOptions.resolved_pool_size`).
-        smallest: The fewest threads `adapt` leaves: the machine's cores,
-            what tf.data's shared pool has.
-        most: The most threads `adapt` gives a stage that waits on IO
-            (`StageOptions.most_pool_size`). Defaults to `largest`.
-        start: The size the first iterator's pool gets. Defaults to
-            `largest`.
+            stage unless it waits on IO.
+        smallest: The fewest threads `adapt` leaves (the cores).
+        most: The most threads `adapt` gives a stage that waits on IO.
+            Defaults to `largest`.
+        start: The first iterator's size. Defaults to `largest`.
     """
 
     def __init__(self, name, largest, smallest, most=None, start=None):
@@ -71,12 +63,9 @@ class StagePool:
         return self._size
 
     def resize(self, threads):
-        """Gives iterators made from now on a pool of `threads`.
+        """Gives iterators made from now on a pool of `threads`; returns it.
 
         Iterators already running keep theirs (a tf.data pool is fixed).
-
-        Returns:
-            The new size.
         """
         if isinstance(threads, bool) or not isinstance(threads, int):
             raise TypeError(
@@ -94,27 +83,21 @@ class StagePool:
         return threads
 
     def adapt(self, input_bound, needed_threads, cores_busy=True, shrink=True):
-        """Sizes the next epoch's pool from the epoch that ended.
+        """Sizes the next epoch's pool from the epoch that ended; returns it.
 
-        An input-bound epoch gets at least `largest` back (it may wait on
-        IO, which more threads overlap), and with idle cores the threads
-        the verdict asks for, up to `most`. An epoch that kept up and
-        needed no more than `smallest` threads gets what it needs (more
-        would contend with the step), never fewer than a size that once
-        kept the step waiting, plus one. Any other epoch keeps the size: an
-        in-between size would starve a stage waiting on IO.
+        An input-bound epoch gets at least `largest` back, and with idle
+        cores the threads the verdict asks for, up to `most`. An epoch that
+        kept up with no more than `smallest` threads gets what it needs,
+        never a size that once kept the step waiting. Any other epoch keeps
+        the size.
 
         Args:
             input_bound: Whether the epoch kept the step waiting.
             needed_threads: The verdict's `suggested_num_threads`.
-            cores_busy: Whether the process kept the machine's cores busy
-                over the epoch. Defaults to True (no growth past
-                `largest`).
+            cores_busy: Whether the process kept the cores busy (then no
+                growth past `largest`). Defaults to True.
             shrink: Whether an epoch that kept up may shrink the pool.
                 Defaults to True.
-
-        Returns:
-            The new size.
         """
         if input_bound:
             if self.size < self.largest:
@@ -130,17 +113,9 @@ class StagePool:
         return self.resize(threads)
 
     def pipelines(self, build):
-        """The stage's pipelines, each iterator's on a pool of the size then.
-
-        Used as a dataset otherwise (transformed, iterated in a
-        `tf.function`), each is the pipeline of the size when built.
-
-        Args:
-            build: `build(size)` -> `(lean, measured)`.
-
-        Returns:
-            `(lean, measured)`, resized per iterator.
-        """
+        """`(lean, measured)` from `build(size)`, each eager iterator's on
+        a pool of the size then (used as a dataset otherwise, the size when
+        built)."""
         built = {}
 
         def pipeline(size, which):

@@ -1,18 +1,11 @@
 """The Python boundary of a stage: exception policies and the timeout.
 
-tf.data's C++ threads produce and buffer the elements; what they cannot do
-is skip only some error types, end the data on a user-chosen error, or stop
-a consumer that waits forever. `StageRunner` does those three things around
-each blocking call made by the consumer (`next(iterator)` in an eager loop,
-one Keras train/test/predict step), and runs no Python per element
-otherwise.
-
-A blocked TensorFlow call cannot be interrupted, so with a timeout the call
-runs on one helper thread while the caller waits with a deadline; only the
-time spent waiting for input counts. A caller that stops waiting abandons
-the call: its thread ends once the call returns. A call whose elements are
-already buffered cannot wait, and runs in the caller's thread without that
-hand-off (see `ReadyElements`).
+`StageRunner` skips ignored error types, ends the data on closed ones and
+times out a consumer waiting for input, around each blocking call of the
+consumer (`next(iterator)`, one Keras step). A blocked TensorFlow call
+cannot be interrupted, so with a timeout it runs on a helper thread while
+the caller waits with a deadline; a call whose elements are already
+buffered runs in the caller's thread (see `ReadyElements`).
 """
 
 import atexit
@@ -30,11 +23,9 @@ logger = logging.getLogger("keras_stage")
 
 # How often the waiting caller re-checks the input-wait clock.
 _POLL_SECONDS = 0.5
-# One call in this many whose elements are buffered still runs the
-# consumer's recording step (see `StageRunner.call`'s `ready_fn`).
+# One buffered call in this many still records (see `StageRunner.call`).
 READY_SAMPLE = 16
-# How long the interpreter's exit waits for keras_stage's threads still
-# running (the helpers here, the kept iterators' teardowns).
+# How long the interpreter's exit waits for keras_stage's threads.
 EXIT_WAIT_SECONDS = 10.0
 # Every helper thread (`_CallThread`) not yet ended.
 _call_threads = weakref.WeakSet()
@@ -66,7 +57,7 @@ _NODE = re.compile(r"\{\{node ([^}]+)\}\}")
 def failing_layer(error, layers):
     """The name, among `layers`, of the layer whose op raised `error`.
 
-    From the failing node's name scopes, with Keras's call-count suffix
+    Read from the failing node's name scopes
     ("model_stage_1/parse_numbers_1/StringToNumber"); None if none is.
     """
     message = getattr(error, "message", None) or str(error)
@@ -81,11 +72,8 @@ def failing_layer(error, layers):
 
 
 def _is_end_of_data(error):
-    """Whether `error` is an iterator's end (not a failing element).
-
-    A reader can raise OutOfRangeError for a truncated record; only the
-    iterator's own end says "End of sequence".
-    """
+    """Whether `error` is an iterator's end, not a truncated record's
+    OutOfRangeError."""
     if isinstance(error, StopIteration):
         return True
     message = getattr(error, "message", None) or ""
@@ -95,9 +83,8 @@ def _is_end_of_data(error):
     )
 
 
-# The error types a bad record raises (a rejected value, a corrupt record),
-# which `ignored_exception_types` can usefully skip; the others concern
-# the machinery or configuration, which every later batch would hit too.
+# The error types a bad record raises, which `ignored_exception_types`
+# can usefully skip; others would hit every later batch too.
 _PER_RECORD_ERRORS = (tf.errors.InvalidArgumentError, tf.errors.DataLossError)
 # The closed stage's own assertion (`StageStats`), as tf.data quotes it.
 _OWN_ASSERTION = re.compile(r"Stage \\?'.*?\\?' was closed")
@@ -211,17 +198,10 @@ class _CallThread:
 class ReadyElements:
     """Finished elements a consumer's next calls can take without waiting.
 
-    An element counted ready (`StageStats.count_ready`) and not consumed
-    is in the buffer or on its way there: a call that needs no more than
-    that many cannot time out, and needs no helper thread.
-
-    The counters are shared by every iterator of the pipeline, so a count
+    A call needing no more than the elements counted ready and not consumed
+    cannot time out. The counters are shared by every iterator, so a count
     is trusted only for an iterator started after every earlier one was
-    gone, less what those left behind. It is read only when the elements
-    known to be ready run out, or noted from a step's report (`note`).
-
-    Args:
-        stats: The stage's `StageStats`.
+    gone, less what those left behind (read from the stage's `stats`).
     """
 
     def __init__(self, stats):
@@ -235,11 +215,8 @@ class ReadyElements:
         self._noted = False  # whether the current iterator's calls report
 
     def take(self, iterator, elements):
-        """Whether a call of `iterator` taking `elements` finds them ready.
-
-        Counts them as taken if so. The first call of each iterator is
-        never ready (see the class docstring).
-        """
+        """Whether a call of `iterator` taking `elements` finds them ready
+        (then counted as taken); never for an iterator's first call."""
         if not self.stats.pipeline_counts:  # op determinism
             return False
         if not self._follow(iterator) or self._left_behind is None:
@@ -296,12 +273,9 @@ class ReadyElements:
 
 
 class _HostWait:
-    """A call's wait for input, timed on the host from the consumed count.
-
-    For graphs traced without a clock (op determinism) and consumers that
-    time fetches on the host (`host_timed`). The call waits from its start,
-    or its last element's arrival, until it has its `elements` (None:
-    until it returns).
+    """A call's wait for input, timed on the host from the consumed count
+    (no clock in the graph, or `host_timed`): from the call's start or its
+    last element's arrival until it has `elements` (None: until it returns).
     """
 
     def __init__(self, stats, started, elements):
@@ -326,14 +300,11 @@ class StageRunner:
     Args:
         options: The stage's `StageOptions`.
         stats: The stage's `StageStats`.
-        gate: The pipeline's open flag (a boolean variable) that `close`
-            and a timeout clear, or None. Defaults to `None`.
+        gate: The pipeline's open flag (a boolean variable) that a timeout
+            clears, or None. Defaults to `None`.
         counts_in_order: Whether the stage counts its elements ready in
-            the order the consumer gets them (see `ReadyElements`).
-            Defaults to `False`.
-        ledger: The stage's `ServiceLedger` (a stage on the tf.data
-            service), whose epoch a wait of `worker_timeout` ends, or None.
-            Defaults to `None`.
+            delivery order (see `ReadyElements`). Defaults to `False`.
+        ledger: The stage's `ServiceLedger`, or None. Defaults to `None`.
     """
 
     def __init__(
@@ -349,8 +320,7 @@ class StageRunner:
         self._abandoned = []
         self._ready = ReadyElements(stats) if counts_in_order else None
         self._ready_calls = 0  # see `_sample_ready`
-        # The most elements the call under way fetches (see `call`).
-        self._elements = None
+        self._elements = None  # see `call`
         self.records_in_step = False
         # The names staging.py gives the stage's tf.data transformations.
         self._own_ops = re.compile(
@@ -363,11 +333,8 @@ class StageRunner:
 
     @property
     def records_in_step(self):
-        """Whether the consumer records its fetches in its own step.
-
-        Its wait clock starts at the end of its previous call: the timeout
-        counts from this call's start.
-        """
+        """Whether the consumer records its fetches in its own step (the
+        timeout then counts from the call's start)."""
         return self._records_in_step
 
     @records_in_step.setter
@@ -397,15 +364,10 @@ class StageRunner:
         """Runs `fn(*args)` under the stage's policies.
 
         With `check_origin`, errors not raised by the stage's pipeline pass
-        through untouched. `elements`: the most elements the call fetches
-        from the stage's iterator `args[0]`; a call whose elements are
-        buffered runs in this thread. None runs every call with the timeout.
-
-        `ready_fn`: the same call without recording its fetches, run when
-        they are buffered, but for one call in `READY_SAMPLE` (which keeps
-        the baseline current). `host_timed`: the consumer times its
-        fetches on the host (`StageIterator`); every buffered call runs
-        `ready_fn`.
+        through. `elements`: the most elements the call fetches from the
+        stage's iterator `args[0]`. `ready_fn`: the same call without
+        recording, for buffered calls (all if `host_timed`, else all but one
+        in `READY_SAMPLE`).
 
         Raises:
             SkipElement: the element failed with an ignored exception type.
@@ -450,8 +412,7 @@ class StageRunner:
             return self._apply_policies(e)
 
     def _refused_own_clock(self, error):
-        """Whether `error` is the stage's clock, refused by op determinism
-        (in a step traced before it was enabled)."""
+        """Whether `error` is the stage's clock refused by op determinism."""
         return _is_clock_refused(error) and self.stats.clock_refused
 
     def _sample_ready(self):
@@ -598,9 +559,8 @@ class StageRunner:
             self._gate.assign(False)
 
     def open_gate(self):
-        """Lets the pipeline finish elements again (a stage built once and
-        run by several calls, see
-        `keras_stage.models.data_adapters.staged_data`)."""
+        """Lets the pipeline finish elements again (a stage run by several
+        calls)."""
         if self._gate is not None:
             self._gate.assign(True)
 

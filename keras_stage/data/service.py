@@ -1,19 +1,12 @@
 """The tf.data service: staged work on other machines' CPUs.
 
-This module owns what keras_stage adds to TensorFlow's tf.data service
-(`tf.data.experimental.service`): the check that a dispatcher answers
-before a stage is built on it, the stage's half of the pipeline that runs
-on the service's workers, and `LocalService`, a dispatcher with workers in
-this process for development and tests. The service itself (dispatcher,
-workers, splitting, transport) is TensorFlow's.
+What keras_stage adds to `tf.data.experimental.service`: the check that a
+dispatcher answers, the read of a stage's pipeline from the workers, and
+`LocalService` (a dispatcher and workers in this process, for development).
 
-The tf.data service protocol has no authentication and no encryption: any
-client that reaches a dispatcher can register datasets and read their
-elements, and a worker runs whatever dataset graph a client registers
-(file reads and writes included). TensorFlow's servers listen on every
-network interface: its pip build registers only the `grpc` protocol and
-takes no bind address. Run dispatchers and workers on a private network or
-behind a firewall; `LocalService` says which ports it opened.
+The protocol has no authentication or encryption, and TensorFlow's servers
+listen on every interface: run them on a private network or behind a
+firewall.
 """
 
 import ipaddress
@@ -44,12 +37,8 @@ _PROTOCOL = "grpc"
 
 
 def validate_service_argument(service):
-    """`service` if it has the form `"grpc://host:port"` (or is None).
-
-    Only the form is checked here; whether a dispatcher answers is checked
-    when a stage is built (`check_dispatcher`), so a model naming a service
-    can be built and loaded where the service is not running.
-    """
+    """`service` if it has the form `"grpc://host:port"` (or is None);
+    `check_dispatcher` checks that it answers, when a stage is built."""
     if service is None:
         return None
     host, port = _split(service) if isinstance(service, str) else (None, None)
@@ -89,11 +78,8 @@ def _split(service):
 def check_dispatcher(address, timeout=5.0):
     """Raises `ConnectionError` unless something listens at `address`.
 
-    The tf.data service client retries an unreachable dispatcher for a
-    long time (an hour by default) before it reports anything; this check
-    makes a wrong address or a dispatcher that is down an immediate error.
-    It opens a TCP connection only: the service's own handshake happens
-    when the stage is iterated.
+    The tf.data service client retries an unreachable dispatcher for an
+    hour before it reports anything; this TCP connect fails at once.
 
     Args:
         address: The dispatcher, `"grpc://host:port"`.
@@ -123,11 +109,8 @@ def check_dispatcher(address, timeout=5.0):
 
 
 def distribute(dataset, service, processing_mode):
-    """`dataset` computed by the service's workers, read in this process.
-
-    Each iteration (each epoch) is a new job: in `"distributed_epoch"`
-    mode the job hands every element of the epoch to exactly one worker.
-    """
+    """`dataset` computed by the service's workers, read in this process
+    (each iteration is a new job)."""
     check_dispatcher(service)
     return dataset.apply(
         tf.data.experimental.service.distribute(
@@ -150,31 +133,25 @@ def _is_loopback(host):
 class LocalService:
     """A tf.data service dispatcher and workers in this process.
 
-    For development and tests: the workers share this process's CPUs, so a
-    stage on a `LocalService` is no faster than a local one. In production
-    run `tf.data.experimental.service.DispatchServer` and `WorkerServer`
-    (one per machine) and pass the dispatcher's address as `service`.
+    For development and tests: the workers share this process's CPUs. In
+    production run `tf.data.experimental.service.DispatchServer` and
+    `WorkerServer` (one per machine) and pass the dispatcher's address.
 
-    Its servers listen on every network interface, whatever `host` says:
-    TensorFlow's tf.data service takes no bind address. It has no
-    authentication either, so while a `LocalService` runs, any machine that
-    can reach these ports can read the data and run dataset graphs (file
-    reads included) in this process. It logs a warning naming the ports
+    Its servers listen on every network interface, whatever `host` says,
+    without authentication: any machine that reaches these ports can read
+    the data and run dataset graphs in this process. It logs the ports
     when it starts; confine them with a firewall or a private network.
 
     Args:
         num_workers: Workers to start. Defaults to `2`.
-        host: The address the servers announce to clients (workers to the
-            dispatcher, the dispatcher in `target`). Not where they listen:
-            that is every interface. Defaults to `"localhost"`.
+        host: The address the servers announce to clients (not where they
+            listen: that is every interface). Defaults to `"localhost"`.
         port: The dispatcher's port; `0` picks a free one. Defaults to
             `0`.
-        heartbeat_ms: How often workers report to the dispatcher; a
-            stopped worker is noticed after a few missed heartbeats.
-            Defaults to `500` (TensorFlow's default is 30 s).
+        heartbeat_ms: How often workers report to the dispatcher. Defaults
+            to `500` (TensorFlow's default is 30 s).
         allow_remote: Whether `host` may be an address other machines use
-            (not loopback): a deliberate opt-in to serving them. Defaults
-            to `False`.
+            (not loopback). Defaults to `False`.
 
     Example:
 
@@ -293,13 +270,8 @@ class LocalService:
         worker.stop()
 
     def close(self):
-        """Stops the workers, then the dispatcher.
-
-        Each worker's stop (TensorFlow's `WorkerServer.stop`) waits for its
-        tasks to end, which on a machine whose cores are all busy can take
-        much longer than the fits that ran on it; TensorFlow gives no way
-        to shorten that wait (stopping the dispatcher first does not).
-        """
+        """Stops the workers (each waits for its tasks to end), then the
+        dispatcher."""
         for index, worker in enumerate(self.workers):
             if worker is not None:
                 self.workers[index] = None

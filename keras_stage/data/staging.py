@@ -1,11 +1,8 @@
 """`stage()`: a bounded, multi-threaded prefetch stage on tf.data.
 
-This module owns the staged pipeline. It is DeepRec's `tf.staged` built from
-tf.data's C++ machinery: a parallel map runs the staged computation on
-`num_threads` workers of a private thread pool, a prefetch buffer keeps at
-most `capacity` finished elements, and two tiny synchronous maps around the
-consumer's fetch update the stage's counters. Exception policies and the
-timeout are applied where the consumer fetches (see `runner.py`).
+DeepRec's `tf.staged` on tf.data: a parallel map on a private thread pool,
+a prefetch buffer of `capacity` elements, and small maps around the fetch
+that update the stage's counters. Policies and the timeout: `runner.py`.
 """
 
 import functools
@@ -38,18 +35,12 @@ _name_counter = itertools.count()
 _live_stages = weakref.WeakSet()
 
 
-def _default_name():
-    return f"stage_{next(_name_counter)}"
-
-
 class Placement:
     """Where a stage's finished elements wait, and whether they are packed.
 
-    Args:
-        device: The device holding the buffer, or None for the host.
-        pack: The `pack_transfer` option: `"auto"`, True or False.
-        unpacks: Whether the consumer unpacks in its own step (the Keras
-            integration); `"auto"` packs only for such consumers.
+    `device`: None for the host. `pack`: the `pack_transfer` option.
+    `unpacks`: whether the consumer unpacks in its own step (`"auto"` packs
+    only for such consumers).
     """
 
     def __init__(self, device=None, pack=False, unpacks=False):
@@ -156,8 +147,7 @@ def _build_pipeline(
         and placement.device is None
         and (fn is None or reads_in_python)
     ):
-        # The autotuner keeps such a buffer at about one element, so the
-        # consumer seldom knows its next batch is there (`ReadyElements`).
+        # The autotuner keeps such a buffer at about one element.
         capacity = IDLE_CAPACITY
 
     # tf.data passes a tuple element (exactly `tuple`) as separate
@@ -165,9 +155,8 @@ def _build_pipeline(
     unpacked = type(dataset.element_spec) is tuple
     staged_fn = None if fn is None else on_host(fn)
 
-    # Under op determinism tf.data runs a pipeline holding a stateful op
-    # one element at a time, unbuffered: the stage's pipeline then holds
-    # no counter, gate or fetch record (`StageStats.count_nothing`).
+    # Under op determinism a stateful op would serialize the pipeline, so
+    # it holds no counter, gate or fetch record (`count_nothing`).
     bare = op_determinism_enabled()
 
     def produce(*args):
@@ -175,11 +164,8 @@ def _build_pipeline(
         if bare:
             return element if staged_fn is None else staged_fn(element)
         if staged_fn is None:
-            # tf.data runs a function's stateful ops whether or not the
-            # element depends on them.
             stats.count_produced(None, gate)
             return element
-        # None under op determinism: counted, not timed (`start_busy`).
         started = stats.start_busy()
         with tf.control_dependencies([] if started is None else [started]):
             out = staged_fn(element)
@@ -189,8 +175,7 @@ def _build_pipeline(
         return out
 
     if fn is None or graph_ready(fn):
-        # Converting the stats' methods would cost more than tracing the
-        # staged layers; a user's plain `fn` is converted as `map` would.
+        # A user's plain `fn` is converted as `map` would.
         produce = tf.autograph.experimental.do_not_convert(produce)
 
     if options.service is not None:
@@ -213,7 +198,6 @@ def _build_pipeline(
     count_after = fn is not None and options.deterministic and not bare
 
     def staged(parallel):
-        """The stage's work, `parallel` elements at once."""
         if fn is None:
             if bare:
                 return dataset  # nothing to compute, nothing to count
@@ -260,7 +244,6 @@ def _build_pipeline(
         )
 
     opts = tf.data.Options()
-    # Also the autotuner's bound for the map: IO waits need it above cores.
     opts.threading.private_threadpool_size = threads
     # An injected prefetch would hide the consumer's wait.
     opts.experimental_optimization.inject_prefetch = False
@@ -302,8 +285,8 @@ def _build_pipeline(
     if device is None:
         lean = produced.prefetch(capacity, name=f"{name}_buffer")
         return lean, measure(lean) if measured else lean
-    # The device buffer must end the pipeline: a consumer counting in the
-    # pipeline measures the host side, one element in flight to the device.
+    # The device buffer must end the pipeline: a measured pipeline counts
+    # on the host side, one element in flight to the device.
     lean = produced.apply(to_device(device, size))
     if not measured:
         return lean, lean
@@ -353,12 +336,8 @@ def _served(
     cardinality,
     ledger,
 ):
-    """`dataset` and `staged_fn` run by the tf.data service's workers.
-
-    `num_threads` parallel calls per worker; `rebatch` and `cardinality`:
-    see `build_stage`; `ledger`: the stage's `ServiceLedger`, which counts
-    what arrives and ends an epoch whose worker was lost.
-    """
+    """`dataset` and `staged_fn` run by the tf.data service's workers
+    (arguments: see `build_stage` and `ServiceLedger`)."""
     if staged_fn is not None:
         dataset = dataset.map(
             lambda *args: staged_fn(args if unpacked else args[0]),
@@ -381,10 +360,8 @@ def _served(
 class StagedDataset(tf.data.Dataset):
     """A `tf.data.Dataset` produced by `stage()`.
 
-    It is a normal dataset: it can be passed to Keras, distributed, or
-    transformed further. Iterating it eagerly (`for x in staged:`) applies
-    the stage's exception policies and timeout; inside a `tf.function`
-    errors still surface with their original types.
+    Iterating it eagerly applies the stage's exception policies and
+    timeout; inside a `tf.function` errors surface with their own types.
     """
 
     def __init__(
@@ -436,11 +413,8 @@ class StagedDataset(tf.data.Dataset):
 
     @property
     def thread_pool(self):
-        """The stage's resizable `StagePool`, or None if its pool is fixed.
-
-        Stages with `num_threads="auto"` and no `thread_pool_size` have one
-        (see `keras_stage.data.pool`); resize or adapt it between epochs.
-        """
+        """The stage's resizable `StagePool`, or None if its pool is fixed
+        (see `keras_stage.data.pool`)."""
         return self._thread_pool
 
     @property
@@ -458,11 +432,8 @@ class StagedDataset(tf.data.Dataset):
         return self.placement.packer is not None
 
     def unpack(self, element):
-        """Restores a packed element's structure, on the buffer's device.
-
-        Identity for a stage that does not pack. Call it where the element
-        is used (in a `tf.function` step, or eagerly).
-        """
+        """Restores a packed element's structure, on the buffer's device
+        (identity for a stage that does not pack)."""
         return self.placement.unpack(element)
 
     def _inputs(self):
@@ -476,8 +447,7 @@ class StagedDataset(tf.data.Dataset):
     def close(self, timeout=5.0):
         """Stops the stage; True if no helper thread is left behind.
 
-        The stage can be iterated again afterwards (with a new helper
-        thread); `runner.close_gate()` ends it for good.
+        The stage can be iterated again; `runner.close_gate()` ends it.
         """
         return self.runner.close(timeout)
 
@@ -491,11 +461,8 @@ def _timed_fetch(stats, iterator):
 
 
 class StageIterator:
-    """Eager iterator of a `StagedDataset` applying its policies.
-
-    Reads the lean pipeline and times each fetch on the host
-    (`StageStats.record_host_fetch`), which works under op determinism too.
-    """
+    """Eager iterator of a `StagedDataset` applying its policies; times
+    each fetch of the lean pipeline on the host."""
 
     def __init__(self, staged):
         self._staged = staged
@@ -561,11 +528,9 @@ def stage(
 ):
     """Runs `fn` over `dataset` ahead of the consumer, in parallel, buffered.
 
-    The tf.data counterpart of DeepRec's `tf.staged`: elements of `dataset`
-    go through `fn` (the staged computation: parsing, decoding, hashing,
-    IO) on `num_threads` workers of a private thread pool, and at most
-    `capacity` finished elements wait for the consumer. Usable from any TF2
-    loop; Keras users get it through `StagedInput`.
+    DeepRec's `tf.staged` on tf.data: `fn` runs on `num_threads` workers of
+    a private thread pool, and at most `capacity` finished elements wait
+    for the consumer. Keras users get it through `StagedInput`.
 
     Args:
         dataset: A `tf.data.Dataset`.
@@ -604,7 +569,7 @@ def stage(
             f"element or None. Received: fn={fn!r}"
         )
     if name is None:
-        name = _default_name()
+        name = f"stage_{next(_name_counter)}"
     # The stage options by name (`locals()` also holds `dataset` and `fn`).
     given = locals()
     options = StageOptions(**{o.name: given[o.name] for o in OPTIONS})
@@ -612,10 +577,7 @@ def stage(
 
 
 def new_stats(options, name=None):
-    """Fresh `StageStats` for a stage with `options`, named `name`.
-
-    `"auto"` buffers also track their largest fill, to scale the fill.
-    """
+    """Fresh `StageStats` for a stage with `options`, named `name`."""
     return StageStats(
         options.name if name is None else name,
         track_peak=options.capacity == AUTO,
@@ -638,13 +600,11 @@ def build_stage(
 ):
     """`stage()` with validated `StageOptions` and the `StageStats` to use.
 
-    `stats`: shared by a consumer whose traced step captures them; `None`
-    makes new ones. `consumer_records`: the consumer reads only the lean
-    pipeline. `distributed`, `unpacks`: see `Placement.resolve`. With a
+    `consumer_records`: the consumer reads only the lean pipeline. With a
     service: `rebatch` the batch size to re-form, `cardinality` an epoch's
-    batches, `per_copy` the examples one pass holds. `reads_in_python`:
-    the consumer reads every element eagerly. `pool_start`: the size an
-    adaptive pool starts at (None: its largest).
+    batches, `per_copy` the examples one pass holds. `reads_in_python`: the
+    consumer reads every element eagerly. `pool_start`: an adaptive pool's
+    first size.
     """
     if stats is None:
         stats = new_stats(options)
@@ -660,8 +620,7 @@ def build_stage(
             per_copy,
             batched=rebatch is not None,
         )
-    # Per pipeline, not per stats: an iterator of an ended call must stop
-    # counting in the stats its consumer keeps.
+    # Per pipeline: an ended call's iterator must stop counting.
     with tf.init_scope(), tf.device("/CPU:0"):
         gate = tf.Variable(True, trainable=False, name=f"{options.name}_open")
     placement = Placement.resolve(options, distributed, unpacks)

@@ -1,21 +1,11 @@
 """In-graph statistics of one stage.
 
-`StageStats` owns a stage's counters: elements produced, consumed and
-skipped, seconds the producers computed and the consumer waited, and the
-buffer fill at every fetch. They are one TensorFlow variable vector updated
-by graph ops, so measuring costs no Python on the hot path.
-
-The consumer's side is recorded by the pipeline (a map around the fetch)
-or inside a consumer's own step (`record_fetch`), which only sees when its
-previous step ended: the time from there to a ready batch is learnt as a
-baseline, and only what exceeds it counts as waiting. That arithmetic runs
-in Python (`take_report`) or in the step's graph (`accumulate`), both from
-`_fetch_figures`.
-
-Under op determinism TensorFlow refuses `tf.timestamp`: steps then count
-fetches without a clock, pipelines hold no counter (`count_nothing`), and
-`snapshot` reads the rest from tf.data's model of the stage's iterators
-(`pipeline_model`), or reports NaN (see `clock_allowed`).
+`StageStats` owns a stage's counters (elements produced, consumed and
+skipped, busy and wait seconds, buffer fill): one variable vector updated
+by graph ops, so measuring runs no Python per element. A consumer recording
+in its own step learns a baseline from ready fetches and counts only what
+exceeds it as waiting (`_fetch_figures`). Under op determinism, which
+forbids `tf.timestamp`, the figures come from `pipeline_model` or are NaN.
 """
 
 import logging
@@ -32,20 +22,14 @@ logger = logging.getLogger("keras_stage")
 # How many error messages of skipped elements a stage keeps per report.
 MAX_SKIPPED_MESSAGES = 5
 
-# Slots of the one counter vector, float64: one vector, so each side
-# updates it with a single op (variable ops are the costly part of a
-# tf.data function).
+# Slots of the one float64 counter vector (one update op per side).
 _PRODUCED, _BUSY = 0, 1
 _CONSUMED, _WAIT, _BUFFERED = 2, 3, 4
-# Start time of the last fetch that finished; one is in progress while the
-# last fetch started is later.
-_DONE_FETCH = 5
-# The usual time from a step's end to a ready batch's arrival, and the
-# elements left in the buffers of iterators dropped before an epoch began.
+_DONE_FETCH = 5  # start time of the last fetch that finished
+# The usual time from a step's end to a ready batch's arrival; elements
+# left in the buffers of dropped iterators.
 _BASELINE, _ORPHANS = 6, 7
-# Elements that entered the buffer, counted in the order the consumer gets
-# them (see `count_ready`); `_PRODUCED` counts them as they finish.
-_READY = 8
+_READY = 8  # elements that entered the buffer, in delivery order
 _SLOTS = 9
 # Weight of one ready fetch in the moving baseline.
 _BASELINE_WEIGHT = 0.1
@@ -54,9 +38,8 @@ _BASELINE_WEIGHT = 0.1
 def _fetch_figures(marked, took, buffered, baseline, to_float, maximum):
     """A recorded fetch's wait, and how far it moves the baseline.
 
-    See `StageStats.record_fetch`. The same lines run on tensors
-    (`accumulate`) and on Python floats (`take_report`), so the two cannot
-    drift apart; 0/1 masks rather than branches keep the graph small.
+    Runs on tensors (`accumulate`) and on Python floats (`take_report`);
+    0/1 masks rather than branches keep the graph small.
 
     Args:
         marked: The fetch's start mark (negative: an epoch's first fetch,
@@ -103,8 +86,7 @@ _UNCONSUMED[_PRODUCED] = 1.0
 _UNCONSUMED[_CONSUMED] = _UNCONSUMED[_ORPHANS] = -1.0
 
 # A step's report (see `StageStats.report`): the fetch's start mark, its
-# arrival time, the counters at the arrival and after the step; or, for a
-# step that accumulated its fetches in the graph, the counters after it.
+# arrival time, the counters at the arrival and after the step.
 _REPORT_MARK, _REPORT_ARRIVED, _REPORT_COUNTERS = 0, 1, 2
 _REPORT_SIZE = 2 + 2 * _SLOTS
 
@@ -112,12 +94,8 @@ _REPORT_SIZE = 2 + 2 * _SLOTS
 # Called while tracing: AutoGraph is not to convert the logging.
 @tf.autograph.experimental.do_not_convert
 def clock_allowed():
-    """Whether a graph built now may read the clock (`tf.timestamp`).
-
-    Not under op determinism, which TensorFlow has no public getter for:
-    this asks the Timestamp kernel itself, while a graph is traced (a user
-    may enable determinism after importing keras_stage).
-    """
+    """Whether a graph built now may read the clock (not under op
+    determinism)."""
     if op_determinism_enabled():
         _note_no_clock()
         return False
@@ -125,7 +103,7 @@ def clock_allowed():
 
 
 def op_determinism_enabled():
-    """Whether op determinism is on now (see `clock_allowed` for how)."""
+    """Whether op determinism is on now (asks the Timestamp kernel)."""
     with tf.init_scope(), tf.device("/CPU:0"):
         try:
             tf.timestamp()
@@ -164,11 +142,8 @@ def _note_no_clock():
 class StageStats:
     """Counters of one stage, read with `snapshot()`.
 
-    Args:
-        name: The stage's name.
-        track_peak: Also track the largest buffer fill seen (one more
-            update per fetch; needed to scale the fill of `"auto"`
-            buffers). Defaults to `False`.
+    `track_peak`: also track the largest buffer fill (one more update per
+    fetch), to scale the fill of `"auto"` buffers.
     """
 
     # The length of a step's report of its fetch (see `report`).
@@ -177,8 +152,7 @@ class StageStats:
     def __init__(self, name, track_peak=False):
         self.name = name
         self.track_peak = track_peak
-        # Created outside any function or strategy scope: these belong to
-        # the stage, not to a model or a replica.
+        # Outside any function or strategy scope: they belong to the stage.
         with tf.init_scope(), tf.device("/CPU:0"):
             self._counters = tf.Variable(
                 tf.zeros([_SLOTS], tf.float64), trainable=False, name="counters"
@@ -193,12 +167,10 @@ class StageStats:
             self._fetch_done = tf.Variable(
                 0.0, dtype=tf.float64, trainable=False, name="fetch_done"
             )
-            # Set on a close after a timeout: an abandoned element must not
-            # arrive late.
+            # Set on a close after a timeout.
             self._closed = tf.Variable(False, trainable=False, name="closed")
         self._lock = threading.Lock()
-        # The adaptive `StagePool` of the stages counted here: kept with the
-        # counters, the next call starts with the size the last epoch chose.
+        # The adaptive `StagePool` of the stages counted here.
         self.pool = None
         self.skipped = 0
         self.skipped_messages = []
@@ -219,11 +191,9 @@ class StageStats:
     def count_nothing(self, computes=True, maps_above=0):
         """Notes that the stage's pipeline holds no counter (op determinism).
 
-        A stateful op would make tf.data run the pipeline one element at a
-        time (see `staging._build_pipeline`): `snapshot` then reads the
-        figures from tf.data's model of each iterator `watch`ed. `computes`:
-        whether the stage has work of its own. `maps_above`: the maps
-        between the stage's buffer and its own (see `PipelineModel`).
+        `snapshot` then reads tf.data's model of each iterator `watch`ed.
+        `computes`: whether the stage has work of its own. `maps_above`: see
+        `PipelineModel`.
         """
         self._pipeline_counts = False
         if computes:
@@ -239,8 +209,7 @@ class StageStats:
             self._host_model.watch(iterator)
 
     def sample(self):
-        """Reads the watched iterator's figures now (see `count_nothing`);
-        called between steps, every `pipeline_model.SAMPLE_FETCHES`."""
+        """Reads the watched iterator's figures now (see `count_nothing`)."""
         if self._host_model is not None:
             self._host_model.sample()
 
@@ -257,10 +226,8 @@ class StageStats:
     # -- graph side: called inside tf.data functions -------------------------
 
     def start_busy(self):
-        """The start of an element's staged computation, in its map.
-
-        A timestamp, or None when the clock is forbidden (`clock_allowed`).
-        """
+        """A timestamp at the start of an element's staged computation, or
+        None when the clock is forbidden."""
         self._busy_timed = clock_allowed()
         if not self._busy_timed:
             return None
@@ -280,14 +247,9 @@ class StageStats:
     def count_produced(self, started, gate, ready=True):
         """Counts one finished element; fails it if its pipeline was closed.
 
-        Args:
-            started: When the staged computation began on it
-                (`start_busy`), or None for no busy time.
-            gate: The pipeline's boolean variable, False once it is closed
-                (see `staging.build_stage`).
-            ready: Whether to count it ready too (see `count_ready`), for a
-                stage that finishes elements in delivery order. Defaults
-                to `True`.
+        `started`: `start_busy`'s timestamp, or None. `gate`: the pipeline's
+        boolean variable, False once closed. `ready`: also count it ready
+        (a stage finishing elements in delivery order).
         """
         check = tf.debugging.Assert(
             gate,
@@ -306,12 +268,8 @@ class StageStats:
             return self._counters.assign_add(_slots(values))
 
     def count_ready(self):
-        """Counts one element entering the buffer, in delivery order.
-
-        For a stage whose ordered parallel map finishes elements out of
-        order: a counted element cannot wait on the source (see
-        `runner.ReadyElements`).
-        """
+        """Counts one element entering the buffer, in delivery order (an
+        ordered parallel map finishes them out of order)."""
         return self._counters.assign_add(_slots({_READY: 1}))
 
     def _wait_clock(self):
@@ -373,23 +331,13 @@ class StageStats:
     def record_fetch(self, element, accumulate=True):
         """Records, in a step, the fetch that delivered `element`.
 
-        The fetch began when the previous step ended (`record_step_end`).
-        A batch found ready feeds a moving baseline of the overhead between
-        steps; otherwise its wait is the time beyond the baseline. An
-        epoch's first fetch (marked negative by `mark_request`) may include
-        a trace and is not counted. Fails if the stage was closed. Without
-        a clock the arrival time is None.
+        The fetch began when the previous step ended (`record_step_end`);
+        see `_fetch_figures`. An epoch's first fetch (marked negative by
+        `mark_request`) is not counted. Fails if the stage was closed.
 
-        Args:
-            element: The fetched element; the record waits for it.
-            accumulate: Whether to add the fetch's wait and buffer fill to
-                the counters here. With False only the element is counted
-                (and the fetch marked done), and the step returns
-                `report(fetch, ...)` for `take_report` to accumulate in
-                Python, or calls `accumulate` itself. Defaults to `True`.
-
-        Returns:
-            The fetch: `(mark, arrival time, counters before it)`.
+        `accumulate`: add the fetch's wait and fill to the counters here;
+        with False only the element is counted (see `report`). Returns the
+        fetch: `(mark, arrival time, counters before it)`.
         """
         leaves = tf.nest.flatten(element, expand_composites=True)
         check = self._open_check()
@@ -411,13 +359,8 @@ class StageStats:
     def accumulate(self, fetch, count=False):
         """Adds a fetch's wait and buffer fill to the counters, in the graph.
 
-        For steps that do not hand `report` to Python (see `record_fetch`).
-
-        Args:
-            fetch: What `record_fetch` returned.
-            count: Also count the element consumed and mark the fetch done
-                (`record_fetch` with `accumulate=True` does). Defaults to
-                `False`.
+        `fetch`: what `record_fetch` returned. `count`: also count the
+        element consumed and mark the fetch done.
         """
         marked, arrived, counters = fetch
         if arrived is None:  # no clock: the fill only
@@ -443,13 +386,9 @@ class StageStats:
         )
 
     def report(self, fetch, end):
-        """A step's report for `take_report`: one float64 vector.
-
-        Args:
-            fetch: What `record_fetch(..., accumulate=False)` returned, or
-                None for a step that accumulated its fetches itself.
-            end: What `record_step_end` returned.
-        """
+        """A step's report for `take_report`: one float64 vector, from
+        `record_fetch(..., accumulate=False)` (or None) and
+        `record_step_end`."""
         if fetch is None:
             return end
         marked, arrived, counters = fetch
@@ -458,14 +397,8 @@ class StageStats:
         return tf.concat([tf.stack([marked, arrived]), counters, end], 0)
 
     def record_step_end(self, outputs):
-        """Marks, at the end of a step, that the next fetch begins.
-
-        Args:
-            outputs: The step's outputs, which the mark waits for.
-
-        Returns:
-            The counters once the step is done, for `report`.
-        """
+        """Marks, once the step's `outputs` are done, that the next fetch
+        begins; returns the counters then, for `report`."""
         leaves = tf.nest.flatten(outputs, expand_composites=True)
         if not self._wait_clock():
             with tf.control_dependencies(leaves):
@@ -480,15 +413,9 @@ class StageStats:
     def take_report(self, values, called=None):
         """Accumulates a step's `report` as `accumulate` does, in Python.
 
-        Args:
-            values: The report's values, a sequence of floats.
-            called: When the consumer's call began (`time.time()`), if the
-                fetch was the call's first: timed from there, not from the
-                previous step's end. None otherwise.
-
-        Returns:
-            The elements ready and not consumed once the step was done
-            (see `unconsumed`): a floor for the next call.
+        `called`: when the consumer's call began (`time.time()`), if the
+        fetch was the call's first. Returns the elements ready and not
+        consumed once the step was done (see `unconsumed`).
         """
         if len(values) == _REPORT_SIZE:
             self._take_fetch(values, called)
@@ -513,11 +440,7 @@ class StageStats:
             self._reported_peak = max(self._reported_peak, buffered)
 
     def record_host_fetch(self, seconds):
-        """Counts, in Python, a fetch that waited `seconds` for its element.
-
-        For an eager iterator timing its fetches on the host
-        (`StageIterator` on `StagedDataset.lean_pipeline`).
-        """
+        """Counts a fetch an eager iterator timed on the host."""
         with self._lock:
             self._taken += 1
             self._reported_wait += seconds
@@ -538,15 +461,10 @@ class StageStats:
         return self._clocked and not clock_allowed()
 
     def count_taken(self, elements, buffered):
-        """Counts, in Python, the fetches of a call that did not record them.
+        """Counts, in Python, the fetches of a call that did not record them
+        (its elements were buffered, so they did not wait).
 
-        For a call run without recording when its elements were known to be
-        buffered (`ReadyElements`): they did not wait, and each saw about
-        `buffered` others. `mark_request` moves them into the counters.
-
-        Args:
-            elements: The fetches the call made.
-            buffered: The buffer fill to record for each.
+        `buffered`: the buffer fill to record for each of `elements`.
         """
         with self._lock:
             self._taken += elements
@@ -557,9 +475,7 @@ class StageStats:
         """Starts the consumer's fetch clock now (at an epoch's start).
 
         Elements not consumed so far were left in a dropped iterator's
-        buffer and no longer count as buffered, unless `orphan=False` (the
-        stage runs its epochs on one iterator). Fetches counted in Python
-        (`count_taken`) join the counters here.
+        buffer, unless `orphan=False` (one iterator runs the epochs).
         """
         self._fetch_start.assign(-time.time())  # negated: see `record_fetch`
         with self._lock:  # `snapshot` reads both sides at once
@@ -573,22 +489,18 @@ class StageStats:
             self._counters.assign_add(_slots(update))
 
     def unconsumed(self):
-        """Elements counted ready (see `count_ready`) and not consumed, ever.
-
-        A raw read: `Variable.numpy()` adds ops, and this runs between
-        training steps.
-        """
-        counters = tf.raw_ops.ReadVariableOp(
-            resource=self._counters.handle, dtype=tf.float64
-        ).numpy()
-        return self._ready(counters)
+        """Elements counted ready (see `count_ready`) and not consumed, ever."""
+        return self._ready(self._read())
 
     def consumed(self):
         """Fetches counted in the graph so far, clock or no clock."""
-        counters = tf.raw_ops.ReadVariableOp(
+        return int(self._read()[_CONSUMED])
+
+    def _read(self):
+        # A raw read: `Variable.numpy()` adds ops between training steps.
+        return tf.raw_ops.ReadVariableOp(
             resource=self._counters.handle, dtype=tf.float64
         ).numpy()
-        return int(counters[_CONSUMED])
 
     def _unconsumed(self, counters):
         # The counters lack the fetches counted in Python (`count_taken`).
@@ -617,12 +529,8 @@ class StageStats:
                 )
 
     def seconds_waiting(self, since=None):
-        """Seconds the consumer has been waiting for its current element.
-
-        Args:
-            since: When the consumer's current call began (`time.time()`),
-                for a consumer recording in its step. Defaults to `None`.
-        """
+        """Seconds the consumer has been waiting for its current element
+        (`since`: its call's start, for a consumer recording in its step)."""
         started = abs(float(self._fetch_start.numpy()))
         done = max(
             float(self._counters.numpy()[_DONE_FETCH]),

@@ -1,11 +1,8 @@
 """tensorflow-io support: a clear error where its ops do not load, and readers.
 
-Each tensorflow-io release's native ops fit one TensorFlow minor version;
-on another they fail at first use with an "undefined symbol" error.
-`require_tensorflow_io` checks once and raises an ImportError naming the
-pairing that works; `explain_tfio_error` gives that message for a later
-error. `read_parquet` and `read_hdf5` read files into datasets of dicts.
-tensorflow-io is imported only when one of these functions is called.
+Each tensorflow-io release's native ops fit one TensorFlow minor version.
+`require_tensorflow_io` and `explain_tfio_error` name the pairing that
+works; `read_parquet` and `read_hdf5` read files into datasets of dicts.
 """
 
 import functools
@@ -28,6 +25,10 @@ __all__ = [
 # The pairing the `io` environment (requirements/io.txt) is tested on.
 WORKING_PAIRING = "tensorflow-cpu==2.16.2 + tensorflow-io==0.37.1 + numpy<2"
 _INSTALL = 'pip install tensorflow-cpu==2.16.2 tensorflow-io==0.37.1 "numpy<2"'
+_FIX = (
+    f"The working pairing is {WORKING_PAIRING}: build it with `make "
+    f"venv-io` in a keras_stage checkout, or install it with `{_INSTALL}`."
+)
 # Signs in tfio's loader's or `load_op_library`'s error that tfio's shared
 # library did not load.
 _LOAD_FAILURE_SIGNS = (
@@ -50,8 +51,7 @@ def _message(error, installed=True):
     """The clear message for `error`, the failure to load tfio's ops."""
     text = _ANSI.sub("", str(error)).strip()
     lines = text.splitlines() or [""]
-    # The line naming the library: Keras puts its own line first when it
-    # re-raises a layer's error.
+    # The line naming the library (Keras may put its own line first).
     first = next((line for line in lines if "libtensorflow_io" in line), None)
     first = (first or lines[0]).strip()
     symbol = _UNDEFINED_SYMBOL.search(text)
@@ -68,12 +68,7 @@ def _message(error, installed=True):
             f"{tf_version}: each tensorflow-io release is built for one "
             "TensorFlow minor version"
         )
-    return (
-        f"{problem}. Underlying error: {detail}. "
-        f"The working pairing is {WORKING_PAIRING}: build it with "
-        f"`make venv-io` in a keras_stage checkout, or install it with "
-        f"`{_INSTALL}`."
-    )
+    return f"{problem}. Underlying error: {detail}. {_FIX}"
 
 
 def _is_load_failure(text):
@@ -95,18 +90,16 @@ def _empty_wav():
 def require_tensorflow_io():
     """Returns the `tensorflow_io` module once its native ops load.
 
-    Call it before building a pipeline or a model on tensorflow-io. It runs
-    one real tfio op once per process; a release known to be built for
-    another TensorFlow is reported without being imported.
+    Runs one real tfio op once per process; a release known to be built
+    for another TensorFlow is reported without being imported.
 
     Returns:
         The `tensorflow_io` module.
 
     Raises:
         ImportError: If tensorflow-io is not installed or its ops do not
-            load. The message names the installed TensorFlow and
-            tensorflow-io versions, the first line of the underlying error
-            and the working pairing (`WORKING_PAIRING`).
+            load; the message names the versions, the underlying error
+            and `WORKING_PAIRING`.
 
     Example:
 
@@ -119,9 +112,8 @@ def require_tensorflow_io():
     return _load_tensorflow_io()
 
 
-# tensorflow-io release -> the TensorFlow its ops are built for, where
-# known: loading them into another TensorFlow can break it for the rest of
-# the process, so a known mismatch is reported without importing.
+# tensorflow-io release -> the TensorFlow its ops are built for: a known
+# mismatch is reported without importing (loading can break TensorFlow).
 _BUILT_FOR = {"0.37": "2.16"}
 
 
@@ -145,10 +137,7 @@ def _known_mismatch():
         f"tensorflow-io {tfio_version}'s ops do not load on TensorFlow "
         f"{tf.__version__}: it is built for TensorFlow {built_for} (not "
         "imported: loading its ops into another TensorFlow can leave "
-        "TensorFlow broken in this process). "
-        f"The working pairing is {WORKING_PAIRING}: build it with "
-        "`make venv-io` in a keras_stage checkout, or install it with "
-        f"`{_INSTALL}`."
+        f"TensorFlow broken in this process). {_FIX}"
     )
 
 
@@ -175,15 +164,9 @@ def _load_tensorflow_io():
 def explain_tfio_error(exc):
     """The clear message for an error from a tfio op that did not load.
 
-    If `exc`, or an exception it was raised from, is tensorflow-io failing
-    to load its native ops, returns the message `require_tensorflow_io`
-    raises; any other exception gives `None`.
-
-    Args:
-        exc: An exception.
-
-    Returns:
-        A string, or `None`.
+    The message `require_tensorflow_io` raises, if `exc` or an exception it
+    was raised from is tensorflow-io failing to load its native ops; else
+    `None`.
 
     Example:
 
@@ -221,8 +204,7 @@ def _by_name(element):
 def read_parquet(path, columns=None):
     """Reads a Parquet file into a dataset of dicts, one row per element.
 
-    `tfio.IODataset.from_parquet` with the keys as `str` column names (as
-    Keras dict inputs match them), after `require_tensorflow_io`.
+    `tfio.IODataset.from_parquet` with `str` keys (as Keras matches them).
 
     Args:
         path: The Parquet file.
@@ -250,10 +232,8 @@ def read_parquet(path, columns=None):
 def read_hdf5(path, datasets):
     """Reads HDF5 datasets row by row, zipped into a dataset of dicts.
 
-    Each HDF5 dataset is read with `tfio.IODataset.from_hdf5` (along its
-    first axis) after `require_tensorflow_io`; element `i` holds row `i`
-    of each, keyed by the dataset's name without the leading "/". As with
-    `tf.data.Dataset.zip`, the shortest dataset ends it.
+    Element `i` holds row `i` of each (`tfio.IODataset.from_hdf5`), keyed
+    by the dataset's name without the leading "/"; the shortest ends it.
 
     Args:
         path: The HDF5 file.

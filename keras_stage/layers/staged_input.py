@@ -1,10 +1,8 @@
 """`StagedInput`: the layer that marks a model's stage boundary.
 
-The layer owns the stage's options and nothing else. In a staged run (`fit`,
-`evaluate`, `predict` of a `keras_stage.Model`) the data reaching it comes
-out of a stage built with those options; everywhere else (a plain call,
-`export`, serving) it is an identity, so the saved model is a normal model.
-Trained where nothing stages it (in a plain Keras model), it warns once.
+The layer owns the stage's options. In a staged run of a `keras_stage.Model`
+its data comes out of a stage built with them; everywhere else it is an
+identity, and trained where nothing stages it, it warns once.
 """
 
 import logging
@@ -60,24 +58,17 @@ class StagedInput(keras.layers.Layer):
 
     Put it first in a `keras_stage.Model` or `keras_stage.Sequential`. During
     `fit`, `evaluate` and `predict` the model's data goes through a stage
-    (`keras_stage.data.stage`) with these options: produced on `num_threads`
-    parallel workers of a private thread pool and buffered up to `capacity`
-    batches ahead of the training step. Outside a staged run the layer is an
-    identity: `model(x)`, `export` and serving see a normal model.
-
-    It accepts a tensor, a list or a dict (dense, ragged or sparse leaves)
-    and returns the same structure. The layer's name names the stage in
-    errors and logs.
+    (`keras_stage.data.stage`) with these options. Outside a staged run the
+    layer is an identity: `model(x)`, `export` and serving see a normal
+    model. It takes a tensor, a list or a dict (dense, ragged or sparse
+    leaves); its name names the stage in errors and logs.
 
     Args:
         {stage_options}
         adaptive: Stage a call on in-memory data, and a SmartStage fit's
-            epochs, only where staging pays: a call too short to repay its
-            stage's set-up, or an epoch measured faster unstaged, runs the
-            whole model in Keras's own step instead, with the same
-            results. `False` stages every call and every epoch. Calls with
-            exception policies or a `service` are always staged.
-            Defaults to `True`.
+            epochs, only where staging pays (same results either way).
+            `False` stages every call and every epoch; calls with exception
+            policies or a `service` are always staged. Defaults to `True`.
         **kwargs: Base layer arguments (`name`, ...).
 
     Example:
@@ -90,10 +81,6 @@ class StagedInput(keras.layers.Layer):
     >>> model = keras_stage.Model(inputs, outputs)
     >>> model.layers[1].get_config()["capacity"]
     4
-
-    Threads: the stage's workers are tf.data threads, not Python threads;
-    the only Python thread a staged run adds is the one that enforces
-    `timeout` (none with `timeout=None`).
     """
 
     def __init__(
@@ -134,8 +121,7 @@ class StagedInput(keras.layers.Layer):
         self.supports_masking = True
         self.built = True
 
-    # Set by the keras_stage model that stages the layer (its unstaged
-    # steps are no mistake to warn about).
+    # Set by the keras_stage model that stages the layer.
     staged_by_model = False
 
     def call(self, inputs, training=None):
@@ -150,9 +136,8 @@ class StagedInput(keras.layers.Layer):
         return inputs
 
     def compute_output_spec(self, inputs, training=None):
-        # New tensors of the same kind: Keras's traced default drops the
-        # ragged flag, and returning the inputs themselves would rewrite
-        # their Keras history.
+        # New tensors of the same kind: Keras's default drops the ragged
+        # flag, and the inputs themselves would get a new Keras history.
         return keras.tree.map_structure(
             lambda t: keras.KerasTensor(
                 t.shape, dtype=t.dtype, sparse=t.sparse, ragged=t.ragged
@@ -182,24 +167,9 @@ class StagedInput(keras.layers.Layer):
             dataset: A `tf.data.Dataset`.
             fn: The staged computation, or `None`. Defaults to `None`.
             name: Stage name; defaults to the layer's name.
-            stats: The `StageStats` to count in, or `None` for new ones.
-                Defaults to `None`.
-            distributed: Whether several `tf.distribute` replicas consume
-                it. Defaults to `False`.
-            unpacks: Whether the consumer unpacks packed elements in its
-                step. Defaults to `False`.
-            rebatch: With a `service`: the batch size to re-form, or
-                `None`. Defaults to `None`.
-            cardinality: The batches of each epoch, if known, or `None`.
-                Defaults to `None`.
-            consumer_records: Whether the consumer records its fetches in
-                its own step. Defaults to `False`.
-            per_copy: With a `service` and `rebatch`: the examples one
-                pass holds, if known. Defaults to `None`.
-            reads_in_python: Whether the consumer reads every element
-                eagerly. Defaults to `False`.
-            pool_start: The threads an adaptive pool starts with, or `None`
-                for its largest. Defaults to `None`.
+            stats, distributed, unpacks, rebatch, cardinality,
+                consumer_records, per_copy, reads_in_python, pool_start:
+                See `keras_stage.data.staging.build_stage`.
             **overrides: Options that differ from the layer's for this
                 stage (e.g. `service=None` to stage in this process).
 

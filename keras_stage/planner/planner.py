@@ -1,28 +1,11 @@
 """SmartStage's planner: finds the longest prefix training does not change.
 
-This module owns the decision and the split. `plan_model` walks a
-functional model's call nodes from the inputs, stages every node whose
-inputs all come from the stage and whose trace (see `state_access.py`)
-shows it touches no state training changes, chooses where along that
-prefix to cut (the transfer-aware rule below) and explains every node it
-leaves in the trunk. `StageSplit` turns the plan into two runnable halves
-that share the user's layers and weights: a prefix (model inputs -> cut
-tensors) run by the staging pipeline, and a trunk (cut tensors -> model
-outputs) run by the train step. The user's model is never modified.
-
-DeepRec's SmartStage stops at the first op that touches any variable. Here
-the rule is about what training changes: trainable weights, variables
-some layer assigns during training (BatchNormalization's moving
-statistics) and anything read from them. A frozen layer's weights and an
-adapted preprocessing layer's tables stay fixed, so those are staged;
-random layers only advance their seed state, which is random state, not
-model state, so those are staged too, with a seed stream of their own.
-
-Also beyond DeepRec, the cut is transfer-aware: the tensors crossing it are
-copied from the stage to the train step (host to device on a GPU). When
-the longest prefix ends with a layer that inflates the data (a one-hot
-`CategoryEncoding` over 100k bins turns 8 bytes/example into 400 KB), the
-planner cuts before it and leaves it in the trunk.
+`plan_model` stages every call whose inputs come from the stage and whose
+trace (`state_access.py`) touches no state training changes (trainable
+weights, variables assigned in training and what reads them), picks a
+transfer-aware cut along that prefix and explains each trunk layer.
+`StageSplit` turns the plan into a prefix model (run by the stage) and a
+trunk model (run by the train step) sharing the user's layers.
 """
 
 import functools
@@ -47,14 +30,11 @@ from keras_stage.planner.state_access import (
 )
 
 # How many times more bytes per example the longest prefix's cut may carry
-# than a shorter prefix's before the planner stages less. Below it, running
-# more of the model in the stage is worth a larger copy (uint8 pixels
-# rescaled to float32 are exactly 4x and stay staged); an inflating layer
-# such as a wide one-hot is orders of magnitude above it.
+# than a shorter prefix's before the planner stages less (uint8 pixels
+# rescaled to float32 are exactly 4x and stay staged).
 CUT_INFLATION_LIMIT = 4
-# Nor below this many bytes per example at the longest cut: 1 KiB/example
-# is 512 KiB for a batch of 512, a copy far shorter than a training step,
-# while every layer moved to the trunk costs compute in the step.
+# Nor below this many bytes per example at the longest cut: a small copy
+# costs less than moving layers into the step.
 CUT_INFLATION_MIN_BYTES = 1024
 
 
@@ -67,24 +47,11 @@ def graph_model(model):
             return None
         if not inputs:
             return None
-        # A throwaway functional view of the Sequential's own graph: the
-        # same layers and nodes.
+        # A functional view of the same layers and nodes.
         return keras.Model(inputs, outputs, name=model.name)
     if isinstance(model, _compat.keras_functional_class()):
         return model
     return None
-
-
-def _names(items):
-    out = []
-    for name in items:
-        if name not in out:
-            out.append(name)
-    return out
-
-
-def _variable_list(variables):
-    return ", ".join(v.name for v in variables)
 
 
 def _has_trainable_weights(layer):
@@ -111,7 +78,7 @@ def _own_reason(layer, access, changing, seeds, backend):
         )
     writes = [v for v in access.writes if id(v) not in seeds]
     if writes:
-        return f"updates {_variable_list(writes)} during training"
+        return f"updates {', '.join(v.name for v in writes)} during training"
     if access.table_writes:
         return "updates a lookup table during training"
     changed = [v for v in access.reads if id(v) in changing]
@@ -132,11 +99,8 @@ def _own_reason(layer, access, changing, seeds, backend):
 def _shares_safely(layer):
     """Whether a layer's state may be read into a tf.data trace as constants.
 
-    On a backend other than TensorFlow, the stage's TensorFlow graph reads
-    Keras variables as constants when it is traced. That is right for the
-    fixed state of Keras's preprocessing layers (an adapted mean, a
-    vocabulary), which is rebuilt as new objects when adapted again (see
-    `_state_slots`); another layer's variables may change.
+    True for Keras preprocessing layers, whose fixed state is rebuilt as new
+    objects when adapted again (see `_state_slots`).
     """
     if not getattr(layer, "variables", None):
         return True
@@ -191,13 +155,9 @@ def plan_model(model, boundary_layer=None, smart_stage=True, backend=None):
         model: A built keras_stage model.
         boundary_layer: Its `StagedInput`, or None to stage from the model
             inputs.
-        smart_stage: `True` for the transfer-aware cut: the longest prefix
-            training does not change, unless its cut carries more than
-            `CUT_INFLATION_LIMIT` times the bytes per example of a shorter
-            prefix's cut (and more than `CUT_INFLATION_MIN_BYTES`); then
-            the shorter prefix with the fewest bytes (the longest of those
-            on a tie). `"longest"` for the longest
-            prefix always. Defaults to `True`.
+        smart_stage: `True` for the transfer-aware cut (the longest prefix,
+            unless its cut inflates past `CUT_INFLATION_LIMIT`); `"longest"`
+            for the longest prefix always. Defaults to `True`.
         backend: The backend of the model's steps (a
             `keras_stage.models.backends.Backend`), which says what can run
             in tf.data. Defaults to the model's own.
@@ -253,10 +213,7 @@ def plan_model(model, boundary_layer=None, smart_stage=True, backend=None):
         ), None
 
     nodes = _compat.functional_nodes(graph)
-    # A call with trainable weights is in the trunk whatever its trace
-    # shows, and so is every call that needs its outputs: not tracing them
-    # leaves the trace the prefix's calls, most of a first call's plan.
-    # What they may change is counted from their variables below.
+    # Calls with trainable weights are in the trunk whatever they trace.
     untraced = [n for n in nodes if _has_trainable_weights(n.operation)]
     try:
         # On another backend, calls that cannot run in TensorFlow go to
@@ -268,8 +225,7 @@ def plan_model(model, boundary_layer=None, smart_stage=True, backend=None):
             skip=untraced,
         )
     except TraceError as e:
-        # A tensorflow-io op that cannot load fails every later trace too:
-        # say which TensorFlow it needs now, not after a confusing error.
+        # A tensorflow-io op that cannot load fails every later trace too.
         tfio_message = explain_tfio_error(e.error)
         if tfio_message is not None:
             raise ImportError(
@@ -296,9 +252,8 @@ def plan_model(model, boundary_layer=None, smart_stage=True, backend=None):
             variables = getattr(layer, "variables", None) or []
             changing |= {id(v) for v in variables if id(v) not in seeds}
 
-    # Staging a node can put one of its outputs on the cut; an output that
-    # cannot cross the stage sends its node back to the trunk, and the
-    # plan is made again (each round moves at least one node).
+    # An output on the cut that cannot cross the stage sends its node back
+    # to the trunk, and the plan is made again.
     held = {}
     assign = functools.partial(
         _assign, graph, nodes, accesses, boundary_layer, changing, seeds
@@ -324,8 +279,8 @@ def plan_model(model, boundary_layer=None, smart_stage=True, backend=None):
 
     plan = StagePlan(
         model.name,
-        _names(n.operation.name for n in staged_nodes),
-        _names(n.operation.name for n in trunk_nodes),
+        list(dict.fromkeys(n.operation.name for n in staged_nodes)),
+        list(dict.fromkeys(n.operation.name for n in trunk_nodes)),
         reasons,
         [_boundary_tensor(t, specs, names) for t in cut],
         automatic=boundary_layer is None,
@@ -368,9 +323,8 @@ def _assign(
 ):
     """Splits `nodes` into staged and trunk, producers first.
 
-    `held` maps nodes kept in the trunk for their outputs to the reason.
-    Returns the staged nodes, the trunk nodes, the reason for each trunk
-    layer and the ids of the tensors available in the stage.
+    `held` maps nodes kept in the trunk to the reason. Returns the staged
+    and trunk nodes, the reasons, and the ids of the staged tensors.
     """
     available = {id(t) for t in graph.inputs}
     producer = {}
@@ -383,9 +337,7 @@ def _assign(
         if access is None and _has_trainable_weights(layer):
             reason = "has trainable weights"
         elif access is None:
-            # Not traced: it needs a call with trainable weights or one
-            # that failed (`keep_going`), or nothing connects it to the
-            # inputs.
+            # Not traced: it needs a trunk call or is not connected.
             reason = "is not connected to the model inputs"
             for t in inputs:
                 if id(t) not in available and id(t) in producer:
@@ -435,9 +387,6 @@ def _uncrossable(cut, staged_nodes, accesses, boundary_layer):
             continue
         _, outputs = _compat.node_inputs(node)
         access = accesses[node]
-        # Keras masks need nothing here: a functional graph passes them
-        # as explicit tensors (the `mask` argument), which cross the cut
-        # like any other.
         for t, spec in zip(outputs, access.outputs, strict=True):
             if id(t) in on_cut and spec.shape.rank == 0:
                 # The stage hands the trunk batches.
@@ -456,11 +405,8 @@ def _boundary_tensor(tensor, specs, names):
 
 
 class _Candidate:
-    """A cut along the staged prefix: after its first `count` staged calls.
-
-    `label` names the last of them (None for the model inputs); `size` is
-    the bytes per example crossing the cut, or None if not static.
-    """
+    """A cut after the first `count` staged calls: `label` names the last
+    (None: the model inputs), `size` is its bytes per example (or None)."""
 
     def __init__(self, label, size, count):
         self.label = label
@@ -478,9 +424,8 @@ def _candidate_cuts(
 ):
     """The valid cuts after each staged call, shortest prefix first.
 
-    Returns `(candidates, ordered)`: `ordered` lists the staged nodes in
-    the order the prefixes grow (the `StagedInput` first: it marks where
-    the stage starts, so every prefix keeps it).
+    Returns `(candidates, ordered)`: the staged nodes in the order the
+    prefixes grow, the `StagedInput` first.
     """
     base = [n for n in staged_nodes if n.operation is boundary_layer]
     ordered = base + [
@@ -488,8 +433,7 @@ def _candidate_cuts(
     ]
     candidates = []
     for count in range(len(base), len(ordered) + 1):
-        # A prefix of a topological order: every staged input of a prefix
-        # node is in the prefix too.
+        # A prefix of a topological order holds its nodes' staged inputs.
         prefix = set(ordered[:count])
         rest = [n for n in nodes if n not in prefix]
         available = {id(t) for t in graph.inputs}
@@ -564,12 +508,8 @@ def _choose_cut(candidates, smart_stage):
 
 
 def _as_input(value, tensor):
-    """`value` with the dtype and rank of the model input `tensor`.
-
-    What Keras's functional call does to its inputs: a numeric value is
-    cast to the input's dtype, and a trailing dimension of 1 is added or
-    dropped to match its rank.
-    """
+    """`value` with the dtype and rank of the model input `tensor`, as
+    Keras's functional call casts and expands or squeezes its inputs."""
     value = tf.convert_to_tensor(value) if not tf.is_tensor(value) else value
     rank = len(tensor.shape)
     if isinstance(value, tf.Tensor) and value.shape.rank is not None:
@@ -594,11 +534,10 @@ def _input_name(name, taken):
 
 
 def _state_slots(model):
-    """Where the layers of `model` hold tensors and TF resources directly.
+    """`(layer, attribute, value)` of tensors and resources layers hold.
 
-    A trace captures these by identity, and preprocessing layers swap them
-    when re-adapted or loaded. Returns `(layer, attribute, value)` triples
-    for `_slots_hold` to check cheaply on each staged call.
+    A trace captures these by identity; preprocessing layers swap them when
+    re-adapted or loaded (checked by `_slots_hold`).
     """
     found = []
     for layer in all_layers(model):
@@ -635,10 +574,7 @@ def _slots_hold(slots):
 def _takes_training(layer):
     """Whether `layer`'s own call can compute differently in training.
 
-    Whether its `call` takes `training`, save calls that only pass it on:
-    a functional or sequential model's (its layers are checked one by
-    one) and StagedInput's (which takes it only to warn a model that does
-    not stage, and passes its inputs on).
+    Models and StagedInput only pass `training` on.
     """
     passes_on = (_compat.keras_functional_class().call, keras.Sequential.call)
     if isinstance(layer, StagedInput) or type(layer).call in passes_on:
@@ -653,9 +589,8 @@ class StageSplit:
         prefix: A functional model from the model inputs to the cut
             tensors (a list), built on the user's own layers.
         trunk: A functional model from the cut tensors to the model
-            outputs, built by calling the user's trunk layers again on new
-            inputs: it shares their weights, so training it trains the
-            model.
+            outputs, calling the user's trunk layers again: training it
+            trains the model.
         seed_states: Seed-state variables of the staged random layers.
         backend: The backend of the model's steps (see `plan_model`).
     """
@@ -704,51 +639,32 @@ class StageSplit:
         self.trunk = keras.Model(
             trunk_inputs, outputs, name=f"{graph.name}_trunk"
         )
-        # Counts the elements entering a training stage (across epochs
-        # and fits), so each gets its own random seeds whatever thread
-        # runs it.
-        self._ordinal = (
-            tf.Variable(0, dtype=tf.int64, trainable=False)
-            if self.seed_states
-            else None
-        )
-        # Set when an iterator is restored (`DataBackup`); cleared as an
-        # element is numbered: still set, the restored iterator held no
-        # more of its source.
-        self.unnumbered = (
-            tf.Variable(False, trainable=False) if self.seed_states else None
-        )
+        # `_ordinal` counts the elements entering a training stage, so each
+        # gets its own seeds; `unnumbered` is set when an iterator is
+        # restored (`DataBackup`) and cleared as an element is numbered.
+        self._ordinal = self.unnumbered = None
+        if self.seed_states:
+            self._ordinal = tf.Variable(0, dtype=tf.int64, trainable=False)
+            self.unnumbered = tf.Variable(False, trainable=False)
         # Per training flag: (the state objects it was traced with, fn);
         # one for both where the flag changes nothing (`_trace_key`).
         self._stage_fns = {}
-        # Whether no staged layer's call takes `training` (see
-        # `_trace_key`), found when first needed.
-        self._training_free = None
-        # Seconds spent tracing the staged computation so far.
+        self._training_free = None  # see `_trace_key`
         self.trace_seconds = 0.0
 
     @property
     def ordinal(self):
         """The count of elements numbered so far (a `tf.Variable`), or None.
 
-        Saved with the iterator by `DataBackup`: a restored iterator's
-        count goes on in the scan `number` makes, and this carries it to
-        the iterators after.
+        Carries the count from one iterator to the next (see `number`).
         """
         return self._ordinal
 
     def number(self, dataset, writes=True):
-        """Tags each element with its ordinal, in order, if seeds need it.
+        """Tags each element with its ordinal, in data order, if seeds need it.
 
-        A sequential scan before the stage: the ordinal follows the data
-        order, not the threads', and goes on across iterators through
-        `ordinal`. Only a training stage's elements are numbered.
-
-        Args:
-            dataset: What the stage stages.
-            writes: Whether each element's ordinal is written to `ordinal`.
-                False for an iterator that runs on across epochs and calls
-                (it reads ahead of Keras, and sets `ordinal` itself).
+        `writes`: whether each element's ordinal is written to `ordinal`
+        (not for an iterator run across calls, which sets it itself).
         """
         if self._ordinal is None:
             return dataset
@@ -759,9 +675,7 @@ class StageSplit:
             if not isinstance(element, tuple):
                 element = (element,)
             started, last = count
-            # The first element reads where earlier iterators stopped; then
-            # the scan's own state counts, which an iterator checkpoint
-            # saves (`DataBackup`).
+            # The first element reads where earlier iterators stopped.
             n = tf.cond(started, lambda: last, ordinal.read_value) + 1
             if not writes:
                 return (True, n), (n, element)
@@ -774,22 +688,18 @@ class StageSplit:
     def stage_fn(self, training):
         """The staged computation of one element of a `number`ed dataset.
 
-        The element is Keras's `(x,)`, `(x, y)`, `(x, y, sample_weight)` or
-        a bare `x`; `x` is replaced by the cut tensors.
-
-        A `tf.function` kept across calls, traced afresh when a staged
-        layer holds new state objects (a re-adapted lookup's new table).
+        Replaces `x` of Keras's `(x, y, sample_weight)` (or a bare `x`) by
+        the cut tensors. Traced afresh when a staged layer holds new state
+        objects (a re-adapted lookup's new table).
         """
         key = self._trace_key(training)
         cached = self._stage_fns.get(key)
         if cached is not None and _slots_hold(cached[0]):
             return cached[1]
         state = _state_slots(self.prefix)
-        # Without autograph, as Keras traces its own steps.
         element_fn = self._element_fn(training)
 
         def traced(element):
-            # Runs only while tracing: what a first stage build pays once.
             started = time.perf_counter()
             try:
                 return element_fn(element)
@@ -801,19 +711,11 @@ class StageSplit:
         return fn
 
     def traced(self, training):
-        """Whether `stage_fn(training)` has a trace kept from earlier calls.
-
-        A staged layer holding new state objects since makes the next
-        `stage_fn` trace afresh all the same.
-        """
+        """Whether `stage_fn(training)` has a trace kept from earlier calls."""
         return self._trace_key(training) in self._stage_fns
 
     def _trace_key(self, training):
-        """The `_stage_fns` entry a stage of this `training` flag uses.
-
-        Where no staged layer's call takes `training` and none draws random
-        numbers, every stage of the model shares one trace.
-        """
+        """The `_stage_fns` key: one for both flags if neither matters."""
         if self._training_free is None:
             self._training_free = self._ordinal is None and not any(
                 _takes_training(layer) for layer in all_layers(self.prefix)
@@ -857,10 +759,8 @@ class StageSplit:
     def _run_prefix(self, x, training):
         """The cut tensors of `x`: the prefix model's call, in TensorFlow.
 
-        On the TensorFlow backend that is the prefix model itself. Another
-        backend's Keras would convert the graph tensors to its own arrays
-        at each call, so the prefix's calls are made one by one, as
-        tf.data runs Keras's preprocessing layers on any backend.
+        Another backend's Keras would convert graph tensors to its own
+        arrays, so there the prefix's calls are made one by one.
         """
         prefix = self.prefix
         if self.backend.native_tf:
@@ -886,10 +786,8 @@ class StageSplit:
     def _seeded(self, ordinal):
         """A scope giving each staged seed state the element's own seeds.
 
-        Each state folded with the element's ordinal. Given as the scope's
-        updates: its `state_mapping` argument converts the values with the
-        backend's arrays, and on JAX these are TensorFlow graph tensors (the
-        staged layers' TensorFlow seed generators, see `seed_states`).
+        Each state is folded with the ordinal and given as a scope update
+        (`state_mapping` would convert the graph tensors to JAX arrays).
         """
         scope = keras.StatelessScope()
         for state in self.seed_states:

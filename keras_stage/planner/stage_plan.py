@@ -1,10 +1,7 @@
 """`StagePlan`: what SmartStage stages in a model, and why the rest is not.
 
-This module owns the plan as users see it: the staged and trunk layers in
-topological order, a reason for every trunk layer, the tensors that cross
-the cut, the cuts the planner weighed and why it chose its own, and the
-table `Model.stage_summary()` prints. It computes nothing; `planner.py`
-fills it in.
+The plan as users see it, and the table `Model.stage_summary()` prints;
+`planner.py` fills it in.
 """
 
 import math
@@ -15,17 +12,13 @@ class BoundaryTensor:
     """A tensor that crosses the cut, from the stage to the trunk.
 
     Attributes:
-        name: The producing layer's name (with `[i]` for the i-th output of
-            a multi-output layer, `@k` for its k-th call), or the model
-            input's name.
-        dtype: The dtype's name, from a trace (e.g. `"string"`, `"int64"`).
-        shape: The shape, a tuple with `None` for unknown dimensions; the
-            first is the batch.
+        name: The producing layer's name (`[i]` for its i-th output, `@k`
+            for its k-th call), or the model input's name.
+        dtype: The dtype's name, from a trace (e.g. `"int64"`).
+        shape: The shape, a tuple (`None`: unknown); the first is the batch.
         kind: `"dense"`, `"sparse"` or `"ragged"`.
-        bytes_per_example: Bytes of one example when its shape is static
-            and dense and the dtype has a fixed size, else `None`.
-        bytes_per_batch: `bytes_per_example` times the batch size, when
-            the batch size is static too, else `None`.
+        bytes_per_example: Bytes of one example, or `None` if not static.
+        bytes_per_batch: Bytes of one batch, or `None` if not static.
     """
 
     def __init__(self, name, dtype, shape, kind="dense"):
@@ -80,10 +73,8 @@ class StagePlan:
     """Which layers of a model SmartStage runs in the stage, and why not.
 
     Returned by `keras_stage.Model.get_stage_plan()`. The staged layers run
-    inside the staging pipeline during fit/evaluate/predict (parallel,
-    buffered, ahead of the train step); the trunk layers run in the train
-    step. A layer called on both sides of the cut (a shared layer) is in
-    both lists.
+    in the staging pipeline, the trunk layers in the train step; a shared
+    layer called on both sides is in both lists.
 
     Attributes:
         model_name: The planned model's name.
@@ -93,20 +84,15 @@ class StagePlan:
         reasons: For every trunk layer, a short reason it is not staged.
         boundary: The `BoundaryTensor`s crossing the cut, in the order the
             stage hands them to the trunk.
-        automatic: Whether the stage starts at the model inputs because
-            the model has no `StagedInput`.
-        note: Why nothing could be planned (a subclassed model), or `""`.
+        automatic: Whether the model has no `StagedInput`.
+        note: Why nothing could be planned, or `""`.
         layer_types: The class name of every planned layer, by name.
-        cut_reason: Why the cut is where it is, or `""` when nothing could
-            be planned.
+        cut_reason: Why the cut is where it is, or `""`.
         candidate_cuts: The cuts the planner weighed, in topological
-            order: `(after_layer_name, bytes_per_example)` for the cut
-            after each staged call of the longest prefix (`@k` for a
-            layer's k-th call). The first is the stage's input: after the
-            `StagedInput`, or `None` for the model inputs. Sizes are `None`
-            when not static (strings, unknown dimensions). Cuts the stage
-            cannot hand over (a tensor without batch dimension) are left
-            out.
+            order: `(after_layer_name, bytes_per_example)` after each staged
+            call of the longest prefix; the first name is the `StagedInput`,
+            or `None` for the model inputs. Sizes are `None` when not
+            static.
 
     Example:
 
@@ -252,11 +238,7 @@ def _render(plan, width):
     where_width = 7
     reason_width = max(20, width - layer_width - where_width - 2)
     rows = []
-    seen = []
-    for name in plan.staged_layers + plan.trunk_layers:
-        if name not in seen:
-            seen.append(name)
-    for name in seen:
+    for name in dict.fromkeys(plan.staged_layers + plan.trunk_layers):
         staged = name in plan.staged_layers
         trunk = name in plan.trunk_layers
         where = "both" if staged and trunk else "stage" if staged else "trunk"

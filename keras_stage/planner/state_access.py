@@ -1,18 +1,10 @@
 """Which state each layer call of a functional model reads and writes.
 
-This module owns the evidence the planner decides on. It traces the call
-nodes it is given (the planner leaves out those that cannot be staged
-anyway) once, in training mode, inside one `tf.function`, and reads the
-resulting graph: each captured resource a node's ops touch is mapped back
-to the Keras variable (or lookup table) it belongs to, and each use is
-classified as a read or a write by the op that makes it, following
-resources into nested functions (`tf.cond`, `tf.while_loop`, inner
-`tf.function`s). Anything it cannot classify counts as a write, so the
-planner errs towards the trunk.
-
-The same trace gives the true dtype and shape of every tensor, which the
-symbolic KerasTensors do not always have (a Lambda returning strings or
-int64 is labelled float32).
+The call nodes are traced once, in training mode, in one `tf.function`;
+each captured resource their ops touch is mapped back to its Keras variable
+(or lookup table) and each use classified as a read or a write, following
+nested functions. Anything unclassified counts as a write. The trace also
+gives every tensor's true dtype and shape.
 """
 
 import inspect
@@ -38,8 +30,7 @@ _READ_OPS = frozenset(
 )
 # Ops that pass a resource through unchanged.
 _FORWARD_OPS = frozenset({"Identity", "IdentityN"})
-# Lookup-table ops: a resource used only by these is a table, not a
-# variable.
+# A resource used only by these is a table, not a variable.
 _TABLE_OPS = frozenset(
     {
         "LookupTableFindV2",
@@ -50,8 +41,7 @@ _TABLE_OPS = frozenset(
         "LookupTableImportV2",
     }
 )
-# Ops calling functions, and where the function arguments start among
-# the op's inputs.
+# Ops calling functions: where the function arguments start.
 _CALL_OPS = {
     "PartitionedCall": 0,
     "StatefulPartitionedCall": 0,
@@ -86,14 +76,10 @@ class NodeAccess:
         writes: Keras variables the call assigns.
         table_writes: Whether it modifies a lookup table.
         foreign: `(kind, op_type)` for each captured resource that is no
-            Keras variable of the model ("variable" for a raw
-            `tf.Variable`, "table" for a lookup table), when used in a
-            way that could see training's changes.
+            Keras variable of the model.
         adds_loss: Whether the call added a loss.
-        outputs: The traced output tensors (`tf.TypeSpec`s), aligned with
-            the node's outputs.
-        failure: The `TraceError` of a call that could not run in the
-            trace (traced with `keep_going`), or None.
+        outputs: The `tf.TypeSpec`s of the node's outputs.
+        failure: The `TraceError` of a failed call (`keep_going`), or None.
     """
 
     def __init__(self):
@@ -104,10 +90,6 @@ class NodeAccess:
         self.adds_loss = False
         self.outputs = []
         self.failure = None
-
-
-def _spec(value):
-    return tf.type_spec_from_value(value)
 
 
 def _input_spec(tensor):
@@ -130,11 +112,7 @@ def accepts_training(layer):
 
 
 def _variable_handles(model):
-    """`id(resource handle)` -> Keras variable, for every model variable.
-
-    And for the seed states of the layers' TensorFlow seed generators on
-    another backend, which are no model variables (see `seed_states`).
-    """
+    """`id(resource handle)` -> Keras variable, seed states included."""
     handles = {}
     for variable in list(model.variables) + seed_states(model):
         value = getattr(variable, "value", None)
@@ -142,18 +120,6 @@ def _variable_handles(model):
         if handle is not None:
             handles[id(handle)] = variable
     return handles
-
-
-class _Library:
-    """The function definitions of a traced graph, by name."""
-
-    def __init__(self, graph):
-        self._functions = {
-            f.signature.name: f for f in graph.as_graph_def().library.function
-        }
-
-    def get(self, name):
-        return self._functions.get(name)
 
 
 def _called_functions(node_def):
@@ -175,8 +141,7 @@ def _classify_in_function(library, name, arg_index, depth, uses):
     if arg_index >= len(fdef.signature.input_arg):
         return
     refs = {fdef.signature.input_arg[arg_index].name}
-    # Nodes are listed in no particular order: sweep until no new
-    # forwarded reference appears.
+    # Nodes are in no particular order: sweep until nothing new is found.
     seen = set()
     changed = True
     while changed:
@@ -218,8 +183,7 @@ def _classify_call(library, node_def, positions, depth, uses):
 def _classify_op(op_type):
     if op_type in _READ_OPS:
         return ("read", op_type)
-    # Assign*, ResourceApply*, ResourceScatter*, table inserts and any op
-    # this module does not know: a write, to be safe.
+    # Any other op is a write, to be safe.
     return ("write", op_type)
 
 
@@ -241,22 +205,14 @@ def _resource_uses(op_consumers, library, tensor, depth=0):
 def trace_access(model, nodes, keep_going=False, skip=()):
     """Traces `nodes` of `model` in training mode; returns their access.
 
-    Args:
-        model: A built functional model.
-        nodes: Its call nodes, producers first (`_compat.functional_nodes`).
-        keep_going: On a call that fails, record the failure in its
-            `NodeAccess` and trace on (the calls that need its outputs
-            get no access) instead of raising `TraceError`. On the JAX
-            backend only Keras's preprocessing layers (and layers of
-            TensorFlow ops) run in a TensorFlow graph, and the planner
-            stages those.
-        skip: Nodes not to call: they get no access, and neither do the
-            nodes that need their outputs.
+    `nodes`: its call nodes, producers first. `keep_going`: record a failed
+    call in its `NodeAccess` and trace on instead of raising `TraceError`.
+    `skip`: nodes not to call. Calls needing the outputs of either get no
+    access.
 
     Returns:
-        A dict `node -> NodeAccess` for the nodes traced, and a dict
-        `id(KerasTensor) -> tf.TypeSpec` for every tensor they made (and
-        the model inputs).
+        `{node: NodeAccess}` for the nodes traced, and
+        `{id(KerasTensor): tf.TypeSpec}` for the tensors they made.
     """
     skip = set(skip)
     model_inputs = list(model.inputs)
@@ -269,7 +225,7 @@ def trace_access(model, nodes, keep_going=False, skip=()):
         graph = tf.compat.v1.get_default_graph()
         values = {id(t): v for t, v in zip(model_inputs, flat, strict=True)}
         for t, v in zip(model_inputs, flat, strict=True):
-            tensor_specs[id(t)] = _spec(v)
+            tensor_specs[id(t)] = tf.type_spec_from_value(v)
         for node in nodes:
             inputs, outputs = _compat.node_inputs(node)
             if node in skip or any(id(t) not in values for t in inputs):
@@ -293,30 +249,30 @@ def trace_access(model, nodes, keep_going=False, skip=()):
                 break
             access = NodeAccess()
             access.adds_loss = bool(getattr(layer, "losses", None)) and any(
-                _is_graph_tensor(loss, graph) for loss in layer.losses
+                getattr(loss, "graph", None) is graph for loss in layer.losses
             )
             for t, v in zip(outputs, out, strict=True):
                 values[id(t)] = v
-                tensor_specs[id(t)] = _spec(v)
-                access.outputs.append(_spec(v))
+                tensor_specs[id(t)] = tf.type_spec_from_value(v)
+                access.outputs.append(tensor_specs[id(t)])
             accesses[node] = access
             node_ops[node] = graph.get_operations()[first:]
         return tf.constant(0)
 
     failures = []
-    # AutoGraph off, as in Keras's own compiled steps (their step function
-    # is `do_not_convert`): layer calls are Python over tensors, and
-    # converting each of them is most of a trace's time.
+    # AutoGraph off, as in Keras's own compiled steps.
     traced = tf.function(walk, autograph=False)
     graph = traced.get_concrete_function(*specs).graph
-    if failures:
-        _clear_trace_losses(nodes)
-        raise failures[0]
     _clear_trace_losses(nodes)
+    if failures:
+        raise failures[0]
 
     handles = _variable_handles(model)
     internal_to_external = {id(i): e for e, i in graph.captures}
-    library = _Library(graph)
+    # The function definitions of the traced graph, by name.
+    library = {
+        f.signature.name: f for f in graph.as_graph_def().library.function
+    }
     consumers = {}
     for op in graph.get_operations():
         for t in op.inputs:
@@ -350,20 +306,14 @@ def trace_access(model, nodes, keep_going=False, skip=()):
             if op_types <= _TABLE_OPS:
                 if "write" in kinds:
                     access.table_writes = True
-                # A table only read: fixed during fit (the vocabulary of a
-                # lookup layer).
-                continue
+                continue  # a table only read is fixed during fit
             access.foreign.append(("variable", sorted(op_types)[0]))
     return accesses, tensor_specs
 
 
 def run_node(node, values, **kwargs):
-    """Calls a node's layer on traced values; a `StagedInput` passes them.
-
-    The stage boundary is an identity, and calling it would make Keras
-    convert TensorFlow graph tensors to the backend's arrays, which fails
-    on a backend other than TensorFlow.
-    """
+    """Calls a node's layer on traced values; a `StagedInput` passes them
+    (calling it would convert graph tensors to another backend's arrays)."""
     if isinstance(node.operation, StagedInput):
         inputs, _ = _compat.node_inputs(node)
         return [values[id(t)] for t in inputs]
@@ -372,10 +322,6 @@ def run_node(node, values, **kwargs):
 
 def _has(variables, variable):
     return any(v is variable for v in variables)
-
-
-def _is_graph_tensor(value, graph):
-    return getattr(value, "graph", None) is graph
 
 
 def _resources_used(ops, graph):
@@ -390,12 +336,7 @@ def _resources_used(ops, graph):
 
 
 def _clear_trace_losses(nodes):
-    """Drops the graph losses the trace left on the traced layers.
-
-    A layer keeps the losses of its last call until its next outermost
-    call; ours belong to a graph that is gone and must not reach
-    `model.losses`.
-    """
+    """Drops the trace's graph losses, which must not reach `model.losses`."""
     for node in nodes:
         layer = node.operation
         if isinstance(layer, keras.layers.Layer) and layer.losses:
@@ -414,8 +355,6 @@ def seed_states(model):
             for item in value if isinstance(value, (list, tuple)) else [value]:
                 if isinstance(item, keras.random.SeedGenerator):
                     states.append(item.state)
-        # On a backend other than TensorFlow, the TensorFlow generators a
-        # traced call made (see `_compat.backend_seed_generators`).
         states.extend(g.state for g in _compat.backend_seed_generators(layer))
     return states
 
