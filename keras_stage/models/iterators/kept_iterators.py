@@ -272,11 +272,7 @@ class LongLivedIterator:
     def next_epoch_reads_on(self):
         """Whether the next epoch reads on from the real iterator (so a
         pool resized for it makes an iterator the call would not make)."""
-        return (
-            self._iterator is not None
-            and self.restartable
-            and (self._segment_end is None or self.epoch < self._segment_end)
-        )
+        return self._iterator is not None and self.restartable
 
     def _end_segment(self):
         """Reads the real iterator to its end (`stop`), then drops it.
@@ -663,18 +659,18 @@ class LongLivedEpochs:
         )
 
 
-def _opened(dataset):
-    """An empty dataset that makes (and drops) an unread iterator of
-    `dataset` (`choose_from_datasets` with an empty selector)."""
-    return tf.data.Dataset.choose_from_datasets(
+def one_pass(dataset, opens=0):
+    """One pass of `dataset`, then `opens` (0 or 1) unread iterators of it.
+
+    `choose_from_datasets` with an empty selector makes (and drops) an
+    iterator of `dataset`, reading nothing from it.
+    """
+    if not opens:
+        return dataset
+    unread = tf.data.Dataset.choose_from_datasets(
         [dataset], tf.data.Dataset.range(0)
     )
-
-
-def one_pass(dataset, opens=0):
-    """One pass of `dataset`, then `opens` (0 or 1) unread iterators of it."""
-    # `concatenate` keeps `dataset`'s options.
-    return dataset.concatenate(_opened(dataset)) if opens else dataset
+    return dataset.concatenate(unread)  # it keeps `dataset`'s options
 
 
 def _unconverted(fn):
