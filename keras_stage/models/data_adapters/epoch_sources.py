@@ -67,13 +67,10 @@ class EpochSource:
     """One epoch of a call's data, from its input type's `epoch_source`.
 
     Args:
-        dataset: What the stage stages: one epoch as Keras would iterate
-            it, or its row-index batches where `gather` is given.
+        dataset: One epoch as Keras would iterate it, or its row-index
+            batches where `gather` (an `ArrayBatches`) is given.
         arrays: `(x, y, sample_weight)` of in-memory arrays, else None.
-        gather: The `ArrayBatches` a stage with work of its own gathers
-            from in its own map, or None.
-        keeps: Whether the model may keep its stage for later calls on the
-            same object (a user's `tf.data.Dataset`).
+        keeps: Whether the model may keep its stage for later calls.
         long_lived: Whether its epochs may run on one iterator.
     """
 

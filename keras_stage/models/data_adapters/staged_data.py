@@ -131,11 +131,9 @@ class StageCosts:
     """A call's record of what its stage costs (see `calls.staged_data`).
 
     Args:
-        cost_phase: The phase the costs are noted for. Defaults to `None`.
-        on_iterator: Told the seconds each iterator of the stage took to
-            make. Defaults to `None`.
-        step_clock: The list the step's host times go to (seconds per
-            batch), or None. Defaults to `None`.
+        cost_phase: The phase the costs are noted for, or None.
+        on_iterator: Told the seconds each iterator took to make, or None.
+        step_clock: The list the step's host times go to, or None.
     """
 
     def __init__(self, cost_phase=None, on_iterator=None, step_clock=None):

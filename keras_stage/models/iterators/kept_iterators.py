@@ -102,11 +102,6 @@ def _finish_releases():
     wait_at_exit(thread.join for thread in list(_releases))
 
 
-def _exiting():
-    """Whether the interpreter's exit has begun (its main thread ended)."""
-    return sys.is_finalizing() or not threading.main_thread().is_alive()
-
-
 def release(held):
     """Empties the list `held` on a daemon thread: its teardown may block.
 
@@ -119,7 +114,7 @@ def release(held):
     Returns:
         The thread (tests join it), or None when emptied in place.
     """
-    if _exiting():
+    if sys.is_finalizing() or not threading.main_thread().is_alive():
         held.clear()
         return None
     thread = threading.Thread(
@@ -155,13 +150,9 @@ def _close_running_on():
 class LongLivedIterator:
     """The one real iterator of a pipeline spanning a call's epochs.
 
-    Args:
-        pipeline: The long-lived pipeline (`plan.epochs` epochs).
-        plan: Its `LongLivedEpochs`: Keras may read fewer epochs, never
-            more (None: as many as Keras reads, a source of free passes).
-        made: `made(seconds)`, told how long each real iterator took.
-        pool: The stage's `StagePool`, or None.
-        name: The stage's name, for messages.
+    `plan`: the pipeline's `LongLivedEpochs` (Keras may read fewer epochs,
+    never more). `made(seconds)` is told how long each real iterator took;
+    `pool`: the stage's `StagePool`, or None; `name`: the stage's.
     """
 
     def __init__(self, pipeline, plan, made, pool=None, name="stage"):
@@ -508,10 +499,7 @@ class CallIterators:
 
     def eager_dataset(self):
         """What Keras reads in Python (predict; every phase on JAX)."""
-        data = self._data
-        if self.plan is not None:
-            return self._epochs(data.staged)
-        return DeferredPipeline(data.staged, data._made, defer=data.defers)
+        return self._per_epoch(self._data.staged)
 
     def compiled_dataset(self):
         """What the compiled step iterates."""
@@ -527,13 +515,14 @@ class CallIterators:
                     pipeline.element_spec,
                 )
             return distributed
-        if self.plan is not None:
-            return self._epochs(pipeline)
-        return DeferredPipeline(pipeline, data._made, defer=data.defers)
+        return self._per_epoch(pipeline)
 
-    def _epochs(self, pipeline):
-        """The `EpochPipeline` of the call's one iterator of `pipeline`."""
-        return self._shared_iterator(pipeline).epoch_pipeline(pipeline)
+    def _per_epoch(self, pipeline):
+        """`pipeline`'s epochs: on the call's one iterator, or deferred."""
+        if self.plan is not None:
+            return self._shared_iterator(pipeline).epoch_pipeline(pipeline)
+        data = self._data
+        return DeferredPipeline(pipeline, data._made, defer=data.defers)
 
     def _shared_iterator(self, pipeline):
         """The call's `LongLivedIterator` of `pipeline`."""
@@ -605,13 +594,9 @@ class LongLivedEpochs:
     """How a stage runs a call's epochs on one iterator.
 
     Attributes:
-        epochs: The epochs its source spans (Keras reads at most these).
-        batches: The batches of one epoch.
-        steps_per_execution: The batches of one call of the compiled step.
-        start: The source's first-epoch variable when its epochs can start
-            on a new iterator (see `LongLivedIterator`), else None.
-        stop: The source's end-epoch variable when its first epoch reads
-            an iterator of its own, else None.
+        epochs: The epochs its source spans (None: as many as are read).
+        start, stop: The source's first- and end-epoch variables (see
+            `long_lived_source`), or None.
         opens: The unread iterators of the source each pass makes.
         source: The long-lived source (built when first read).
         ordinal: The staged random layers' count of numbered elements
@@ -733,14 +718,11 @@ class FedSource:
         )
 
     def feed(self, dataset, passes, opens=0):
-        """Feeds `passes` passes of `dataset`, read after those fed before.
-
-        `opens`: the unread iterators of `dataset` plain Keras makes after
-        each pass it reads (see `long_lived_source`).
+        """Feeds `passes` passes of `dataset` (each followed by `opens`
+        unread iterators), read after those fed before.
 
         Raises:
-            RuntimeError: the passes fed before are not all read yet (the
-                queue is full: feeding would wait for ever).
+            RuntimeError: the passes fed before are not all read yet.
         """
         if self.closed or int(self._queue.size()) >= _FED_CAPACITY:
             raise RuntimeError(
@@ -773,9 +755,8 @@ TEARDOWN_WAIT_SECONDS = 5.0
 class KeptStage:
     """A stage a model keeps for its later calls on the same dataset.
 
-    See `stage_data(kept=...)`. What the stage depends on is held, not only
-    its id, which a new object could take. `in_use` while a call runs it: a
-    call nested in it builds its own.
+    What the stage depends on is held, not only its id, which a new object
+    could take. `in_use` while a call runs it.
     """
 
     def __init__(
@@ -913,33 +894,26 @@ class KeptStage:
 VARIABLES_COMPARED_BYTES = 2**20
 
 
-def _variables_of(split):
-    """`(variables, read)` of `split`'s staged layers (kept per split), or
-    None when over `VARIABLES_COMPARED_BYTES`; `read()` returns values."""
-    if split is None:
-        return (), tuple
-    cached = _split_variables.get(split, False)
-    if cached is not False:
-        return cached
-    variables = tuple(split.prefix.variables)
-    size = sum(
-        tf.TensorShape(v.shape).num_elements() * tf.as_dtype(v.dtype).size
-        for v in variables
-    )
-    found = None
-    if size <= VARIABLES_COMPARED_BYTES:
-        found = variables, split.backend.variable_reader(variables)
-    _split_variables[split] = found
-    return found
-
-
-_split_variables = weakref.WeakKeyDictionary()
-
-
 def variable_values(split):
-    """The values of `split`'s staged layers' variables, or None."""
-    found = _variables_of(split)
-    return None if found is None else found[1]()
+    """The values of `split`'s staged layers' variables as NumPy arrays, or
+    None when over `VARIABLES_COMPARED_BYTES` (the reader kept per split)."""
+    if split is None:
+        return ()
+    read = _split_readers.get(split, False)
+    if read is False:
+        variables = tuple(split.prefix.variables)
+        size = sum(
+            tf.TensorShape(v.shape).num_elements() * tf.as_dtype(v.dtype).size
+            for v in variables
+        )
+        read = None
+        if size <= VARIABLES_COMPARED_BYTES:
+            read = split.backend.variable_reader(variables)
+        _split_readers[split] = read
+    return None if read is None else read()
+
+
+_split_readers = weakref.WeakKeyDictionary()
 
 
 def _same_values(before, now):
@@ -996,10 +970,9 @@ def carries(kept, role, x):
 def kept_stage(kept, role, wanted, split=None):
     """The kept stage a call of `role` runs: an earlier one, or `wanted`.
 
-    `kept`: the model's kept stages by role (updated here); `wanted`: the
-    `KeptStage` the call would build. None where the call builds a stage
-    of its own, not kept: a call nested in the one running the role's
-    stage, or one whose earlier iterator is still being torn down.
+    `kept`: the model's kept stages by role (updated here). None where the
+    call builds a stage of its own (nested in the one running the role's
+    stage, or its earlier iterator still torn down).
     """
     earlier = earlier_stage(kept, role)
     entry = wanted
