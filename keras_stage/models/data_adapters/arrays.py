@@ -1,15 +1,9 @@
 """The batches of in-memory arrays, in Keras's order, at a gather's cost.
 
-Keras's array adapter (`fit(x=arrays)`) makes a batch by zipping its index
-batch with a dataset whose one element holds all the arrays, then gathering
-the rows. The whole arrays pass through that map's function at every batch,
-and for string columns that costs more than the gather itself (and more
-than `from_tensor_slices(...).batch(...)`; docs/engine.md has the figures).
-So a stage over arrays reads
-the batches Keras's adapter would give, in the order it would give them
-(its own index batches), gathered from the arrays its function holds.
-`in_memory` says which data is such arrays, and `batch_count` how many
-batches a call on them reads.
+Keras's array adapter passes the whole arrays through its map's function at
+every batch, which for string columns costs more than the gather itself. A
+stage over arrays reads Keras's index batches, in Keras's order, gathered
+from the arrays its function holds.
 """
 
 import math
@@ -27,11 +21,7 @@ _KERAS_DEFAULT_BATCH_SIZE = 32
 
 
 def batch_count(x, batch_size, steps):
-    """The batch count of a call on in-memory arrays, or None.
-
-    None for data whose reading a stage may overlap (a dataset, generator
-    or PyDataset) or whose length is not known.
-    """
+    """The batch count of a call on in-memory arrays, or None."""
     if steps is not None:
         return steps if in_memory(x) else None
     if not in_memory(x):
@@ -60,8 +50,7 @@ def in_memory(x):
 
 
 def _is_tensor(value):
-    # Tensors of any backend: they have a shape and a dtype and are not
-    # datasets (a tf.data.Dataset has neither).
+    # Tensors of any backend (a tf.data.Dataset has neither).
     return hasattr(value, "shape") and hasattr(value, "dtype")
 
 
@@ -69,9 +58,8 @@ class ArrayBatches:
     """Keras's batches of in-memory arrays: index batches and a gather.
 
     The batches are `indices.map(gather)`. A stage with work of its own
-    (a SmartStage prefix) runs `gather` in its own map, on the index
-    batches: one map and one buffer fewer on every batch's path, and one
-    function fewer traced per call.
+    runs `gather` in its own map, on the index batches (one map and one
+    buffer fewer).
 
     Attributes:
         indices: The row indices of each batch, in the order Keras's
@@ -94,12 +82,7 @@ class ArrayBatches:
         )
 
     def dataset(self, indices=None):
-        """The gathered batches, as a dataset of their own.
-
-        Args:
-            indices: The index batches to gather (`indices` transformed,
-                e.g. with its cardinality asserted). Defaults to `indices`.
-        """
+        """The gathered batches of `indices` (defaults to `self.indices`)."""
         indices = self.indices if indices is None else indices
         dataset = indices.map(self.gather, num_parallel_calls=tf.data.AUTOTUNE)
         return dataset.prefetch(tf.data.AUTOTUNE)
@@ -124,8 +107,7 @@ class ArrayBatches:
                 (ordinal, batch if isinstance(batch, tuple) else (batch,))
             )
 
-        # The gather holds no control flow: a stage needs to convert this
-        # only to convert `fn` (see `staging.graph_ready`).
+        # The gather holds no control flow (see `staging.graph_ready`).
         gathered.keras_stage_graph_ready = graph_ready(fn)
         return gathered
 
@@ -133,11 +115,8 @@ class ArrayBatches:
 def array_batches(adapter, shuffle):
     """The `ArrayBatches` of `adapter`'s arrays, or None.
 
-    The same elements as `adapter.get_tf_dataset()` in the same order:
-    the arrays Keras would batch (class weights turned into sample
-    weights, floats cast to floatx), the index batches Keras draws (its
-    shuffle, seeded as Keras seeds it; without shuffling, consecutive
-    rows), the options Keras sets on its dataset.
+    The same elements as `adapter.get_tf_dataset()` in the same order, with
+    the options Keras sets on its dataset.
 
     Args:
         adapter: The Keras data adapter of a call's inputs.
@@ -155,9 +134,8 @@ def array_batches(adapter, shuffle):
     leaves = keras.tree.flatten(inputs)
     if not leaves or not all(_is_dense(leaf) for leaf in leaves):
         return None
-    # Converted once per call, as Keras's `from_tensors` would; a captured
-    # eager tensor is passed to the function by reference, not copied into
-    # its graph (a NumPy array would be, as a constant).
+    # A captured eager tensor is passed by reference, not copied into the
+    # graph as a NumPy array would be.
     inputs = keras.tree.map_structure(tf.convert_to_tensor, inputs)
     count = int(keras.tree.flatten(inputs)[0].shape[0])
     return ArrayBatches(_index_batches(adapter, shuffle, count), inputs)
@@ -167,9 +145,8 @@ def epoch_source(adapter, arrays, shuffle, gathers=False, served=False):
     """The `EpochSource` of arrays (and whatever else Keras's adapter takes).
 
     `arrays`: the call's `(x, y, sample_weight)`. `gathers`: whether the
-    stage has work of its own (a SmartStage prefix), which then gathers in
-    its own map from the index batches. `served`: on the tf.data service,
-    whose workers rebuild the dataset from its graph, Keras's own dataset.
+    stage gathers in its own map. `served`: on the tf.data service, Keras's
+    own dataset.
     """
     batches = None if served else array_batches(adapter, shuffle)
     if batches is None:
@@ -180,7 +157,6 @@ def epoch_source(adapter, arrays, shuffle, gathers=False, served=False):
         dataset = batches.dataset()
     held = in_memory(arrays[0])
     return EpochSource(
-        adapter,
         dataset,
         arrays=arrays if held else None,
         gather=batches if gathers else None,
@@ -196,8 +172,7 @@ def _is_dense(leaf):
 def _index_batches(adapter, shuffle, count):
     """The row indices of each batch, in the order Keras's adapter draws."""
     if shuffle:
-        # Keras's own shuffle, on the indices only: its permutation is drawn
-        # by the same ops with the same seeds as for the arrays.
+        # Keras's own shuffle, on the indices only (same ops, same seeds).
         order = _compat.get_data_adapter(
             x=np.arange(count, dtype=np.int64),
             y=None,
@@ -210,8 +185,7 @@ def _index_batches(adapter, shuffle, count):
         return order.get_tf_dataset()  # with the options Keras sets
     indices = tf.data.Dataset.range(count).batch(adapter.batch_size)
     options = tf.data.Options()
-    # What Keras sets on its array datasets: no static graph rewrites (their
-    # serialization costs more than they save here), sharded by element.
+    # What Keras sets on its array datasets.
     options.experimental_optimization.apply_default_optimizations = False
     options.experimental_distribute.auto_shard_policy = (
         tf.data.experimental.AutoShardPolicy.DATA

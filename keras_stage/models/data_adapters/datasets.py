@@ -1,14 +1,9 @@
 """A user's `tf.data.Dataset`: its epoch source, and what it tells before
 a call reads it.
 
-A call on a dataset that only slices, batches and shuffles tensors held in
-memory (`from_tensor_slices(...).shuffle(...).batch(...)`, as the keras.io
-examples build them) reads nothing a stage could overlap: like in-memory
-arrays, it gains only the staged computation of its batches, which
-`decision/calls.py` weighs against the stage's set-up. A dataset that runs
-functions of its own (a `map` that parses, an `interleave` that reads
-files), reads files or cannot be inspected is always staged: the stage
-overlaps that reading, whose cost is not measured.
+A dataset that only slices, batches and shuffles tensors in memory reads
+nothing a stage could overlap: like arrays, it gains only the staged
+computation, which `decision/calls.py` weighs against the stage's set-up.
 """
 
 import tensorflow as tf
@@ -40,22 +35,14 @@ _IN_MEMORY_KINDS = frozenset(
 
 
 def epoch_source(adapter):
-    """The `EpochSource` of a user's `tf.data.Dataset`, as Keras iterates it.
-
-    Its stage may be kept for the model's later calls on the same dataset
-    (see `kept_iterators.KeptStage`).
-    """
-    return epoch_sources.EpochSource(
-        adapter, adapter.get_tf_dataset(), keeps=True
-    )
+    """The `EpochSource` of a user's `tf.data.Dataset`, as Keras iterates it
+    (its stage may be kept for later calls on it)."""
+    return epoch_sources.EpochSource(adapter.get_tf_dataset(), keeps=True)
 
 
 def reads_memory_only(dataset):
-    """Whether every element of `dataset` comes from tensors in memory.
-
-    Built only from `_IN_MEMORY_KINDS`, with no function of its own: its
-    reading costs what slicing and batching cost, nothing to overlap.
-    """
+    """Whether every element of `dataset` comes from tensors in memory
+    (built only from `_IN_MEMORY_KINDS`, with no function of its own)."""
     facts = epoch_sources.inspect_source(dataset)
     return (
         facts.refusal is None
@@ -65,12 +52,8 @@ def reads_memory_only(dataset):
 
 
 def batch_count(dataset, steps):
-    """The batches a call reads from an in-memory `dataset`, or None.
-
-    None when the dataset reads more than memory (see `reads_memory_only`),
-    is a user's staged dataset, or has an unknown or infinite length
-    without `steps`.
-    """
+    """The batches a call reads from an in-memory `dataset`, or None (it
+    reads more than memory, is staged, or its length is not known)."""
     if isinstance(dataset, StagedDataset) or not reads_memory_only(dataset):
         return None
     count = cardinality(dataset)
@@ -82,11 +65,8 @@ def batch_count(dataset, steps):
 
 
 def cardinality(dataset):
-    """`int(dataset.cardinality())`, kept per dataset object.
-
-    A dataset's length does not change; asking runs an op, which a loop of
-    short calls on one dataset would otherwise pay on every call.
-    """
+    """`int(dataset.cardinality())`, kept per dataset object (asking runs
+    an op, which a loop of short calls would pay on every call)."""
     facts = epoch_sources.inspect_source(dataset)
     if facts.cardinality is None:
         facts.cardinality = int(dataset.cardinality())

@@ -1,37 +1,22 @@
 """One source for all the epochs of a call, in plain Keras's epoch orders.
 
-A stage that runs across epochs (see `models/iterators/kept_iterators.py`)
-reads one dataset spanning every epoch of the call:
+A stage that runs across epochs reads one dataset spanning them all:
 `range(epochs).flat_map` of the epoch's source. Plain Keras makes a new
 iterator of that source every epoch, and some sources draw differently from
-a new iterator than from the next pass of a running one. Measured on Keras
-3.15 / TF 2.21 (tests/models/data_adapters/epoch_sources_test.py keeps each
-fact checked):
+a new iterator than from the next pass of a running one
+(tests/models/data_adapters/epoch_sources_test.py checks each case):
 
-- State kept by a resource outlives iterators: a seeded
-  `shuffle(reshuffle_each_iteration=True)` (a global seed is enough) draws
-  a new seed from its seed generator at each iterator it makes, nested or
-  not. Plain Keras makes two iterators per epoch and reads the first
-  (`EpochIterator` makes the next one when an epoch ends and again when
-  the next begins); with `steps_per_epoch` it keeps its iterator across
-  epochs and makes one per pass. So plain's epoch k reads the (2k-1)-th
-  draw, or the k-th with `steps_per_epoch`, as do its validation runs
-  (two per run). The long-lived source makes the same iterators: each
-  pass opens and drops an unread iterator of the source after the one it
-  reads (`_opened`), where plain Keras does.
-- State kept by a kernel restarts with each iterator: a stateful random
-  op with a fixed seed (`tf.random.shuffle`, `tf.random.uniform` in a map
-  under a global seed) draws the same values in every fresh iterator, and
-  on in one that runs on. Keras's own shuffling of in-memory arrays is
-  such an op (`tf.random.shuffle` of the indices): under a global seed
-  plain Keras trains every epoch on the same permutation (and, with
-  `shuffle="batch"`, the same order within each batch). Without a seed
-  each iterator draws afresh, and so does each pass. A source of arrays
-  with a seeded shuffle therefore replays its first pass (`cache`) in
-  every later one; other sources with such ops are not run long-lived.
-- Python state (generators, `py_function`) and variables read or written
-  by the source can change between epochs in ways a pass read ahead
-  cannot follow; sources holding them are not run long-lived either.
+- A seeded `shuffle(reshuffle_each_iteration=True)` draws a new seed from
+  its seed generator at each iterator it makes. Plain Keras makes two
+  iterators per epoch and reads the first (one per pass with
+  `steps_per_epoch`): each long-lived pass makes the same unread iterator
+  after the one it reads (`one_pass`).
+- A stateful random op with a fixed seed (Keras's `tf.random.shuffle` of
+  array indices under a global seed) draws the same values in every fresh
+  iterator: a source of arrays then replays its first pass (`cache`);
+  other sources with such ops are not run long-lived.
+- Python state and variables can change between epochs in ways a pass read
+  ahead cannot follow: sources holding them are not run long-lived.
 """
 
 import re
@@ -42,8 +27,7 @@ import tensorflow as tf
 from keras_stage import _compat
 from keras_stage.models.iterators.kept_iterators import _unconverted, one_pass
 
-# A seeded replay keeps one epoch of the arrays in memory (a copy of them,
-# in batches); above this it is not worth the memory.
+# The most bytes of arrays a seeded replay keeps in memory (one epoch).
 REPLAY_LIMIT_BYTES = 256 * 2**20
 
 # Ops whose effect a pass run ahead of Keras's epoch could change: Python
@@ -75,9 +59,7 @@ _STATE_PREFIXES = (
 )
 # Datasets that hide what they are built on.
 _OPAQUE_DATASETS = frozenset({"_VariantDataset"})
-# Datasets that draw seeds from a seed generator for each iterator
-# (`shuffle`, `shuffle_and_repeat`, `Dataset.random`; `sample_from_datasets`
-# is built on the latter).
+# Datasets that draw seeds from a seed generator for each iterator.
 _DRAWING_DATASETS = re.compile("Shuffle|Random")
 
 
@@ -85,27 +67,16 @@ class EpochSource:
     """One epoch of a call's data, from its input type's `epoch_source`.
 
     Args:
-        adapter: Keras's data adapter of the call's data.
-        dataset: What the stage stages: one epoch as Keras would iterate
-            it, or its row-index batches where `gather` is given.
+        dataset: One epoch as Keras would iterate it, or its row-index
+            batches where `gather` (an `ArrayBatches`) is given.
         arrays: `(x, y, sample_weight)` of in-memory arrays, else None.
-        gather: The `ArrayBatches` a stage with work of its own gathers
-            from in its own map, or None.
-        keeps: Whether the model may keep its stage for later calls on the
-            same object (a user's `tf.data.Dataset`).
+        keeps: Whether the model may keep its stage for later calls.
         long_lived: Whether its epochs may run on one iterator.
     """
 
     def __init__(
-        self,
-        adapter,
-        dataset,
-        arrays=None,
-        gather=None,
-        keeps=False,
-        long_lived=True,
+        self, dataset, arrays=None, gather=None, keeps=False, long_lived=True
     ):
-        self.adapter = adapter
         self.dataset = dataset
         self.arrays = arrays
         self.gather = gather
@@ -122,23 +93,18 @@ class SourceFacts:
         kernel_seeded: Whether it holds a stateful random op with a fixed
             seed (it draws the same in every fresh iterator).
         iterator_draws: Whether making an iterator of it may change what
-            the next iterator reads: it holds a dataset that draws from a
-            resource when an iterator starts (a `shuffle` or `random`
-            dataset's seed generator), or it cannot be told (`refusal`).
+            the next iterator reads (a dataset drawing from a seed
+            generator), or it cannot be told (`refusal`).
         kinds: The class names of the datasets it is built on.
-        runs_functions: Whether any of them runs a traced function of its
-            own (a map, a filter, an interleave).
+        runs_functions: Whether any of them runs a traced function.
         seeded_draws: Whether a dataset that draws per iterator has a
             fixed seed (its orders follow the iterators made before).
         refusal: Why it cannot run long-lived at all, or None.
-        cardinality: Its `cardinality()` as an int once a call asked
-            (`datasets.cardinality`), else None.
+        cardinality: Its `cardinality()` once a call asked, else None.
     """
 
     def __init__(self):
         self.objects = set()
-        # The class names of the datasets it is built on, and whether any
-        # of them runs a function of its own (a map, a filter...).
         self.kinds = set()
         self.runs_functions = False
         self.kernel_seeded = False
@@ -153,14 +119,8 @@ class SourceFacts:
 
     @property
     def free_passes(self):
-        """Whether any pass of one iterator stands for a fresh iterator's.
-
-        Every pass reads what plain Keras's fresh iterator reads (nothing
-        drawn), or an order nobody can replay (a `shuffle` with no seed,
-        neither its own nor the global one), whatever iterators were made
-        before: so one iterator can run on across calls and start again
-        at any pass (see `long_lived_source(epochs=None)`).
-        """
+        """Whether any pass of one iterator stands for a fresh iterator's:
+        nothing drawn, or an order nobody can replay (an unseeded shuffle)."""
         return (
             self.refusal is None
             and not self.kernel_seeded
@@ -173,11 +133,7 @@ class SourceFacts:
 
 
 def inspect_source(dataset):
-    """The `SourceFacts` of `dataset`: its datasets and their functions.
-
-    Kept per dataset object (datasets do not change): a user's dataset
-    passed to every call is read once.
-    """
+    """The `SourceFacts` of `dataset`, kept per dataset object."""
     try:
         facts = _inspected.get(dataset)
     except TypeError:  # not weakly referable
@@ -271,21 +227,16 @@ def long_lived_source(
         dataset: One epoch's source.
         epochs: The passes, or None for as many as are read (a source
             whose passes are free, see `SourceFacts.free_passes`).
-        replay: Whether every pass replays the first (a source whose
-            kernels draw the same in every fresh iterator, see the module
-            docstring); the first is kept in memory.
+        replay: Whether every pass replays the first, kept in memory (a
+            source whose kernels draw the same in every fresh iterator).
         opens: Iterators of `dataset` plain Keras makes and does not read
             after each one it reads (0 or 1).
         start: A `tf.Variable` holding the first pass an iterator made from
-            now on reads, or None to always start at the first. Read when
-            an iterator reaches each pass, so an iterator made after it is
-            set starts there (see `LongLivedIterator`).
+            now on reads, or None to always start at the first.
         stop: With `start`, a `tf.Variable` holding the pass an iterator
             made from now on ends before, or None for `epochs`. Both are
-            then read once, when the iterator reads its first element: an
-            iterator that ends with its first pass must not open the next
-            (a pass of a drawing source takes a draw when it opens) however
-            late its threads get there.
+            then read once, when the iterator starts: one that ends with its
+            first pass must not open the next (which would take a draw).
 
     Returns:
         The long-lived dataset, with `dataset`'s options.
@@ -304,8 +255,7 @@ def long_lived_source(
             )
         )
     elif start is not None:
-        # A pass before `start` is taken empty: one traced function (the
-        # flat_map's), not a filter's too, which a first call pays.
+        # A pass before `start` is taken empty (no filter to trace).
         return passes.flat_map(
             _unconverted(
                 lambda k: epoch.take(

@@ -1,14 +1,9 @@
 """Python data sources that fail are named: which source, which batch, why.
 
-A generator or `keras.utils.PyDataset` passed to a staged `fit`,
-`evaluate` or `predict` runs inside tf.data, which turns whatever it raises
-into a TensorFlow error and casts a batch of another dtype silently. This
-module owns the wrapper that sits between such a source and Keras's data
-adapter: it counts the batches, names the source and the batch in the
-errors of the user's own code, checks every batch against the first ones
-(structure, dtype, shape: what Keras fixes from them), and rejects a source
-that yields nothing. The batches themselves pass through untouched, in the
-same order.
+A generator or `keras.utils.PyDataset` runs inside tf.data, which turns
+whatever it raises into a TensorFlow error and casts a batch of another
+dtype silently. `check_source` wraps such a source so that its errors name
+it and the batch, and each batch is checked against the first ones.
 """
 
 import types
@@ -31,16 +26,11 @@ class SourceError(Exception):
     """A generator or PyDataset feeding a staged run failed.
 
     The errors of the source's own code are raised as a subclass of both
-    `SourceError` and the original type (a `ValueError` of a generator
-    becomes a `SourceValueError`, still a `ValueError`), chained from the
-    original; a batch that does not match the first ones, or a source with
-    no batch at all, raises `SourceBatchError`.
-
-    Inside a training step the error crosses TensorFlow, which re-raises it
-    as the `tf.errors.OpError` it gives that Python type (`ValueError` and
-    `TypeError` as `InvalidArgumentError`, most others as `UnknownError`,
-    as in a plain Keras run); its message then carries this error's
-    message and the original traceback.
+    `SourceError` and the original type (a `ValueError` becomes a
+    `SourceValueError`), chained from the original; a batch that does not
+    match the first ones, or a source with no batch, raises
+    `SourceBatchError`. Inside a training step TensorFlow re-raises it as a
+    `tf.errors.OpError` carrying its message, as in a plain Keras run.
 
     Attributes:
         source: The source, e.g. `"generator 'make_batches'"`.
@@ -72,8 +62,7 @@ def _restore(base, cls, args, state):
     return error
 
 
-# One combined class per user exception type, so that all errors of one
-# type share a class (and unpickling finds it again).
+# One combined class per user exception type (unpickling finds it again).
 _error_classes = {}
 
 
@@ -93,8 +82,7 @@ def _error_class(base):
     return cls
 
 
-# Dtype names by dtype: numpy builds `dtype.name` anew at each call, and
-# every leaf of every batch asks for it.
+# Dtype names by dtype: numpy builds `dtype.name` anew at each call.
 _dtype_names = {}
 
 
@@ -106,8 +94,8 @@ def _dtype_name(dtype):
     except TypeError:  # unhashable
         return str(dtype)
     if isinstance(dtype, np.dtype):
-        # Text arrays change dtype with their longest string ("<U3",
-        # "<U7"); TensorFlow makes all of them (and objects) strings.
+        # Text arrays change dtype with their longest string; TensorFlow
+        # makes all of them (and objects) strings.
         name = "string" if dtype.kind in "USO" else dtype.name
     elif isinstance(dtype, tf.DType):
         name = dtype.name
@@ -144,15 +132,12 @@ class _BatchCheck:
 
     The first batch fixes the structure and the dtypes, and the first
     `_SPEC_BATCHES` the shapes, as Keras's adapter does; the batch axis is
-    always free (a smaller last batch is fine). Keras reads those first
-    batches alone, before any concurrent read, so the reference needs no
-    lock.
+    always free. Keras reads those first batches alone, so no lock.
     """
 
     def __init__(self, source, where):
         self.source = source
-        # How a batch index reads in messages, e.g. "`__getitem__(3)`".
-        self._where = where
+        self._where = where  # e.g. " (`__getitem__({index})`)"
         self._seen = 0
         self._is_tuple = None
         self._paths = None
@@ -186,7 +171,6 @@ class _BatchCheck:
         ):
             if dtype != ref_dtype:
                 self._raise_dtype(i, dtype, ref_dtype, index)
-            # The common case first: every axis but the batch one fixed.
             if shape is None or shape[1:] == ref_shape[1:]:
                 continue
             if len(shape) != len(ref_shape):
@@ -258,10 +242,8 @@ class _BatchCheck:
         )
 
     def raised(self, error, index=None, hook=None):
-        """The error to raise, chained from `error`, for the user's code.
-
-        `index` is the batch being read, or None in the epoch `hook`.
-        """
+        """The error to raise, chained from `error`, for the user's code
+        (`index`: the batch read, or None in the epoch `hook`)."""
         if hook is None:
             at = f"at batch {index}{self.where(index)}"
             fix = (
@@ -279,7 +261,6 @@ class _BatchCheck:
         try:
             wrapped = _error_class(type(error))(message)
         except Exception:  # a constructor that takes more than a message
-            # Never let the wrapping hide the user's error.
             wrapped = SourceError(message)
         wrapped.source, wrapped.index = self.source, index
         return wrapped
@@ -310,9 +291,8 @@ def _checked_generator(generator, check):
 class _CheckedPyDataset(keras.utils.PyDataset):
     """A PyDataset that reads `source` and checks each batch it returns.
 
-    Everything Keras asks of a PyDataset (its length, its workers, its
-    epoch hooks) is the source's; `super().__init__` is not called so that
-    those stay the source's own.
+    `super().__init__` is not called: its length, workers and epoch hooks
+    stay the source's own.
     """
 
     def __init__(self, source):
@@ -363,12 +343,9 @@ class _CheckedPyDataset(keras.utils.PyDataset):
 
 
 def epoch_source(adapter):
-    """The `EpochSource` of a generator or PyDataset, as Keras iterates it.
-
-    Its Python runs as Keras reads each epoch: its epochs are not read
-    ahead on one iterator.
-    """
-    return EpochSource(adapter, adapter.get_tf_dataset(), long_lived=False)
+    """The `EpochSource` of a generator or PyDataset, as Keras iterates it
+    (its Python runs as Keras reads each epoch: never read ahead)."""
+    return EpochSource(adapter.get_tf_dataset(), long_lived=False)
 
 
 def is_python_source(x):
@@ -380,21 +357,16 @@ def check_source(x):
     """Wraps a generator or PyDataset so that its failures name it.
 
     Use it on the `x` of `fit`, `evaluate` or `predict` before Keras's data
-    adapter reads it (a staged model does this itself). The source's
-    batches pass through unchanged, in the same order; the wrapper only
-    compares each batch's structure, dtypes and shapes with the first
-    ones', copying nothing. Any other `x` is returned as is, and so is a
-    source already wrapped.
+    adapter reads it (a staged model does this itself). The batches pass
+    through unchanged, in the same order. Any other `x`, or a source
+    already wrapped, is returned as is.
 
     The wrapper raises a `SourceError` naming the source and the batch
-    (counting from 0; for a PyDataset the index given to `__getitem__`):
-
-    - when the source's own code raises (the error keeps its type: see
-      `SourceError`, and is chained from the original);
-    - `SourceBatchError` when a batch differs from the first ones in
-      structure, dtype or shape (only the batch axis may change, and axes
-      whose size differs between the first two batches, as Keras allows);
-    - `SourceBatchError` when the source yields no batches.
+    (counting from 0; for a PyDataset the index given to `__getitem__`)
+    when the source's own code raises, and `SourceBatchError` when a batch
+    differs from the first ones in structure, dtype or shape (only the
+    batch axis may change, and axes whose size differs between the first
+    two batches) or the source yields no batches.
 
     Args:
         x: The data passed to fit/evaluate/predict.

@@ -1,11 +1,8 @@
 """Turning the data of fit/evaluate/predict into a staged dataset.
 
-This module owns the step from what users pass to Keras (arrays and dicts
-of arrays with `batch_size`/`shuffle`/`class_weight`, `tf.data` datasets,
-generators, `keras.utils.PyDataset`) to a `StagedDataset`: Keras's own data
-adapter batches and shuffles exactly as plain Keras would, so labels and
-sample weights stay aligned with their inputs and a staged run sees the
-same batches in the same order.
+`stage_data` takes what users pass to Keras (arrays, `tf.data` datasets,
+generators, `keras.utils.PyDataset`) through Keras's own data adapter, so a
+staged run sees plain Keras's batches in the same order, and stages them.
 """
 
 import functools
@@ -44,17 +41,14 @@ from keras_stage.models.iterators.kept_iterators import (
 logger = logging.getLogger("keras_stage")
 
 
-# The layers `_warn_one_split` warned about.
 _WARNED_ONE_SPLIT = weakref.WeakSet()
 
 
 def _warn_one_split(layer, overrides):
     """Warns, once per layer, that arrays give the service one split.
 
-    Keras's dataset of arrays starts from `Dataset.range(1)` and draws the
-    epoch's order inside: to the tf.data service that is one split, so in
-    `"distributed_epoch"` mode one worker computes the whole epoch
-    (`tests/models/service_fit_test.py` shows it).
+    Keras's dataset of arrays starts from `Dataset.range(1)`: in
+    `"distributed_epoch"` mode one worker computes the whole epoch.
     """
     mode = overrides.get("processing_mode", layer.stage_options.processing_mode)
     if mode != DISTRIBUTED_EPOCH or layer in _WARNED_ONE_SPLIT:
@@ -75,9 +69,8 @@ def _warn_one_split(layer, overrides):
 def _service_overrides(layer, phase, python_source):
     """How a phase uses the tf.data service `layer` names.
 
-    `predict` stages in this process: the service returns elements in the
-    order the workers finish them, and predictions must follow the inputs.
-    Evaluation reads each example once whatever the training mode.
+    `predict` stages in this process (the service's order is the workers');
+    evaluation reads each example once whatever the training mode.
     """
     options = layer.stage_options
     if phase == "predict":
@@ -106,16 +99,13 @@ def _service_overrides(layer, phase, python_source):
 def _batch_size(adapter, dataset):
     """The batch size to restore after the service, or None if unknown.
 
-    Each service worker batches its own share of an epoch, so an epoch
-    ends with up to one partial batch per worker and the batch count
-    varies between epochs. Keras takes every epoch's count from the first,
-    so a later, longer epoch would lose its last batches: the trainer
-    re-forms full batches (`Dataset.rebatch`) to keep the count fixed.
+    Each service worker batches its own share of an epoch, so the batch
+    count varies between epochs, while Keras takes every epoch's count from
+    the first: the trainer re-forms full batches (`Dataset.rebatch`).
     """
     size = adapter.batch_size
     if size is None:
-        # A dataset without a static batch size: its first batch says.
-        # Only the source runs (here, once); the staged work is not done.
+        # Without a static batch size, the source's first batch says.
         for element in dataset.take(1):
             size = tf.nest.flatten(element)[0].shape[0]
     return None if size is None else int(size)
@@ -124,8 +114,7 @@ def _batch_size(adapter, dataset):
 def distribute_inputs(strategy, pipeline, options):
     """`pipeline` distributed by `strategy`; replicas buffer on their devices.
 
-    TF's own per-replica prefetch does the copy: `experimental_fetch_to_device`
-    with `capacity` elements per replica (TF's default of 1 for `"auto"`);
+    TF's per-replica prefetch holds `capacity` elements (1 for `"auto"`);
     `device="cpu"` keeps the replicas' inputs on the host.
     """
     on_device = options.device != "cpu"
@@ -142,11 +131,9 @@ class StageCosts:
     """A call's record of what its stage costs (see `calls.staged_data`).
 
     Args:
-        cost_phase: The phase the costs are noted for. Defaults to `None`.
-        on_iterator: Told the seconds each iterator of the stage took to
-            make. Defaults to `None`.
-        step_clock: The list the step's host times go to (seconds per
-            batch), or None. Defaults to `None`.
+        cost_phase: The phase the costs are noted for, or None.
+        on_iterator: Told the seconds each iterator took to make, or None.
+        step_clock: The list the step's host times go to, or None.
     """
 
     def __init__(self, cost_phase=None, on_iterator=None, step_clock=None):
@@ -162,10 +149,8 @@ class StageCosts:
 class StagedData:
     """A staged dataset and the Keras adapter whose epochs feed it.
 
-    Built whole by `stage_data` and not changed after: what varies during
-    the call is its iterators' state (`iterators`, a
-    `kept_iterators.CallIterators`) and the per-call record `costs` (see
-    `calls.staged_data`).
+    Built whole by `stage_data`; what varies during the call is `iterators`
+    (a `CallIterators`) and the record `costs`.
     """
 
     def __init__(
@@ -187,50 +172,35 @@ class StagedData:
     ):
         self.staged = staged
         self.adapter = adapter
-        # The strategy that distributes the pipeline, or None.
-        self.strategy = strategy
+        self.strategy = strategy  # the one distributing the pipeline
         # Built for this call (not the user's own staged dataset).
         self.owned = owned
-        # The SmartStage split whose prefix the stage runs, or None.
-        self.split = split
+        self.split = split  # the SmartStage split the stage runs, or None
         # The structure of the data before the stage (the model's inputs).
         self.element_spec = element_spec
         staged.runner.records_in_step = in_step
         # Whether Keras gets iterators made when first read (see
-        # `DeferredPipeline`): over arrays, and a dataset that draws nothing
-        # when an iterator starts; any other's next iterator may draw
-        # differently, so those are made when Keras makes them.
+        # `DeferredPipeline`): only where a new iterator draws nothing.
         self.defers = defers
-        # The model's kept stage this runs (see `stage_data(kept=...)`).
-        self.kept = kept
-        # One epoch of the source as Keras would iterate it, or a function
-        # building it when first read (see `source`).
-        self._source = source
+        self.kept = kept  # the model's `KeptStage` this runs, or None
+        self._source = source  # see `source`
         # Why `stage_data(epochs=...)` kept an iterator per epoch, or None.
         self.long_lived_refusal = long_lived_refusal
-        # Whether the call reads on from the iterator an earlier call left
-        # (see `kept_iterators`): what the stage holds
-        # when the call begins is its first epoch's.
+        # Whether the call reads on from the iterator an earlier call left:
+        # what the stage holds when the call begins is its first epoch's.
         self.carried = carried
-        # The call's record of what its stage costs, and the stage's work
-        # counters as the call begins.
         self.costs = StageCosts() if costs is None else costs
         self.cost_phase = self.costs.cost_phase
         self.step_clock = self.costs.step_clock
         snapshot = staged.stats.snapshot()
         self.work_before = (snapshot["busy_seconds"], snapshot["produced"])
-        # What Keras iterates, and the iterators behind it; `epochs`: the
-        # `LongLivedEpochs` of one iterator for the call's epochs, or None.
+        # `epochs`: the `LongLivedEpochs` of the call's epochs, or None.
         self.iterators = CallIterators(self, epochs)
 
     @property
     def source(self):
-        """One epoch of the source, as Keras would iterate it, or None.
-
-        Given as a dataset, or as a function that builds it when first read
-        (a fused array source's gathered batches, which only an epoch run
-        without the stage reads).
-        """
+        """One epoch of the source, as Keras would iterate it, or None
+        (given as a dataset, or a function building it when first read)."""
         if callable(self._source):
             self._source = self._source()
         return self._source
@@ -242,10 +212,7 @@ class StagedData:
 
     @property
     def epochs(self):
-        """The epochs the stage runs on one iterator, or None.
-
-        None: Keras gets an iterator per epoch (`DeferredPipeline`).
-        """
+        """The epochs the stage runs on one iterator, or None."""
         plan = self.iterators.plan
         return None if plan is None else plan.epochs
 
@@ -284,10 +251,7 @@ class StagedData:
 
 
 def _draws_per_iterator(dataset, spans_calls):
-    """Whether a new iterator of `dataset` cannot start at any epoch.
-
-    A source of free passes on an iterator that outlives calls can.
-    """
+    """Whether a new iterator of `dataset` cannot start at any epoch."""
     facts = epoch_sources.inspect_source(dataset)
     return facts.iterator_draws and not (spans_calls and facts.free_passes)
 
@@ -295,11 +259,9 @@ def _draws_per_iterator(dataset, spans_calls):
 def strategy_refusal(strategy, dataset=None):
     """Why Keras's iterators under `strategy` cannot be views of one.
 
-    None under the default strategy, and under several replicas (Keras
-    iterates the distributed dataset the stage hands it) unless `dataset`
-    (the stage's source, if known) draws from a seed per iterator: Keras's
-    peek at each call's start (see `EpochView`) would take a draw. Under
-    one replica Keras distributes the pipeline itself, from its graph.
+    None under the default strategy, and under several replicas unless
+    `dataset` (the stage's source, if known) draws from a seed per iterator
+    (Keras's peek at each call's start would take a draw).
     """
     if default_strategy(strategy):
         return None
@@ -332,11 +294,9 @@ def epochs_refusal(
 ):
     """Why Keras's reads of the call's epochs cannot share one iterator.
 
-    None when Keras reads exactly `num_batches` batches from each iterator
-    it reads, in whole calls of the compiled step, and nothing past them
-    (see `EpochIterator`: with a known batch count it stops by count).
-    `spans_calls`: whether the iterator may outlive the call (then one
-    epoch is enough).
+    None when Keras reads exactly `num_batches` batches from each iterator,
+    in whole calls of the compiled step. `spans_calls`: whether the
+    iterator may outlive the call (then one epoch is enough).
     """
     options = layer.stage_options
     if epochs < 2 and not spans_calls:
@@ -354,13 +314,11 @@ def epochs_refusal(
     if keras.config.max_steps_per_epoch():
         return "keras.config.max_steps_per_epoch caps the epochs"
     if num_batches % steps_per_execution:
-        # The last call of an epoch would read past it into the next.
         return (
             f"steps_per_execution={steps_per_execution} does not divide the "
             f"{num_batches} batches of an epoch"
         )
     if phase != "train" and steps is not None and steps < num_batches:
-        # Each evaluation starts a new iterator, which reads `steps`.
         return "each evaluation reads only part of the data (steps)"
     return None
 
@@ -381,12 +339,10 @@ def _long_lived_epochs(
 ):
     """`(LongLivedEpochs, None)`, or `(None, why not)`, for a safe stage.
 
-    `epoch`: the call's `EpochSource` (see `epoch_sources` for the orders
-    kept). `spans_calls`: whether the iterator may outlive the call, for a
-    source of free passes. `first_alone`: whether the first epoch reads an
-    iterator of its own (a drawing dataset on an adaptive pool, see
-    `LongLivedIterator`). `fed`: whether the source is fed each call's
-    passes (`FedSource`). `unread_opens`: `Backend.unread_opens`.
+    `epoch`: the call's `EpochSource`. `spans_calls`: whether the iterator
+    may outlive the call. `first_alone`: whether the first epoch reads an
+    iterator of its own (a drawing dataset on an adaptive pool). `fed`:
+    whether the source is fed each call's passes (`FedSource`).
     """
     if not epoch.long_lived:
         return None, "the data is not in-memory arrays or a tf.data.Dataset"
@@ -395,9 +351,6 @@ def _long_lived_epochs(
     if facts.refusal is not None:
         return None, f"its source cannot be read ahead: {facts.refusal}"
     if spans_calls and fed and not facts.kernel_seeded:
-        # One iterator for the passes this call and later ones feed: each
-        # reads a fresh iterator's, and a source that draws per iterator
-        # makes the unread ones plain Keras makes too (`opens`).
         return _fed_epochs(
             dataset,
             facts,
@@ -407,8 +360,7 @@ def _long_lived_epochs(
             unread_opens,
         )
     if spans_calls and facts.free_passes:
-        # Any pass stands for a fresh iterator's: one iterator for as
-        # many epochs as this call and later ones read.
+        # Any pass stands for a fresh iterator's.
         return LongLivedEpochs(
             None,
             num_batches,
@@ -438,12 +390,9 @@ def _long_lived_epochs(
     start = stop = None
     independent = arrays is not None or not facts.iterator_draws
     # Not under op determinism: a variable read in the pipeline would make
-    # tf.data run all of it one element at a time (see
-    # `staging._build_pipeline`); its epochs then run on from the first.
+    # tf.data run all of it one element at a time.
     if independent and not op_determinism_enabled():
-        # Epochs of arrays, or of a dataset that draws nothing per
-        # iterator, depend on no earlier iterator: an iterator can start
-        # at any of them (see `LongLivedIterator`).
+        # Epochs that depend on no earlier iterator: one can start at any.
         with tf.init_scope(), tf.device("/CPU:0"):
             start = tf.Variable(0, dtype=tf.int64, trainable=False)
     elif first_alone:
@@ -479,8 +428,7 @@ _SHARED_DRAWS = (
 
 
 def _shares_a_dataset(facts, alongside):
-    """Whether a source (its `SourceFacts`) shares a dataset with one of
-    the call's other data (`alongside`)."""
+    """Whether `facts`' source shares a dataset with one of `alongside`."""
     return any(
         isinstance(other, tf.data.Dataset)
         and facts.objects & epoch_sources.inspect_source(other).objects
@@ -491,7 +439,7 @@ def _shares_a_dataset(facts, alongside):
 def _fed_epochs(
     dataset, facts, alongside, num_batches, steps_per_execution, unread_opens
 ):
-    """`_long_lived_epochs`'s plan of a fed source (`FedSource`)."""
+    """`_long_lived_epochs`'s plan of a `FedSource`."""
     opens = 0
     if not facts.free_passes:
         if _shares_a_dataset(facts, alongside):
@@ -550,10 +498,8 @@ def _already_staged(layer, x, y, sample_weight, split, epochs, costs):
 
 
 def _serve(layer, overrides, adapter, dataset, arrays, steps):
-    """Adds what the tf.data service needs of the call's data to `overrides`.
-
-    `arrays`: the `EpochSource`'s in-memory arrays, or None.
-    """
+    """Adds what the tf.data service needs of the call's data to
+    `overrides`; `arrays`: the `EpochSource`'s arrays, or None."""
     # Before `split.number`, whose ordinals a peek would consume.
     overrides["rebatch"] = _batch_size(adapter, dataset)
     if arrays is not None:
@@ -589,9 +535,8 @@ def stage_data(
 ):
     """Stages `x` (with `y`, `sample_weight`) for one call's `phase`.
 
-    A flat switch on the type of `x`, as Keras's `get_data_adapter`: each
-    input type's adapter gives the call's `EpochSource`, which one build
-    turns into the `StagedData` the call runs (nobody changes it after).
+    Each input type's adapter gives the call's `EpochSource`, which one
+    build turns into the `StagedData` the call runs.
 
     Args:
         layer: The model's `StagedInput` (its options name the stage).
@@ -599,33 +544,25 @@ def stage_data(
         x, y, sample_weight, batch_size, steps, shuffle, class_weight: the
             call's, as Keras's data adapter takes them (`steps`: its
             `steps_per_epoch` or `steps`).
-        split: The SmartStage split whose prefix the stage runs (in training
-            mode for "train"), or None.
-        stats: The stats the compiled step records its fetches in (the
-            stage's lean pipeline), or None.
+        split: The SmartStage split whose prefix the stage runs, or None.
+        stats: The stats the compiled step records its fetches in, or None.
         strategy: Under several replicas, `StagedData.pipeline` is
             distributed with each replica's buffer on its device.
         epochs: The most times Keras iterates the pipeline in this call, or
             None. The stage then runs those epochs on one iterator where
-            that keeps plain Keras's batches and orders (see
-            `kept_iterators`); `StagedData.long_lived_refusal` says why not.
+            that keeps plain Keras's batches and orders;
+            `StagedData.long_lived_refusal` says why not.
         steps_per_execution: The model's (it must divide an epoch's count).
         alongside: The call's other data (a fit's validation for its
-            training, and back): a dataset sharing a dataset with this one
-            keeps an iterator per epoch.
-        kept: The model's kept stages by role (updated here), or None: a
-            stage over a user's `tf.data.Dataset` runs again for later
-            calls on it (see `kept_iterators.KeptStage`).
-        reads_in_python: Whether Keras reads every batch in Python
-            (`StagedData.eager_dataset`: predict; every phase on JAX).
+            training, and back).
+        kept: The model's kept stages by role (updated here), or None.
+        reads_in_python: Whether Keras reads every batch in Python.
         pool_start: The threads a new adaptive pool starts with, or None
-            for the backend's (`Backend.pool_start`).
+            for the backend's.
         feedable: Whether the stage may read a fed source (`FedSource`).
-        backend: The model's `Backend`; defaults to the running Keras
-            backend's.
+        backend: The model's `Backend`; defaults to the running backend's.
         role: The stage's name and key among the kept ("train", "val",
-            "test", "predict"); defaults to `phase`. A fit's validation is
-            role "val" of phase "test".
+            "test", "predict"); defaults to `phase`.
         costs: The call's `StageCosts` record, or None.
     """
     backend = backends.get() if backend is None else backend
@@ -637,7 +574,6 @@ def stage_data(
         overrides = _service_overrides(layer, phase, is_python_source(x))
     served = overrides.get("service", layer.stage_options.service) is not None
     adapter = _compat.get_data_adapter(
-        # A failing generator or PyDataset names itself and the batch.
         x=check_source(x),
         y=y,
         sample_weight=sample_weight,
@@ -646,7 +582,6 @@ def stage_data(
         shuffle=shuffle,
         class_weight=class_weight,
     )
-    # One adapter per input type, as Keras's `get_data_adapter` picks.
     if isinstance(x, tf.data.Dataset):
         epoch = datasets.epoch_source(adapter)
     elif is_python_source(x):
@@ -669,12 +604,8 @@ def stage_data(
         and not layer.stage_options.ignored_exception_types
         and not served
     ):
-        # Keras knows the batch count of arrays (and keras_stage that of
-        # a process's shard) but the dataset does not carry it; without
-        # it the progress bar and the epoch end would be guessed. Skipped
-        # batches would make the count wrong, so it is asserted only when
-        # nothing can be skipped; and not on the tf.data service, whose
-        # workers each see a share of the epoch.
+        # Keras knows the batch count but the dataset does not carry it;
+        # asserted only where no batch can be skipped or served elsewhere.
         dataset = dataset.apply(
             tf.data.experimental.assert_cardinality(num_batches)
         )
@@ -684,12 +615,8 @@ def stage_data(
     source = dataset  # one epoch of what the stage stages
     keeps = kept is not None and epoch.keeps
     long_lived, refusal = None, None
-    # Whether a kept stage's iterator may outlive the call (see
-    # `kept_iterators`): a user's dataset the stage is kept for, read
-    # whole by compiled steps or by Keras's `next` in Python (predict, and
-    # every phase on JAX), where an epoch view ends with its epoch (with
-    # `steps`, Keras's epochs end where the data does, not where a repeat
-    # would).
+    # Whether a kept stage's iterator may outlive the call: not with
+    # `steps` (Keras's epochs end where the data does, not a repeat).
     spans_calls = epochs is not None and steps is None and keeps
     if epochs is not None:
         refusal = epochs_refusal(
@@ -704,14 +631,10 @@ def stage_data(
         )
         if refusal is None:
             refusal = strategy_refusal(strategy, dataset)
-        # A resized pool runs only in a new iterator; epochs of arrays, or
-        # of a dataset that draws nothing per iterator, can start one at
-        # any epoch; a drawing dataset's cannot (its seeded draws follow
-        # the iterators made before). Its first epoch then reads an
-        # iterator of its own, which ends with it, and the rest one more,
-        # made on the pool sized from that first epoch. Only a training
-        # stage's pool is resized (`PrefetchCallback`, after each training
-        # epoch): a validation stage's epochs all read one iterator.
+        # A resized pool runs only in a new iterator, and a drawing
+        # dataset's epochs cannot start one at any epoch: its first epoch
+        # reads an iterator of its own and the rest one more, on the pool
+        # sized after it. Only a training stage's pool is resized.
         first_alone = (
             refusal is None
             and phase == "train"
@@ -721,8 +644,6 @@ def stage_data(
             and _draws_per_iterator(dataset, spans_calls)
         )
         if first_alone and op_determinism_enabled():
-            # Its bounds are variables, which would make tf.data run the
-            # whole pipeline one element at a time.
             refusal = (
                 "the stage's adaptive pool is resized between epochs, and "
                 "under op determinism this dataset's epochs cannot move to "
@@ -730,15 +651,11 @@ def stage_data(
                 "iterator)"
             )
         if refusal is None:
-            # Fed across calls (see `FedSource`) once a call of the role
-            # came on another dataset object than the kept stage's (a
-            # stage run on for one object reads its next pass ahead
-            # between calls), and a fit's validation from its first call
-            # (a later evaluate on new data of its structure feeds it:
-            # `earlier_stage`), where `feedable`; not a numbered split
-            # (its count runs per pipeline), nor under op determinism,
-            # where the queue's stateful dequeue would make tf.data run
-            # the whole pipeline one element at a time.
+            # Fed across calls (`FedSource`) once a call of the role came on
+            # another dataset object, and a fit's validation from its first
+            # call; not a numbered split (its count runs per pipeline), nor
+            # under op determinism (a stateful dequeue would make tf.data
+            # run the pipeline one element at a time).
             feeds = (
                 spans_calls
                 and feedable
@@ -765,12 +682,10 @@ def stage_data(
                 unread_opens=backend.unread_opens,
             )
     gather = epoch.gather
-    # The long-lived source's too: it repeats, replays or flat-maps passes.
     element_spec = (gather or dataset).element_spec
-    # Whether the staged random layers' draws are numbered (`split.number`).
     numbered = split is not None and split.numbers(phase == "train")
     if numbered and long_lived is not None:
-        # Its one iterator reads ahead of Keras: it keeps the count itself.
+        # Its iterator reads ahead of Keras: it keeps the count itself.
         long_lived.ordinal = split.ordinal
     fn = None
     if split is not None:
@@ -786,7 +701,6 @@ def stage_data(
             and num_batches is not None
             and not layer.stage_options.ignored_exception_types
         ):
-            # Each batch once, in full batches again: the count is known.
             overrides["cardinality"] = num_batches
     call_plan = long_lived  # a kept stage's replaces it below
     entry = None
@@ -842,8 +756,6 @@ def stage_data(
             entry.staged = staged
             kept[role] = entry
     if long_lived is not None and long_lived.feeds:
-        # A fed stage's call feeds its passes of one epoch's source, with
-        # the unread iterators this call's source needs (`call_plan`).
         long_lived.fed.feed(source, epochs, call_plan.opens)
     if split is not None:
         staged.runner.staged_layers = tuple(split.plan.staged_layers)

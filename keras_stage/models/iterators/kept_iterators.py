@@ -1,31 +1,20 @@
-"""Iterators kept alive: the one place that knows what Keras really reads.
+"""The iterators Keras gets from a staged call, and those kept alive.
 
-Keras's `EpochIterator` makes an iterator of the dataset it is handed each
-epoch (and one more as each epoch ends). A staged call's datasets
-(`CallIterators`) make `KeptIterator`s, the one interface of this module:
-`resolve()` is the real iterator of that role's stage for that epoch,
-asked by the step guard (`resolve(iterator)`) and by Keras's `next`.
-Behind it, one of:
+Keras's `EpochIterator` makes an iterator of its dataset each epoch (and one
+more as each epoch ends). A staged call (`CallIterators`) hands it
+`KeptIterator`s, whose `resolve()` is the real iterator behind, one of:
 
-- a new iterator, made when first read (`DeferredIterator`): one Keras
-  makes and never reads costs nothing (a staged pipeline's iterator costs
-  a trace's worth of instantiated functions);
-- the one `LongLivedIterator` of a stage run across the call's epochs, read
-  through an `EpochView` per epoch: its source spans the epochs in plain
-  Keras's orders (`epoch_sources.long_lived_source`), so an epoch pays no
-  iterator. An epoch left early is read to its end, or restarted where
-  passes are independent; a drawing source's first epoch may end its
-  iterator (`stop`) so the adaptive pool's resize makes the next;
+- a `DeferredIterator`, made when first read: one Keras never reads costs
+  nothing;
+- the call's one `LongLivedIterator`, read through an `EpochView` per
+  epoch: its source spans the epochs in plain Keras's orders
+  (`epoch_sources.long_lived_source`), so an epoch pays no iterator;
 - the iterator a `KeptStage` (the model's stage per role) left running
-  across calls: over a source of free passes, or a `FedSource` each call
-  feeds. A call that left an epoch early, or a change of the staged
-  layers' variables, starts a new one.
+  across calls, over a source of free passes or a `FedSource`.
 
-The batches a long-lived stage holds when an epoch begins are that
-epoch's: a consumer marking each epoch's start in the stage's stats
-(`StageStats.mark_request`) must not count them as orphaned. A call's end
-drops its real iterator on a thread of its own (`release`), its stage's
-gate closed first so nothing it still finishes counts.
+The batches a long-lived stage holds when an epoch begins are that epoch's
+(not orphans to `StageStats.mark_request`). A call's end drops its real
+iterator on a thread of its own (`release`).
 """
 
 import atexit
@@ -41,11 +30,7 @@ from keras_stage.data.runner import wait_at_exit
 
 
 class KeptIterator:
-    """An iterator Keras holds that stands for a real one (`resolve`).
-
-    The step guard hands the compiled step `resolve()`; Keras's Python
-    reads (`next`, `get_next`) read it too.
-    """
+    """An iterator Keras holds that stands for a real one (`resolve`)."""
 
     def resolve(self):
         """The real iterator."""
@@ -92,10 +77,8 @@ class DeferredIterator(KeptIterator):
 class DeferredPipeline(EagerIterated):
     """`pipeline` as a dataset whose eager iterators are `DeferredIterator`s.
 
-    Used as a dataset otherwise (inside a `tf.function`, transformed) it is
-    `pipeline` itself. `made(seconds)` is told how long each real
-    iterator took to make. With `defer=False` the real iterators are made
-    when Keras asks for them, and only timed.
+    `made(seconds)` is told how long each real iterator took to make. With
+    `defer=False` they are made when Keras asks for them, and only timed.
     """
 
     def __init__(self, pipeline, made, defer=True):
@@ -108,58 +91,47 @@ class DeferredPipeline(EagerIterated):
         return iterator if self._defer else iterator.resolve()
 
 
-# The name of `release`'s threads: not a stage's helper thread
-# (`keras_stage-<stage>`), as it holds no stage, only a dropped iterator.
+# The name of `release`'s threads (not a stage's helper thread).
 RELEASE_THREAD = "tf.data-iterator-release"
 _releases = weakref.WeakSet()
 
 
 @atexit.register
 def _finish_releases():
-    # Teardowns still running are waited for (see `runner.wait_at_exit`:
-    # seen aborting in an iterator's function library's stack traces).
-    # They end on their own, in well under a second.
+    # Teardowns still running are waited for (see `runner.wait_at_exit`).
     wait_at_exit(thread.join for thread in list(_releases))
-
-
-def _exiting():
-    """Whether the interpreter's exit has begun (its main thread ended)."""
-    return sys.is_finalizing() or not threading.main_thread().is_alive()
 
 
 def release(held):
     """Empties the list `held` on a daemon thread: its teardown may block.
 
-    Deleting a tf.data iterator joins its threads in the deleting thread,
-    which can block a call's return. A list, not the iterator: an argument
-    stays referenced by the caller until the call returns. Once the
-    interpreter's exit has begun, `held` is emptied in the calling thread
-    (a thread started then could still be in the teardown at finalization).
+    Deleting a tf.data iterator joins its threads, which can block a call's
+    return. A list, not the iterator: an argument stays referenced by the
+    caller until the call returns. Once the interpreter's exit has begun,
+    `held` is emptied in the calling thread (a thread started then could
+    still be in the teardown at finalization).
 
     Returns:
         The thread (tests join it), or None when emptied in place.
     """
-    if _exiting():
+    if sys.is_finalizing() or not threading.main_thread().is_alive():
         held.clear()
         return None
-
-    def drop():
-        held.clear()
-
-    thread = threading.Thread(target=drop, name=RELEASE_THREAD, daemon=True)
+    thread = threading.Thread(
+        target=held.clear, name=RELEASE_THREAD, daemon=True
+    )
     thread.start()
     _releases.add(thread)
     return thread
 
 
-# The long-lived iterators that outlived a call (see the module docstring).
+# The long-lived iterators that outlived a call.
 _running_on = weakref.WeakSet()
 
 
 def _release_box(box, fed=None):
-    """Finalizer of a `LongLivedIterator` that ran on: its iterator dropped
-    on a release thread (the box stays, for a still live owner at exit),
-    its fed source (if any) ended first."""
+    """Finalizer of a `LongLivedIterator` that ran on: its fed source (if
+    any) ended, its iterator dropped on a release thread."""
     if fed is not None:
         fed.close()
     if box[0] is not None:
@@ -169,43 +141,21 @@ def _release_box(box, fed=None):
 
 @atexit.register
 def _close_running_on():
-    # The iterators that ran on past their calls are torn down here, in
-    # the exiting thread (see `release`), while the interpreter can still
-    # run the Python a staged map calls (tearing one down gives the
-    # interpreter lock up while TensorFlow waits for its threads).
+    # Torn down in the exiting thread while the interpreter can still run
+    # the Python a staged map calls (see `release`).
     for shared in list(_running_on):
         shared.close()
-
-
-def _read_to_end(iterator):
-    """Reads what `iterator` still yields, up to its end."""
-    while True:
-        try:
-            next(iterator)
-        except (StopIteration, tf.errors.OutOfRangeError):
-            return
 
 
 class LongLivedIterator:
     """The one real iterator of a pipeline spanning a call's epochs.
 
-    Args:
-        pipeline: The long-lived pipeline (`plan.epochs` epochs).
-        plan: Its `LongLivedEpochs`: Keras may read fewer epochs, never
-            more (None: as many as Keras reads, a source of free passes).
-        made: `made(seconds)`, told how long each real iterator took.
-        pool: The stage's `StagePool`, or None.
-        name: The stage's name, for messages.
+    `plan`: the pipeline's `LongLivedEpochs` (Keras may read fewer epochs,
+    never more). `made(seconds)` is told how long each real iterator took;
+    `pool`: the stage's `StagePool`, or None; `name`: the stage's.
     """
 
-    def __init__(
-        self,
-        pipeline,
-        plan,
-        made,
-        pool=None,
-        name="stage",
-    ):
+    def __init__(self, pipeline, plan, made, pool=None, name="stage"):
         self._pipeline = pipeline
         self.batches = int(plan.batches)
         self.epochs = None if plan.epochs is None else int(plan.epochs)
@@ -213,9 +163,7 @@ class LongLivedIterator:
         self.made = made
         self._start = plan.start
         self._stop = plan.stop
-        # The `FedSource` it reads: the passes fed, and no other.
-        self._fed = plan.fed
-        # Whether a new iterator can start at any epoch.
+        self._fed = plan.fed  # a `FedSource`: the passes fed, no other
         self.restartable = plan.restartable
         # With `stop`: the epoch the real iterator ends before.
         self._segment_end = None
@@ -230,11 +178,10 @@ class LongLivedIterator:
         self._box = [None]
         self._pool_size = None  # the pool size it was made on
         self._view = None  # the view Keras reads now
-        self.read_batches = 0  # batches Keras took (or was skipped past)
+        self.read_batches = 0
         self.closed = False
         self.iterators_made = 0
-        # The `EpochPipeline` of each pipeline read through this iterator.
-        self._epoch_pipelines = {}
+        self._epoch_pipelines = {}  # by id of the pipeline read
 
     @property
     def _iterator(self):
@@ -248,8 +195,7 @@ class LongLivedIterator:
         """The `EpochPipeline` Keras reads `pipeline`'s epochs through.
 
         Built once: a later call reading on from this iterator builds no
-        dataset (its `take` and cardinality ops cost a call's worth of
-        eager ops).
+        dataset.
         """
         held = self._epoch_pipelines.get(id(pipeline))
         if held is None or held[0] is not pipeline:
@@ -284,8 +230,8 @@ class LongLivedIterator:
         self._view = view
         left = -self.read_batches % self.batches
         if left:
-            # Keras left the last epoch early (plain Keras would drop that
-            # iterator): the next starts where a fresh one would.
+            # Keras left the last epoch early: the next starts where a fresh
+            # iterator would.
             if self.restartable:
                 self._iterator = None  # the next is made at the next epoch
             else:
@@ -305,40 +251,31 @@ class LongLivedIterator:
             and self._pool is not None
             and self._pool.size != self._pool_size
         ):
-            # The adaptive pool was resized for this epoch: a new iterator
-            # runs on it (an iterator's pool is fixed when it is made).
+            # The adaptive pool was resized: an iterator's pool is fixed
+            # when it is made.
             self._iterator = None
         if self._iterator is not None and self._segment_end is not None:
             if self.epoch >= self._segment_end:
-                # Its iterator ended with the last epoch: the next runs on
-                # another, on the pool as sized now (see `_end_segment`).
                 self._end_segment()
         if self._iterator is None:
             self._make()
 
     def next_epoch_reads_on(self):
-        """Whether the next epoch reads on from the real iterator.
-
-        Where it does, a pool resized for it makes a new iterator the call
-        would not have made; where it does not (none yet, its segment ends,
-        or a source that cannot restart, whose iterator keeps its pool), a
-        resize makes none.
-        """
-        return (
-            self._iterator is not None
-            and self.restartable
-            and (self._segment_end is None or self.epoch < self._segment_end)
-        )
+        """Whether the next epoch reads on from the real iterator (so a
+        pool resized for it makes an iterator the call would not make)."""
+        return self._iterator is not None and self.restartable
 
     def _end_segment(self):
         """Reads the real iterator to its end (`stop`), then drops it.
 
-        Its last pass makes the unread iterator plain Keras makes at its
-        end: read to its end, that pass has taken its draws before the
-        next iterator's first pass takes the next, whenever its threads
-        would have got there.
+        Read to its end, its last pass has taken its draws (the unread
+        iterator plain Keras makes) before the next iterator takes the next.
         """
-        _read_to_end(self._iterator)
+        while True:
+            try:
+                next(self._iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                break
         self._iterator = None
 
     def _make(self):
@@ -347,7 +284,7 @@ class LongLivedIterator:
             self._start.assign(self.epoch)
         if self._stop is not None:
             # The first epoch ends its iterator: the adaptive pool is
-            # resized after it, and a drawing source cannot restart.
+            # resized after it.
             self._segment_end = (
                 self.epoch + 1 if self.epoch == 0 else self.epochs
             )
@@ -365,10 +302,7 @@ class LongLivedIterator:
 
     @property
     def carries(self):
-        """Whether its iterator runs on into a next epoch, read from its start.
-
-        So what it holds belongs to the epoch a later call reads first.
-        """
+        """Whether its iterator runs on into a later call's first epoch."""
         return (
             not self.closed
             and self._iterator is not None
@@ -377,12 +311,8 @@ class LongLivedIterator:
         )
 
     def _fed_read(self):
-        """Whether it read every pass fed, on the pool as sized now.
-
-        Passes fed and not read are not the next call's; and its pool was
-        fixed when it was made, so a pool resized since (grown after an
-        epoch that kept the step waiting) runs in a stage built anew.
-        """
+        """Whether it read every pass fed, on the pool as sized now (a
+        resized pool runs in a stage built anew)."""
         return self.epoch == self._fed.passes and (
             self._pool is None or self._pool.size == self._pool_size
         )
@@ -395,12 +325,10 @@ class LongLivedIterator:
     def detach(self):
         """Ends a call without dropping the iterator (see `KeptStage`).
 
-        The next view read begins an epoch: the next pass, or a new
-        iterator if the call left its epoch early. From now on the real
-        iterator is never deleted in the thread that drops this object
-        (its teardown can wait on a thread running the staged Python, a
-        `tf.py_function`, that waits for the interpreter lock), and is
-        dropped before the interpreter exits (`_close_running_on`).
+        From now on the real iterator is never deleted in the thread that
+        drops this object (its teardown can wait on a `tf.py_function`
+        waiting for the interpreter lock), and is dropped before the
+        interpreter exits (`_close_running_on`).
         """
         self._view = None
         self._count_taken()
@@ -409,11 +337,7 @@ class LongLivedIterator:
             weakref.finalize(self, _release_box, self._box, self._fed)
 
     def close(self):
-        """Drops the real iterator; nothing of it runs any more.
-
-        Its pipeline is torn down on another thread (`release`); the
-        stage's gate, closed first by `CallIterators.end_call`, keeps any
-        element it still finishes out of the stage's counts.
+        """Drops the real iterator, torn down on another thread (`release`).
 
         Returns:
             The thread that drops it (None once the interpreter exits).
@@ -422,7 +346,6 @@ class LongLivedIterator:
         self._count_taken()
         _running_on.discard(self)
         if self._fed is not None:
-            # Its source's wait for passes ends: nothing else is fed.
             self._fed.close()
         held, self._iterator = [self._iterator], None
         self._view = None
@@ -432,19 +355,16 @@ class LongLivedIterator:
 class EpochView(KeptIterator):
     """The iterator Keras gets for one epoch of a long-lived pipeline.
 
-    It reads the shared `LongLivedIterator`: `resolve` hands the compiled
-    step that iterator, for `steps_per_execution` batches. Python reads end
-    with its epoch, as a fresh iterator of one epoch ends: a reader that
-    reads ahead (Keras's JAX trainer reads the batch after the one it hands
-    the step) then gets the end, not the next epoch's first batch.
+    `resolve` hands the compiled step the shared `LongLivedIterator`, for
+    `steps_per_execution` batches. Python reads end with its epoch, so a
+    reader that reads ahead (Keras's JAX trainer) gets the end, not the next
+    epoch's first batch.
 
     `spec`: under a strategy of several replicas, one replica's batch
     structure. Keras reads one batch in Python from the first iterator of
-    each `fit` and `evaluate`, then drops it (`_maybe_symbolic_build` in
-    Keras's TensorFlow trainer), to build what is unbuilt; the staged call
-    has built all of it (`TensorFlowBackend.build`). So a view's first
-    Python read, before any step read it, gets a batch of zeros of `spec`
-    (no rows) and reads nothing from the shared iterator.
+    each `fit` and `evaluate` to build what is unbuilt (the staged call has
+    built it all): a view's first Python read, before any step, gets a batch
+    of `spec` with no rows and reads nothing from the shared iterator.
     """
 
     def __init__(self, shared, element_spec, spec=None):
@@ -498,10 +418,8 @@ class EpochView(KeptIterator):
 class EpochPipeline(EagerIterated):
     """One epoch of a long-lived pipeline, as Keras sees it.
 
-    Its cardinality is one epoch's batches (Keras's count of an epoch); its
-    eager iterators are `EpochView`s of the shared `LongLivedIterator`.
-    Used as a dataset otherwise (inside a `tf.function`, transformed) it is
-    the long-lived pipeline's first epoch.
+    Its cardinality is one epoch's batches; its eager iterators are
+    `EpochView`s of the shared `LongLivedIterator`.
     """
 
     def __init__(self, shared, pipeline):
@@ -519,8 +437,8 @@ class EpochPipeline(EagerIterated):
 def _empty_batch(spec):
     """A value of `spec` with no rows (a `None` dimension as 0).
 
-    A composite spec (ragged, sparse) stands for itself: Keras's peek reads
-    only shapes and dtypes, which specs have.
+    A composite spec stands for itself: Keras's peek reads only shapes and
+    dtypes.
     """
     if not isinstance(spec, tf.TensorSpec):
         return spec
@@ -533,11 +451,9 @@ def _empty_batch(spec):
 class DistributedEpochPipeline(tf.distribute.DistributedDataset):
     """One epoch of a long-lived distributed pipeline, as Keras sees it.
 
-    Under a strategy of several replicas Keras takes a distributed dataset
-    as it is and makes its iterators with `iter`: they are
-    `EpochView`s of the shared `LongLivedIterator`, whose real
-    iterator is one iterator of the distributed pipeline. Keras takes it
-    wrapped in its dataset adapter (`_compat.distributed_dataset_adapter`).
+    Its iterators are `EpochView`s of the shared `LongLivedIterator` of the
+    distributed pipeline (Keras wraps it with
+    `_compat.distributed_dataset_adapter`).
     """
 
     def __init__(self, shared, distributed, spec):
@@ -568,10 +484,8 @@ class DistributedEpochPipeline(tf.distribute.DistributedDataset):
 class CallIterators:
     """What Keras iterates of one role's stage in one call.
 
-    `compiled_dataset()` (the compiled step's dataset), `eager_dataset()`
-    (Keras's Python reads) and `end_call()`: a `DeferredIterator` per
-    epoch, or `EpochView`s of the call's `LongLivedIterator`, which the
-    role's `KeptStage` may keep across calls.
+    A `DeferredIterator` per epoch, or `EpochView`s of the call's
+    `LongLivedIterator`, which the role's `KeptStage` may keep across calls.
 
     Args:
         data: The call's `StagedData`.
@@ -584,13 +498,8 @@ class CallIterators:
         self._shared = None  # its `LongLivedIterator`, made when read
 
     def eager_dataset(self):
-        """What Keras reads in Python (predict; every phase on JAX): the
-        stage's own dataset, or an `EpochPipeline` of one of its iterators.
-        """
-        data = self._data
-        if self.plan is not None:
-            return self._epochs(data.staged)
-        return DeferredPipeline(data.staged, data._made, defer=data.defers)
+        """What Keras reads in Python (predict; every phase on JAX)."""
+        return self._per_epoch(self._data.staged)
 
     def compiled_dataset(self):
         """What the compiled step iterates."""
@@ -598,8 +507,6 @@ class CallIterators:
         staged = data.staged
         pipeline = staged.lean_pipeline if data.in_step else staged.pipeline
         if data.strategy is not None:
-            # Its replicas' share of each batch; long-lived, Keras's
-            # iterators of it are views of one distributed iterator.
             distributed = self._distributed(pipeline)
             if self.plan is not None:
                 return DistributedEpochPipeline(
@@ -608,20 +515,20 @@ class CallIterators:
                     pipeline.element_spec,
                 )
             return distributed
-        if self.plan is not None:
-            return self._epochs(pipeline)
-        return DeferredPipeline(pipeline, data._made, defer=data.defers)
+        return self._per_epoch(pipeline)
 
-    def _epochs(self, pipeline):
-        """The `EpochPipeline` of the call's one iterator of `pipeline`."""
-        return self._shared_iterator(pipeline).epoch_pipeline(pipeline)
+    def _per_epoch(self, pipeline):
+        """`pipeline`'s epochs: on the call's one iterator, or deferred."""
+        if self.plan is not None:
+            return self._shared_iterator(pipeline).epoch_pipeline(pipeline)
+        data = self._data
+        return DeferredPipeline(pipeline, data._made, defer=data.defers)
 
     def _shared_iterator(self, pipeline):
         """The call's `LongLivedIterator` of `pipeline`."""
         data, kept = self._data, self._data.kept
         spans = kept is not None and kept.spans_calls
         if self._shared is None and spans:
-            # The iterator an earlier call on this kept stage left.
             self._shared = kept.iterator(pipeline)
             if self._shared is not None:
                 self._shared.made = data._made
@@ -645,12 +552,8 @@ class CallIterators:
         return self._data.distribute(pipeline)
 
     def resize_makes_an_iterator(self):
-        """Whether a pool resized now makes an iterator the call would not.
-
-        Only a long-lived stage whose next epoch reads on from its iterator
-        (see `LongLivedIterator.next_epoch_reads_on`); a stage making an
-        iterator per epoch makes the next one anyway.
-        """
+        """Whether a pool resized now makes an iterator the call would not
+        (see `LongLivedIterator.next_epoch_reads_on`)."""
         return self._shared is not None and self._shared.next_epoch_reads_on()
 
     @property
@@ -661,9 +564,8 @@ class CallIterators:
     def end_call(self):
         """Ends the call's iterators, or detaches one that runs on.
 
-        Keras may leave an iterator alive (a traceback holds it); its late
-        elements must not count in the stats the next call shares. A user's
-        own staged dataset stays usable.
+        Keras may leave an iterator alive (a traceback holds it): the gate
+        keeps its late elements out of the stats the next call shares.
 
         Returns:
             The thread tearing down the long-lived iterator, or None.
@@ -673,16 +575,13 @@ class CallIterators:
         if kept is not None and kept.carries():
             values = variable_values(data.split)
         if values is not None:
-            # Its iterator runs on into the next call (see the module
-            # docstring): its elements are that call's, counted in the
-            # stats the two calls share.
+            # Its iterator runs on: its elements are the next call's.
             kept.end_call(values)
             return None
         if data.owned:
             data.staged.runner.close_gate()
         released = None
         if self._shared is not None:
-            # Its epochs not read yet run no further.
             released = self._shared.close()
         if kept is not None:
             kept.drop_iterator()
@@ -695,21 +594,15 @@ class LongLivedEpochs:
     """How a stage runs a call's epochs on one iterator.
 
     Attributes:
-        epochs: The epochs its source spans (Keras reads at most these).
-        batches: The batches of one epoch.
-        steps_per_execution: The batches of one call of the compiled step.
-        start: The source's first-epoch variable when its epochs can start
-            on a new iterator (see `LongLivedIterator`), else None.
-        stop: The source's end-epoch variable when its first epoch reads
-            an iterator of its own (see `LongLivedIterator`), else None.
+        epochs: The epochs its source spans (None: as many as are read).
+        start, stop: The source's first- and end-epoch variables (see
+            `long_lived_source`), or None.
         opens: The unread iterators of the source each pass makes.
-        source: The long-lived source (built when first read: a call
-            reusing a kept stage reads the one it was built on).
+        source: The long-lived source (built when first read).
         ordinal: The staged random layers' count of numbered elements
             (`StageSplit.ordinal`) when the stage numbers them, else None.
-        feeds: Whether each call feeds its passes to the source (an
-            `FedSource`, `fed` once built), read on across
-            calls on datasets of one structure.
+        feeds: Whether each call feeds its passes to the source (a
+            `FedSource`, `fed` once built).
     """
 
     def __init__(
@@ -742,13 +635,8 @@ class LongLivedEpochs:
 
     @property
     def restartable(self):
-        """Whether its epochs can start on a new iterator.
-
-        With `start` (independent epochs), or a source of free passes
-        (`epochs` None), every pass of which is a first one; not with
-        `stop` (its later epochs run on one iterator), nor fed (its
-        iterator reads the passes fed, and no other).
-        """
+        """Whether its epochs can start on a new iterator: with `start`, or
+        free passes (`epochs` None); not with `stop`, nor fed."""
         return (
             not self.feeds
             and self.stop is None
@@ -756,60 +644,40 @@ class LongLivedEpochs:
         )
 
 
-def _opened(dataset):
-    """An empty dataset that makes (and drops) an iterator of `dataset`.
-
-    Reads nothing from it: `choose_from_datasets` makes its inputs'
-    iterators when it starts and reads them as its (empty) selector says.
-    """
-    return tf.data.Dataset.choose_from_datasets(
-        [dataset], tf.data.Dataset.range(0)
-    )
-
-
 def one_pass(dataset, opens=0):
     """One pass of `dataset`, then `opens` (0 or 1) unread iterators of it.
 
-    An epoch read without the stage, in `long_lived_source`'s passes (see
-    `DrawOrder`).
+    `choose_from_datasets` with an empty selector makes (and drops) an
+    iterator of `dataset`, reading nothing from it.
     """
-    # `concatenate` keeps `dataset`'s options.
-    return dataset.concatenate(_opened(dataset)) if opens else dataset
+    if not opens:
+        return dataset
+    unread = tf.data.Dataset.choose_from_datasets(
+        [dataset], tf.data.Dataset.range(0)
+    )
+    return dataset.concatenate(unread)  # it keeps `dataset`'s options
 
 
 def _unconverted(fn):
-    """`fn` (no control flow) for tf.data without AutoGraph's conversion.
-
-    AutoGraph's conversion of a function costs more than its trace (the
-    first in a process most), and plain Keras's steps and adapters never
-    pay it.
-    """
+    """`fn` (no control flow) for tf.data without AutoGraph's conversion,
+    which costs more than its trace and plain Keras never pays."""
     return tf.autograph.experimental.do_not_convert(fn)
 
 
-# The calls' passes a fed source holds at once: each call feeds its own as
-# it begins, after the last call read all of its (see `FedSource.feed`).
+# The calls' passes a fed source holds at once (see `FedSource.feed`).
 _FED_CAPACITY = 1
 
 
 class FedSource:
     """A long-lived source that each call feeds its own passes.
 
-    A call on a new dataset object of a kept stage's structure (a user's
-    loop building its dataset per call) would build the stage again and
-    make a new iterator (the staged map traced and instantiated again).
+    A call on a new dataset object of a kept stage's structure (a loop
+    building its dataset per call) would otherwise build the stage again.
     This source is a queue of datasets read one after another: each call
-    feeds its passes (`feed`: `dataset.repeat(passes)`, as one element)
-    and the stage's one iterator reads them next, on the pipeline built
-    before. Every pass reads a fresh iterator of its dataset, as plain
-    Keras's epochs do, with the unread iterators Keras makes between
-    epochs (`opens`); a source whose kernels draw the same in every fresh
-    iterator (`SourceFacts.kernel_seeded`) is not fed.
-
-    Once the passes fed are read, the iterator waits in the queue's
-    dequeue (a tf.data thread, no CPU) for the next call's: a call must
-    read every pass it fed to be run on (`LongLivedIterator.carries`).
-    `close` ends the wait, for the iterator's teardown.
+    feeds its passes (`feed`) and the stage's one iterator reads them next.
+    Every pass reads a fresh iterator of its dataset, as plain Keras's
+    epochs do. Once the passes fed are read, the iterator waits in the
+    queue's dequeue for the next call's; `close` ends the wait.
 
     Args:
         element_spec: The structure of the fed datasets' elements.
@@ -819,8 +687,7 @@ class FedSource:
     def __init__(self, element_spec, options):
         self.element_spec = element_spec
         self.options = options
-        # Passes fed so far, by every call.
-        self.passes = 0
+        self.passes = 0  # fed so far, by every call
         self.closed = False
         with tf.init_scope(), tf.device("/CPU:0"):
             self._queue = tf.queue.FIFOQueue(
@@ -851,15 +718,11 @@ class FedSource:
         )
 
     def feed(self, dataset, passes, opens=0):
-        """Feeds `passes` passes of `dataset`, read after those fed before.
-
-        `opens`: the unread iterators of `dataset` plain Keras makes after
-        each pass it reads (see `long_lived_source`): a dataset that draws
-        per iterator takes its draws in plain Keras's order.
+        """Feeds `passes` passes of `dataset` (each followed by `opens`
+        unread iterators), read after those fed before.
 
         Raises:
-            RuntimeError: the passes fed before are not all read yet (the
-                queue is full: feeding would wait for ever).
+            RuntimeError: the passes fed before are not all read yet.
         """
         if self.closed or int(self._queue.size()) >= _FED_CAPACITY:
             raise RuntimeError(
@@ -885,19 +748,15 @@ class FedSource:
 
 
 # How long a call waits for the teardown of a kept stage's last iterator
-# before it builds a stage of its own (see `KeptStage.released`).
+# before it builds a stage of its own.
 TEARDOWN_WAIT_SECONDS = 5.0
 
 
 class KeptStage:
     """A stage a model keeps for its later calls on the same dataset.
 
-    See `stage_data(kept=...)`. What the stage depends on is held (not
-    only its id, which a new object could take): the layer, the dataset,
-    the staged function (a new one after a staged layer is re-adapted)
-    and the stats. `in_use` while a call runs it: a call nested in it (an
-    evaluate from a fit's callback, on the fit's validation data) builds
-    its own.
+    What the stage depends on is held, not only its id, which a new object
+    could take. `in_use` while a call runs it.
     """
 
     def __init__(
@@ -917,7 +776,6 @@ class KeptStage:
         # `strategy`: the one of several replicas that distributes it.
         self.objects = (layer, source, fn, stats, strategy)
         self.values = (
-            # A fit's validation and an evaluate run one compiled step.
             phase,
             batches,
             repr(sorted(layer.stage_options.get_config().items())),
@@ -928,46 +786,33 @@ class KeptStage:
                 long_lived.steps_per_execution,
                 long_lived.feeds,
             ),
-            # Keras weighs the batches in its dataset (a map over the
-            # user's): a stage built with other weights is not this one.
-            # Copied, as a user may change the dict between calls.
+            # Keras weighs the batches in its dataset; copied, as a user
+            # may change the dict between calls.
             None
             if class_weight is None
             else repr(sorted(dict(class_weight).items())),
-            # How the phase uses the tf.data service (see
-            # `_service_overrides`), and what the data set for it.
             repr(sorted((overrides or {}).items())),
         )
-        # The `LongLivedEpochs` whose source the stage runs, or None.
-        self.long_lived = long_lived
-        # One epoch of the call's source, which a fed stage's call feeds
-        # (see `FedSource`).
+        self.long_lived = long_lived  # its `LongLivedEpochs`, or None
+        # One epoch of the call's source, which a fed stage's call feeds.
         self.call_source = call_source
-        # Whether its one iterator outlives calls (`epochs` None: see
-        # the module docstring): that iterator, the pipeline
-        # it iterates, and the staged layers' variables' values when the
-        # last call ended (None: none to compare, or not taken).
+        # Whether its one iterator outlives calls: that iterator, the
+        # pipeline it iterates, and the staged layers' variables' values
+        # when the last call ended (None: none to compare).
         self.spans_calls = long_lived is not None and long_lived.epochs is None
         self._shared = None
         self._shared_pipeline = None
         self._variables = None
-        # The thread tearing down the last call's iterator (see
-        # `release`), or None: a call reusing the stage waits
-        # for it before it opens the gate, so nothing that iterator still
-        # finishes counts in the stats the new one reads.
+        # The thread tearing down the last call's iterator, or None: a call
+        # reusing the stage waits for it before it opens the gate.
         self.released = None
         self.staged = None
         self.in_use = False
-        # `(pipeline, its distributed dataset)` under a strategy of several
-        # replicas, or None.
-        self._distributed = None
+        self._distributed = None  # `(pipeline, its distributed dataset)`
 
     def distributed(self, pipeline, distribute):
-        """`pipeline` as `distribute(pipeline)` made it, for every call.
-
-        Keras makes its iterators of the distributed dataset; one made
-        again each call would rewrite the pipeline for the replicas again.
-        """
+        """`pipeline` as `distribute(pipeline)` made it, for every call (made
+        again, it would rewrite the pipeline for the replicas again)."""
         if self._distributed is None or self._distributed[0] is not pipeline:
             self._distributed = (pipeline, distribute(pipeline))
         return self._distributed[1]
@@ -976,15 +821,13 @@ class KeptStage:
         """Whether `other`, wanted by a new call, is this stage.
 
         With a kept iterator, also whether the staged layers' variables
-        still hold what they held when the last call ended: its buffer
-        was computed with those values.
+        still hold the values its buffer was computed with.
         """
         if self.values != other.values:
             return False
         objects, others = self.objects, other.objects
         if self.long_lived is not None and self.long_lived.feeds:
-            # Fed (see `FedSource`): another dataset of the
-            # structure its source reads, while its iterator runs on.
+            # Fed: another dataset of its structure, while it runs on.
             fed = self.long_lived.fed
             if (
                 fed is None
@@ -1019,10 +862,8 @@ class KeptStage:
         return self.spans_calls and self.keeps_running()
 
     def end_call(self, values):
-        """Ends a call whose iterator runs on (see `keeps_running`).
-
-        `values`: the staged layers' variables' values now.
-        """
+        """Ends a call whose iterator runs on; `values`: the staged layers'
+        variables' values now."""
         self._shared.detach()
         self._variables = values
         self.in_use = False
@@ -1030,8 +871,8 @@ class KeptStage:
     def drop_iterator(self, ends_source=True):
         """Drops the kept iterator, if any (torn down on another thread).
 
-        A fed source ends with it (`ends_source`): a new iterator of its
-        pipeline would read the same queue of passes.
+        A fed source ends with it (`ends_source`): a new iterator would read
+        the same queue of passes.
         """
         shared, self._shared = self._shared, None
         self._shared_pipeline, self._variables = None, None
@@ -1044,48 +885,35 @@ class KeptStage:
     def retire(self):
         """Ends this stage for good: a new one replaces it."""
         if self._shared is not None and self.staged is not None:
-            # Nothing its iterator still finishes counts in the stats the
-            # next stage shares.
             self.staged.runner.close_gate()
         self.drop_iterator()
 
 
 # A kept iterator runs on across calls only when the staged layers'
-# variables are this small in all: a call compares their values with those
-# of the last call's end (a buffer computed with other values is dropped).
+# variables, whose values each call compares, are this small in all.
 VARIABLES_COMPARED_BYTES = 2**20
 
 
-def _variables_of(split):
-    """`(variables, read)` of `split`'s staged layers (kept per split).
-
-    `read()` returns their values as NumPy arrays. None when they are over
-    `VARIABLES_COMPARED_BYTES` in all.
-    """
-    if split is None:
-        return (), tuple
-    cached = _split_variables.get(split, False)
-    if cached is not False:
-        return cached
-    variables = tuple(split.prefix.variables)
-    size = sum(
-        tf.TensorShape(v.shape).num_elements() * tf.as_dtype(v.dtype).size
-        for v in variables
-    )
-    found = None
-    if size <= VARIABLES_COMPARED_BYTES:
-        found = variables, split.backend.variable_reader(variables)
-    _split_variables[split] = found
-    return found
-
-
-_split_variables = weakref.WeakKeyDictionary()
-
-
 def variable_values(split):
-    """The values of `split`'s staged layers' variables (see above)."""
-    found = _variables_of(split)
-    return None if found is None else found[1]()
+    """The values of `split`'s staged layers' variables as NumPy arrays, or
+    None when over `VARIABLES_COMPARED_BYTES` (the reader kept per split)."""
+    if split is None:
+        return ()
+    read = _split_readers.get(split, False)
+    if read is False:
+        variables = tuple(split.prefix.variables)
+        size = sum(
+            tf.TensorShape(v.shape).num_elements() * tf.as_dtype(v.dtype).size
+            for v in variables
+        )
+        read = None
+        if size <= VARIABLES_COMPARED_BYTES:
+            read = split.backend.variable_reader(variables)
+        _split_readers[split] = read
+    return None if read is None else read()
+
+
+_split_readers = weakref.WeakKeyDictionary()
 
 
 def _same_values(before, now):
@@ -1100,9 +928,8 @@ def _same_values(before, now):
 def earlier_stage(kept, role):
     """The kept stage a call of `role` may run again, or None.
 
-    Its role's; for an evaluate with none yet of its own, a fit's fed
-    validation stage (its step is the same) unless that fit runs it now,
-    which the evaluate feeds then, kept for both roles.
+    Its role's; for an evaluate with none of its own, a fit's fed
+    validation stage (the same step) that is not in use.
     """
     earlier = kept.get(role)
     if earlier is None and role == "test":
@@ -1118,11 +945,8 @@ def earlier_stage(kept, role):
 
 
 def switched_data(earlier, x):
-    """Whether a call on `x` follows calls of its role on other datasets.
-
-    `earlier`: the role's kept stage, or None. True once its stage is fed
-    (see `FedSource`) or was built on another dataset object.
-    """
+    """Whether a call on `x` follows calls of its role on other datasets
+    (`earlier`, the role's kept stage, is fed or built on another)."""
     if earlier is None:
         return False
     plan = earlier.long_lived
@@ -1132,8 +956,7 @@ def switched_data(earlier, x):
 def carries(kept, role, x):
     """Whether a call of `role` on `x` would read on from a kept iterator.
 
-    See the module docstring: such a call makes no iterator
-    of the stage's pipeline. `kept`: the model's kept stages, or None.
+    `kept`: the model's kept stages, or None.
     """
     entry = None if kept is None else kept.get(role)
     return (
@@ -1147,10 +970,9 @@ def carries(kept, role, x):
 def kept_stage(kept, role, wanted, split=None):
     """The kept stage a call of `role` runs: an earlier one, or `wanted`.
 
-    `kept`: the model's kept stages by role (updated here); `wanted`: the
-    `KeptStage` the call would build. None where the call builds a stage
-    of its own, not kept: a call nested in the one running the role's
-    stage, or one whose earlier iterator is still being torn down.
+    `kept`: the model's kept stages by role (updated here). None where the
+    call builds a stage of its own (nested in the one running the role's
+    stage, or its earlier iterator still torn down).
     """
     earlier = earlier_stage(kept, role)
     entry = wanted
@@ -1171,18 +993,13 @@ def kept_stage(kept, role, wanted, split=None):
     if entry.released is not None:
         entry.released.join(TEARDOWN_WAIT_SECONDS)
         if entry.released.is_alive():
-            # Its last iterator is still being torn down: a stage of its
-            # own for this call, rather than that one's gate reopened.
-            return None
+            return None  # still torn down: a stage of its own
         entry.released = None
     return entry
 
 
 def retire_all(kept):
-    """Ends every stage of `kept` (a model's kept stages, by role) for good.
-
-    Their iterators, if they outlived their calls, are torn down.
-    """
+    """Ends every stage of `kept` (a model's kept stages, by role)."""
     for entry in kept.values():
         entry.retire()
     kept.clear()
