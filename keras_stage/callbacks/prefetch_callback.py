@@ -1,9 +1,4 @@
-"""`PrefetchCallback`: the lifecycle and the report of a staged run.
-
-It begins and ends the epochs of the sources feeding the stages, reads the
-stages' counters at epoch boundaries, logs them with a bottleneck verdict,
-and stops the stages' threads when the run ends, however it ends.
-"""
+"""`PrefetchCallback`: runs a staged call's stages and reports on them."""
 
 import logging
 import math
@@ -19,20 +14,15 @@ from keras_stage.layers.staged_input import StagedInput, warn_not_staged
 
 logger = logging.getLogger("keras_stage")
 
-# Above this fraction of the epoch spent waiting for data, a run is called
-# input-bound.
+# Waiting for data this share of the epoch makes a run input-bound.
 _INPUT_BOUND_WAIT_RATIO = 0.1
-# Margin over prepare / train workers: with exactly that many, any jitter
-# makes the step wait.
+# Margin over prepare / train threads: with exactly that many, jitter waits.
 _THREADS_HEADROOM = 1.25
-# One batch being taken while the next waits.
-_MIN_SUGGESTED_CAPACITY = 2
-# An input-bound stage whose threads would deliver a batch this many times
-# faster than it did was starved by the pipeline before it.
-_SOURCE_BOUND_FACTOR = 1.5
+_MIN_SUGGESTED_CAPACITY = 2  # one batch taken while the next waits
 _MAX_SUGGESTED_CAPACITY = 64
-# At this share of the cores in use, an input-bound stage is computing, not
-# waiting: more threads would only share the cores.
+# A stage this much slower than its threads was starved by its source.
+_SOURCE_BOUND_FACTOR = 1.5
+# At this share of the cores in use, more threads would only share them.
 _CORES_BUSY_LOAD = 0.85
 
 
@@ -50,20 +40,6 @@ def _snapshot(staged):
     }
 
 
-def _require_tensorboard(log_dir):
-    """Raises now, not at the first epoch's end, if TensorBoard is missing."""
-    try:
-        import tensorboard.summary.v2  # noqa: F401  (what tf.summary uses)
-    except ImportError as e:
-        raise ImportError(
-            "PrefetchCallback(log_dir=...) writes TensorBoard event files, "
-            "which needs the `tensorboard` package, and it is not installed. "
-            "Install it with `pip install tensorboard` (or "
-            '`pip install -e ".[tensorboard]"` in the keras_stage checkout), '
-            f"or pass log_dir=None. Received: log_dir={log_dir!r}"
-        ) from e
-
-
 class _Binding:
     """One stage feeding one phase (train, test or predict) of a run."""
 
@@ -78,7 +54,7 @@ class _Binding:
         call_reason=None,
         iterator_cost=None,
     ):
-        # The arguments are `PrefetchCallback.attach`'s.
+        # `PrefetchCallback.attach` documents the arguments.
         self.phase = phase
         self.staged = staged
         self.adapter = adapter
@@ -92,25 +68,19 @@ class _Binding:
         # See `_rates_of_batches_read_ahead` and `_shrink_cannot_pay`.
         self.busy_rate = None
         self.least_prepare = None
-        # The stage's skip counter is cumulative.
-        self.skipped_before = 0
+        self.skipped_before = 0  # the stage's skip counter is cumulative
 
     def begin_epoch(self):
         if not self.in_epoch:
             if self.adapter is not None:
                 self.adapter.on_epoch_begin()
             if self.staged.runner.records_in_step:
-                # The step marks each next fetch at its end; the epoch's
-                # first begins now. A long-lived stage already holds the
-                # epoch's batches.
+                # The step marks the next fetch at its end; the first is now.
                 held = self.long_lived and (self.epochs_begun or self.carried)
                 self.staged.stats.mark_request(orphan=not held)
             self.epochs_begun += 1
             self.skipped_before = self.staged.stats.snapshot()["skipped"]
         self.in_epoch = True
-
-    def skipped_this_epoch(self, snapshot):
-        return snapshot["skipped"] - self.skipped_before
 
     def end_epoch(self):
         if self.adapter is not None and self.in_epoch:
@@ -121,63 +91,41 @@ class _Binding:
 class PrefetchCallback(keras.callbacks.Callback):
     """Runs the stages of a staged model and reports what they are doing.
 
-    Pass it to `fit` (or `evaluate`/`predict`) of a `keras_stage.Model` or
-    `keras_stage.Sequential` with a `StagedInput`; the model adds one when
-    you do not, first in the callback list so that History, the progress
-    bar, EarlyStopping and TensorBoard all see its logs.
+    `keras_stage.Model` and `keras_stage.Sequential` add one to `fit`,
+    `evaluate` and `predict` when none is passed, first in the callback
+    list so that History, EarlyStopping and TensorBoard see its logs.
 
     Each epoch it adds to the logs:
 
     - `stage_wait_ratio`: fraction of the epoch's training time spent
-      waiting for input (0..1). Near 0: the stage keeps up. Under op
-      determinism it is read from tf.data's model of the stage's iterator;
-      absent when that cannot be read either.
-    - `stage_buffer_fill`: mean fill of the stage buffer when the training
-      step asked for a batch (0..1). Near 1: batches were waiting.
-    - `stage_skipped`: batches skipped this epoch by
-      `ignored_exception_types`.
-    - `stage_unstaged`: 1 for every epoch of a fit the model runs in
-      Keras's step without its stage (its other `stage_*` figures are then
-      0); not logged by a staged fit.
+      waiting for input (0..1); absent when it could not be measured.
+    - `stage_buffer_fill`: mean fill of the stage buffer when the step
+      asked for a batch (0..1). Near 1: batches were waiting.
+    - `stage_skipped`: batches skipped this epoch (ignored exceptions).
+    - `stage_unstaged`: 1 for every epoch of a fit the model runs without
+      its stage (its other `stage_*` figures are then 0); else absent.
 
-    With `verbose=1` it prints a one-line verdict per epoch: input-bound or
-    compute-bound, and what to change, by DeepRec's rules of thumb
-    (`num_threads >= preprocessing time / training time`,
-    `capacity ~ compute time / wait time`). The latest verdict is also in
-    `callback.verdict` as a dict. On a model with no stage it logs a
-    warning instead, once, naming the fix.
-
-    A stage that leaves its threads to keras_stage (`num_threads="auto"`,
-    no `thread_pool_size`) is also resized by the verdict between epochs
-    (see `keras_stage.data.pool`).
-
-    A `keras.callbacks.TensorBoard` in the callbacks writes the `stage_*`
-    logs with the others. Given `log_dir`, this callback also writes them
-    with the verdict's per-batch times under `log_dir/stage` (tags
-    `stage/wait_ratio`, `stage/buffer_fill`, `stage/skipped`,
-    `stage/prepare_ms_per_batch`, `stage/train_ms_per_batch`,
-    `stage/delivery_ms_per_batch`, `stage/suggested_num_threads`,
-    `stage/suggested_capacity`).
+    Each epoch also gets a verdict: input-bound or compute-bound and what
+    to change, by DeepRec's rules of thumb (`num_threads >= preprocessing
+    time / training time`, `capacity ~ compute time / wait time`). A stage
+    with `num_threads="auto"` and no `thread_pool_size` has its pool
+    resized by it between epochs. A model with no stage gets one warning.
 
     Args:
         verbose: 1 prints the verdict each epoch, 0 only logs it at debug
             level. Defaults to `0`.
-        log_dir: Folder for TensorBoard event files of the stage's
-            figures (needs the `tensorboard` package), or `None` for none.
+        log_dir: Folder for TensorBoard `stage/*` scalars of the stage's
+            and the verdict's figures (needs `tensorboard`), or `None`.
             Defaults to `None`.
 
     Attributes:
-        verdict: The latest training epoch's verdict, a dict with
-            `input_bound`, `source_bound`, `wait_ratio`, `buffer_fill`,
-            the per-batch seconds (`source_seconds_per_batch`,
-            `delivery_seconds_per_batch`, `prepare_seconds_per_batch`
-            (None for a stage with no staged computation, which only
-            buffers), `train_seconds_per_batch`), `suggested_num_threads`,
-            `suggested_capacity`, `thread_pool_size` and
-            `next_thread_pool_size` (for a stage whose pool is resized;
-            else None), `staged` (False for an epoch run without the
-            stage), `message` and `epoch`; `None` until the first epoch of
-            a `fit` ends. Figures the epoch could not time are None.
+        verdict: The latest training epoch's verdict: a dict of its
+            figures (`input_bound`, `source_bound`, `wait_ratio`,
+            `buffer_fill`, `{source,delivery,prepare,train}_seconds_per_batch`,
+            `suggested_num_threads`, `suggested_capacity`,
+            `thread_pool_size`, `next_thread_pool_size`; None if not
+            measured), `staged` (False for a fit run without the stage),
+            `message` and `epoch`. None until a `fit`'s first epoch ends.
 
     Example:
 
@@ -207,14 +155,25 @@ class PrefetchCallback(keras.callbacks.Callback):
                 f"path or None. Received: log_dir={log_dir!r}"
             )
         if log_dir is not None:
-            _require_tensorboard(log_dir)
+            # Fails now, not at the first epoch's end.
+            try:
+                import tensorboard.summary.v2  # noqa: F401  (tf.summary's)
+            except ImportError as e:
+                raise ImportError(
+                    "PrefetchCallback(log_dir=...) writes TensorBoard event "
+                    "files, which needs the `tensorboard` package, and it is "
+                    "not installed. Install it with `pip install tensorboard` "
+                    '(or `pip install -e ".[tensorboard]"` in the keras_stage '
+                    "checkout), or pass log_dir=None. Received: "
+                    f"log_dir={log_dir!r}"
+                ) from e
         self.verbose = int(verbose)
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self._writer = None
         self._warned_without_stage = False  # once per callback, not per fit
         self.verdict = None
         self._bindings = {}
-        self._unstaged_call = None  # see `attach_unstaged`
+        self._unstaged_call = None
         self._epoch_start = None
         self._train_time = None
         self._train_cpu = None
@@ -227,46 +186,23 @@ class PrefetchCallback(keras.callbacks.Callback):
 
     # -- wiring, called by the staged model ---------------------------------
 
-    def attach(
-        self,
-        phase,
-        staged,
-        adapter=None,
-        long_lived=False,
-        pool_shrinks=True,
-        carried=False,
-        call_reason=None,
-        iterator_cost=None,
-    ):
+    def attach(self, phase, staged, adapter=None, **binding):
         """Registers the stage feeding `phase` ("train", "test", "predict").
 
-        `long_lived`: the call's epochs run on one iterator; `carried`: an
-        earlier call left it. `pool_shrinks`: whether the verdict may
-        shrink an adaptive pool, or only grow it. `call_reason`: why the
-        call is staged. `iterator_cost`: what a resized pool costs, or None
-        (see `_shrink_cannot_pay`). Called by `keras_stage.Model`.
+        `binding`: `long_lived` (the call's epochs run on one iterator),
+        `carried` (an earlier call left it), `pool_shrinks` (whether the
+        verdict may shrink an adaptive pool), `call_reason` (why the call
+        is staged), `iterator_cost` (what a resized pool costs, or None).
         """
-        self._bindings[phase] = _Binding(
-            phase,
-            staged,
-            adapter,
-            long_lived,
-            pool_shrinks,
-            carried,
-            call_reason,
-            iterator_cost,
-        )
+        self._bindings[phase] = _Binding(phase, staged, adapter, **binding)
 
     def attach_unstaged(self, reason):
         """Registers a fit the model runs without its stage, and why."""
         self._unstaged_call = reason
 
     def close(self, timeout=5.0):
-        """Ends the sources' epochs and stops every stage thread.
-
-        Returns:
-            True if no thread was left behind.
-        """
+        """Ends the sources' epochs and stops every stage thread; True if
+        none was left behind."""
         clean = True
         for binding in self._bindings.values():
             try:
@@ -281,20 +217,15 @@ class PrefetchCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.verdict = None
-        self._starting_epoch = True
-        self._first_step_begun = False
         self._warn_without_stage()
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._samples_due(batch):
-            # Op determinism: tf.data's model keeps a window of fetches.
             self._bindings["train"].staged.stats.sample()
         if not self._starting_epoch or self._snapshot is None:
             return
-        # An epoch's first step pays the epoch's start (a trace, a new
-        # pipeline), which is neither training nor input: the figures start
-        # as the second step begins. Not in a batch-end hook, which would
-        # make Keras wait for every step's logs.
+        # The first step pays the epoch's start: the figures start as the
+        # second begins (a batch-end hook would make Keras wait each step).
         if not self._first_step_begun:
             self._first_step_begun = True
             return
@@ -305,7 +236,7 @@ class PrefetchCallback(keras.callbacks.Callback):
             self._after_first_step = (_snapshot(binding.staged), time.time())
 
     def _samples_due(self, batch):
-        """Whether the train stage's figures are due a sample now."""
+        """Whether tf.data's model of the train stage is due a sample."""
         binding = self._bindings.get("train")
         if binding is None or not binding.staged.stats.samples:
             return False
@@ -328,7 +259,7 @@ class PrefetchCallback(keras.callbacks.Callback):
 
     def on_test_begin(self, logs=None):
         if self._epoch_start is not None and self._train_time is None:
-            # Validation inside fit: the training part of the epoch ends.
+            # Validation in fit: the epoch's training ends.
             self._train_time = time.time() - self._epoch_start
             self._train_cpu = _process_cpu_seconds()
         self._warn_without_stage()
@@ -354,7 +285,7 @@ class PrefetchCallback(keras.callbacks.Callback):
             for layer in getattr(model, "layers", ())
             if isinstance(layer, StagedInput)
         ]
-        # Only keras_stage models have it (their module imports this one).
+        # Only keras_stage models have it.
         smart_stage = getattr(model, "smart_stage", None)
         if smart_stage is None and staged_inputs:
             for layer in staged_inputs:
@@ -398,9 +329,8 @@ class PrefetchCallback(keras.callbacks.Callback):
             binding.end_epoch()
             _log_service_epoch(binding, None)
             snapshot = binding.staged.stats.snapshot()
-            self._report_skips(
-                binding, snapshot, binding.skipped_this_epoch(snapshot)
-            )
+            skipped = snapshot["skipped"] - binding.skipped_before
+            self._report_skips(binding, snapshot, skipped)
 
     def on_epoch_end(self, epoch, logs=None):
         binding = self._bindings.get("train")
@@ -423,14 +353,10 @@ class PrefetchCallback(keras.callbacks.Callback):
             first, first_ended = self._after_first_step
             if now["consumed"] > first["consumed"]:
                 before, started = first, first_ended
-        stats = epoch_statistics(
-            before, now, ended - started, binding.staged.stage_options
-        )
+        options = binding.staged.stage_options
+        stats = epoch_statistics(before, now, ended - started, options)
         whole = epoch_statistics(
-            self._snapshot,
-            now,
-            ended - self._epoch_start,
-            binding.staged.stage_options,
+            self._snapshot, now, ended - self._epoch_start, options
         )
         if before is not self._snapshot:
             _producer_rates_of_the_epoch(stats, whole)
@@ -441,9 +367,8 @@ class PrefetchCallback(keras.callbacks.Callback):
         self._snapshot = None
         self._epoch_start = None
         self._after_first_step = None
-        self._starting_epoch = False
         if logs is not None:
-            # Not measured: left out, as NaN would read as a diverged loss.
+            # Unmeasured is left out: NaN would read as a diverged loss.
             if stats["wait_ratio"] is not None:
                 logs["stage_wait_ratio"] = stats["wait_ratio"]
             if stats["buffer_fill"] is not None:
@@ -451,9 +376,7 @@ class PrefetchCallback(keras.callbacks.Callback):
             logs["stage_skipped"] = stats["skipped"]
         pool = binding.staged.thread_pool
         pool_size = None if pool is None else pool.size
-        self.verdict = verdict(
-            stats, binding.staged.stage_options, pool_size=pool_size
-        )
+        self.verdict = verdict(stats, options, pool_size=pool_size)
         self.verdict["epoch"] = epoch
         self.verdict["next_thread_pool_size"] = None
         if pool is not None and self.verdict["input_bound"] is not None:
@@ -464,7 +387,11 @@ class PrefetchCallback(keras.callbacks.Callback):
                 keep=self._shrink_cannot_pay(epoch, binding),
             )
         self.verdict["staged"] = True
-        self._add_call_reason(binding)
+        self.verdict["call"] = binding.call_reason
+        if binding.call_reason is not None and binding.epochs_begun == 1:
+            self.verdict["message"] += (
+                f" The call is staged: {binding.call_reason}."
+            )
         self._write_summaries(epoch, stats, self.verdict)
         self._say()
         self._report_skips(binding, now, stats["skipped"])
@@ -477,12 +404,17 @@ class PrefetchCallback(keras.callbacks.Callback):
             logs["stage_skipped"] = 0
             logs["stage_unstaged"] = 1.0
         first = self.verdict is None
-        self.verdict = _unstaged_verdict(
-            f"Model '{self.model.name}': this fit runs the whole model in "
-            f"Keras's step, without its stage: {self._unstaged_call}.",
-            epoch,
-        )
-        self.verdict["call"] = self._unstaged_call
+        self.verdict = {
+            **dict.fromkeys(_VERDICT_FIGURES),
+            "message": (
+                f"Model '{self.model.name}': this fit runs the whole model in "
+                f"Keras's step, without its stage: {self._unstaged_call}."
+            ),
+            "epoch": epoch,
+            "next_thread_pool_size": None,
+            "staged": False,
+            "call": self._unstaged_call,
+        }
         self._say(first)
 
     def _say(self, printed=True):
@@ -492,20 +424,8 @@ class PrefetchCallback(keras.callbacks.Callback):
         else:
             logger.debug(self.verdict["message"])
 
-    def _add_call_reason(self, binding):
-        """Says why the call was staged, in the verdict and first message."""
-        self.verdict["call"] = binding.call_reason
-        if binding.call_reason is not None and binding.epochs_begun == 1:
-            self.verdict["message"] += (
-                f" The call is staged: {binding.call_reason}."
-            )
-
-    def _adapt_pool(self, pool, verdict, shrink=True, keep=None):
-        """Resizes the stage's pool for the next epoch from `verdict`.
-
-        `keep`: why a smaller pool cannot pay (`_shrink_cannot_pay`), or
-        None to shrink as the verdict asks.
-        """
+    def _adapt_pool(self, pool, verdict, shrink, keep):
+        """Resizes the pool from `verdict`, unless `keep` says why not."""
         before = pool.size
         after = pool.adapt(
             verdict["input_bound"],
@@ -528,10 +448,8 @@ class PrefetchCallback(keras.callbacks.Callback):
     def _shrink_cannot_pay(self, epoch, binding):
         """Why a smaller pool cannot pay for the rest of the fit, or None.
 
-        A resized pool costs a new iterator (`iterator_cost`); it saves at
-        most the staged work of the batches left, per batch the least
-        `prepare_seconds_per_batch` after the iterator's first epoch (which
-        also holds the stage's start). None when either is unknown.
+        It costs a new iterator and saves at most the batches left times the
+        least staged work per batch after the iterator's first epoch.
         """
         cost = (
             None if binding.iterator_cost is None else binding.iterator_cost()
@@ -541,7 +459,6 @@ class PrefetchCallback(keras.callbacks.Callback):
         epochs, steps = params.get("epochs"), params.get("steps")
         if prepare is None:
             return None
-        # The first epoch's figure holds the staged layers' first-time work.
         first = binding.epochs_begun == 1 and not binding.carried
         least = binding.least_prepare
         if not first:
@@ -573,10 +490,9 @@ class PrefetchCallback(keras.callbacks.Callback):
             self._writer = None
 
     def _write_summaries(self, epoch, stats, verdict):
-        """Writes the epoch's figures as TensorBoard scalars (`log_dir`)."""
+        """Writes the epoch's figures and the verdict's under `log_dir`."""
         if self.log_dir is None:
             return
-        # A writer of its own: the verdict's figures are no epoch logs.
         if self._writer is None:
             self._writer = tf.summary.create_file_writer(
                 os.path.join(self.log_dir, "stage")
@@ -599,9 +515,7 @@ class PrefetchCallback(keras.callbacks.Callback):
                 tf.summary.scalar(f"stage/{name}", float(value), step=epoch)
         self._writer.flush()
 
-    def _report_skips(self, binding, snapshot, skipped=None):
-        if skipped is None:
-            skipped = snapshot["skipped"]
+    def _report_skips(self, binding, snapshot, skipped):
         if not skipped:
             return
         messages = snapshot["skipped_messages"]
@@ -617,7 +531,7 @@ class PrefetchCallback(keras.callbacks.Callback):
         )
 
 
-# The figures of a verdict that an epoch run without its stage has none of.
+# A verdict's figures: None when not measured, or for a fit run unstaged.
 _VERDICT_FIGURES = (
     "input_bound",
     "source_bound",
@@ -629,21 +543,10 @@ _VERDICT_FIGURES = (
     "train_seconds_per_batch",
     "suggested_num_threads",
     "suggested_capacity",
+    "thread_pool_size",
+    "cpu_load",
+    "cores_busy",
 )
-
-
-def _unstaged_verdict(message, epoch):
-    """The verdict of an epoch run without the stage: no figures."""
-    return {
-        **{key: None for key in _VERDICT_FIGURES},
-        "thread_pool_size": None,
-        "cpu_load": None,
-        "cores_busy": None,
-        "message": message,
-        "epoch": epoch,
-        "next_thread_pool_size": None,
-        "staged": False,
-    }
 
 
 def _measured(seconds):
@@ -652,8 +555,7 @@ def _measured(seconds):
 
 
 def epoch_statistics(before, after, seconds, options):
-    """Turns two stage snapshots into one epoch's statistics (None: not
-    measured)."""
+    """One epoch's statistics from two stage snapshots (None: unmeasured)."""
     consumed = after["consumed"] - before["consumed"]
     produced = after["produced"] - before["produced"]
     wait = _measured(after["wait_seconds"] - before["wait_seconds"])
@@ -690,12 +592,8 @@ def epoch_statistics(before, after, seconds, options):
 
 
 def _producer_rates_of_the_epoch(window, epoch):
-    """Gives `window`'s statistics the stage's rates over the whole epoch.
-
-    The window starts after the first step, when the stage may have made
-    most of the epoch's elements already: its busy time is taken per
-    element over the epoch, for each batch taken in the window.
-    """
+    """Gives `window` the stage's busy time per element over the `epoch`,
+    most of whose elements it may have made before the window."""
     if epoch["produced"] <= 0:
         return
     window["produced"] = window["consumed"]
@@ -706,11 +604,8 @@ def _producer_rates_of_the_epoch(window, epoch):
 
 
 def _rates_of_batches_read_ahead(stats, epoch, binding):
-    """Gives an epoch whose batches were made earlier the stage's rate then.
-
-    A long-lived iterator may have read an epoch's batches ahead in the
-    epochs before; its work per batch is then the last measured rate.
-    """
+    """Gives an epoch whose batches a long-lived iterator read ahead the
+    stage's last measured work per batch."""
     if epoch["produced"] > 0:
         if epoch["busy_seconds"] is not None:
             binding.busy_rate = epoch["busy_seconds"] / epoch["produced"]
@@ -737,11 +632,8 @@ def _duration(seconds):
 def verdict(stats, options, pool_size=None):
     """The bottleneck verdict of one epoch, by DeepRec's rules of thumb.
 
-    The stage delivers a batch every max(source, prepare / num_threads)
-    seconds. The source is not timed per batch: an input-bound stage that
-    delivered much slower (`_SOURCE_BOUND_FACTOR`) than its threads compute
-    was starved by its source. `pool_size`: the threads of the pool the
-    epoch ran on, if resized between epochs.
+    The source is not timed: an input-bound stage much slower than its
+    threads was starved by it. `pool_size`: the epoch's resized pool.
     """
     if stats["wait_seconds"] is None or stats["busy_seconds"] is None:
         return _untimed_verdict(stats, options, pool_size)
@@ -758,8 +650,7 @@ def verdict(stats, options, pool_size=None):
         capacity = math.ceil(
             (stats["seconds"] - stats["wait_seconds"]) / stats["wait_seconds"]
         )
-    else:
-        # The input keeps up: a deeper buffer would only hold batches.
+    else:  # the input keeps up: a deeper buffer would only hold batches
         capacity = _MIN_SUGGESTED_CAPACITY
     capacity = min(
         max(capacity, _MIN_SUGGESTED_CAPACITY), _MAX_SUGGESTED_CAPACITY
@@ -799,11 +690,10 @@ def verdict(stats, options, pool_size=None):
             f"Stage '{name}': input-bound, {waited}; {timing}. The pipeline "
             "before the stage is the bottleneck (the stage pulls from it one "
             f"batch at a time, and {threads_could}): parallelize its maps "
-            "(num_parallel_calls) and "
-            "reads (interleave), or make that work the stage's own "
-            "computation so the stage's threads run it: as layers of the "
-            "model with compile(smart_stage=True), or as the `fn` of "
-            "keras_stage.data.stage."
+            "(num_parallel_calls) and reads (interleave), or make that work "
+            "the stage's own computation so the stage's threads run it: as "
+            "layers of the model with compile(smart_stage=True), or as the "
+            "`fn` of keras_stage.data.stage."
         )
     elif input_bound:
         message = (
@@ -836,14 +726,12 @@ _NO_STAGED_COMPUTATION = "no staged computation (the stage only buffers)"
 
 
 def _computes(stats):
-    """Whether the epoch's stage ran a computation of its own (it only
-    buffers otherwise, with no busy time)."""
+    """Whether the stage computed, rather than only buffered."""
     return stats["busy_seconds"] is not None and stats["busy_seconds"] > 0
 
 
 def _untimed_verdict(stats, options, pool_size):
-    """The verdict of an epoch whose wait or staged work was not timed
-    (op determinism): what was measured, and no advice."""
+    """The verdict of an epoch not fully timed (op determinism): no advice."""
     pace = stats["seconds"] / max(stats["produced"], 1)
     wait_ratio = stats["wait_ratio"]
     busy = stats["busy_seconds"]
@@ -862,7 +750,7 @@ def _untimed_verdict(stats, options, pool_size):
         prepare = None
         waited += f"; {_NO_STAGED_COMPUTATION}"
     fill = stats["buffer_fill"]
-    if fill is None:  # see `StageStats.count_nothing`
+    if fill is None:
         held = "its buffer's fill was not counted"
     else:
         held = f"its buffer was {fill:.0%} full"
@@ -881,42 +769,29 @@ def _untimed_verdict(stats, options, pool_size):
         stats,
         pool_size,
         message,
-        input_bound=None,
-        source_bound=None,
-        source_seconds_per_batch=None,
         delivery_seconds_per_batch=pace,
         prepare_seconds_per_batch=prepare,
-        train_seconds_per_batch=None,
-        suggested_num_threads=None,
-        suggested_capacity=None,
     )
 
 
 def _verdict_record(stats, pool_size, message, **figures):
     """The verdict dict: the epoch's `figures` and what every verdict has."""
+    cpu_load = stats.get("cpu_load")
     return {
-        "input_bound": figures.pop("input_bound"),
-        "source_bound": figures.pop("source_bound"),
+        **dict.fromkeys(_VERDICT_FIGURES),
+        **figures,
         "wait_ratio": stats["wait_ratio"],
         "buffer_fill": stats["buffer_fill"],
-        **figures,
         "thread_pool_size": pool_size,
-        "cpu_load": stats.get("cpu_load"),
-        # Unknown counts as busy: no growth past the pool's usual size.
-        "cores_busy": stats.get("cpu_load") is None
-        or stats["cpu_load"] >= _CORES_BUSY_LOAD,
+        "cpu_load": cpu_load,
+        # Unknown counts as busy: no growth past the usual size.
+        "cores_busy": cpu_load is None or cpu_load >= _CORES_BUSY_LOAD,
         "message": message,
     }
 
 
 def _log_service_epoch(binding, logs):
-    """Closes the epoch of a stage on the tf.data service; logs its counts.
-
-    `stage_service_delivered`: examples delivered this epoch;
-    `stage_service_lost` and `stage_service_repeated`: against one pass of
-    the data per copy, when its size is known (`keras_stage.data.failover`);
-    `stage_service_ended_early`: 1.0 if the stage ended the epoch itself.
-    """
+    """Closes a tf.data service stage's epoch; logs `stage_service_*`."""
     ledger = binding.staged.service_ledger
     if ledger is None:
         return
