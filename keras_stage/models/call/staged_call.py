@@ -1,22 +1,9 @@
 """`StagedCall`: one fit/evaluate/predict call of a model with a stage.
 
-It owns what lasts exactly one call: the callbacks (a `PrefetchCallback`
-first), the stages built from the call's data, their bindings to the
-phase's compiled step (runner, recording, placement, step clock) and the
-compiled steps swapped in while Keras runs. An evaluate run from a
-callback of a staged fit is a call of its own: it gives the fit's
-bindings back when it ends. What outlives calls is `model_state.py`'s.
-
-Example (what `StagingMixin.evaluate` does, `keras_evaluate` being
-`keras.Model.evaluate` bound to the model):
-
-    call = StagedCall(model, layer, ("test",), callbacks)
-    if not calls.stages(model, layer, "test", batches):
-        return call.run_unstaged(lambda: keras_evaluate(x, y, ...))
-    call.split = split  # the SmartStage split, or None
-    with call:
-        data = call.stage("test", "test", x, y, batch_size=32)
-        return call.run(keras_evaluate, x=data.pipeline)
+It owns what lasts one call: its callbacks (a `PrefetchCallback` first),
+its stages, their bindings to the compiled steps and the steps swapped in
+while Keras runs; an evaluate from a fit's callback gives the fit's
+bindings back when it ends. `StagingMixin.evaluate` shows its use.
 """
 
 import contextlib
@@ -47,18 +34,16 @@ class StagedCall:
 
     Args:
         model: The `keras_stage` model called.
-        layer: Its `StagedInput` (or the default one of a SmartStage
-            model without it).
-        phases: The phases the call runs: `("train", "test")` for fit,
-            `("test",)` for evaluate, `("predict",)` for predict.
+        layer: Its `StagedInput` (or SmartStage's default one).
+        phases: `("train", "test")` for fit, `("test",)` for evaluate,
+            `("predict",)` for predict.
         callbacks: The user's callbacks (a list, or None).
         steps_per_epoch: The fit's `steps_per_epoch`, or None.
-        verbose: The call's `verbose`: whether Keras shows a progress bar.
+        verbose: The call's `verbose`.
 
     Attributes:
-        split: The SmartStage split whose prefix the call's stages run, or
-            None; set before the first `stage` (a call that runs unstaged
-            never needs it).
+        split: The SmartStage split the stages run, or None; set before
+            the first `stage`.
     """
 
     def __init__(
@@ -90,7 +75,7 @@ class StagedCall:
                 ordered=layer.stage_options.deterministic,
             )
         self.built = []
-        # The roles and pools of the stages counting in stats of their own.
+        # (role, pool) of the stages with stats of their own.
         self._own_pools = []
         self._state = model_state(model)
         self.backend = backends.for_model(model)
@@ -136,7 +121,6 @@ class StagedCall:
             kept=self._state.stages,
             reads_in_python=not stepped,
             feedable=self._feedable(phase),
-            # A compiled step's stats keep their pool across calls.
             pool_start=None if stepped else self._state.pool_sizes.get(role),
             **kwargs,
         )
@@ -149,8 +133,8 @@ class StagedCall:
     def _feedable(self, phase):
         """Whether `phase`'s stage may read a fed source across calls.
 
-        A fed source's queue is not in a tf.data checkpoint: not for a
-        compiled training step that `BackupAndRestore` saves.
+        Not where `BackupAndRestore` saves the iterator: a fed source's
+        queue is not in a tf.data checkpoint.
         """
         return phase != "train" or not any(
             isinstance(cb, DataBackup) for cb in self.callbacks
@@ -167,6 +151,7 @@ class StagedCall:
                 state.step_clocks.get(phase),
             )
         self._fed[phase] = data
+        decision = learned(self.model).decisions.pop(phase, None)
         self.prefetch.attach(
             phase,
             data.staged,
@@ -174,7 +159,7 @@ class StagedCall:
             long_lived=data.long_lived,
             pool_shrinks=self.backend.pool_shrinks,
             carried=data.carried,
-            call_reason=_reason(learned(self.model).decisions.pop(phase, None)),
+            call_reason=None if decision is None else decision.reason,
             iterator_cost=functools.partial(
                 calls.resize_cost, self.model, data
             ),
@@ -315,11 +300,6 @@ class StagedCall:
                     data.end_call()
             finally:
                 self.prefetch.close()
-
-
-def _reason(decision):
-    """Why `decision` (a `calls.Decision`, or None) staged the call."""
-    return None if decision is None else decision.reason
 
 
 def bind_placement(model, phase, placement):
