@@ -134,8 +134,8 @@ def track_iterator(state, phase, iterator):
 
     A resumed epoch (`DataBackup`) holds only the batches after its saved
     position, where Keras counts the whole epoch: their count, when known,
-    ends it (`resumed_epoch_ended`), then `reopen()` (or None) makes the
-    iterator Keras makes after an epoch it stepped through.
+    ends it (`resumed_epoch_ended`), then `reopen()` makes the iterator
+    Keras makes after an epoch it stepped through.
     """
     pending = state.pending_restores.pop(phase, None)
     if pending is not None:
@@ -163,8 +163,7 @@ def resumed_epoch_ended(state, phase, iterator, batches):
         return False
     if left[1] <= 0:
         del state.resumed_left[phase]
-        if left[2] is not None:
-            left[2]()
+        left[2]()  # reopen
         return True
     left[1] -= batches
     return False
@@ -312,7 +311,6 @@ def recorded_step(model, phase, step, data):
     fetch = stats.record_fetch(data, accumulate=False)
     outputs = step(data)
     end = stats.record_step_end(outputs)
-    # Keras's own steps return dicts.
     if not own_step(model, phase) or not isinstance(outputs, dict):
         stats.accumulate(fetch)
         return outputs
