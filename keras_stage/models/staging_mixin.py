@@ -108,8 +108,7 @@ class StagingMixin:
         state.requested_jit = kwargs.get("jit_compile", "auto")
         with warnings.catch_warnings():
             if smart_stage and state.requested_jit is True:
-                # Keras drops jit_compile for a model with string ops; the
-                # staged trunk may still take it (see `_trunk_jit`).
+                # The staged trunk may still take it (`_trunk_jit`).
                 warnings.filterwarnings(
                     "ignore", message="Model doesn't support `jit_compile"
                 )

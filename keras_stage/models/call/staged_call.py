@@ -364,10 +364,8 @@ def _staged_steps(model, phases, splits):
 def _unstaged_steps(model, phases, clocks):
     """Within, the model's steps run the whole model and record nothing.
 
-    A stage-only call records its fetches in Keras's own compiled step,
-    which an unstaged call must not run. The outer call's bindings are put
-    back afterwards. `clocks`: per phase, a list its steps' host times go
-    to.
+    Not Keras's own step, in which a stage-only call records its fetches.
+    `clocks`: per phase, a list its steps' host times go to.
     """
     state = model_state(model)
     saved = {}
@@ -383,8 +381,7 @@ def _unstaged_steps(model, phases, clocks):
             if phase in clocks:
                 state.step_clocks[phase] = clocks[phase]
             unstaged = state.staged_functions.get((phase, UNSTAGED_STEPS))
-            # Setting a compiled step goes through Keras's attribute
-            # tracking, a cost on every short call: set only what changes.
+            # Keras's attribute tracking costs: set only what changes.
             if saved[phase][0] is not unstaged:
                 setattr(model, attr, unstaged)
             state.active[phase] = None
@@ -398,8 +395,7 @@ def _unstaged_steps(model, phases, clocks):
                 unstaged = getattr(model, attr, None)
                 state.staged_functions[(phase, UNSTAGED_STEPS)] = unstaged
                 function, active = saved[phase]
-                # Where the model held no step, the unstaged one stays for
-                # the next unstaged call (a staged call sets its own).
+                # Where the model held none, the unstaged step stays.
                 if function is not None and function is not unstaged:
                     setattr(model, attr, function)
                 state.active[phase] = active
@@ -480,8 +476,7 @@ def _with_data_backup(
                 return None if ref is None else ref()
 
             def stage_restored(variables, state=state):
-                # `variables` hold their saved values; the restored
-                # iterator has numbered nothing yet.
+                # The restored iterator has numbered nothing yet.
                 state.split.unnumbered.assign(True)
 
             def drew_itself(left, state=state):
