@@ -1,10 +1,7 @@
 """`keras_stage.Model`: `keras.Model` whose data can go through a stage.
 
-Keras turns a `Model(inputs, outputs)` call into a `Functional` model by
-rewriting the class's bases, which would break the subclassing style of
-the same class afterwards. So functional construction returns a
-`keras_stage` functional class of its own, still an instance of
-`keras_stage.Model`.
+`Model(inputs, outputs)` returns `Functional`, a subclass of its own:
+Keras's rewriting of the class's bases would break subclassing.
 """
 
 import keras
@@ -63,8 +60,7 @@ class Functional(_compat.keras_functional_class(), Model):
         return keras.Model.__new__(cls)
 
     def call(self, inputs, training=None, mask=None, **kwargs):
-        # Keras's Functional.call precedes StagingMixin's in this class's
-        # MRO: the redirect to the trunk is made here too.
+        # Keras's Functional.call precedes StagingMixin's in the MRO.
         return tensorflow_steps.call_model(
             self, super().call, inputs, training=training, mask=mask, **kwargs
         )

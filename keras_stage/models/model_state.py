@@ -1,10 +1,8 @@
 """What a keras_stage model keeps between its staged calls.
 
-One `StagingState` per model, kept out of Keras's attribute tracking (it
-is neither tracked nor saved): the SmartStage plan and split, the compiled
-steps of staged and unstaged calls, the stats those steps record in, what
-the policy learned of its calls (`decision.learned`) and, while a call
-runs, what binds its stages to its steps.
+One `StagingState` per model, neither tracked nor saved by Keras: the
+plan, the compiled steps, their stats, what the policy learned and, while
+a call runs, what binds its stages to its steps.
 """
 
 import contextlib
@@ -16,14 +14,7 @@ FUNCTIONS = {
     "test": "test_function",
     "predict": "predict_function",
 }
-# What makes each of them.
-MAKERS = {
-    "train": "make_train_function",
-    "test": "make_test_function",
-    "predict": "make_predict_function",
-}
-# The key of the whole model's compiled steps in `staged_functions` (calls
-# that skip their stage, epochs run without it).
+# The key of the whole model's compiled steps in `staged_functions`.
 UNSTAGED_STEPS = "unstaged"
 
 
@@ -35,20 +26,16 @@ class StagingState:
         self.backend = None
         self.smart_stage = False
         self.runners = {}
-        # The stats each compiled step ("train", "test") records its
-        # fetches in: kept across calls, since a traced step captures
-        # them, and replaced (with a retrace) once closed by a timeout.
+        # The stats each compiled step records its fetches in: a traced
+        # step captures them, so they outlive calls.
         self.step_stats = {}
-        # Where a call's stages count in stats of their own (every JAX
-        # stage, a predict's), the size each role's adaptive pool ended the
-        # last call with: the next call's pool starts there rather than
-        # growing again, since each resize restarts the stage.
+        # Per role: the size a stage with stats of its own (JAX, predict)
+        # ended its pool at, where the next call's starts.
         self.pool_sizes = {}
         # The stats of the phases whose step records during this call.
         self.recording = {}
-        # SmartStage: the plan and split (computed on first use after
-        # compile), the split each phase's step runs, and the compiled
-        # steps of staged runs, kept apart from Keras's plain ones.
+        # SmartStage: the plan and split, the split each phase's step runs,
+        # and the compiled staged steps, apart from Keras's plain ones.
         self.plan = None
         self.split = None
         self.active = {}
@@ -60,9 +47,8 @@ class StagingState:
         # `staging_mixin.find_staged_input`).
         self.staged_input = None
         self.announced = False
-        # Per phase: the placement of the stage feeding the step (which
-        # unpacks packed elements), and the unpacked spec its traced step
-        # was built for.
+        # Per phase: the placement unpacking the step's elements, and the
+        # unpacked spec its traced step was built for.
         self.placements = {}
         self.layouts = {}
         # Per phase: the iterator its step read last (weakly), and a
@@ -70,22 +56,16 @@ class StagingState:
         # `DataBackup`).
         self.iterators = {}
         self.pending_restores = {}
-        # Per phase: `[iterator (weakly), batches]` left in an epoch
-        # resumed from a saved position, whose data ends before Keras's
-        # count of the epoch's steps (see `tensorflow_steps.track_iterator`).
+        # Per phase: `[iterator (weakly), batches, reopen]` left in a resumed
+        # epoch (`tensorflow_steps.track_iterator`).
         self.resumed_left = {}
-        # Per role: the `KeptStage` its last call built over a user's
-        # dataset, run again by later calls (owned by `kept_iterators`).
+        # Per role: the `KeptStage` later calls run again (`kept_iterators`).
         self.stages = {}
-        # Per phase: the list the compiled step appends its host time per
-        # batch to while a call times its steps (see `decision.calls
-        # .note_steps`).
+        # Per phase: the list a timed call's step appends its host times to.
         self.step_clocks = {}
-        # Set, in the thread tracing a step, to the trunk the model's call
-        # runs instead of the whole model.
+        # In the thread tracing a step: the trunk the model's call runs.
         self.local = threading.local()
-        # What the staging policy learned of this model's calls
-        # (`decision.learned`), until compile.
+        # What the policy learned of its calls (`decision.learned`).
         self.learned = None
 
 
@@ -108,11 +88,7 @@ def drop_traced_steps(model, phase):
 
 @contextlib.contextmanager
 def set_aside(phase, *bindings):
-    """Within, `phase` has no entry in any of the dicts `bindings`.
-
-    Each entry it had is put back afterwards: what an outer call (or the
-    staged epochs of this one) bound for the phase.
-    """
+    """Within, `phase` has no entry in the dicts `bindings`; put back after."""
     saved = [binding.pop(phase, None) for binding in bindings]
     try:
         yield

@@ -1,19 +1,9 @@
 """`StagingMixin`: the model API of `keras_stage.Model` and `Sequential`.
 
-- `compile` takes `smart_stage` and keeps it through save/load;
-  `get_stage_plan` / `stage_summary` show what the stage runs;
-- `fit`, `evaluate` and `predict` of a model with a `StagedInput` (or with
-  `smart_stage`) run as a `StagedCall` (`call/staged_call.py`): the call's data
-  goes through a stage with that layer's options, a `PrefetchCallback`
-  runs first, and the stage ends however the call ends. A call that cannot
-  repay its stage runs unstaged (`decision/calls.py`);
-- the train/test/predict steps and the compiled ones are the model's
-  backend's (`backends/`, picked once per model): they run the SmartStage
-  trunk on the stage's cut tensors, guarded by the stage's runner.
-
-What the model keeps between calls is `model_state.py`'s. A model without a
-`StagedInput` and without `smart_stage` behaves exactly like its Keras base
-class.
+`compile` takes `smart_stage`; `fit`, `evaluate` and `predict` of a model
+with a `StagedInput` (or `smart_stage`) run as a `StagedCall`, unless
+`decision/calls.py` runs them unstaged; the steps are the backend's. A
+model with neither behaves exactly like its Keras base class.
 """
 
 import functools
@@ -42,8 +32,7 @@ _SMART_STAGE_VALUES = (True, False, "longest")
 def find_staged_input(model):
     """The model's `StagedInput`, or None; checks where it stands.
 
-    Asked on every call: what it found is kept until the model's layers
-    change (a `Sequential` may still get some).
+    Kept until the model's layers change.
     """
     layers = tuple(model.layers)
     kept = _state(model).staged_input
@@ -119,8 +108,7 @@ class StagingMixin:
         state.requested_jit = kwargs.get("jit_compile", "auto")
         with warnings.catch_warnings():
             if smart_stage and state.requested_jit is True:
-                # Keras drops jit_compile for a model with string ops; the
-                # staged trunk may still take it (see `_trunk_jit`).
+                # The staged trunk may still take it (`_trunk_jit`).
                 warnings.filterwarnings(
                     "ignore", message="Model doesn't support `jit_compile"
                 )
@@ -130,8 +118,6 @@ class StagingMixin:
         state.staged_functions.clear()
         kept_iterators.retire_all(state.stages)
         state.announced = False
-        # Its costs (another stage signature), and what was paid toward
-        # tracing the steps compile drops.
         learned.forget(self)
 
     def get_stage_plan(self):
@@ -177,11 +163,7 @@ class StagingMixin:
         return state.plan, state.split
 
     def _stage_setup(self):
-        """The stage boundary layer of a call, or None if nothing is staged.
-
-        A SmartStage model without a `StagedInput` stages at its inputs
-        with a default one.
-        """
+        """The call's `StagedInput` (a default one for SmartStage), or None."""
         state = _state(self)
         layer = find_staged_input(self)
         if layer is None and state.smart_stage:
@@ -191,11 +173,7 @@ class StagingMixin:
         return layer
 
     def _stage_split(self):
-        """The SmartStage split a staged call runs, or None.
-
-        Planned on the model's first staged call after compile (a call
-        that runs unstaged plans nothing), and announced once.
-        """
+        """The SmartStage split a staged call runs, or None; announced once."""
         state = _state(self)
         if not state.smart_stage:
             return None
@@ -248,8 +226,7 @@ class StagingMixin:
 
     @property
     def _stage_backend(self):
-        # Also what `plan_model` reads when not handed one: the planner
-        # sits below the models and imports none of them.
+        # Also what `plan_model` reads: the planner imports no model.
         return backends.for_model(self)
 
     @property
@@ -275,9 +252,7 @@ class StagingMixin:
         return config
 
     def compile_from_config(self, config):
-        # Keras skips compile on load for models that override compile;
-        # this does what Keras's own compile_from_config does, plus
-        # smart_stage.
+        # Keras's own, plus smart_stage (Keras skips an overridden compile).
         config = dict(config)
         smart_stage = config.pop("smart_stage", False)
         config = keras.saving.deserialize_keras_object(config)
@@ -288,9 +263,8 @@ class StagingMixin:
     def export(self, filepath, format="tf_saved_model", **kwargs):
         """Exports the model for inference; see `keras.Model.export`.
 
-        On a backend other than TensorFlow, a model with string inputs
-        cannot be exported (its preprocessing is TensorFlow): this says
-        how to export it from the TensorFlow backend instead.
+        Off TensorFlow, a model with string inputs is refused with how to
+        export it from the TensorFlow backend.
         """
         self._stage_backend.check_exportable(self)
         return super().export(filepath, format=format, **kwargs)
@@ -368,9 +342,8 @@ class StagingMixin:
                 )
             )
             validation_split = 0.0
-        # The epochs may run on one iterator each for training and for
-        # validation, except when BackupAndRestore checkpoints the
-        # iterator of the epoch it resumes.
+        # One iterator across the epochs, unless BackupAndRestore
+        # checkpoints each epoch's.
         long_lived = not any(
             isinstance(cb, keras.callbacks.BackupAndRestore)
             for cb in call.callbacks
@@ -492,9 +465,7 @@ class StagingMixin:
                 sample_weight,
                 batch_size=batch_size,
                 steps=steps,
-                # One epoch; on a kept stage its iterator may run on into
-                # the next evaluate (see `kept_iterators`).
-                epochs=1,
+                epochs=1,  # a kept stage's iterator may run on past it
                 steps_per_execution=self.steps_per_execution,
             )
             return call.run(
@@ -543,13 +514,9 @@ class StagingMixin:
                 x,
                 batch_size=batch_size,
                 steps=steps,
-                # One epoch; on a kept stage its iterator may run on into
-                # the next predict (see `kept_iterators`).
-                epochs=1,
+                epochs=1,  # a kept stage's iterator may run on past it
                 steps_per_execution=self.steps_per_execution,
             )
-            # Keras fetches predict batches in Python: the staged dataset's
-            # own iterator applies the stage's policies there.
             return call.run(
                 super().predict,
                 x=call.feed(data),

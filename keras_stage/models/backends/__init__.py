@@ -1,9 +1,4 @@
-"""The backend of a staged call: one object per Keras backend.
-
-`base.py` says what a backend implements (and refuses the Keras backends
-keras_stage does not stage on); `tensorflow.py`, with its compiled steps in
-`tensorflow_steps.py`, and `jax.py` implement it.
-"""
+"""The backend of a staged call: one object per Keras backend (`base.py`)."""
 
 import keras
 

@@ -1,9 +1,7 @@
 """`Backend`: what a staged call asks of the Keras backend it runs on.
 
-Picked once per model (`backends.for_model`), as Keras picks its trainer
-class: nobody else asks which backend runs. The base itself is the backend
-of the Keras backends keras_stage does not stage on (torch, numpy,
-openvino): it refuses their staged calls, saying what works.
+The base is also the backend of those keras_stage does not stage on
+(torch, numpy, openvino): it refuses their staged calls.
 """
 
 import keras
@@ -15,52 +13,38 @@ from keras_stage.models.model_state import FUNCTIONS
 class Backend:
     """What a staged call does on one Keras backend.
 
-    A new backend is a subclass in a file of this folder, named in
-    `backends.BACKENDS`, with its tests. It implements:
+    A new backend is a subclass in this folder, named in
+    `backends.BACKENDS`. It implements:
 
-    - Refusals: `check_supported(model, layer)` (this base refuses every
-      staged call), `check_strategy(model)`, `check_exportable(model)`.
-    - Steps: `step(model, phase, keras_step, *args)` (the model's
-      train/test/predict step), `make_function(model, phase, make)` (a
-      compiled train/test step), `may_run_unstaged` (whether a call may
-      skip its stage), `jit_by_default` (`jit_compile="auto"`).
+    - Refusals: `check_supported(model, layer)`, `check_strategy(model)`,
+      `check_exportable(model)`.
+    - Steps: `step(model, phase, keras_step, *args)`, `make_function(model,
+      phase, make)`, `may_run_unstaged` (whether a call may skip its
+      stage), `jit_by_default` (`jit_compile="auto"`).
     - Feed: `reads_in_graph(phase)` (Keras's step reads the batches in its
-      graph, not in Python), `host_arrays(data)`, `feed(data,
-      phase)` (what Keras iterates for a `StagedData`), `build(model,
-      data, phase)` (what Keras builds from a first batch, from the stage's
-      specs),
-      `shard_batches(dataset)` (a process's batches where Keras shards per
-      process), `unread_opens` (iterators Keras opens per epoch, unread).
+      graph), `host_arrays(data)`, `feed(data, phase)` (what Keras
+      iterates for a `StagedData`), `build(model, data, phase)` (from the
+      stage's specs), `shard_batches(dataset)` (a process's batches),
+      `unread_opens` (iterators Keras opens per epoch, unread).
     - Buffer and pool: `uses_device_buffer`, `pool_start(options)`,
       `pool_shrinks`.
-    - What runs in tf.data, for the planner (handed the backend by
-      `plan_model`): `native_tf`, `narrows_int64()`,
+    - For the planner: `native_tf`, `narrows_int64()`,
       `variable_reader(variables)`.
-
-    The base gives what a refused backend meets too: Keras's compiled
-    functions, a step running the SmartStage trunk, the planner's answers
-    for tensors that are not TensorFlow's.
 
     Args:
         name: Keras's name of the backend (`keras.backend.backend()`).
     """
 
     # Whether Keras's tensors and variables are TensorFlow's: any layer
-    # then runs in tf.data, on the model's variables; otherwise only Keras's
-    # preprocessing layers (fixed state) and layers of TensorFlow ops.
+    # then runs in tf.data; otherwise only fixed preprocessing layers and
+    # layers of TensorFlow ops.
     native_tf = False
 
     def __init__(self, name):
         self.name = name
 
     def check_supported(self, model, layer):
-        """Raises a clear error for a staged call this backend cannot run.
-
-        Args:
-            model: The keras_stage model called.
-            layer: Its `StagedInput` (or the default one of a SmartStage
-                model).
-        """
+        """Raises a clear error for a staged call this backend cannot run."""
         raise NotImplementedError(
             f"keras_stage stages fit/evaluate/predict on the TensorFlow and "
             f"JAX backends; model '{model.name}' runs on the '{self.name}' "
@@ -75,9 +59,8 @@ class Backend:
     def check_exportable(self, model):
         """Raises a clear error for an export this backend cannot make.
 
-        Keras exports a model of another backend than TensorFlow through
-        jax2tf, which takes numeric arrays only: a model with string inputs
-        fails deep inside it.
+        Off TensorFlow, Keras exports through jax2tf, which fails deep
+        inside on string inputs.
         """
         strings = [
             t.name
@@ -96,11 +79,7 @@ class Backend:
             )
 
     def step(self, model, phase, keras_step, *args):
-        """Keras's `phase` step (`keras_step(*args)`), running the trunk.
-
-        A step traced with the model's `call` redirected to the SmartStage
-        trunk (see `StagingMixin.call`): the data holds the cut tensors.
-        """
+        """Keras's `phase` step (`keras_step(*args)`), running the trunk."""
         with tensorflow_steps.calling_trunk(model, phase):
             return keras_step(*args)
 

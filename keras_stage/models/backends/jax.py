@@ -1,10 +1,8 @@
 """`JaxBackend`: Keras's jitted steps take each batch from Python.
 
-Keras's JAX trainer fetches each batch in Python from the stage's eager
-iterator (`StagedData.eager_dataset`), which applies the stage's policies
-and counts the waits, and puts it on the device itself: the stage's buffer
-stays on the host. The staged prefix is TensorFlow, run by tf.data; the
-trunk is traced into the jitted step (`Backend.step`).
+Keras's JAX trainer reads the stage's eager iterator and puts each batch
+on the device itself: the stage's buffer stays on the host. The staged
+prefix runs in tf.data; the trunk is traced into the jitted step.
 """
 
 import logging
@@ -27,14 +25,10 @@ class JaxBackend(Backend):
     # A string prefix cannot run unstaged: every call is staged.
     may_run_unstaged = False
     jit_by_default = True  # Keras's "auto" on JAX: jit what it can
-    # Keras's trainer copies each batch to the device itself, one batch
-    # ahead (`jax.device_put` is asynchronous): a TensorFlow device buffer
-    # would only add a copy back to the host.
+    # Keras's trainer copies each batch to the device itself, one ahead.
     uses_device_buffer = False
     pool_shrinks = False  # see `pool_start`
-    # Keras's trainer makes its iterators as generators, which open the
-    # dataset only when first read.
-    unread_opens = 0
+    unread_opens = 0  # Keras's generators open the dataset when first read
 
     def check_supported(self, model, layer):
         options = layer.stage_options
@@ -57,8 +51,7 @@ class JaxBackend(Backend):
     def host_arrays(self, data):
         """`data` with NumPy string arrays as `tf.string` tensors.
 
-        Keras's array adapter on JAX rejects object arrays; the stage runs
-        in TensorFlow, whose tensors the adapter slices on any backend.
+        Keras's array adapter on JAX rejects object arrays.
         """
         if data is None:
             return data
@@ -76,23 +69,18 @@ class JaxBackend(Backend):
     def feed(self, data, phase):
         """The stage's eager dataset, as Keras's trainer is to read it.
 
-        Across processes under a `keras.distribution`, Keras would shard
-        any dataset again, reading the stage's graph around its iterators;
-        the stage's source is this process's shard already, so it goes to
-        Keras in an adapter Keras takes as it is, and Keras assembles the
-        global batch from the processes' batches.
+        Across processes the source is this process's shard already: it
+        goes in an adapter Keras does not shard again.
         """
         if not _across_processes():
             return data.eager_dataset
         return _compat.distributed_dataset_adapter(data.eager_dataset)
 
     def build(self, model, data, phase):
-        """Builds the model's metrics from `data`'s specs, as Keras's fit would.
+        """Builds the model's metrics from the stage's specs, not a batch.
 
-        Keras's JAX trainer reads a first batch of its own to build them;
-        built from the stage's spec instead (the trunk called), no staged
-        iterator starts for one batch. That read's draw from the source is
-        made all the same, so the epochs see the hand-split orders.
+        No staged iterator starts for Keras's first read, whose draw from
+        the source is made all the same (the epochs keep their orders).
         """
         if not _compat.builds_from_data(model):
             return
@@ -104,12 +92,9 @@ class JaxBackend(Backend):
     def shard_batches(self, dataset):
         """The batches of this process's shard of `dataset`, or None.
 
-        Across processes under an auto-sharding `keras.distribution`,
-        Keras rebatches each global batch into the processes' shares, and
-        tf.data knows no length after a rebatch: each shard of `C` batches
-        has `C` (a last batch too short for every process would stall the
-        process group, in plain Keras too). None when Keras does not shard
-        `dataset` per process or its length is not known.
+        Under an auto-sharding `keras.distribution` across processes, Keras
+        rebatches each global batch and tf.data loses the length: a shard
+        has the dataset's batch count. None otherwise, or if unknown.
         """
         if not isinstance(dataset, tf.data.Dataset) or not _across_processes():
             return None
@@ -121,16 +106,13 @@ class JaxBackend(Backend):
     def pool_start(self, options):
         """The threads a stage's adaptive pool starts with: the cores.
 
-        Steps dispatched ahead make the verdict's waits swing between epochs,
-        and each resize restarts the stage: the pool starts where tf.data's
-        shared one does and only grows, after an epoch that kept the step
-        waiting (docs/jax.md has the figures).
+        Steps dispatched ahead make the waits swing between epochs, and a
+        resize restarts the stage: the pool only grows (docs/jax.md).
         """
         return options.smallest_pool_size()
 
     def narrows_int64(self):
-        # Without `jax_enable_x64` JAX has no int64: Keras would truncate
-        # them in every step, with a warning. The stage casts them instead.
+        # Without `jax_enable_x64` Keras would truncate them in every step.
         import jax  # only on this backend
 
         return not jax.config.jax_enable_x64

@@ -1,7 +1,7 @@
 """`TensorFlowBackend`: Keras's compiled steps read the stage in their graph.
 
-`tensorflow_steps.py` guards them with the stage's runner and makes them
-record the fetches; predict batches Keras reads in Python.
+Their guard and recording are `tensorflow_steps.py`'s; predict batches
+Keras reads in Python.
 """
 
 import tensorflow as tf
@@ -20,22 +20,17 @@ class TensorFlowBackend(Backend):
     jit_by_default = False
     uses_device_buffer = True
     pool_shrinks = True
-    # Keras makes an iterator after each epoch it reads, and never reads
-    # it (a source that draws per iterator draws for it), except where it
-    # keeps one across epochs (training with steps_per_epoch).
+    # Keras makes an unread iterator after each epoch it reads (except
+    # across epochs of training with steps_per_epoch).
     unread_opens = 1
 
     def check_supported(self, model, layer):
         pass
 
     def check_strategy(self, model):
-        """Raises a clear error for a fit under a strategy Keras cannot train.
+        """Refuses a fit over several workers, which Keras 3 cannot train.
 
-        Keras 3's fit does not run under `MultiWorkerMirroredStrategy` with
-        more than one worker (keras-team/keras#20585: even a plain
-        `keras.Model` of Dense layers fails with `Attempt to convert a value
-        (PerReplica...)`). Said at the start of the call, with what works
-        instead.
+        keras-team/keras#20585: a plain `keras.Model` fails there too.
         """
         workers = worker_count(model.distribute_strategy)
         if workers > 1:
@@ -90,11 +85,8 @@ class TensorFlowBackend(Backend):
         """Builds what the first step's trace would create variables for.
 
         A `tf.function` creating variables in its first trace is traced
-        twice: Keras builds the compile metrics there without a strategy,
-        so they (and an unbuilt model) are built first from specs; the
-        optimizer as the train function is made (`build_optimizer`). Under
-        a strategy Keras builds all of it from a batch, which with
-        SmartStage holds the cut tensors: built from specs too.
+        twice. Under a strategy Keras builds from a batch, which with
+        SmartStage holds the cut tensors: built from specs instead.
         """
         if data.element_spec is None:
             return
@@ -111,14 +103,10 @@ class TensorFlowBackend(Backend):
         return None
 
     def pool_start(self, options):
-        # The pool starts at its largest; the verdict resizes it between
-        # epochs both ways.
-        return None
+        return None  # at its largest; resized between epochs both ways
 
     def variable_reader(self, variables):
-        # One traced call reads them all: read one by one, each costs a few
-        # eager ops, twice a call (a kept iterator's call compares them as
-        # it begins and notes them as it ends).
+        # One traced call reads them all, not a few eager ops each.
         if not variables:
             return super().variable_reader(variables)
         read_all = tf.function(
@@ -130,14 +118,10 @@ class TensorFlowBackend(Backend):
 def _build_from_specs(model, data, phase):
     """`_compat.symbolic_build` from the cheapest specs that build it all.
 
-    With every layer built and a SmartStage split, from the stage's own
-    element (the cut tensors) with the model's call running the trunk, as
-    the staged step calls it: the metrics and the loss see the `y_pred` the
-    step will give them, and the staged layers, already traced by the
-    stage, are not traced a third time (after the plan's and the stage's).
-    Otherwise (an unbuilt layer; a packed element; a cut tensor that is
-    not dense, which a symbolic call would see as dense) from the raw
-    data's specs through the whole model.
+    With every layer built and a split, from the cut tensors through the
+    trunk, as the staged step calls it (the staged layers are not traced
+    again); otherwise (an unbuilt layer, a packed or non-dense cut) from
+    the raw data's specs through the whole model.
     """
     staged_spec = data.staged.element_spec
     if (
@@ -158,8 +142,8 @@ def _build_from_specs(model, data, phase):
 def default_strategy(strategy):
     """Whether Keras iterates with the default strategy (no distribution).
 
-    Under any other strategy Keras distributes the dataset itself and makes
-    its iterators from the dataset's graph, not through `__iter__`.
+    Under any other, Keras makes its iterators from the dataset's graph,
+    not through `__iter__`.
     """
     return strategy is None or (
         not tf.distribute.has_strategy()

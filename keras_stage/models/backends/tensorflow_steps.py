@@ -1,18 +1,10 @@
 """The compiled steps of a staged call: Keras's steps, guarded and recorded.
 
-This is `TensorFlowBackend`'s helper (`tensorflow.py`), the only module
-that knows how Keras's compiled train/test/predict functions take their
-data (an iterator, read inside a `tf.function`):
-
-- `guard` wraps a compiled step with the stage runner of its phase, which
-  applies the exception policies and the timeout around each step;
-- `step_stats` and `recorded_step` make the traced step record its own
-  fetches (two ops in the step instead of a map on the fetch path), and
-  `UnrecordedStep` runs a twin without them when the batch is known to be
-  buffered;
-- `unpacked` and `calling_trunk` make the traced step unpack what its
-  stage packed and run the SmartStage trunk instead of the whole model
-  (`calling_trunk` on every backend: `Backend.step`).
+`TensorFlowBackend`'s helper: `guard` wraps a compiled step with its
+phase's stage runner, `recorded_step` makes the step record its own
+fetches (`UnrecordedStep`: a twin without them for buffered batches), and
+`unpacked` / `calling_trunk` make it unpack the stage's elements and run
+the SmartStage trunk (`calling_trunk` on every backend).
 """
 
 import contextlib
@@ -39,15 +31,12 @@ def guard(model, phase, function):
     step by step.
     """
     unrecorded = UnrecordedStep(model, phase)
-    # Whether this compiled step ran unstaged yet (its first call traces).
-    unstaged_ran = []
+    unstaged_ran = []  # whether this step ran unstaged yet (its first traces)
 
     def guarded(iterator):
         clock = _state(model).step_clocks.get(phase)
         if clock is None or len(clock) >= TIMED_STEPS_KEPT:
             return staged(iterator)
-        # Timed on the host for `decision.calls`: what a staged step costs
-        # beside the whole model's.
         started = time.perf_counter()
         outputs = staged(iterator)
         clock.append(
@@ -62,8 +51,7 @@ def guard(model, phase, function):
         if runner is None:
             if unstaged_ran or state.active.get(phase) is not None:
                 return reported(function(iterator))[0]
-            # The whole model's step, first called: what its trace (and
-            # one step) took is noted for `decision.calls.note_traces`.
+            # Its first call, trace included, for `calls.note_traces`.
             unstaged_ran.append(True)
             started = time.perf_counter()
             outputs = reported(function(iterator))[0]
@@ -77,8 +65,7 @@ def guard(model, phase, function):
         ):
             raise StopIteration
         while True:
-            # A call of one step reports its one fetch, which the call's
-            # start bounds (see `StageStats.take_report`).
+            # Bounds a one-step call's fetch (`StageStats.take_report`).
             called = time.time() if model.steps_per_execution == 1 else None
             first = not unrecorded.first_call_noted
             started = time.perf_counter()
@@ -95,11 +82,8 @@ def guard(model, phase, function):
                 if first:
                     seconds = time.perf_counter() - started
                     unrecorded.note_first_call(seconds)
-                    # The trunk's step's first call, timed as the whole
-                    # model's is (above): its trace, graph set-up and one
-                    # step, here with the wait for the stage's first batch
-                    # (what a staged call adds), for
-                    # `decision.calls.note_traces`.
+                    # As the whole model's first call above, with the wait
+                    # for the stage's first batch.
                     learned(model).traces.append((phase, "step_call", seconds))
                 if report is not None:
                     values = report.numpy().tolist()
@@ -112,11 +96,8 @@ def guard(model, phase, function):
                 # Keras ends the epoch on StopIteration.
                 raise StopIteration from None
             except (StageTimeoutError, KeyboardInterrupt):
-                # The abandoned call (timed out, or interrupted while the
-                # step ran on the helper thread) may still run this
-                # compiled function, and TensorFlow runs the calls of one
-                # tf.function one at a time: the next fit/evaluate must
-                # trace a fresh one.
+                # The abandoned call may still run this tf.function, whose
+                # calls run one at a time: the next call traces a fresh one.
                 setattr(model, FUNCTIONS[phase], None)
                 raise
 
@@ -127,14 +108,9 @@ def guard(model, phase, function):
 def build_optimizer(model):
     """Builds `model`'s optimizer before its train step is first traced.
 
-    Keras on TensorFlow, without a strategy, builds it inside the step's
-    first trace, and a `tf.function` whose first trace creates variables
-    is traced a second time. Called as the train function is made, before
-    any trace, staged or not (a staged call with unbuilt metrics builds it
-    with them: `staged_call._build_before_trace`). Its variables are the same
-    (`optimizer.build` on the model's trainable variables, as Keras's own
-    build under a strategy); a model with a layer not built yet is left to
-    Keras.
+    Keras builds it inside the first trace without a strategy, and a
+    `tf.function` whose first trace creates variables is traced twice. A
+    model with a layer not built yet is left to Keras.
     """
     optimizer = getattr(model, "optimizer", None)
     if (
@@ -156,12 +132,10 @@ def guarded(function):
 def track_iterator(state, phase, iterator):
     """Notes the iterator `phase`'s step reads; restores it first if asked.
 
-    See `DataBackup`: a resumed epoch's iterator continues from the saved
-    position before its first step, and holds the epoch's batches after
-    that position only, where Keras still counts the whole epoch's steps.
-    Their count, when known, ends the epoch (`resumed_epoch_ended`), with
-    `reopen()` (or None) making the iterator Keras makes at the end of an
-    epoch it stepped through.
+    A resumed epoch (`DataBackup`) holds only the batches after its saved
+    position, where Keras counts the whole epoch: their count, when known,
+    ends it (`resumed_epoch_ended`), then `reopen()` makes the iterator
+    Keras makes after an epoch it stepped through.
     """
     pending = state.pending_restores.pop(phase, None)
     if pending is not None:
@@ -179,13 +153,9 @@ def track_iterator(state, phase, iterator):
 def resumed_epoch_ended(state, phase, iterator, batches):
     """Whether a resumed epoch's data is all read (see `track_iterator`).
 
-    Counts down the call's `batches` otherwise. Keras would make one more
-    call, whose step fails at the end of the data: and a failing step
-    still counts an optimizer iteration (TensorFlow orders the optimizer's
-    counter after no read of the data), which a run never stopped does not
-    make there. An epoch ended here is one Keras did not step through, so
-    Keras skips the iterator it makes after one: it is made here instead
-    (a run never stopped draws its reshuffle sequence with it).
+    Counts down the call's `batches` otherwise. Keras's extra call would
+    fail at the end of the data yet count an optimizer iteration, which a
+    run never stopped does not make.
     """
     left = state.resumed_left.get(phase)
     if left is None or left[0]() is not iterator:
@@ -193,42 +163,30 @@ def resumed_epoch_ended(state, phase, iterator, batches):
         return False
     if left[1] <= 0:
         del state.resumed_left[phase]
-        if left[2] is not None:
-            left[2]()
+        left[2]()  # reopen
         return True
     left[1] -= batches
     return False
 
 
-# The step calls of one call the host times (see `guard`): their median is
-# what `decision.calls` keeps, and a long fit need not hold them all.
+# The most step times of one call the host keeps (`decision.calls` takes
+# their median).
 TIMED_STEPS_KEPT = 1024
-# Calls of a guarded step that report their fetch before it makes the
-# step's unrecorded twin, at the least: a second trace costs as much as the
-# first and saves each step only the recording's small share, so it pays
-# for itself only over many steps.
+# The fewest recorded calls before the unrecorded twin is traced: a second
+# trace pays for itself only over many steps.
 UNRECORDED_AFTER = 100
-# What the recording adds to a step, in seconds: an estimate of the two
-# eager ops the twin saves (docs/benchmarks.md measures the recording). The
-# twin is made once the steps recorded would have paid its trace at this
-# rate (rent or buy: the recording a short call pays is at most about what
-# the trace it avoids would cost, and at most twice that over a long one).
+# An estimate of what the recording adds to a step, in seconds: the twin
+# is traced once the recorded steps would have paid its trace at this rate.
 RECORDING_SECONDS = 50e-6
 
 
 class UnrecordedStep:
     """`phase`'s compiled step without the fetch recording, made on demand.
 
-    The recording (`recorded_step`) lengthens every call of the step
-    (Keras runs the step in a `tf.while_loop` and hands its outputs out in
-    an Optional, where every output and every op after the step's outputs
-    adds to the call; the `none` benchmark shows it); a call whose batch
-    is known to be buffered has no wait to measure, so the runner runs
-    this twin instead (see `StageRunner.call`'s `ready_fn`). Its batch
-    being there, the twin also skips Keras's end-of-data Optional
-    (`make_unrecorded`). Only keras_stage's own steps, one batch per call:
-    those report each fetch to the guard, which counts the twin's fetches
-    in Python.
+    The recording lengthens every call of the step; a batch known to be
+    buffered has no wait to measure, so the runner runs this twin instead
+    (`StageRunner.call`'s `ready_fn`). Only for keras_stage's own steps at
+    one batch per call, whose fetches the guard counts in Python.
     """
 
     def __init__(self, model, phase):
@@ -236,18 +194,14 @@ class UnrecordedStep:
         self._phase = phase
         self._reports = 0  # full reports (see `StageStats.report`) seen
         self._function = None
-        # The recorded calls after which the twin is made (see
-        # `note_first_call`).
-        self._after = UNRECORDED_AFTER
+        self._after = UNRECORDED_AFTER  # recorded calls before the twin
         self.first_call_noted = False
 
     def note_first_call(self, seconds):
-        """Notes how long the recorded step's first call took.
+        """Notes the recorded step's first call, which traced it.
 
-        That call traced the step (and made its iterator, and waited for
-        the first batch): the twin's trace costs about as much, so it is
-        made only after as many recorded calls as would cost that much
-        (`RECORDING_SECONDS`).
+        The twin's trace costs about as much: it waits for as many recorded
+        calls as would cost that (`RECORDING_SECONDS`).
         """
         self.first_call_noted = True
         self._after = max(UNRECORDED_AFTER, int(seconds / RECORDING_SECONDS))
@@ -272,8 +226,7 @@ class UnrecordedStep:
     def _call(self, iterator):
         model = self._model()
         if self._function is None:
-            # Made at the first call the runner finds ready: a stage that
-            # cannot know (an ordered parallel map) never traces it.
+            # A stage that never knows its batch is ready never traces it.
             self._function = make_unrecorded(model, self._phase)
         local = _state(model).local
         local.unrecorded = True  # read by `recorded_step` while tracing
@@ -286,14 +239,9 @@ class UnrecordedStep:
 def make_unrecorded(model, phase):
     """`phase`'s step on an iterator's next batch, compiled unrecorded.
 
-    What Keras's compiled step does at `steps_per_execution=1` with one
-    replica and no XLA (the only steps that record, see `step_stats`)
-    without its end-of-data check: Keras hands the step's outputs out in a
-    `tf.data` Optional, which costs each call two eager ops after the step
-    (has_value, get_value), each dispatched from Python. The twin only
-    runs on a batch the stage knows to be buffered, so its data cannot end
-    there; if it did, `get_next` raises the end of the data, as Keras's
-    steps did before it used the Optional.
+    Keras's compiled step at `steps_per_execution=1`, one replica, no XLA,
+    without its end-of-data Optional (two eager ops a call): the twin runs
+    on buffered batches only; at the end of the data `get_next` raises.
     """
     step = getattr(model, f"{phase}_step")
     strategy = model.distribute_strategy
@@ -306,8 +254,7 @@ def make_unrecorded(model, phase):
             iterator.get_next(),
         )
         outputs = strategy.run(step, args=(data,))
-        # One replica: its own results (plain tensors already, under the
-        # default strategy).
+        # One replica: its own results.
         return tf.nest.map_structure(
             lambda value: strategy.experimental_local_results(value)[0],
             outputs,
@@ -321,10 +268,8 @@ def make_unrecorded(model, phase):
 def step_stats(model, layer, phase):
     """The stats `phase`'s compiled step records in, or None.
 
-    The step records the consumer's side of the counters itself (two ops in
-    the step instead of a tf.data map on the fetch path) unless it cannot
-    take timestamps: XLA-compiled steps, and several replicas each running
-    it; their stages count the fetch in the pipeline.
+    None where the step cannot take timestamps (XLA, several replicas):
+    those stages count the fetch in the pipeline.
     """
     state = _state(model)
     if (
@@ -334,8 +279,8 @@ def step_stats(model, layer, phase):
     ):
         return None
     stats = state.step_stats.get(phase)
-    # Stats traced with a clock that op determinism now refuses are
-    # replaced like closed ones (the traced step would fail).
+    # Closed stats, or a clock op determinism now refuses: the traced
+    # step would fail.
     if stats is None or stats.closed or stats.clock_refused:
         if stats is not None:
             # The traced step still records in the closed stats.
@@ -345,22 +290,17 @@ def step_stats(model, layer, phase):
     return stats
 
 
-# The logs key under which a recorded step returns its stage's report
-# (`StageStats.report`) to its guard, which removes it before Keras sees it.
+# The logs key of a recorded step's report, removed by its guard.
 REPORT_KEY = "_keras_stage_report"
 
 
 def recorded_step(model, phase, step, data):
     """Runs `step(data)`, recording its fetch where `phase` records.
 
-    keras_stage's own train/test step returns its stage's report in its
-    logs (`REPORT_KEY`): the guard accumulates the fetch's wait in Python
-    and learns whether the next batch is ready, which spares the step some
-    30 graph ops and the call a variable read. A step a subclass overrides
-    may drop the key from the logs it returns, and only the last batch's
-    outputs leave a call that runs several (`steps_per_execution`): those
-    accumulate their fetches in the graph (the latter still report their
-    count).
+    keras_stage's own step returns its stage's report in its logs
+    (`REPORT_KEY`) for the guard to accumulate in Python. A subclass's step
+    may drop the key, and a call of several steps hands out only the last
+    one's outputs: those accumulate their fetches in the graph.
     """
     state = _state(model)
     stats = state.recording.get(phase)
@@ -371,7 +311,6 @@ def recorded_step(model, phase, step, data):
     fetch = stats.record_fetch(data, accumulate=False)
     outputs = step(data)
     end = stats.record_step_end(outputs)
-    # Keras's own steps return dicts.
     if not own_step(model, phase) or not isinstance(outputs, dict):
         stats.accumulate(fetch)
         return outputs
@@ -382,11 +321,7 @@ def recorded_step(model, phase, step, data):
 
 
 def own_step(model, phase):
-    """Whether `phase`'s step is keras_stage's, whose logs reach the guard.
-
-    keras_stage's steps carry `keras_stage_step` (see `own`); a subclass
-    that overrides one may return other logs.
-    """
+    """Whether `phase`'s step is keras_stage's (`own`), not a subclass's."""
     step = getattr(type(model), f"{phase}_step")
     return getattr(step, "keras_stage_step", False)
 
@@ -398,10 +333,7 @@ def own(step):
 
 
 def reported(outputs):
-    """`(outputs, report)`: a step's outputs without its report, and it.
-
-    `report` is None when the step returned none (see `recorded_step`).
-    """
+    """`(outputs, report)`: a step's outputs without its report, and it."""
     if isinstance(outputs, dict) and REPORT_KEY in outputs:
         outputs = dict(outputs)
         return outputs, outputs.pop(REPORT_KEY)
@@ -421,9 +353,7 @@ def calling_trunk(model, phase):
     split = state.active.get(phase)
     previous = getattr(state.local, "trunk", None)
     state.local.trunk = None if split is None else split.trunk
-    # A step runs its Python only while it is traced: how long the trunk's
-    # took is noted for `decision.calls.note_traces` (part of what tracing
-    # the whole model's step costs; `guard` times that one whole).
+    # Python runs only while the step traces: its time is the trace's.
     started = (
         None if split is None or tf.executing_eagerly() else time.perf_counter()
     )
@@ -445,10 +375,7 @@ def trunk(model):
 def call_model(model, call, inputs, **kwargs):
     """`call(inputs, **kwargs)`, or the trunk's call while a step traces it.
 
-    `call` is the model class's own `call`. Keras's JAX step calls `call`
-    itself (`stateless_call`), so the redirect to the trunk is made there
-    too, not only in `__call__`. The stage hands a cut of one tensor bare
-    (`StageSplit.stage_fn`); the trunk's inputs are a list.
+    The stage hands a cut of one tensor bare; the trunk takes a list.
     """
     split_trunk = trunk(model)
     if split_trunk is None:

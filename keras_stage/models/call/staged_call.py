@@ -1,28 +1,9 @@
 """`StagedCall`: one fit/evaluate/predict call of a model with a stage.
 
-A staged call lives from the model API's entry (`StagingMixin.fit` and
-the others) to its return, and owns everything that lasts exactly that
-long: the call's callbacks (a `PrefetchCallback` first), the stages it
-builds from the call's data (`stage`), what binds each stage to its
-phase's compiled step (runner, recording, placement), the compiled steps
-swapped in while Keras runs (staged or unstaged), and their end. An
-evaluate run from a callback of a staged fit is a call of its own: it
-saves the fit's bindings of its phase and gives them back when it ends.
-
-What outlives calls (the plan, the traced prefix, the compiled steps, the
-stats the steps record in, the measured costs) is the model's
-(`model_state.py`); the steps themselves are the backend's (`backends/`).
-
-Example (what `StagingMixin.evaluate` does, `keras_evaluate` being
-`keras.Model.evaluate` bound to the model):
-
-    call = StagedCall(model, layer, ("test",), callbacks)
-    if not calls.stages(model, layer, "test", batches):
-        return call.run_unstaged(lambda: keras_evaluate(x, y, ...))
-    call.split = split  # the SmartStage split, or None
-    with call:
-        data = call.stage("test", "test", x, y, batch_size=32)
-        return call.run(keras_evaluate, x=data.pipeline)
+It owns what lasts one call: its callbacks (a `PrefetchCallback` first),
+its stages, their bindings to the compiled steps and the steps swapped in
+while Keras runs; an evaluate from a fit's callback gives the fit's
+bindings back when it ends. `StagingMixin.evaluate` shows its use.
 """
 
 import contextlib
@@ -53,18 +34,16 @@ class StagedCall:
 
     Args:
         model: The `keras_stage` model called.
-        layer: Its `StagedInput` (or the default one of a SmartStage
-            model without it).
-        phases: The phases the call runs: `("train", "test")` for fit,
-            `("test",)` for evaluate, `("predict",)` for predict.
+        layer: Its `StagedInput` (or SmartStage's default one).
+        phases: `("train", "test")` for fit, `("test",)` for evaluate,
+            `("predict",)` for predict.
         callbacks: The user's callbacks (a list, or None).
         steps_per_epoch: The fit's `steps_per_epoch`, or None.
-        verbose: The call's `verbose`: whether Keras shows a progress bar.
+        verbose: The call's `verbose`.
 
     Attributes:
-        split: The SmartStage split whose prefix the call's stages run, or
-            None; set before the first `stage` (a call that runs unstaged
-            never needs it).
+        split: The SmartStage split the stages run, or None; set before
+            the first `stage`.
     """
 
     def __init__(
@@ -80,14 +59,11 @@ class StagedCall:
         self.layer = layer
         self.split = None
         self.phases = tuple(phases)
-        self.user_callbacks = callbacks
         self.callbacks, self.prefetch = _with_prefetch_callback(
             callbacks, progbar=verbose != 0
         )
-        # A fit run unstaged gets these: its PrefetchCallback logs why.
-        self._unstaged_fit_callbacks = self.callbacks
-        # Per phase: the `StagedData` Keras iterates (its split is the one
-        # the phase's step runs; see also `_reopen`).
+        self._unstaged_fit_callbacks = self.callbacks  # without DataBackup
+        # Per phase: the `StagedData` Keras iterates.
         self._fed = {}
         if "train" in self.phases:
             self.callbacks = _with_data_backup(
@@ -99,11 +75,12 @@ class StagedCall:
                 ordered=layer.stage_options.deterministic,
             )
         self.built = []
-        # The roles and pools of the stages counting in stats of their own.
+        # (role, pool) of the stages with stats of their own.
         self._own_pools = []
         self._state = model_state(model)
         self.backend = backends.for_model(model)
-        # Per bound phase: the outer call's (runner, recording, placement).
+        # Per bound phase: the outer call's (runner, recording, placement,
+        # step clock).
         self._outer = {}
 
     # -- stages -----------------------------------------------------------
@@ -120,9 +97,8 @@ class StagedCall:
         """Stages `x` (and its labels and weights) for `phase`'s step.
 
         `role` names the stage ("train", "val", "test", "predict"); `kwargs`
-        go to `staged_data.stage_data` (batch size, steps, shuffle,
-        class_weight). Returns the `StagedData`, bound to the step: its
-        pipeline is what Keras must iterate.
+        go to `staged_data.stage_data`. Returns the `StagedData`, bound to
+        the step.
         """
         model = self.model
         stepped = self.backend.reads_in_graph(phase)
@@ -145,7 +121,6 @@ class StagedCall:
             kept=self._state.stages,
             reads_in_python=not stepped,
             feedable=self._feedable(phase),
-            # A compiled step's stats keep their pool across calls.
             pool_start=None if stepped else self._state.pool_sizes.get(role),
             **kwargs,
         )
@@ -158,8 +133,8 @@ class StagedCall:
     def _feedable(self, phase):
         """Whether `phase`'s stage may read a fed source across calls.
 
-        A fed source's queue is not in a tf.data checkpoint: not for a
-        compiled training step that `BackupAndRestore` saves.
+        Not where `BackupAndRestore` saves the iterator: a fed source's
+        queue is not in a tf.data checkpoint.
         """
         return phase != "train" or not any(
             isinstance(cb, DataBackup) for cb in self.callbacks
@@ -176,6 +151,7 @@ class StagedCall:
                 state.step_clocks.get(phase),
             )
         self._fed[phase] = data
+        decision = learned(self.model).decisions.pop(phase, None)
         self.prefetch.attach(
             phase,
             data.staged,
@@ -183,7 +159,7 @@ class StagedCall:
             long_lived=data.long_lived,
             pool_shrinks=self.backend.pool_shrinks,
             carried=data.carried,
-            call_reason=_reason(learned(self.model).decisions.pop(phase, None)),
+            call_reason=None if decision is None else decision.reason,
             iterator_cost=functools.partial(
                 calls.resize_cost, self.model, data
             ),
@@ -204,21 +180,14 @@ class StagedCall:
     # -- running Keras's call ---------------------------------------------
 
     def feed(self, data):
-        """What Keras iterates for `data` (a `StagedData` of this call).
-
-        The backend's feed (`Backend.feed`); a fit's phases are fed alike.
-        """
+        """What Keras iterates for `data` (`Backend.feed`)."""
         return self.backend.feed(data, self.phases[0])
 
     def _reopen(self, phase, count=1):
         """Makes and drops `count` iterators of `phase`'s source.
 
-        The draws Keras's own iterators make of a source that draws per
-        iterator (a reshuffling `shuffle`: each iterator takes the next
-        seed of its sequence); nothing for one whose iterators Keras gets
-        deferred (they draw nothing, see `StagedData.defers`). An iterator
-        of the source draws what one of the stage's pipeline over it draws,
-        without instantiating the staged computation.
+        The reshuffle seeds Keras's own iterators would draw; nothing for a
+        source whose iterators Keras gets deferred (`StagedData.defers`).
         """
         data = self._fed.get(phase)
         if data is None or data.defers or data.source is None:
@@ -227,10 +196,10 @@ class StagedCall:
             iter(data.source)
 
     def _build_metrics(self, phase):
-        """Builds the model's compile metrics and loss from `phase`'s specs.
+        """Builds the compile metrics and loss from `phase`'s specs.
 
-        Keras builds them as it traces the first step (without a strategy);
-        a resumed epoch gives them their saved values before that step.
+        A resumed epoch restores their values before the first step, where
+        Keras would build them.
         """
         data = self._fed.get(phase)
         if (
@@ -262,11 +231,8 @@ class StagedCall:
     def run_unstaged(self, keras_call):
         """Runs `keras_call()` (the user's call as given) with no stage.
 
-        The whole model runs in Keras's step (see `decision/calls.py`). A
-        fit's is given `callbacks=`, the user's with the call's
-        `PrefetchCallback` first, which logs its epochs as unstaged and
-        says why (`PrefetchCallback.attach_unstaged`); the callback is
-        closed after.
+        A fit's is given `callbacks=`, with the call's `PrefetchCallback`
+        first to log why it ran unstaged.
         """
         clocks = {
             phase: []
@@ -278,8 +244,8 @@ class StagedCall:
             self.prefetch.attach_unstaged(
                 learned(self.model).decisions["train"].reason
             )
-            # What Keras's epochs cost to start (their iterators), which a
-            # stage's epochs on one iterator would not pay.
+            # What Keras's epochs cost to start, which a stage's epochs on
+            # one iterator would not pay.
             starts = calls.EpochStartClock()
             kwargs["callbacks"] = [*self._unstaged_fit_callbacks, starts]
         try:
@@ -336,17 +302,11 @@ class StagedCall:
                 self.prefetch.close()
 
 
-def _reason(decision):
-    """Why `decision` (a `calls.Decision`, or None) staged the call."""
-    return None if decision is None else decision.reason
-
-
 def bind_placement(model, phase, placement):
     """Makes `phase`'s step unpack what `placement` packed.
 
-    The traced step bakes the unpacking in; tf.function retraces when the
-    packed element's spec changes, but two structures can pack to the same
-    spec, so a new layout also drops the phase's traced steps.
+    Two structures can pack to the same spec, so tf.function would not
+    retrace: a new layout drops the phase's traced steps.
     """
     state = model_state(model)
     layout = None if placement.packer is None else placement.unpacked_spec
@@ -357,11 +317,7 @@ def bind_placement(model, phase, placement):
 
 
 def release_placement(model, phase):
-    """Ends `phase`'s placement at the end of a call.
-
-    A plain step that was traced unpacking packed elements (a run without
-    a SmartStage split uses Keras's own step) is traced afresh next time.
-    """
+    """Ends `phase`'s placement; a plain step traced unpacking is dropped."""
     state = model_state(model)
     placement = state.placements.pop(phase, None)
     if placement is not None and placement.packer is not None:
@@ -371,13 +327,11 @@ def release_placement(model, phase):
 
 @contextlib.contextmanager
 def _staged_steps(model, phases, splits):
-    """Runs a call with the compiled steps of its splits.
+    """Within, the model's compiled steps are those of `splits`' trunks.
 
-    `splits` maps each phase to its SmartStage split or None. While the call
-    runs, the model's compiled steps of those phases are the staged ones
-    (traced on the trunk), cached between calls; the plain ones are put
-    back afterwards. Restores the outer call's splits, for an evaluate run
-    from a callback of a staged fit.
+    `splits` maps each phase to its SmartStage split or None. The staged
+    steps are cached between calls; the plain ones and the outer call's
+    splits are put back afterwards.
     """
     state = model_state(model)
     saved = {p: state.active.get(p) for p in phases}
@@ -407,19 +361,14 @@ def _staged_steps(model, phases, splits):
 
 
 @contextlib.contextmanager
-def _unstaged_steps(model, phases, clocks=None):
-    """Runs a call that skips its stage, with steps traced for that alone.
+def _unstaged_steps(model, phases, clocks):
+    """Within, the model's steps run the whole model and record nothing.
 
-    They run the whole model and record nothing: a stage-only call (no
-    split) records its fetches in Keras's own compiled step, which an
-    unstaged call must not run. Puts the outer call's steps, runner,
-    recording and step clocks back afterwards (an evaluate from a callback
-    of a fit); where the model held no step, its unstaged one stays set.
+    Not Keras's own step, in which a stage-only call records its fetches.
     `clocks`: per phase, a list its steps' host times go to.
     """
     state = model_state(model)
     saved = {}
-    clocks = clocks or {}
     with contextlib.ExitStack() as stack:
         for phase in phases:
             attr = FUNCTIONS[phase]
@@ -432,8 +381,7 @@ def _unstaged_steps(model, phases, clocks=None):
             if phase in clocks:
                 state.step_clocks[phase] = clocks[phase]
             unstaged = state.staged_functions.get((phase, UNSTAGED_STEPS))
-            # Setting a compiled step goes through Keras's attribute
-            # tracking, a cost on every short call: set only what changes.
+            # Keras's attribute tracking costs: set only what changes.
             if saved[phase][0] is not unstaged:
                 setattr(model, attr, unstaged)
             state.active[phase] = None
@@ -447,8 +395,7 @@ def _unstaged_steps(model, phases, clocks=None):
                 unstaged = getattr(model, attr, None)
                 state.staged_functions[(phase, UNSTAGED_STEPS)] = unstaged
                 function, active = saved[phase]
-                # Where the model held no step, the unstaged one stays for
-                # the next unstaged call (a staged call sets its own).
+                # Where the model held none, the unstaged step stays.
                 if function is not None and function is not unstaged:
                     setattr(model, attr, function)
                 state.active[phase] = active
@@ -458,8 +405,7 @@ def _trunk_jit(model, splits):
     """Whether staged steps are XLA-compiled, or None for Keras's choice.
 
     Keras turns `jit_compile=True` off for a model with a layer XLA cannot
-    compile (string ops, lookups); those are usually the staged ones, so
-    the trunk can honour the user's request.
+    compile; those are usually staged, so the trunk can honour it.
     """
     requested = model_state(model).requested_jit
     if requested == "auto":
@@ -481,16 +427,12 @@ def _trunk_jit(model, splits):
 
 
 @contextlib.contextmanager
-def _skips_end_epochs_early(layer, built=(), callbacks=()):
+def _skips_end_epochs_early(layer, built, callbacks):
     """Silences Keras's "ran out of data" warning when epochs may end early.
 
-    With `ignored_exception_types`, an epoch can end before the batch count
-    Keras expects (or Keras cannot know the count); that is the policy at
-    work, reported by the PrefetchCallback, not a short dataset. So is an
-    epoch resumed by `DataBackup` after its saved batch, and the epochs of
-    a device buffer, whose copy to the device hides the batch count from
-    Keras, and of a stage on the tf.data service in `parallel_epochs` mode
-    (its count depends on the number of workers).
+    Skipped elements, an epoch resumed by `DataBackup`, a device buffer
+    (which hides the count from Keras) and the tf.data service's
+    `parallel_epochs` all end epochs short by design, not a short dataset.
     """
     quiet = (
         bool(layer.stage_options.ignored_exception_types)
@@ -511,19 +453,17 @@ def _skips_end_epochs_early(layer, built=(), callbacks=()):
 def _with_data_backup(
     model,
     callbacks,
-    steps_per_epoch=None,
-    reopen=None,
+    steps_per_epoch,
+    reopen,
     build_metrics=None,
     ordered=True,
 ):
     """`callbacks` with a `DataBackup` right after a `BackupAndRestore`.
 
-    `reopen(phase)`: makes the iterator Keras makes at the end of an epoch
-    it stepped through (`StagedCall._reopen`), for a resumed epoch that
-    ends before Keras's count of its steps (see
-    `tensorflow_steps.track_iterator`). `build_metrics(phase)`: builds the
-    metrics the resumed epoch restores (`StagedCall._build_metrics`).
-    `ordered`: the stage's `deterministic`.
+    `reopen(phase, count=1)`: `StagedCall._reopen`, the iterators Keras
+    makes around epochs, for a resumed epoch that ends before Keras's count
+    of its steps (`tensorflow_steps.track_iterator`). `build_metrics`:
+    `StagedCall._build_metrics`. `ordered`: the stage's `deterministic`.
     """
     state = model_state(model)
     out = []
@@ -536,19 +476,16 @@ def _with_data_backup(
                 return None if ref is None else ref()
 
             def stage_restored(variables, state=state):
-                # `variables` hold their saved values; the restored
-                # iterator has numbered nothing yet.
+                # The restored iterator has numbered nothing yet.
                 state.split.unnumbered.assign(True)
 
             def drew_itself(left, state=state):
                 """Whether the restore drew a reshuffle seed of its own.
 
-                It does (measured with tf.data alone) when the saved
-                iterator held no more of the source: when it had handed
-                out the epoch's last batch (`left` 0), or, with the staged
-                random layers' numbering `scan` before the stage, when the
-                stage had read the source to its end (the restored scan
-                then numbered nothing: the mark is still set).
+                tf.data's does when the saved iterator held no more of the
+                source: it had handed out the epoch's last batch (`left`
+                0), or the staged random layers' numbering `scan` had read
+                the source to its end (its mark is still set).
                 """
                 split = state.split
                 if split is not None and split.unnumbered is not None:
@@ -562,25 +499,18 @@ def _with_data_backup(
                     # Keras reads one iterator across the epochs: the
                     # restored one holds the later epochs' batches too.
                     left = None
-                elif reopen is not None:
-                    # A run never stopped drew 2 * epoch times from a
-                    # reshuffling source before this epoch's iterator
-                    # (Keras makes one as each epoch begins and one after
-                    # each it stepped through). The restore usually sets
-                    # the sequence's state itself; when it draws one of
-                    # its own instead (`drew_itself`), as this epoch's new
-                    # iterator makes one, these draws come first. In epoch
-                    # 0 those two already are the two a run never stopped
-                    # makes before epoch 1, and the epoch's end makes none
-                    # (measured: the uninterrupted run's orders, see
-                    # docs/reliability.md).
+                else:
+                    # Replays the seeds a run never stopped drew before
+                    # this epoch's iterator (Keras makes one as each epoch
+                    # begins and one after each it stepped through), so
+                    # the orders match it (docs/reliability.md).
                     reopen("train", max(2 * epoch - 1, 0))
-                end = None
-                if reopen is not None:
 
-                    def end(epoch=epoch, left=left, drew_itself=drew_itself):
-                        if not (drew_itself(left) and epoch == 0):
-                            reopen("train")
+                def end(epoch=epoch, left=left, drew_itself=drew_itself):
+                    # In epoch 0 a restore that drew its own seed and the
+                    # epoch's iterator already made the draws before epoch 1.
+                    if not (drew_itself(left) and epoch == 0):
+                        reopen("train")
 
                 state.pending_restores["train"] = (restore, left, end)
 
@@ -606,14 +536,11 @@ def _with_data_backup(
     return out
 
 
-def _with_prefetch_callback(callbacks, progbar=False):
+def _with_prefetch_callback(callbacks, progbar):
     """The callback list with a PrefetchCallback first, and that callback.
 
-    Only Keras's progress bar goes before it (`progbar`: the call shows
-    one), so that what the PrefetchCallback prints at an epoch's end
-    follows the epoch's progress line instead of landing inside it. Keras
-    appends the bar it adds after the callbacks it is given, and uses the
-    one it is given instead.
+    Only Keras's progress bar (`progbar`: the call shows one) goes before
+    it, so the callback's epoch-end lines follow the epoch's progress line.
     """
     if isinstance(callbacks, keras.callbacks.CallbackList):
         raise TypeError(
