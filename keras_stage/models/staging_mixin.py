@@ -18,8 +18,11 @@ from keras_stage.layers.staged_input import StagedInput
 from keras_stage.models import backends
 from keras_stage.models.backends import tensorflow_steps
 from keras_stage.models.call.staged_call import StagedCall
+from keras_stage.models.data_adapters.batches import (
+    call_batches,
+    validation_runs,
+)
 from keras_stage.models.decision import calls, learned
-from keras_stage.models.decision.calls import validation_runs
 from keras_stage.models.iterators import kept_iterators
 from keras_stage.models.model_state import state as _state
 from keras_stage.planner.planner import plan_model
@@ -450,7 +453,7 @@ class StagingMixin:
             self,
             layer,
             "test",
-            calls.call_batches(x, batch_size, steps),
+            call_batches(x, batch_size, steps),
             iterators=calls.iterators_made(self, "test", x),
             x=x,
         ):
@@ -501,7 +504,7 @@ class StagingMixin:
             self,
             layer,
             "predict",
-            calls.call_batches(x, batch_size, steps),
+            call_batches(x, batch_size, steps),
             iterators=calls.iterators_made(self, "predict", x),
             x=x,
         ):

@@ -420,9 +420,9 @@ def free_iterators(monkeypatch):
     (`PrefetchCallback` keeps a pool whose shrink the rest of the fit cannot
     repay: see `test_a_shrink_the_fit_cannot_repay_keeps_the_pool`.)
     """
-    from keras_stage.models.decision import calls
+    from keras_stage.models.call import measure
 
-    monkeypatch.setattr(calls, "iterator_cost", lambda model, phase: 0.0)
+    monkeypatch.setattr(measure, "iterator_cost", lambda model, phase: 0.0)
 
 
 def test_auto_pool_follows_the_verdict_across_epochs_and_fits(

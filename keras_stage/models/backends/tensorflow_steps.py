@@ -51,7 +51,7 @@ def guard(model, phase, function):
         if runner is None:
             if unstaged_ran or state.active.get(phase) is not None:
                 return reported(function(iterator))[0]
-            # Its first call, trace included, for `calls.note_traces`.
+            # Its first call, trace included, for `measure.note_traces`.
             unstaged_ran.append(True)
             started = time.perf_counter()
             outputs = reported(function(iterator))[0]

@@ -17,7 +17,7 @@ from keras_stage.callbacks.data_backup import DataBackup
 from keras_stage.callbacks.prefetch_callback import PrefetchCallback
 from keras_stage.models import backends
 from keras_stage.models.backends import tensorflow_steps
-from keras_stage.models.decision import calls
+from keras_stage.models.call import measure
 from keras_stage.models.decision.learned import learned
 from keras_stage.models.model_state import (
     FUNCTIONS,
@@ -102,7 +102,7 @@ class StagedCall:
         """
         model = self.model
         stepped = self.backend.reads_in_graph(phase)
-        data = calls.staged_data(
+        data = measure.staged_data(
             model,
             phase,
             self.layer,
@@ -161,7 +161,7 @@ class StagedCall:
             carried=data.carried,
             call_reason=None if decision is None else decision.reason,
             iterator_cost=functools.partial(
-                calls.resize_cost, self.model, data
+                measure.resize_cost, self.model, data
             ),
         )
         bind_placement(self.model, phase, data.staged.placement)
@@ -236,7 +236,7 @@ class StagedCall:
         """
         clocks = {
             phase: []
-            for phase in calls.timed_unstaged_phases(self.model, self.phases)
+            for phase in measure.timed_unstaged_phases(self.model, self.phases)
         }
         kwargs = {}
         starts = None
@@ -246,14 +246,14 @@ class StagedCall:
             )
             # What Keras's epochs cost to start, which a stage's epochs on
             # one iterator would not pay.
-            starts = calls.EpochStartClock()
+            starts = measure.EpochStartClock()
             kwargs["callbacks"] = [*self._unstaged_fit_callbacks, starts]
         try:
             with _unstaged_steps(self.model, self.phases, clocks):
                 result = keras_call(**kwargs)
-            calls.note_unstaged_steps(self.model, clocks)
+            measure.note_unstaged_steps(self.model, clocks)
             if starts is not None:
-                calls.note_epoch_starts(self.model, starts.seconds)
+                measure.note_epoch_starts(self.model, starts.seconds)
             return result
         finally:
             self.prefetch.close()
@@ -296,7 +296,7 @@ class StagedCall:
                         state.pool_sizes[role] = pool.size
                 for data in self.built:
                     if data.owned:
-                        calls.note_work(self.model, data)
+                        measure.note_work(self.model, data)
                     data.end_call()
             finally:
                 self.prefetch.close()

@@ -128,7 +128,7 @@ def distribute_inputs(strategy, pipeline, options):
 
 
 class StageCosts:
-    """A call's record of what its stage costs (see `calls.staged_data`).
+    """A call's record of what its stage costs (see `call.measure.staged_data`).
 
     Args:
         cost_phase: The phase the costs are noted for, or None.

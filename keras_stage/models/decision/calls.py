@@ -13,10 +13,8 @@ regime each serves.
 import collections
 import dataclasses
 import enum
-import functools
 import logging
 import statistics
-import time
 
 import keras
 import tensorflow as tf
@@ -24,11 +22,9 @@ import tensorflow as tf
 from keras_stage.data.staging import StagedDataset
 from keras_stage.layers.staged_input import StagedInput
 from keras_stage.models.data_adapters import datasets
-from keras_stage.models.data_adapters.arrays import batch_count
+from keras_stage.models.data_adapters.batches import fit_batches
 from keras_stage.models.data_adapters.staged_data import (
-    StageCosts,
     epochs_refusal,
-    stage_data,
     strategy_refusal,
 )
 from keras_stage.models.decision.learned import learned
@@ -41,8 +37,6 @@ logger = logging.getLogger("keras_stage")
 
 # The fewest warm steps (after a call's first) whose median is noted.
 MIN_TIMED_STEPS = 4
-# The phases whose compiled steps the host times (`tensorflow_steps.guard`).
-TIMED_PHASES = ("train", "test")
 # The most of a call's staged step time a trial's trace of the whole
 # model's step may cost.
 TRACE_SHARE = 0.1
@@ -218,53 +212,6 @@ def may_skip_stage(layer):
         == (tf.errors.OutOfRangeError,)
         and options.service is None
     )
-
-
-def call_batches(x, batch_size, steps):
-    """The batches a call reads from in-memory data, or None (anything else,
-    always staged; see `datasets.batch_count`)."""
-    if isinstance(x, tf.data.Dataset):
-        return datasets.batch_count(x, steps)
-    return batch_count(x, batch_size, steps)
-
-
-def validation_runs(initial_epoch, epochs, validation_freq):
-    """How many of a fit's epochs run validation (as Keras's fit decides)."""
-    return sum(
-        1
-        for epoch in range(initial_epoch, epochs)
-        if (
-            (epoch + 1) % validation_freq == 0
-            if isinstance(validation_freq, int)
-            else epoch + 1 in validation_freq
-        )
-    )
-
-
-def fit_batches(
-    x,
-    validation_data,
-    batch_size,
-    epochs,
-    initial_epoch,
-    steps_per_epoch,
-    validation_steps,
-    validation_batch_size,
-    validation_freq,
-):
-    """A fit's `((batches, epochs), (batches, runs))`, for its training and
-    its validation (batches None when not from in-memory data)."""
-    epochs, first = max(epochs - initial_epoch, 0), initial_epoch
-    train = call_batches(x, batch_size, steps_per_epoch)
-    train = None if train is None else train * epochs
-    if validation_data is None:
-        return (train, epochs), (None, 0)
-    runs = validation_runs(first, first + epochs, validation_freq)
-    val_x, _, _ = keras.utils.unpack_x_y_sample_weight(validation_data)
-    val = call_batches(
-        val_x, validation_batch_size or batch_size, validation_steps
-    )
-    return (train, epochs), (None if val is None else val * runs, runs)
 
 
 class PhaseCosts:
@@ -693,152 +640,9 @@ def _unbounded_figures(x):
     }
 
 
-def staged_data(model, phase, layer, role, *args, **kwargs):
-    """`stage_data(layer, phase, *args, role=role, **kwargs)`, its build,
-    trace and iterators noted for `phase`."""
-    measured = costs(model)
-    split = kwargs.get("split")
-    traced = 0.0 if split is None else split.trace_seconds
-    record = StageCosts(
-        phase,
-        on_iterator=functools.partial(measured.note_iterator, phase),
-        # The host times a SmartStage call's steps (`note_work`).
-        step_clock=[] if split is not None and phase in TIMED_PHASES else None,
-    )
-    started = time.perf_counter()
-    data = stage_data(layer, phase, *args, role=role, costs=record, **kwargs)
-    seconds = time.perf_counter() - started
-    if split is not None and split.trace_seconds > traced:
-        # Tracing the prefix is paid once per model: noted apart.
-        measured.note_trace(phase, split.trace_seconds - traced)
-        seconds -= split.trace_seconds - traced
-    measured.note_build(phase, seconds)
-    return data
-
-
-def iterator_cost(model, phase):
-    """The measured seconds of a new iterator of a `phase` stage, or None."""
-    measured = learned(model).costs
-    if measured is None or phase is None:
-        return None
-    return measured.phase(phase).iterator_seconds
-
-
-def resize_cost(model, data):
-    """What resizing `data`'s pool before the next epoch costs, or None.
-
-    A new iterator where the next epoch would read on from the one it has
-    (`CallIterators.resize_makes_an_iterator`), else nothing.
-    """
-    if not data.iterators.resize_makes_an_iterator():
-        return 0.0
-    return iterator_cost(model, data.cost_phase)
-
-
-def note_work(model, data):
-    """Notes the staged work and steps of `data`'s stage in the call ending."""
-    if data.staged.stats.closed:
-        return
-    snapshot = data.staged.stats.snapshot()
-    busy, produced = data.work_before
-    measured = costs(model)
-    note_traces(model)
-    measured.note_work(
-        data.cost_phase,
-        snapshot["busy_seconds"] - busy,
-        snapshot["produced"] - produced,
-        has_work=data.split is not None,
-    )
-    if data.step_clock is not None:
-        measured.note_steps(data.cost_phase, data.step_clock, staged=True)
-
-
-def timed_unstaged_phases(model, phases):
-    """The phases of an unstaged call whose steps the host should time:
-    those whose trial is due or whose whole step the call traces."""
-    measured = learned(model).costs
-    if measured is None:
-        return ()
-    return tuple(
-        phase
-        for phase in phases
-        if phase in TIMED_PHASES
-        and (
-            measured.phase(phase).trial_due() or traces_whole_step(model, phase)
-        )
-    )
-
-
 def traces_whole_step(model, phase):
     """Whether an unstaged `phase` call of `model` would trace its step."""
     return (phase, UNSTAGED_STEPS) not in model_state(model).staged_functions
-
-
-class EpochStartClock(keras.callbacks.Callback):
-    """Times how long each epoch of an unstaged fit takes to start and end.
-
-    From the epoch's begin to its first step's (Keras making its
-    iterator), and from its last step's end to its validation or its end
-    (Keras letting it go): `seconds` holds one figure per ended epoch.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.seconds = []
-        self._begun = None
-        self._started = None  # this epoch's start, once its first step came
-        self._stepped = None  # when this epoch's last step so far ended
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._begun = time.perf_counter()
-        self._started = self._stepped = None
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self._begun is not None:
-            self._started = time.perf_counter() - self._begun
-            self._begun = None
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._stepped = time.perf_counter()
-
-    def on_test_begin(self, logs=None):
-        self._end()  # the fit's validation: not the epoch's own end
-
-    def on_epoch_end(self, epoch, logs=None):
-        self._end()
-
-    def _end(self):
-        if self._started is not None and self._stepped is not None:
-            ending = time.perf_counter() - self._stepped
-            self.seconds.append(self._started + ending)
-        self._started = self._stepped = None
-
-
-def note_epoch_starts(model, seconds):
-    """Notes the lower median of an `EpochStartClock`'s epochs: now and
-    then one start takes several times the others (a collection)."""
-    if seconds:
-        costs(model).phase("train").note(
-            epoch_start=statistics.median_low(seconds)
-        )
-
-
-def note_unstaged_steps(model, clocks):
-    """Notes the host-timed steps of an unstaged call, per phase."""
-    for phase, seconds in clocks.items():
-        costs(model).note_steps(phase, seconds, staged=False)
-    note_traces(model)
-
-
-def note_traces(model):
-    """Notes the steps' traces timed since the last call (`Learned.traces`)."""
-    record = learned(model)
-    traces, record.traces = record.traces, []
-    if not traces:
-        return
-    measured = costs(model)
-    for phase, kind, seconds in traces:
-        measured.phase(phase).note(**{kind: seconds})
 
 
 def iterators_made(model, role, x, default=1):

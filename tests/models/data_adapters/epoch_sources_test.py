@@ -864,7 +864,7 @@ def test_a_fit_on_long_lived_stages_trains_as_plain_keras(
 ):
     # fit gives its training and validation stages the fit's epochs (4,
     # validating every epoch); each makes one real iterator for all four.
-    from keras_stage.models.decision import calls
+    from keras_stage.models.call import measure
 
     built, made = [], []
 
@@ -878,7 +878,7 @@ def test_a_fit_on_long_lived_stages_trains_as_plain_keras(
     def counting_made(self, seconds):
         made.append(self.staged.name)
 
-    monkeypatch.setattr(calls, "stage_data", recording_stage_data)
+    monkeypatch.setattr(measure, "stage_data", recording_stage_data)
     monkeypatch.setattr(StagedData, "_made", counting_made)
     rng = np.random.default_rng(0)
     x = rng.random((96, 4)).astype("float32")

@@ -16,11 +16,12 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage.layers import StagedInput
+from keras_stage.models.call import measure
+from keras_stage.models.data_adapters.batches import fit_batches
 from keras_stage.models.decision import calls
 from keras_stage.models.decision.calls import (
     CallCosts,
     Kind,
-    fit_batches,
     may_skip_stage,
     shared_costs,
     stage_signature,
@@ -263,13 +264,13 @@ def test_an_unstaged_fit_times_its_epochs_starts(monkeypatch):
     # Now and then one epoch's start takes far longer (the previous
     # iterator let go, a collection): it does not make the figure.
     other, _ = _model()
-    calls.note_epoch_starts(other, [0.003, 0.196])
+    measure.note_epoch_starts(other, [0.003, 0.196])
     assert calls.costs(other).phase("train").epoch_start_seconds == 0.003
     # Each epoch's start (to its first step) and end (from its last step to
     # its validation or its end) are timed, not its steps.
-    clock = calls.EpochStartClock()
+    clock = measure.EpochStartClock()
     now = [0.0]
-    monkeypatch.setattr(calls.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: now[0])
     for epoch, validation in enumerate((False, True)):
         clock.on_epoch_begin(epoch)
         now[0] += 0.002  # making the iterator
@@ -779,7 +780,7 @@ def test_the_verdict_says_why_the_fit_was_staged():
 
 def test_staged_data_and_note_work_note_what_a_staged_call_costs():
     model, layer = _model()
-    data = calls.staged_data(model, "test", layer, "test", X, Y, batch_size=8)
+    data = measure.staged_data(model, "test", layer, "test", X, Y, batch_size=8)
     costs = calls.costs(model).phase("test")
     assert costs.build_seconds > 0 and costs.iterator_seconds is None
     assert data.cost_phase == "test"
@@ -787,7 +788,7 @@ def test_staged_data_and_note_work_note_what_a_staged_call_costs():
     batches = list(data.pipeline)  # Keras's read of one epoch
     assert len(batches) == 30
     assert costs.iterator_seconds > 0
-    calls.note_work(model, data)
+    measure.note_work(model, data)
     # No SmartStage prefix: the stage of arrays computes nothing.
     assert costs.batch_seconds == 0.0
     assert costs.measured()

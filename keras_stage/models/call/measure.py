@@ -1,0 +1,164 @@
+"""What a staged or unstaged call measures, for the staging policy.
+
+The call times its stage's build and iterators (`staged_data`), its steps
+on the host (the step guard's clocks, `note_work`, `note_unstaged_steps`),
+the traces its steps took (`note_traces`) and, unstaged, Keras's epoch
+starts (`EpochStartClock`); `decision/calls.py` decides from the costs
+noted here (`calls.costs(model)`).
+"""
+
+import functools
+import statistics
+import time
+
+import keras
+
+from keras_stage.models.data_adapters.staged_data import StageCosts, stage_data
+from keras_stage.models.decision.calls import costs, traces_whole_step
+from keras_stage.models.decision.learned import learned
+
+# The phases whose compiled steps the host times (`tensorflow_steps.guard`).
+TIMED_PHASES = ("train", "test")
+
+
+def staged_data(model, phase, layer, role, *args, **kwargs):
+    """`stage_data(layer, phase, *args, role=role, **kwargs)`, its build,
+    trace and iterators noted for `phase`."""
+    measured = costs(model)
+    split = kwargs.get("split")
+    traced = 0.0 if split is None else split.trace_seconds
+    record = StageCosts(
+        phase,
+        on_iterator=functools.partial(measured.note_iterator, phase),
+        # The host times a SmartStage call's steps (`note_work`).
+        step_clock=[] if split is not None and phase in TIMED_PHASES else None,
+    )
+    started = time.perf_counter()
+    data = stage_data(layer, phase, *args, role=role, costs=record, **kwargs)
+    seconds = time.perf_counter() - started
+    if split is not None and split.trace_seconds > traced:
+        # Tracing the prefix is paid once per model: noted apart.
+        measured.note_trace(phase, split.trace_seconds - traced)
+        seconds -= split.trace_seconds - traced
+    measured.note_build(phase, seconds)
+    return data
+
+
+def iterator_cost(model, phase):
+    """The measured seconds of a new iterator of a `phase` stage, or None."""
+    measured = learned(model).costs
+    if measured is None or phase is None:
+        return None
+    return measured.phase(phase).iterator_seconds
+
+
+def resize_cost(model, data):
+    """What resizing `data`'s pool before the next epoch costs, or None.
+
+    A new iterator where the next epoch would read on from the one it has
+    (`CallIterators.resize_makes_an_iterator`), else nothing.
+    """
+    if not data.iterators.resize_makes_an_iterator():
+        return 0.0
+    return iterator_cost(model, data.cost_phase)
+
+
+def note_work(model, data):
+    """Notes the staged work and steps of `data`'s stage in the call ending."""
+    if data.staged.stats.closed:
+        return
+    snapshot = data.staged.stats.snapshot()
+    busy, produced = data.work_before
+    measured = costs(model)
+    note_traces(model)
+    measured.note_work(
+        data.cost_phase,
+        snapshot["busy_seconds"] - busy,
+        snapshot["produced"] - produced,
+        has_work=data.split is not None,
+    )
+    if data.step_clock is not None:
+        measured.note_steps(data.cost_phase, data.step_clock, staged=True)
+
+
+def timed_unstaged_phases(model, phases):
+    """The phases of an unstaged call whose steps the host should time:
+    those whose trial is due or whose whole step the call traces."""
+    measured = learned(model).costs
+    if measured is None:
+        return ()
+    return tuple(
+        phase
+        for phase in phases
+        if phase in TIMED_PHASES
+        and (
+            measured.phase(phase).trial_due() or traces_whole_step(model, phase)
+        )
+    )
+
+
+class EpochStartClock(keras.callbacks.Callback):
+    """Times how long each epoch of an unstaged fit takes to start and end.
+
+    From the epoch's begin to its first step's (Keras making its
+    iterator), and from its last step's end to its validation or its end
+    (Keras letting it go): `seconds` holds one figure per ended epoch.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = []
+        self._begun = None
+        self._started = None  # this epoch's start, once its first step came
+        self._stepped = None  # when this epoch's last step so far ended
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._begun = time.perf_counter()
+        self._started = self._stepped = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._begun is not None:
+            self._started = time.perf_counter() - self._begun
+            self._begun = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._stepped = time.perf_counter()
+
+    def on_test_begin(self, logs=None):
+        self._end()  # the fit's validation: not the epoch's own end
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._end()
+
+    def _end(self):
+        if self._started is not None and self._stepped is not None:
+            ending = time.perf_counter() - self._stepped
+            self.seconds.append(self._started + ending)
+        self._started = self._stepped = None
+
+
+def note_epoch_starts(model, seconds):
+    """Notes the lower median of an `EpochStartClock`'s epochs: now and
+    then one start takes several times the others (a collection)."""
+    if seconds:
+        costs(model).phase("train").note(
+            epoch_start=statistics.median_low(seconds)
+        )
+
+
+def note_unstaged_steps(model, clocks):
+    """Notes the host-timed steps of an unstaged call, per phase."""
+    for phase, seconds in clocks.items():
+        costs(model).note_steps(phase, seconds, staged=False)
+    note_traces(model)
+
+
+def note_traces(model):
+    """Notes the steps' traces timed since the last call (`Learned.traces`)."""
+    record = learned(model)
+    traces, record.traces = record.traces, []
+    if not traces:
+        return
+    measured = costs(model)
+    for phase, kind, seconds in traces:
+        measured.phase(phase).note(**{kind: seconds})
