@@ -3,8 +3,8 @@
 `CallCosts` decides from the costs noted on it, `stages` and `fit_stages`
 from those noted on the model (or on models with the same stage); here
 they are set by hand, so each decision is checked without timing anything.
-`staged_data` and `note_work` note those costs. Fits that skip their stage
-are tests/models/model_state_test.py's.
+How a call notes them is tests/models/call/measure_test.py's; fits that
+skip their stage are tests/models/model_state_test.py's.
 """
 
 import logging
@@ -16,8 +16,6 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage.layers import StagedInput
-from keras_stage.models.call import measure
-from keras_stage.models.data_adapters.batches import fit_batches
 from keras_stage.models.decision import calls
 from keras_stage.models.decision.calls import (
     CallCosts,
@@ -253,40 +251,6 @@ def test_the_epochs_keras_would_start_unstaged_count_against_it():
     assert not costs.stages("train", 240, 1)  # an evaluate: one either way
 
 
-@pytest.mark.first_call_rule
-def test_an_unstaged_fit_times_its_epochs_starts(monkeypatch):
-    model, layer = _model([keras.layers.Rescaling(0.5)], smart_stage=True)
-    # A first fit of few batches runs unstaged (`FIRST_CALL_BATCHES`).
-    history = model.fit(X, Y, batch_size=48, epochs=3, verbose=0).history
-    assert history["stage_unstaged"] == [1.0, 1.0, 1.0]
-    started = calls.costs(model).phase("train").epoch_start_seconds
-    assert started is not None and 0 < started < 10
-    # Now and then one epoch's start takes far longer (the previous
-    # iterator let go, a collection): it does not make the figure.
-    other, _ = _model()
-    measure.note_epoch_starts(other, [0.003, 0.196])
-    assert calls.costs(other).phase("train").epoch_start_seconds == 0.003
-    # Each epoch's start (to its first step) and end (from its last step to
-    # its validation or its end) are timed, not its steps.
-    clock = measure.EpochStartClock()
-    now = [0.0]
-    monkeypatch.setattr(measure.time, "perf_counter", lambda: now[0])
-    for epoch, validation in enumerate((False, True)):
-        clock.on_epoch_begin(epoch)
-        now[0] += 0.002  # making the iterator
-        for batch in range(2):
-            clock.on_train_batch_begin(batch)  # the second: not timed
-            now[0] += 0.05  # a step
-            clock.on_train_batch_end(batch)
-        now[0] += 0.003  # letting the iterator go
-        if validation:
-            clock.on_test_begin()
-            now[0] += 0.5
-            clock.on_test_end()
-        clock.on_epoch_end(epoch)
-    assert clock.seconds == pytest.approx([0.005, 0.005])
-
-
 def test_the_whole_steps_trace_is_measured_or_estimated():
     costs = _measured()
     costs.note_trace("test", 0.03)  # the prefix, traced for inference
@@ -299,23 +263,6 @@ def test_the_whole_steps_trace_is_measured_or_estimated():
     for seconds in (0.5, 0.51, 3.0):
         costs.phase("train").note(whole_trace=seconds)
     assert costs.whole_trace("train") == pytest.approx(0.505)
-
-
-def test_a_steps_trace_is_timed_and_noted_after_the_call():
-    model, layer = _model([keras.layers.Rescaling(0.5)], smart_stage=True)
-    model.fit(X, Y, batch_size=8, epochs=1, verbose=0)  # staged: the trunk
-    measured = calls.costs(model).phase("train")
-    assert measured.step_trace_seconds > 0
-    # Its first call traced it, set it up and ran a step.
-    assert measured.step_call_seconds > measured.step_trace_seconds
-    assert measured.unstaged_trace_seconds is None
-    assert learned(model).traces == []  # noted, drained
-    assert calls.traces_whole_step(model, "train")
-    # An unstaged call (its stage cannot repay) traces the whole step.
-    calls.costs(model).note_build("train", 100.0)
-    model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
-    assert measured.unstaged_trace_seconds > 0
-    assert not calls.traces_whole_step(model, "train")
 
 
 def test_an_unmeasured_predict_is_weighed_by_the_test_stage():
@@ -358,30 +305,6 @@ def test_a_stage_that_computes_nothing_on_arrays_has_nothing_to_save():
 def test_phases_are_measured_apart(phase):
     costs = _measured()
     assert costs.stages(phase, 50, 1) == (phase != "train")
-
-
-def test_fit_batches_counts_epochs_and_validation_runs_as_keras_runs_them():
-    x, val = np.zeros((100, 2)), (np.zeros((40, 2)), np.zeros((40, 1)))
-    kwargs = dict(
-        batch_size=10,
-        epochs=5,
-        initial_epoch=1,
-        steps_per_epoch=None,
-        validation_steps=None,
-        validation_batch_size=None,
-        validation_freq=2,
-    )
-    # Epochs 1..4 train; epochs 2 and 4 (1-based) validate.
-    assert fit_batches(x, val, **kwargs) == ((40, 4), (8, 2))
-    assert fit_batches(x, None, **kwargs) == ((40, 4), (None, 0))
-    kwargs.update(validation_freq=[1, 5], validation_batch_size=20)
-    assert fit_batches(x, val, **kwargs) == ((40, 4), (2, 1))
-    # A dataset of tensors in memory counts as arrays do: 3 batches an
-    # epoch. One that maps may read anything (always staged): None.
-    dataset = tf.data.Dataset.range(3)
-    assert fit_batches(dataset, None, **kwargs)[0] == (12, 4)
-    mapped = dataset.map(lambda x: x + 1)
-    assert fit_batches(mapped, None, **kwargs)[0] == (None, 4)
 
 
 @pytest.mark.parametrize(
@@ -773,23 +696,3 @@ def test_the_verdict_says_why_the_fit_was_staged():
     model.fit(unknown, epochs=2, **fit)
     assert "length is unknown" in callback.verdict["call"]
     assert "The call is staged" not in callback.verdict["message"]
-
-
-# -- noting costs -------------------------------------------------------------
-
-
-def test_staged_data_and_note_work_note_what_a_staged_call_costs():
-    model, layer = _model()
-    data = measure.staged_data(model, "test", layer, "test", X, Y, batch_size=8)
-    costs = calls.costs(model).phase("test")
-    assert costs.build_seconds > 0 and costs.iterator_seconds is None
-    assert data.cost_phase == "test"
-    assert data.work_before == (0.0, 0)
-    batches = list(data.pipeline)  # Keras's read of one epoch
-    assert len(batches) == 30
-    assert costs.iterator_seconds > 0
-    measure.note_work(model, data)
-    # No SmartStage prefix: the stage of arrays computes nothing.
-    assert costs.batch_seconds == 0.0
-    assert costs.measured()
-    data.end_call()
