@@ -18,53 +18,79 @@ FUNCTIONS = {
 UNSTAGED_STEPS = "unstaged"
 
 
+class CompiledSteps:
+    """The compiled steps a model keeps between calls.
+
+    Used by the call (which swaps them in, `call/staged_call.py`) and the
+    backend's steps (`backends/tensorflow_steps.py`).
+    """
+
+    def __init__(self):
+        # Per `(phase, split id, or UNSTAGED_STEPS)`: a compiled step.
+        self.staged_functions = {}
+        # The stats each compiled step records its fetches in: a traced
+        # step captures them, so they outlive calls.
+        self.step_stats = {}
+        # The split each phase's step runs now, and the staged steps' XLA
+        # choice (None: Keras's).
+        self.active = {}
+        self.staged_jit = None
+        # In the thread tracing a step: the trunk the model's call runs.
+        self.local = threading.local()
+
+
+class StepBindings:
+    """What binds the running call's stages to its phases' steps.
+
+    Set by the call (`StagedCall`), read by the steps: per phase, the
+    stage's runner, the stats it records in, the placement unpacking its
+    elements and the spec its traced step was built for, the host clock of
+    its steps, the iterator read last (weakly) and a position to restore
+    before the next step, with what is left of a resumed epoch (see
+    `DataBackup`).
+    """
+
+    def __init__(self):
+        self.runners = {}
+        self.recording = {}
+        self.placements = {}
+        self.layouts = {}
+        self.step_clocks = {}
+        self.iterators = {}
+        self.pending_restores = {}
+        self.resumed_left = {}
+
+
 class StagingState:
-    """Per-model run state, kept out of Keras's attribute tracking."""
+    """Per-model run state, kept out of Keras's attribute tracking.
+
+    In parts: what compile and the first staged call set up (the backend,
+    the plan and split), the compiled steps (`steps`), what binds a running
+    call to them (`bound`), the stages kept for later calls (`stages`, with
+    `kept_iterators`) and what the policy learned (`learned`, with
+    `decision.learned`).
+    """
 
     def __init__(self):
         # The model's `backends.Backend`, chosen on first use.
         self.backend = None
         self.smart_stage = False
-        self.runners = {}
-        # The stats each compiled step records its fetches in: a traced
-        # step captures them, so they outlive calls.
-        self.step_stats = {}
-        # Per role: the size a stage with stats of its own (JAX, predict)
-        # ended its pool at, where the next call's starts.
-        self.pool_sizes = {}
-        # The stats of the phases whose step records during this call.
-        self.recording = {}
-        # SmartStage: the plan and split, the split each phase's step runs,
-        # and the compiled staged steps, apart from Keras's plain ones.
+        self.requested_jit = "auto"
+        # SmartStage: the plan and split, made on the first staged call.
         self.plan = None
         self.split = None
-        self.active = {}
-        self.staged_functions = {}
-        self.requested_jit = "auto"
-        self.staged_jit = None
         self.default_input = None
         # `(model.layers, its StagedInput or None)` as last found (see
         # `staging_mixin.find_staged_input`).
         self.staged_input = None
         self.announced = False
-        # Per phase: the placement unpacking the step's elements, and the
-        # unpacked spec its traced step was built for.
-        self.placements = {}
-        self.layouts = {}
-        # Per phase: the iterator its step read last (weakly), and a
-        # restore of its position to run before the next step (see
-        # `DataBackup`).
-        self.iterators = {}
-        self.pending_restores = {}
-        # Per phase: `[iterator (weakly), batches, reopen]` left in a resumed
-        # epoch (`tensorflow_steps.track_iterator`).
-        self.resumed_left = {}
-        # Per role: the `KeptStage` later calls run again (`kept_iterators`).
+        self.steps = CompiledSteps()
+        self.bound = StepBindings()
+        # Per role: the `KeptStage` later calls run again (`kept_iterators`),
+        # and the size a stage with stats of its own (JAX, predict) ended
+        # its pool at, where the next call's starts.
         self.stages = {}
-        # Per phase: the list a timed call's step appends its host times to.
-        self.step_clocks = {}
-        # In the thread tracing a step: the trunk the model's call runs.
-        self.local = threading.local()
+        self.pool_sizes = {}
         # What the policy learned of its calls (`decision.learned`).
         self.learned = None
 
@@ -81,7 +107,7 @@ def state(model):
 def drop_traced_steps(model, phase):
     """Makes `phase`'s next staged or plain call trace its step afresh."""
     setattr(model, FUNCTIONS[phase], None)
-    kept = state(model).staged_functions
+    kept = state(model).steps.staged_functions
     for key in [k for k in kept if k[0] == phase]:
         del kept[key]
 

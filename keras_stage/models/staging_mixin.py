@@ -118,7 +118,7 @@ class StagingMixin:
             super().compile(*args, **kwargs)
         state.smart_stage = smart_stage
         state.plan = state.split = None
-        state.staged_functions.clear()
+        state.steps.staged_functions.clear()
         kept_iterators.retire_all(state.stages)
         state.announced = False
         learned.forget(self)
@@ -234,7 +234,7 @@ class StagingMixin:
 
     @property
     def jit_compile(self):
-        staged = _state(self).staged_jit
+        staged = _state(self).steps.staged_jit
         if staged is not None:
             return staged
         return keras.Model.jit_compile.fget(self)

@@ -236,7 +236,7 @@ def test_an_unstaged_call_records_nothing_in_the_stage():
     x, y = np.ones((64, 2), "float32"), np.ones((64, 1), "float32")
     staged = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     assert "stage_wait_ratio" in staged.history  # the first call measures
-    stats = model._keras_stage_state.step_stats["train"]
+    stats = model._keras_stage_state.steps.step_stats["train"]
     consumed = stats.snapshot()["consumed"]
     unstaged = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     assert unstaged.history["stage_unstaged"] == [1.0, 1.0]
@@ -259,7 +259,7 @@ def test_a_loop_of_unstaged_calls_keeps_the_step_it_traced_installed():
         staged.predict(one_batch, verbose=0), expected, rtol=1e-6
     )
     step = staged.predict_function
-    kept = model_state(staged).staged_functions
+    kept = model_state(staged).steps.staged_functions
     assert step is not None and step is kept[("predict", UNSTAGED_STEPS)]
     # A dataset that maps is always staged.
     mapped = (

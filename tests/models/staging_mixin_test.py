@@ -645,4 +645,4 @@ def test_step_reports_reach_the_stage_and_never_the_logs(
 
 def _step_stats(model, phase):
     """The stats `model`'s compiled `phase` step records in, or None."""
-    return model_state(model).step_stats.get(phase)
+    return model_state(model).steps.step_stats.get(phase)

@@ -34,7 +34,7 @@ def guard(model, phase, function):
     unstaged_ran = []  # whether this step ran unstaged yet (its first traces)
 
     def guarded(iterator):
-        clock = _state(model).step_clocks.get(phase)
+        clock = _state(model).bound.step_clocks.get(phase)
         if clock is None or len(clock) >= TIMED_STEPS_KEPT:
             return staged(iterator)
         started = time.perf_counter()
@@ -47,9 +47,9 @@ def guard(model, phase, function):
     def staged(iterator):
         iterator = resolve(iterator)
         state = _state(model)
-        runner = state.runners.get(phase)
+        runner = state.bound.runners.get(phase)
         if runner is None:
-            if unstaged_ran or state.active.get(phase) is not None:
+            if unstaged_ran or state.steps.active.get(phase) is not None:
                 return reported(function(iterator))[0]
             # Its first call, trace included, for `measure.note_traces`.
             unstaged_ran.append(True)
@@ -59,9 +59,9 @@ def guard(model, phase, function):
                 (phase, "whole_trace", time.perf_counter() - started)
             )
             return outputs
-        track_iterator(state, phase, iterator)
+        track_iterator(state.bound, phase, iterator)
         if resumed_epoch_ended(
-            state, phase, iterator, model.steps_per_execution
+            state.bound, phase, iterator, model.steps_per_execution
         ):
             raise StopIteration
         while True:
@@ -129,7 +129,7 @@ def guarded(function):
     return getattr(function, "keras_stage_guarded", False)
 
 
-def track_iterator(state, phase, iterator):
+def track_iterator(bound, phase, iterator):
     """Notes the iterator `phase`'s step reads; restores it first if asked.
 
     A resumed epoch (`DataBackup`) holds only the batches after its saved
@@ -137,32 +137,36 @@ def track_iterator(state, phase, iterator):
     ends it (`resumed_epoch_ended`), then `reopen()` makes the iterator
     Keras makes after an epoch it stepped through.
     """
-    pending = state.pending_restores.pop(phase, None)
+    pending = bound.pending_restores.pop(phase, None)
     if pending is not None:
         restore, left, reopen = pending
         restore(iterator)
     try:
-        state.iterators[phase] = weakref.ref(iterator)
+        bound.iterators[phase] = weakref.ref(iterator)
     except TypeError:  # not weakly referable: not checkpointable either
-        state.iterators.pop(phase, None)
+        bound.iterators.pop(phase, None)
         return
     if pending is not None and left is not None:
-        state.resumed_left[phase] = [state.iterators[phase], left, reopen]
+        bound.resumed_left[phase] = [
+            bound.iterators[phase],
+            left,
+            reopen,
+        ]
 
 
-def resumed_epoch_ended(state, phase, iterator, batches):
+def resumed_epoch_ended(bound, phase, iterator, batches):
     """Whether a resumed epoch's data is all read (see `track_iterator`).
 
     Counts down the call's `batches` otherwise. Keras's extra call would
     fail at the end of the data yet count an optimizer iteration, which a
     run never stopped does not make.
     """
-    left = state.resumed_left.get(phase)
+    left = bound.resumed_left.get(phase)
     if left is None or left[0]() is not iterator:
-        state.resumed_left.pop(phase, None)
+        bound.resumed_left.pop(phase, None)
         return False
     if left[1] <= 0:
-        del state.resumed_left[phase]
+        del bound.resumed_left[phase]
         left[2]()  # reopen
         return True
     left[1] -= batches
@@ -218,7 +222,7 @@ class UnrecordedStep:
             model is None
             or self._reports < self._after
             or model.steps_per_execution != 1
-            or self._phase not in _state(model).recording
+            or self._phase not in _state(model).bound.recording
         ):
             return None
         return self._call
@@ -228,7 +232,7 @@ class UnrecordedStep:
         if self._function is None:
             # A stage that never knows its batch is ready never traces it.
             self._function = make_unrecorded(model, self._phase)
-        local = _state(model).local
+        local = _state(model).steps.local
         local.unrecorded = True  # read by `recorded_step` while tracing
         try:
             return self._function(iterator)
@@ -278,7 +282,7 @@ def step_stats(model, layer, phase):
         or model.distribute_strategy.num_replicas_in_sync > 1
     ):
         return None
-    stats = state.step_stats.get(phase)
+    stats = state.steps.step_stats.get(phase)
     # Closed stats, or a clock op determinism now refuses: the traced
     # step would fail.
     if stats is None or stats.closed or stats.clock_refused:
@@ -286,7 +290,7 @@ def step_stats(model, layer, phase):
             # The traced step still records in the closed stats.
             drop_traced_steps(model, phase)
         stats = layer.new_stats(f"{layer.stage_options.name}_{phase}")
-        state.step_stats[phase] = stats
+        state.steps.step_stats[phase] = stats
     return stats
 
 
@@ -303,10 +307,10 @@ def recorded_step(model, phase, step, data):
     one's outputs: those accumulate their fetches in the graph.
     """
     state = _state(model)
-    stats = state.recording.get(phase)
+    stats = state.bound.recording.get(phase)
     if stats is None:
         return step(data)
-    if getattr(state.local, "unrecorded", False):
+    if getattr(state.steps.local, "unrecorded", False):
         return step(data)  # its batch was buffered: see `UnrecordedStep`
     fetch = stats.record_fetch(data, accumulate=False)
     outputs = step(data)
@@ -342,7 +346,7 @@ def reported(outputs):
 
 def unpacked(model, phase, data):
     """The step's `data`, unpacked on the device if its stage packed it."""
-    placement = _state(model).placements.get(phase)
+    placement = _state(model).bound.placements.get(phase)
     return data if placement is None else placement.unpack(data)
 
 
@@ -350,9 +354,9 @@ def unpacked(model, phase, data):
 def calling_trunk(model, phase):
     """Within a step's trace, makes the model's call run `phase`'s trunk."""
     state = _state(model)
-    split = state.active.get(phase)
-    previous = getattr(state.local, "trunk", None)
-    state.local.trunk = None if split is None else split.trunk
+    split = state.steps.active.get(phase)
+    previous = getattr(state.steps.local, "trunk", None)
+    state.steps.local.trunk = None if split is None else split.trunk
     # Python runs only while the step traces: its time is the trace's.
     started = (
         None if split is None or tf.executing_eagerly() else time.perf_counter()
@@ -360,7 +364,7 @@ def calling_trunk(model, phase):
     try:
         yield
     finally:
-        state.local.trunk = previous
+        state.steps.local.trunk = previous
         if started is not None:
             learned(model).traces.append(
                 (phase, "step_trace", time.perf_counter() - started)
@@ -369,7 +373,7 @@ def calling_trunk(model, phase):
 
 def trunk(model):
     """The trunk the model's call runs while a staged step traces, or None."""
-    return getattr(_state(model).local, "trunk", None)
+    return getattr(_state(model).steps.local, "trunk", None)
 
 
 def call_model(model, call, inputs, **kwargs):

@@ -145,10 +145,10 @@ class StagedCall:
         state = self._state
         if phase not in self._outer:
             self._outer[phase] = (
-                state.runners.get(phase),
-                state.recording.get(phase),
-                state.placements.get(phase),
-                state.step_clocks.get(phase),
+                state.bound.runners.get(phase),
+                state.bound.recording.get(phase),
+                state.bound.placements.get(phase),
+                state.bound.step_clocks.get(phase),
             )
         self._fed[phase] = data
         decision = learned(self.model).decisions.pop(phase, None)
@@ -167,15 +167,15 @@ class StagedCall:
         bind_placement(self.model, phase, data.staged.placement)
         if phase == "predict":
             return
-        state.runners[phase] = data.staged.runner
+        state.bound.runners[phase] = data.staged.runner
         if data.step_clock is not None:
-            state.step_clocks[phase] = data.step_clock
+            state.bound.step_clocks[phase] = data.step_clock
         else:
-            state.step_clocks.pop(phase, None)
+            state.bound.step_clocks.pop(phase, None)
         if data.in_step:
-            state.recording[phase] = data.staged.stats
+            state.bound.recording[phase] = data.staged.stats
         else:
-            state.recording.pop(phase, None)
+            state.bound.recording.pop(phase, None)
 
     # -- running Keras's call ---------------------------------------------
 
@@ -273,17 +273,17 @@ class StagedCall:
             for phase, outer_bindings in self._outer.items():
                 runner, recording, placement, clock = outer_bindings
                 for bindings, outer in (
-                    (state.runners, runner),
-                    (state.recording, recording),
-                    (state.step_clocks, clock),
+                    (state.bound.runners, runner),
+                    (state.bound.recording, recording),
+                    (state.bound.step_clocks, clock),
                 ):
                     if outer is None:
                         bindings.pop(phase, None)
                     else:
                         bindings[phase] = outer
                 if runner is None:
-                    state.iterators.pop(phase, None)
-                    state.pending_restores.pop(phase, None)
+                    state.bound.iterators.pop(phase, None)
+                    state.bound.pending_restores.pop(phase, None)
                 if placement is None:
                     release_placement(self.model, phase)
                 else:
@@ -310,19 +310,19 @@ def bind_placement(model, phase, placement):
     """
     state = model_state(model)
     layout = None if placement.packer is None else placement.unpacked_spec
-    if state.layouts.get(phase) != layout:
+    if state.bound.layouts.get(phase) != layout:
         drop_traced_steps(model, phase)
-    state.layouts[phase] = layout
-    state.placements[phase] = placement
+    state.bound.layouts[phase] = layout
+    state.bound.placements[phase] = placement
 
 
 def release_placement(model, phase):
     """Ends `phase`'s placement; a plain step traced unpacking is dropped."""
     state = model_state(model)
-    placement = state.placements.pop(phase, None)
+    placement = state.bound.placements.pop(phase, None)
     if placement is not None and placement.packer is not None:
         setattr(model, FUNCTIONS[phase], None)
-        state.layouts.pop(phase, None)
+        state.bound.layouts.pop(phase, None)
 
 
 @contextlib.contextmanager
@@ -334,7 +334,7 @@ def _staged_steps(model, phases, splits):
     splits are put back afterwards.
     """
     state = model_state(model)
-    saved = {p: state.active.get(p) for p in phases}
+    saved = {p: state.steps.active.get(p) for p in phases}
     if not any(splits.values()) and not any(saved.values()):
         yield
         return
@@ -343,21 +343,21 @@ def _staged_steps(model, phases, splits):
         attr = FUNCTIONS[phase]
         plain[phase] = getattr(model, attr, None)
         key = (phase, id(splits[phase]) if splits[phase] else None)
-        setattr(model, attr, state.staged_functions.get(key))
-        state.active[phase] = splits[phase]
-    jit = state.staged_jit
+        setattr(model, attr, state.steps.staged_functions.get(key))
+        state.steps.active[phase] = splits[phase]
+    jit = state.steps.staged_jit
     if any(split is not None for split in splits.values()):
-        state.staged_jit = _trunk_jit(model, splits)
+        state.steps.staged_jit = _trunk_jit(model, splits)
     try:
         yield
     finally:
         for phase in phases:
             attr = FUNCTIONS[phase]
             key = (phase, id(splits[phase]) if splits[phase] else None)
-            state.staged_functions[key] = getattr(model, attr, None)
+            state.steps.staged_functions[key] = getattr(model, attr, None)
             setattr(model, attr, plain[phase])
-            state.active[phase] = saved[phase]
-        state.staged_jit = jit
+            state.steps.active[phase] = saved[phase]
+        state.steps.staged_jit = jit
 
 
 @contextlib.contextmanager
@@ -372,33 +372,39 @@ def _unstaged_steps(model, phases, clocks):
     with contextlib.ExitStack() as stack:
         for phase in phases:
             attr = FUNCTIONS[phase]
-            saved[phase] = (getattr(model, attr, None), state.active.get(phase))
+            saved[phase] = (
+                getattr(model, attr, None),
+                state.steps.active.get(phase),
+            )
             stack.enter_context(
                 set_aside(
-                    phase, state.runners, state.recording, state.step_clocks
+                    phase,
+                    state.bound.runners,
+                    state.bound.recording,
+                    state.bound.step_clocks,
                 )
             )
             if phase in clocks:
-                state.step_clocks[phase] = clocks[phase]
-            unstaged = state.staged_functions.get((phase, UNSTAGED_STEPS))
+                state.bound.step_clocks[phase] = clocks[phase]
+            unstaged = state.steps.staged_functions.get((phase, UNSTAGED_STEPS))
             # Keras's attribute tracking costs: set only what changes.
             if saved[phase][0] is not unstaged:
                 setattr(model, attr, unstaged)
-            state.active[phase] = None
+            state.steps.active[phase] = None
         try:
             yield
         finally:
             for phase in clocks:
-                state.step_clocks.pop(phase, None)
+                state.bound.step_clocks.pop(phase, None)
             for phase in phases:
                 attr = FUNCTIONS[phase]
                 unstaged = getattr(model, attr, None)
-                state.staged_functions[(phase, UNSTAGED_STEPS)] = unstaged
+                state.steps.staged_functions[(phase, UNSTAGED_STEPS)] = unstaged
                 function, active = saved[phase]
                 # Where the model held none, the unstaged step stays.
                 if function is not None and function is not unstaged:
                     setattr(model, attr, function)
-                state.active[phase] = active
+                state.steps.active[phase] = active
 
 
 def _trunk_jit(model, splits):
@@ -472,7 +478,7 @@ def _with_data_backup(
         if isinstance(callback, keras.callbacks.BackupAndRestore):
 
             def current(state=state):
-                ref = state.iterators.get("train")
+                ref = state.bound.iterators.get("train")
                 return None if ref is None else ref()
 
             def stage_restored(variables, state=state):
@@ -512,7 +518,7 @@ def _with_data_backup(
                     if not (drew_itself(left) and epoch == 0):
                         reopen("train")
 
-                state.pending_restores["train"] = (restore, left, end)
+                state.bound.pending_restores["train"] = (restore, left, end)
 
             def stage_state(state=state):
                 ordinal = None if state.split is None else state.split.ordinal

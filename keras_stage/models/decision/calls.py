@@ -621,7 +621,7 @@ def _has_staged_step(model, phase):
     """Whether `model` keeps a compiled staged step of `phase`."""
     return any(
         key[0] == phase and key[1] != UNSTAGED_STEPS and function is not None
-        for key, function in model_state(model).staged_functions.items()
+        for key, function in model_state(model).steps.staged_functions.items()
     )
 
 
@@ -642,7 +642,9 @@ def _unbounded_figures(x):
 
 def traces_whole_step(model, phase):
     """Whether an unstaged `phase` call of `model` would trace its step."""
-    return (phase, UNSTAGED_STEPS) not in model_state(model).staged_functions
+    return (phase, UNSTAGED_STEPS) not in model_state(
+        model
+    ).steps.staged_functions
 
 
 def iterators_made(model, role, x, default=1):
@@ -651,14 +653,13 @@ def iterators_made(model, role, x, default=1):
     return 0 if carries(model_state(model).stages, role, x) else default
 
 
-def _iterators(model, layer, role, x, batches, epochs, steps, long_lived):
-    """The iterators a fit's role makes: one if its epochs share one (see
-    `stage_data(epochs=...)`); `batches` is all the epochs'."""
-    if not long_lived or not batches or not epochs:
+def _iterators(model, layer, phase, role, x, batches, epochs, steps):
+    """The iterators a fit's `role` of `phase` makes: one if its epochs
+    share one (see `stage_data(epochs=...)`); `batches`: all the epochs'."""
+    if not batches or not epochs:
         return epochs
     if not iterators_made(model, role, x):
         return 0
-    phase = "train" if role == "train" else "test"
     refusal = epochs_refusal(
         layer,
         phase,
@@ -682,14 +683,16 @@ def fit_stages(model, layer, x, validation_data, long_lived=True, **kwargs):
     """
     (train, epochs), (val, runs) = fit_batches(x, validation_data, **kwargs)
 
-    def decide(role, data, batches, count, steps, **extra):
-        iterators = _iterators(
-            model, layer, role, data, batches, count, steps, long_lived
-        )
-        phase = "train" if role == "train" else "test"
+    def decide(phase, role, data, batches, count, steps, **extra):
+        iterators = count
+        if long_lived:
+            iterators = _iterators(
+                model, layer, phase, role, data, batches, count, steps
+            )
         return _decide(model, layer, phase, batches, iterators, data, **extra)
 
     training = decide(
+        "train",
         "train",
         x,
         train,
@@ -701,7 +704,9 @@ def fit_stages(model, layer, x, validation_data, long_lived=True, **kwargs):
         _keep(model, "train", training)
         return training.staged
     val_x = keras.utils.unpack_x_y_sample_weight(validation_data)[0]
-    validation = decide("val", val_x, val, runs, kwargs["validation_steps"])
+    validation = decide(
+        "test", "val", val_x, val, runs, kwargs["validation_steps"]
+    )
     if (
         validation.staged
         and training.gain is not None

@@ -104,7 +104,7 @@ def test_unrecorded_steps_train_like_keras_and_count_every_batch(twin_calls):
     assert not any(key.startswith("_keras_stage") for key in staged_history)
     # Every batch counted, recorded or not; the twins' fetches did not wait.
     for phase in ("train", "test"):
-        stats = model_state(staged).step_stats[phase]
+        stats = model_state(staged).steps.step_stats[phase]
         assert stats.snapshot()["consumed"] == 2 * BATCHES, phase
     assert all(0.0 <= r <= 1.0 for r in staged_history["stage_wait_ratio"])
 

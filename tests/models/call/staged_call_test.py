@@ -298,7 +298,7 @@ def test_iterator_kept_alive_by_a_failed_fit_stops_counting():
             callbacks=[_RaiseAt(batch=2)],
         )
     assert info.traceback  # the frames, and Keras's iterator, stay alive
-    stats = model_state(model).step_stats["train"]
+    stats = model_state(model).steps.step_stats["train"]
     produced = stats.snapshot()["produced"]
     time.sleep(0.6)  # time for 60 more elements, were it still running
     assert stats.snapshot()["produced"] <= produced + 2
@@ -328,7 +328,9 @@ def test_a_resumed_epoch_is_counted_down_only_with_an_iterator_per_epoch(
     data_backup = callbacks[1]
     assert isinstance(data_backup, DataBackup)
     data_backup._restore_next(lambda iterator: None, 6, 1)
-    restore, got, reopen = model_state(model).pending_restores.pop("train")
+    restore, got, reopen = model_state(model).bound.pending_restores.pop(
+        "train"
+    )
     assert got == left
     # Without steps_per_epoch: the draws before epoch 1's own (1), made
     # as it begins; then Keras's iterator after the resumed epoch.
