@@ -1,16 +1,14 @@
-"""Multi-epoch fits on a dataset: epochs run without a stage that cannot pay.
+"""Multi-epoch fits on a dataset, whole calls, staged against plain.
 
 `python -m benchmarks.epoch_switch [--rounds N] [--epochs E] [--steps S]
 [--workload criteo]` times whole `fit(dataset, epochs=E)` calls (set-up
 included) of one workload in four modes, side by side in one process:
 
 - `plain`: the whole model as a `keras.Model`, raw batches;
-- `staged`: keras_stage's three lines with `StagedInput()` defaults: a
-  fit may run its later epochs with the whole model in the step when a
-  trial epoch measures that the stage does not pay
-  (`keras_stage.models.decision.epochs`);
+- `staged`: keras_stage's three lines with `StagedInput()` defaults (the
+  policy decides each call, `keras_stage.models.decision.calls`);
 - `staged_always`: the same with `StagedInput(adaptive=False)`: every
-  epoch staged, the behaviour before the switch;
+  call staged;
 - `expert`: the preprocessing in `dataset.map(num_parallel_calls=
   AUTOTUNE).prefetch(AUTOTUNE)` and a `keras.Model` of the trunk.
 
@@ -19,7 +17,7 @@ one untimed `fit(epochs=1)` per mode first (tracing). The rounds run the
 modes in a rotating order, with an untimed `gc.collect()` after each
 measurement; a paired ratio is the median over rounds of the ratio to
 plain within the round. Also printed: which epochs of the `staged` fits ran
-without the stage. Results: `benchmarks/results/epoch_switch/<name>.json`.
+without the stage (`stage_unstaged`: a fit run unstaged). Results: `benchmarks/results/epoch_switch/<name>.json`.
 """
 
 import argparse
