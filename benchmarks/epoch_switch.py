@@ -17,7 +17,8 @@ one untimed `fit(epochs=1)` per mode first (tracing). The rounds run the
 modes in a rotating order, with an untimed `gc.collect()` after each
 measurement; a paired ratio is the median over rounds of the ratio to
 plain within the round. Also printed: which epochs of the `staged` fits ran
-without the stage (`stage_unstaged`: a fit run unstaged). Results: `benchmarks/results/epoch_switch/<name>.json`.
+without the stage (`stage_unstaged`: a fit run unstaged). Results:
+`benchmarks/results/epoch_switch/<name>.json`.
 """
 
 import argparse
