@@ -142,7 +142,7 @@ MESSAGES = {
         "the next is staged and measured"
     ),
     Kind.UNMEASURED: lambda f: (
-        "what staging saves it is not measured yet on a model with its stage"
+        "what staging saves is not measured yet on a model with its stage"
     ),
     Kind.TRIAL: lambda f: (
         "it times the whole model's steps once, against the staged steps"
