@@ -52,6 +52,23 @@ def twin_optimizer():
     return keras.optimizers.SGD(learning_rate=0.05)
 
 
+def dense_staged_model(middle=(), smart_stage=False, **options):
+    """`(model, layer)`: a `keras_stage.Model` of 2 features through a
+    `StagedInput` named "stage" (with `options`), `middle` layers and a
+    Dense(1) head, compiled with SGD and MSE."""
+    import keras
+
+    import keras_stage
+
+    inputs = keras.Input(shape=(2,))
+    x = keras_stage.layers.StagedInput(name="stage", **options)(inputs)
+    for layer in middle:
+        x = layer(x)
+    model = keras_stage.Model(inputs, keras.layers.Dense(1, name="head")(x))
+    model.compile(optimizer="sgd", loss="mse", smart_stage=smart_stage)
+    return model, model.get_layer("stage")
+
+
 def sweep(cases, kept):
     """`cases` for `pytest.mark.parametrize`, those not in `kept` long.
 

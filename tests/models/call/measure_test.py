@@ -8,11 +8,10 @@ import keras
 import numpy as np
 import pytest
 
-import keras_stage
-from keras_stage.layers import StagedInput
 from keras_stage.models.call import measure
 from keras_stage.models.decision import calls
 from keras_stage.models.decision.learned import learned
+from tests.helpers import dense_staged_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -20,18 +19,8 @@ X = np.ones((240, 2), "float32")  # 30 batches of 8
 Y = np.ones((240, 1), "float32")
 
 
-def _model(middle=(), smart_stage=False, **options):
-    inputs = keras.Input(shape=(2,))
-    x = StagedInput(name="stage", **options)(inputs)
-    for layer in middle:
-        x = layer(x)
-    model = keras_stage.Model(inputs, keras.layers.Dense(1, name="head")(x))
-    model.compile(optimizer="sgd", loss="mse", smart_stage=smart_stage)
-    return model, model.get_layer("stage")
-
-
 def test_staged_data_and_note_work_note_what_a_staged_call_costs():
-    model, layer = _model()
+    model, layer = dense_staged_model()
     data = measure.staged_data(model, "test", layer, "test", X, Y, batch_size=8)
     costs = calls.costs(model).phase("test")
     assert costs.build_seconds > 0 and costs.iterator_seconds is None
@@ -49,7 +38,9 @@ def test_staged_data_and_note_work_note_what_a_staged_call_costs():
 
 @pytest.mark.first_call_rule
 def test_an_unstaged_fit_times_its_epochs_starts(monkeypatch):
-    model, layer = _model([keras.layers.Rescaling(0.5)], smart_stage=True)
+    model, layer = dense_staged_model(
+        [keras.layers.Rescaling(0.5)], smart_stage=True
+    )
     # A first fit of few batches runs unstaged (`FIRST_CALL_BATCHES`).
     history = model.fit(X, Y, batch_size=48, epochs=3, verbose=0).history
     assert history["stage_unstaged"] == [1.0, 1.0, 1.0]
@@ -57,7 +48,7 @@ def test_an_unstaged_fit_times_its_epochs_starts(monkeypatch):
     assert started is not None and 0 < started < 10
     # Now and then one epoch's start takes far longer (the previous
     # iterator let go, a collection): it does not make the figure.
-    other, _ = _model()
+    other, _ = dense_staged_model()
     measure.note_epoch_starts(other, [0.003, 0.196])
     assert calls.costs(other).phase("train").epoch_start_seconds == 0.003
     # Each epoch's start (to its first step) and end (from its last step to
@@ -82,7 +73,9 @@ def test_an_unstaged_fit_times_its_epochs_starts(monkeypatch):
 
 
 def test_a_steps_trace_is_timed_and_noted_after_the_call():
-    model, layer = _model([keras.layers.Rescaling(0.5)], smart_stage=True)
+    model, layer = dense_staged_model(
+        [keras.layers.Rescaling(0.5)], smart_stage=True
+    )
     model.fit(X, Y, batch_size=8, epochs=1, verbose=0)  # staged: the trunk
     measured = calls.costs(model).phase("train")
     assert measured.step_trace_seconds > 0

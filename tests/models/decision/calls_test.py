@@ -26,7 +26,7 @@ from keras_stage.models.decision.calls import (
 )
 from keras_stage.models.decision.learned import learned
 from keras_stage.models.model_state import state as model_state
-from tests.helpers import count_step_traces
+from tests.helpers import count_step_traces, dense_staged_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -367,16 +367,6 @@ def test_models_with_the_same_stage_share_a_signature():
     )
 
 
-def _model(middle=(), smart_stage=False, **options):
-    inputs = keras.Input(shape=(2,))
-    x = StagedInput(name="stage", **options)(inputs)
-    for layer in middle:
-        x = layer(x)
-    model = keras_stage.Model(inputs, keras.layers.Dense(1, name="head")(x))
-    model.compile(optimizer="sgd", loss="mse", smart_stage=smart_stage)
-    return model, model.get_layer("stage")
-
-
 def _note(model, phase="train", build=0.05, iterator=0.02, batch=0.001):
     """70 ms of set-up for one iterator, 1 ms of staged work a batch."""
     costs = calls.costs(model)
@@ -404,15 +394,15 @@ def _fit_kwargs(epochs=1, **overrides):
 
 
 def test_models_with_the_same_stage_share_their_costs():
-    first, _ = _model()
-    second, _ = _model()
-    other, _ = _model(capacity=3)
+    first, _ = dense_staged_model()
+    second, _ = dense_staged_model()
+    other, _ = dense_staged_model(capacity=3)
     assert calls.costs(first) is calls.costs(second)
     assert calls.costs(other) is not calls.costs(first)
 
 
 def test_compile_looks_the_costs_up_again():
-    model, _ = _model()
+    model, _ = dense_staged_model()
     before = calls.costs(model)
     model.compile(optimizer="sgd", loss="mse", smart_stage=True)
     assert calls.costs(model) is not before  # another stage signature
@@ -422,7 +412,7 @@ def test_compile_looks_the_costs_up_again():
 
 
 def test_a_call_that_cannot_repay_its_set_up_is_not_staged(caplog):
-    model, layer = _model()
+    model, layer = dense_staged_model()
     _note(model)
     with caplog.at_level(logging.INFO, logger="keras_stage"):
         assert not calls.stages(model, layer, "train", 71)
@@ -435,14 +425,14 @@ def test_a_call_that_cannot_repay_its_set_up_is_not_staged(caplog):
 
 
 def test_every_iterator_a_call_makes_counts():
-    model, layer = _model()
+    model, layer = dense_staged_model()
     _note(model)
     assert calls.stages(model, layer, "train", 100, iterators=1)
     assert not calls.stages(model, layer, "train", 100, iterators=3)
 
 
 def test_unmeasured_phases_and_unbounded_data_are_staged():
-    model, layer = _model()
+    model, layer = dense_staged_model()
     _note(model, phase="train")
     assert calls.stages(model, layer, "test", 2)  # test: not measured
     assert calls.stages(model, layer, "train", None)  # not arrays
@@ -455,7 +445,9 @@ def test_a_first_call_of_few_in_memory_batches_skips_its_stage():
     # unstaged (what plain Keras costs), without planning the model; a
     # longer one, or the next short one (a loop of calls), is staged and
     # measured; data read by a pipeline is always staged.
-    model, layer = _model([keras.layers.Rescaling(0.5)], smart_stage=True)
+    model, layer = dense_staged_model(
+        [keras.layers.Rescaling(0.5)], smart_stage=True
+    )
     few = calls.FIRST_CALL_BATCHES
     assert few == 32
     for phase in ("train", "test", "predict"):
@@ -517,7 +509,7 @@ def test_a_first_fit_of_few_batches_trains_unstaged_as_plain_keras(
 
 
 def test_one_batch_is_never_staged():
-    model, layer = _model()
+    model, layer = dense_staged_model()
     assert not calls.stages(model, layer, "predict", 1)
 
 
@@ -538,14 +530,16 @@ def test_one_batch_is_never_staged():
 def test_calls_whose_stage_changes_more_than_speed_are_always_staged(
     options,
 ):
-    model, layer = _model(**options)
+    model, layer = dense_staged_model(**options)
     _note(model)
     assert calls.stages(model, layer, "predict", 1)
     assert calls.stages(model, layer, "train", 2)
 
 
 def test_a_model_not_yet_planned_pays_its_plan_and_trace_too():
-    model, layer = _model([keras.layers.Rescaling(0.5)], smart_stage=True)
+    model, layer = dense_staged_model(
+        [keras.layers.Rescaling(0.5)], smart_stage=True
+    )
     costs = _note(model)
     costs.note_plan(0.02)
     costs.note_trace("train", 0.01)
@@ -559,7 +553,7 @@ def test_a_model_not_yet_planned_pays_its_plan_and_trace_too():
 
 
 def test_without_smart_stage_no_plan_or_trace_is_added():
-    model, layer = _model()
+    model, layer = dense_staged_model()
     costs = _note(model)
     costs.note_plan(1.0)
     costs.note_trace("train", 1.0)
@@ -567,7 +561,9 @@ def test_without_smart_stage_no_plan_or_trace_is_added():
 
 
 def test_training_that_stages_random_layers_is_always_staged():
-    model, layer = _model([keras.layers.Dropout(0.5)], smart_stage=True)
+    model, layer = dense_staged_model(
+        [keras.layers.Dropout(0.5)], smart_stage=True
+    )
     for phase in ("train", "test"):
         _note(model, phase=phase, build=10.0)
     assert calls.stages(model, layer, "train", 30)
@@ -579,7 +575,7 @@ def test_training_that_stages_random_layers_is_always_staged():
 
 
 def test_a_fit_whose_epochs_share_one_iterator_pays_one_set_up():
-    model, layer = _model()
+    model, layer = dense_staged_model()
     _note(model)  # 3 epochs of 30 batches: 89 ms to save
     kwargs = _fit_kwargs(epochs=3)
     assert calls.fit_stages(model, layer, X, None, **kwargs)
@@ -593,7 +589,7 @@ def test_a_fit_is_staged_when_its_validation_gains_more_than_training_loses():
     # A staged fit stages both phases. Its training alone loses 21 ms (29
     # batches of 1 ms of staged work against 50 ms of set-up); a free
     # validation stage gains its 29 ms: staged, and both halves are said.
-    model, layer = _model()
+    model, layer = dense_staged_model()
     _note(model, phase="train", build=0.03)
     _note(model, phase="test", build=0.0, iterator=0.0)
     kwargs = _fit_kwargs()
@@ -605,20 +601,20 @@ def test_a_fit_is_staged_when_its_validation_gains_more_than_training_loses():
     assert decision.figures["training"].gain == pytest.approx(-0.021)
     assert decision.figures["validation"].kind is Kind.PAYS
     # A training that loses 10 s is not staged for its validation's 29 ms.
-    model, layer = _model(capacity=3)
+    model, layer = dense_staged_model(capacity=3)
     _note(model, phase="train", build=10.0)
     _note(model, phase="test", build=0.0, iterator=0.0)
     assert not calls.fit_stages(model, layer, X, (X, Y), **kwargs)
     assert _kind(model, "test") is Kind.TRAINING_LOSES
     assert _kind(model) is Kind.DOES_NOT_PAY
     # Nor for a validation in memory not measured yet.
-    model, layer = _model(capacity=4)
+    model, layer = dense_staged_model(capacity=4)
     _note(model, phase="train", build=0.03)
     assert not calls.fit_stages(model, layer, X, (X, Y), **kwargs)
 
 
 def test_a_fit_whose_training_is_due_a_trial_runs_it_whatever_its_validation():
-    model, layer = _model()
+    model, layer = dense_staged_model()
     costs = _note(model, phase="train")
     costs.note_steps("train", [1.0] + [0.004] * 5, staged=True)
     _note(model, phase="test", build=0.0, iterator=0.0)
@@ -628,7 +624,7 @@ def test_a_fit_whose_training_is_due_a_trial_runs_it_whatever_its_validation():
 
 
 def test_a_fit_on_a_dataset_that_maps_is_always_staged():
-    model, layer = _model()
+    model, layer = dense_staged_model()
     _note(model, build=10.0)
     dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(8)
     mapped = dataset.map(lambda x, y: (x * 2, y))
@@ -638,7 +634,7 @@ def test_a_fit_on_a_dataset_that_maps_is_always_staged():
 def test_a_fit_on_a_dataset_in_memory_is_decided_as_arrays_are():
     # Slicing and batching tensors in memory: nothing for the stage to
     # overlap but its staged work, which cannot repay a 10 s set-up.
-    model, layer = _model()
+    model, layer = dense_staged_model()
     _note(model, build=10.0)
     dataset = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(8).batch(8)
     assert not calls.fit_stages(model, layer, dataset, None, **_fit_kwargs())
@@ -656,7 +652,7 @@ def _kind(model, phase="train"):
 
 
 def test_the_decision_says_why_a_call_on_a_dataset_keeps_its_stage():
-    model, layer = _model()
+    model, layer = dense_staged_model()
     _note(model, build=10.0)
     dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(8)
     unknown = dataset.unbatch().filter(lambda x, y: True).batch(8)
@@ -681,7 +677,7 @@ def test_the_decision_says_why_a_call_on_a_dataset_keeps_its_stage():
 # length (plain Keras too).
 @pytest.mark.filterwarnings("ignore:Your input ran out of data:UserWarning")
 def test_the_verdict_says_why_the_fit_was_staged():
-    model, _ = _model(smart_stage=True)
+    model, _ = dense_staged_model(smart_stage=True)
     unknown = tf.data.Dataset.from_tensor_slices((X, Y))
     unknown = unknown.filter(lambda x, y: True).batch(8)
     callback = keras_stage.callbacks.PrefetchCallback()
