@@ -480,7 +480,7 @@ def test_backup_files_are_the_files_backup_and_restore_writes(tmp_path):
 def test_dataset_seeded_tells_a_fixed_seed_from_none():
     # tf.data keeps the op seeds `random_seed.get_seed` chose on a drawing
     # dataset: both 0 when no seed was set, which the free passes across
-    # calls rely on (see `epoch_sources.SourceFacts.free_passes`).
+    # calls rely on (see `source_passes.SourceFacts.free_passes`).
     tf.random.set_seed(None)  # the suite's own global seed
     base = tf.data.Dataset.range(8)
     assert not _compat.dataset_seeded(base.shuffle(8)), UPDATE.format(

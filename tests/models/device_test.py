@@ -333,14 +333,14 @@ def test_a_fit_under_a_strategy_runs_its_epochs_on_one_iterator():
         FIT_TWINS.format(**FEW_COLUMNS),
         MIRRORED_TWINS,
         """
-        from keras_stage.models.iterators import kept_iterators
+        from keras_stage.data.epochs import LongLivedIterator
 
         made = []
-        make = kept_iterators.LongLivedIterator._make
+        make = LongLivedIterator._make
         def counted_make(self):
             made.append(self._name)
             return make(self)
-        kept_iterators.LongLivedIterator._make = counted_make
+        LongLivedIterator._make = counted_make
 
         x, y = data(96)
         def dataset():

@@ -669,28 +669,6 @@ def test_an_evaluate_nested_in_a_fit_on_its_validation_data_builds_its_own():
     assert not model._keras_stage_state.stages["test"].in_use
 
 
-@pytest.mark.parametrize(
-    "make, draws",
-    [
-        (lambda: tf.data.Dataset.range(8).map(lambda i: i * 2).batch(2), False),
-        (lambda: tf.data.Dataset.range(8).shuffle(8, seed=1).batch(2), True),
-        (lambda: tf.data.Dataset.range(8).shuffle(8).batch(2), True),
-        (lambda: tf.data.Dataset.random(seed=1).take(4), True),
-        (
-            lambda: tf.data.Dataset.from_generator(
-                lambda: iter(range(3)),
-                output_signature=tf.TensorSpec((), tf.int64),
-            ),
-            True,
-        ),
-    ],
-)
-def test_which_datasets_draw_when_an_iterator_starts(make, draws):
-    from keras_stage.models.data_adapters.epoch_sources import inspect_source
-
-    assert inspect_source(make()).iterator_draws is draws
-
-
 def test_a_dataset_that_draws_nothing_gets_iterators_made_when_read():
     from keras_stage.models.data_adapters.staged_data import stage_data
 

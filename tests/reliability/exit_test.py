@@ -61,15 +61,15 @@ class Pipeline:
         print("dropped in", threading.current_thread().name, flush=True)
 
 def late():
-    from keras_stage.models.iterators import kept_iterators
+    from keras_stage.data import epochs
     held = [Pipeline()]
-    kept_iterators.release(held)
+    epochs.release(held)
 
 # Registered before the module's own exit hooks, so run after them (as
 # `weakref.finalize`'s hook is when something used it before keras_stage
 # was imported): a release the exit's wait has already passed.
 atexit.register(late)
-from keras_stage.models.iterators import kept_iterators  # noqa: F401
+from keras_stage.data import epochs  # noqa: F401
 print("script ended", flush=True)
 """
 

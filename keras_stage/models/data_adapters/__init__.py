@@ -2,6 +2,6 @@
 
 - `staged_data`: `stage_data`, which dispatches on the input type.
 - `arrays`: in-memory arrays, in Keras's batches and order.
-- `epoch_sources`: one source for all the epochs of a call.
+- `epoch_sources`: `EpochSource`, one epoch of a call's data.
 - `python_sources`: generators and `keras.utils.PyDataset`.
 """

@@ -8,8 +8,9 @@ computation, which `decision/calls.py` weighs against the stage's set-up.
 
 import tensorflow as tf
 
+from keras_stage.data.source_passes import inspect_source
 from keras_stage.data.staging import StagedDataset
-from keras_stage.models.data_adapters import epoch_sources
+from keras_stage.models.data_adapters.epoch_sources import EpochSource
 
 # Datasets that only hold, slice, batch, reorder or cut elements in memory
 # (`cache` is left out: it may read and write a file).
@@ -37,13 +38,13 @@ _IN_MEMORY_KINDS = frozenset(
 def epoch_source(adapter):
     """The `EpochSource` of a user's `tf.data.Dataset`, as Keras iterates it
     (its stage may be kept for later calls on it)."""
-    return epoch_sources.EpochSource(adapter.get_tf_dataset(), keeps=True)
+    return EpochSource(adapter.get_tf_dataset(), keeps=True)
 
 
 def reads_memory_only(dataset):
     """Whether every element of `dataset` comes from tensors in memory
     (built only from `_IN_MEMORY_KINDS`, with no function of its own)."""
-    facts = epoch_sources.inspect_source(dataset)
+    facts = inspect_source(dataset)
     return (
         facts.refusal is None
         and not facts.runs_functions
@@ -67,7 +68,7 @@ def batch_count(dataset, steps):
 def cardinality(dataset):
     """`int(dataset.cardinality())`, kept per dataset object (asking runs
     an op, which a loop of short calls would pay on every call)."""
-    facts = epoch_sources.inspect_source(dataset)
+    facts = inspect_source(dataset)
     if facts.cardinality is None:
         facts.cardinality = int(dataset.cardinality())
     return facts.cardinality

@@ -13,26 +13,21 @@ import keras
 import tensorflow as tf
 
 from keras_stage import _compat
+from keras_stage.data import source_passes
+from keras_stage.data.epochs import FedSource, LongLivedEpochs
 from keras_stage.data.service import DISTRIBUTED_EPOCH
 from keras_stage.data.staging import StagedDataset
 from keras_stage.data.stats import op_determinism_enabled
 from keras_stage.models import backends
 from keras_stage.models.backends.tensorflow import default_strategy
-from keras_stage.models.data_adapters import (
-    arrays,
-    datasets,
-    epoch_sources,
-    python_sources,
-)
+from keras_stage.models.data_adapters import arrays, datasets, python_sources
 from keras_stage.models.data_adapters.python_sources import (
     check_source,
     is_python_source,
 )
 from keras_stage.models.iterators.kept_iterators import (
     CallIterators,
-    FedSource,
     KeptStage,
-    LongLivedEpochs,
     earlier_stage,
     kept_stage,
     switched_data,
@@ -252,7 +247,7 @@ class StagedData:
 
 def _draws_per_iterator(dataset, spans_calls):
     """Whether a new iterator of `dataset` cannot start at any epoch."""
-    facts = epoch_sources.inspect_source(dataset)
+    facts = source_passes.inspect_source(dataset)
     return facts.iterator_draws and not (spans_calls and facts.free_passes)
 
 
@@ -272,7 +267,7 @@ def strategy_refusal(strategy, dataset=None):
         )
     if not isinstance(dataset, tf.data.Dataset):
         return None
-    facts = epoch_sources.inspect_source(dataset)
+    facts = source_passes.inspect_source(dataset)
     if facts.iterator_draws and not facts.free_passes:
         return (
             "under a tf.distribute strategy Keras makes one more iterator a "
@@ -347,7 +342,7 @@ def _long_lived_epochs(
     if not epoch.long_lived:
         return None, "the data is not in-memory arrays or a tf.data.Dataset"
     arrays = epoch.arrays
-    facts = epoch_sources.inspect_source(dataset)
+    facts = source_passes.inspect_source(dataset)
     if facts.refusal is not None:
         return None, f"its source cannot be read ahead: {facts.refusal}"
     if spans_calls and fed and not facts.kernel_seeded:
@@ -366,7 +361,7 @@ def _long_lived_epochs(
             num_batches,
             steps_per_execution,
             None,
-            functools.partial(epoch_sources.long_lived_source, dataset, None),
+            functools.partial(source_passes.long_lived_source, dataset, None),
         ), None
     if epochs < 2:
         return None, "the call reads one epoch"
@@ -377,12 +372,12 @@ def _long_lived_epochs(
                 "its source has a seeded stateful random op, which draws "
                 "the same in every new iterator"
             )
-        size = epoch_sources.nbytes(arrays)
-        if size is None or size > epoch_sources.REPLAY_LIMIT_BYTES:
+        size = source_passes.nbytes(arrays)
+        if size is None or size > source_passes.REPLAY_LIMIT_BYTES:
             return None, (
                 "a seeded shuffle of arrays replays its first epoch, kept in "
                 f"memory, and these arrays are over "
-                f"{epoch_sources.REPLAY_LIMIT_BYTES // 2**20} MiB"
+                f"{source_passes.REPLAY_LIMIT_BYTES // 2**20} MiB"
             )
         replay = True
     if arrays is None and _shares_a_dataset(facts, alongside):
@@ -401,7 +396,7 @@ def _long_lived_epochs(
             stop = tf.Variable(1, dtype=tf.int64, trainable=False)
     opens = 0 if independent or (phase == "train" and steps) else unread_opens
     source = functools.partial(
-        epoch_sources.long_lived_source,
+        source_passes.long_lived_source,
         dataset,
         epochs,
         replay=replay,
@@ -431,7 +426,7 @@ def _shares_a_dataset(facts, alongside):
     """Whether `facts`' source shares a dataset with one of `alongside`."""
     return any(
         isinstance(other, tf.data.Dataset)
-        and facts.objects & epoch_sources.inspect_source(other).objects
+        and facts.objects & source_passes.inspect_source(other).objects
         for other in alongside
     )
 
@@ -781,7 +776,7 @@ def stage_data(
         defers=epoch.arrays is not None
         or (
             epoch.keeps
-            and not epoch_sources.inspect_source(source).iterator_draws
+            and not source_passes.inspect_source(source).iterator_draws
         ),
         epochs=long_lived,
         kept=entry,

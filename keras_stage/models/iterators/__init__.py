@@ -1,5 +1,5 @@
 """The iterators Keras gets from a staged call, and those kept alive.
 
 - `kept_iterators`: `KeptIterator`, the one interface, and what stands
-  behind it (long-lived epochs, kept stages per role, fed sources).
+  behind it (epoch views of `data.epochs`, kept stages per role).
 """

@@ -17,8 +17,8 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage.callbacks import PrefetchCallback
+from keras_stage.data.epochs import RELEASE_THREAD
 from keras_stage.layers import StagedInput
-from keras_stage.models.iterators.kept_iterators import RELEASE_THREAD
 from keras_stage.models.model_state import state as model_state
 from tests.helpers import stage_threads, wait_until
 

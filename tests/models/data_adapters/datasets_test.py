@@ -5,7 +5,8 @@ import pytest
 import tensorflow as tf
 
 from keras_stage.data import stage
-from keras_stage.models.data_adapters import datasets, epoch_sources
+from keras_stage.data.source_passes import inspect_source
+from keras_stage.models.data_adapters import datasets
 
 X = np.arange(20, dtype="float32").reshape(10, 2)
 Y = np.arange(10, dtype="float32").reshape(10, 1)
@@ -75,7 +76,7 @@ def test_a_users_staged_dataset_is_not_counted():
 
 def test_a_datasets_length_is_asked_once():
     dataset = _sliced().batch(4)
-    facts = epoch_sources.inspect_source(dataset)
+    facts = inspect_source(dataset)
     assert facts.cardinality is None
     assert datasets.cardinality(dataset) == int(dataset.cardinality())
     assert facts.cardinality == int(dataset.cardinality())

@@ -2,9 +2,10 @@
 
 `stage_data(..., epochs=E)`
 (keras_stage/models/data_adapters/staged_data.py) builds the stage over
-one source spanning E epochs (models/data_adapters/epoch_sources.py) and
-hands Keras epoch views of one real iterator
-(models/iterators/kept_iterators.py). Each epoch must read exactly the
+one source spanning E epochs (data/source_passes.py), from the call's
+`EpochSource` (models/data_adapters/epoch_sources.py), and hands Keras
+epoch views (models/iterators/kept_iterators.py) of one real iterator
+(data/epochs.py). Each epoch must read exactly the
 batches, in exactly the order, plain Keras reads: checked here against
 plain Keras's own `fit` (a model recording every batch its steps get) and
 against fresh iterators of Keras's adapter dataset, for arrays (shuffle
@@ -24,7 +25,7 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage import _compat
-from keras_stage.models.data_adapters import epoch_sources
+from keras_stage.data import source_passes
 from keras_stage.models.data_adapters.staged_data import (
     StageCosts,
     StagedData,
@@ -774,7 +775,7 @@ def test_unsafe_cases_keep_an_iterator_per_epoch(case, expected, monkeypatch):
         del kwargs["batch_size"]
         kwargs["alongside"] = (data_x.take(1),)
     elif case == "big_seeded_arrays":
-        monkeypatch.setattr(epoch_sources, "REPLAY_LIMIT_BYTES", 64)
+        monkeypatch.setattr(source_passes, "REPLAY_LIMIT_BYTES", 64)
         kwargs["shuffle"] = True
     elif case == "strategy":
         kwargs["strategy"] = tf.distribute.OneDeviceStrategy("/cpu:0")
