@@ -7,7 +7,7 @@ data) N times on the same `tf.data.Dataset` object (a notebook's
 evaluate, a validation set passed to every fit, a repeated predict), or
 with `--new-datasets` on a new dataset object of the same data each call
 (a loop that builds its dataset per call: from the second call on, the
-stage reads a fed source, see `kept_iterators.FedSource`),
+stage reads a fed source, see `data/epochs.py`: `FedSource`),
 with the model's `StagedInput(adaptive=False)`, so that every call is
 staged (not decided away by `decision/calls.py`), beside a plain model in
 the same process, alternating. It measures what a staged call costs once
