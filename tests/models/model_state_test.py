@@ -692,7 +692,7 @@ def test_which_datasets_draw_when_an_iterator_starts(make, draws):
 
 
 def test_a_dataset_that_draws_nothing_gets_iterators_made_when_read():
-    from keras_stage.models.data_adapters.staged_data import stage_data
+    from keras_stage.models.data_adapters import stage_data
 
     model = _model(adaptive=False)
     layer, split = model.layers[1], model._stage_plan()[1]

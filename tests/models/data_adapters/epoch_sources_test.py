@@ -24,11 +24,10 @@ import tensorflow as tf
 
 import keras_stage
 from keras_stage import _compat
-from keras_stage.models.data_adapters import epoch_sources
+from keras_stage.models.data_adapters import epoch_sources, stage_data
 from keras_stage.models.data_adapters.staged_data import (
     StageCosts,
     StagedData,
-    stage_data,
 )
 from keras_stage.models.iterators.kept_iterators import (
     DeferredPipeline,
