@@ -29,34 +29,28 @@ class StageRequest:
     """What one call asks of its stage (see `data_adapters.stage_data`).
 
     Attributes:
-        layer: The model's `StagedInput` (its options name the stage).
-        phase: The compiled step that reads it: "train", "test", "predict".
+        layer, phase: The model's `StagedInput`; the compiled step that
+            reads the stage ("train", "test", "predict").
         x, y, sample_weight, batch_size, steps, shuffle, class_weight: the
             call's, as Keras's data adapter takes them (`steps`: its
             `steps_per_epoch` or `steps`).
         split: The SmartStage split whose prefix the stage runs, or None.
         stats: The stats the compiled step records its fetches in, or None.
-        strategy: Under several replicas, `StagedData.pipeline` is
-            distributed with each replica's buffer on its device.
+        strategy: Under several replicas, the pipeline is distributed.
         epochs: The most times Keras iterates the pipeline in this call, or
-            None. The stage then runs those epochs on one iterator where
-            that keeps plain Keras's batches and orders
-            (`epoch_plans.plan`); `StagedData.long_lived_refusal` says why
-            not.
-        steps_per_execution: The model's (it must divide an epoch's count).
-        alongside: The call's other data (a fit's validation for its
-            training, and back).
-        kept: The model's kept stages by role (updated here), or None.
+            None; see `epoch_plans.plan`.
+        steps_per_execution: The model's.
+        alongside: The call's other data (a fit's validation, and back).
+        kept: The model's kept stages by role (updated), or None.
         reads_in_python: Whether Keras reads every batch in Python.
         pool_start: The threads a new adaptive pool starts with, or None
             for the backend's.
         feedable: Whether the stage may read a fed source (`FedSource`).
-        backend: The model's `Backend`.
-        role: The stage's name and key among the kept ("train", "val",
-            "test", "predict").
-        costs: The call's `StageCosts` record, or None.
-        overrides: The stage options the tf.data service changes for the
-            phase (`served.phase_overrides`).
+        backend, role, costs: The model's `Backend`; the stage's name and
+            key among the kept ("train", "val", "test", "predict"); the
+            call's `StageCosts`, or None.
+        overrides: What the tf.data service changes of the stage's options
+            for the phase (`served.phase_overrides`).
     """
 
     layer: object
