@@ -670,7 +670,7 @@ def test_an_evaluate_nested_in_a_fit_on_its_validation_data_builds_its_own():
 
 
 def test_a_dataset_that_draws_nothing_gets_iterators_made_when_read():
-    from keras_stage.models.data_adapters.staged_data import stage_data
+    from keras_stage.models.data_adapters import stage_data
 
     model = _model(adaptive=False)
     layer, split = model.layers[1], model._stage_plan()[1]

@@ -97,7 +97,7 @@ class StagedCall:
         """Stages `x` (and its labels and weights) for `phase`'s step.
 
         `role` names the stage ("train", "val", "test", "predict"); `kwargs`
-        go to `staged_data.stage_data`. Returns the `StagedData`, bound to
+        go to `data_adapters.stage_data`. Returns the `StagedData`, bound to
         the step.
         """
         model = self.model

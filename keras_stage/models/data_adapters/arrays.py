@@ -15,6 +15,7 @@ import tensorflow as tf
 from keras_stage import _compat
 from keras_stage.data.staging import graph_ready
 from keras_stage.models.data_adapters.epoch_sources import EpochSource
+from keras_stage.models.data_adapters.staged_data import build
 
 # Keras's batch size when fit/evaluate/predict get arrays and none is given.
 _KERAS_DEFAULT_BATCH_SIZE = 32
@@ -141,14 +142,19 @@ def array_batches(adapter, shuffle):
     return ArrayBatches(_index_batches(adapter, shuffle, count), inputs)
 
 
-def epoch_source(adapter, arrays, shuffle, gathers=False, served=False):
-    """The `EpochSource` of arrays (and whatever else Keras's adapter takes).
+def stage(request):
+    """The `StagedData` of a call on arrays (and whatever else Keras's
+    adapter takes, e.g. a DataFrame).
 
-    `arrays`: the call's `(x, y, sample_weight)`. `gathers`: whether the
-    stage gathers in its own map. `served`: on the tf.data service, Keras's
-    own dataset.
+    A SmartStage stage gathers the rows in its own map; on the tf.data
+    service the stage reads Keras's own dataset.
     """
-    batches = None if served else array_batches(adapter, shuffle)
+    adapter = request.keras_adapter()
+    arrays = (request.x, request.y, request.sample_weight)
+    gathers = request.split is not None
+    batches = None
+    if not request.served:
+        batches = array_batches(adapter, request.shuffle)
     if batches is None:
         dataset = adapter.get_tf_dataset()
     elif gathers:
@@ -156,13 +162,14 @@ def epoch_source(adapter, arrays, shuffle, gathers=False, served=False):
     else:
         dataset = batches.dataset()
     held = in_memory(arrays[0])
-    return EpochSource(
+    epoch = EpochSource(
         dataset,
         arrays=arrays if held else None,
         gather=batches if gathers else None,
         # What else Keras's adapter takes (e.g. a DataFrame) runs per epoch.
         long_lived=held,
     )
+    return build(request, adapter, epoch)
 
 
 def _is_dense(leaf):

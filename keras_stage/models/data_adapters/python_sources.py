@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_stage.models.data_adapters.epoch_sources import EpochSource
+from keras_stage.models.data_adapters.staged_data import build
 
 # Keras fixes the spec of a Python source from its first 2 batches
 # (`NUM_BATCHES_FOR_TENSOR_SPEC` of its data adapters): an axis whose size
@@ -342,10 +343,13 @@ class _CheckedPyDataset(keras.utils.PyDataset):
             raise self._check.raised(e, hook="on_epoch_end") from e
 
 
-def epoch_source(adapter):
-    """The `EpochSource` of a generator or PyDataset, as Keras iterates it
-    (its Python runs as Keras reads each epoch: never read ahead)."""
-    return EpochSource(adapter.get_tf_dataset(), long_lived=False)
+def stage(request):
+    """The `StagedData` of a call on a generator or PyDataset, as Keras
+    iterates it (its Python runs as Keras reads each epoch: never read
+    ahead), its failures named (`check_source`)."""
+    adapter = request.keras_adapter(check_source(request.x))
+    epoch = EpochSource(adapter.get_tf_dataset(), long_lived=False)
+    return build(request, adapter, epoch)
 
 
 def is_python_source(x):

@@ -23,7 +23,7 @@ from keras_stage.data.staging import StagedDataset
 from keras_stage.layers.staged_input import StagedInput
 from keras_stage.models.data_adapters import datasets
 from keras_stage.models.data_adapters.batches import fit_batches
-from keras_stage.models.data_adapters.staged_data import (
+from keras_stage.models.data_adapters.epoch_plans import (
     epochs_refusal,
     strategy_refusal,
 )

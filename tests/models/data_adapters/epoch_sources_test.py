@@ -26,10 +26,10 @@ import tensorflow as tf
 import keras_stage
 from keras_stage import _compat
 from keras_stage.data import source_passes
+from keras_stage.models.data_adapters import stage_data
 from keras_stage.models.data_adapters.staged_data import (
     StageCosts,
     StagedData,
-    stage_data,
 )
 from keras_stage.models.iterators.kept_iterators import (
     DeferredPipeline,

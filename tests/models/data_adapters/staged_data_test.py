@@ -15,15 +15,11 @@ import pytest
 import tensorflow as tf
 
 import keras_stage
-from keras_stage.data.service import DISTRIBUTED_EPOCH
+from keras_stage.models.backends.tensorflow import default_strategy
+from keras_stage.models.data_adapters import stage_data
 from keras_stage.models.data_adapters.staged_data import (
     StageCosts,
     StagedData,
-    _batch_size,
-    _service_overrides,
-    default_strategy,
-    stage_data,
-    strategy_refusal,
 )
 from keras_stage.models.iterators.kept_iterators import (
     DeferredIterator,
@@ -202,47 +198,6 @@ def test_labels_beside_a_user_staged_dataset_are_rejected(
     staged.close()
 
 
-# -- the tf.data service ---------------------------------------------------
-
-
-def test_predict_on_a_service_stages_in_this_process(caplog):
-    layer = _layer(service="grpc://localhost:5050")
-    with caplog.at_level(logging.INFO, logger="keras_stage"):
-        assert _service_overrides(layer, "predict", False) == {"service": None}
-    assert "keep the order of the inputs" in caplog.text
-
-
-def test_evaluation_on_a_service_reads_each_example_once():
-    layer = _layer(service="grpc://localhost:5050")
-    assert _service_overrides(layer, "test", False) == {
-        "processing_mode": DISTRIBUTED_EPOCH
-    }
-    assert _service_overrides(layer, "train", False) == {}
-
-
-def test_python_data_cannot_go_to_a_service():
-    layer = _layer(service="grpc://localhost:5050")
-    with pytest.raises(
-        ValueError,
-        match=(
-            r"StagedInput 'feed' stages on the tf.data service at "
-            r"grpc://localhost:5050, whose workers cannot run this process's "
-            r"Python.*remove `service` from the StagedInput"
-        ),
-    ):
-        _service_overrides(layer, "train", True)
-
-
-def test_the_batch_size_after_the_service_comes_from_keras_or_the_data():
-    data = stage_data(_layer(), "train", X, Y, batch_size=4)
-    assert _batch_size(data.adapter, data.source) == 4
-    data.end_call()
-    data = stage_data(_layer(), "test", _dataset())
-    assert data.adapter.batch_size is None
-    assert _batch_size(data.adapter, data.source) == 4  # its first batch
-    data.end_call()
-
-
 # -- strategies -------------------------------------------------------------
 
 
@@ -253,30 +208,6 @@ def test_only_the_default_strategy_iterates_through_python():
     assert not default_strategy(strategy)
     with strategy.scope():
         assert not default_strategy(tf.distribute.get_strategy())
-
-
-class _Replicas:
-    """What `strategy_refusal` reads of a strategy of several replicas."""
-
-    num_replicas_in_sync = 2
-
-
-def test_which_strategies_let_keras_read_views_of_one_iterator():
-    plain = tf.data.Dataset.range(8).batch(2)
-    assert strategy_refusal(None, plain) is None
-    assert "one replica" in strategy_refusal(
-        tf.distribute.OneDeviceStrategy("/cpu:0"), plain
-    )
-    assert strategy_refusal(_Replicas(), plain) is None
-    assert strategy_refusal(_Replicas(), None) is None  # in-memory arrays
-    # An order that follows the iterators made: Keras's extra one a call
-    # would take a draw.
-    seeded = tf.data.Dataset.range(8).shuffle(8, seed=1).batch(2)
-    assert "seeded draws" in strategy_refusal(_Replicas(), seeded)
-    # No seed at all (the suite's global one cleared): no order to keep.
-    tf.random.set_seed(None)
-    unseeded = tf.data.Dataset.range(8).shuffle(8).batch(2)
-    assert strategy_refusal(_Replicas(), unseeded) is None
 
 
 # -- one iterator across calls ----------------------------------------------
