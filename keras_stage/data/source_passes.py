@@ -2,7 +2,7 @@
 
 `long_lived_source` spans the epochs plain Keras reads from an iterator
 each; `SourceFacts` tells where a running iterator's next pass would draw
-otherwise (tests/models/data_adapters/epoch_sources_test.py checks each):
+otherwise (tests/models/data_adapters/epoch_plans_test.py checks each):
 
 - A seeded `shuffle(reshuffle_each_iteration=True)` draws a seed per
   iterator made. Plain Keras makes two per epoch and reads the first (one

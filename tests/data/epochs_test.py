@@ -4,7 +4,7 @@ One long-lived iterator read through the epoch views a staged call hands
 Keras, on small `range` pipelines with no stage, so each rule (counting,
 epoch boundaries, restarts, refusals, fed passes, the release of the real
 iterator) is checked on its own; the same iterator behind `stage_data` and
-a real `fit` is tests/models/data_adapters/epoch_sources_test.py's.
+a real `fit` is tests/models/data_adapters/epoch_plans_test.py's.
 """
 
 import threading

@@ -3,7 +3,7 @@
 What a source's facts say (what it draws per iterator, what it refuses)
 and the passes `long_lived_source` reads on one iterator; that they read
 plain Keras's epochs behind `stage_data` and a real `fit` is
-tests/models/data_adapters/epoch_sources_test.py's.
+tests/models/data_adapters/epoch_plans_test.py's.
 """
 
 import numpy as np

@@ -267,7 +267,7 @@ SOURCES = {
 
 
 # In `make test` elsewhere too: PyDatasets in python_sources_test, a
-# dataset's validation in epoch_sources_test, class weights' batches in
+# dataset's validation in epoch_plans_test, class weights' batches in
 # arrays_test, dict inputs in smart_stage_test.
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(

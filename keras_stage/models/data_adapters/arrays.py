@@ -14,8 +14,7 @@ import tensorflow as tf
 
 from keras_stage import _compat
 from keras_stage.data.staging import graph_ready
-from keras_stage.models.data_adapters.epoch_sources import EpochSource
-from keras_stage.models.data_adapters.staged_data import build
+from keras_stage.models.data_adapters.staged_data import EpochSource, build
 
 # Keras's batch size when fit/evaluate/predict get arrays and none is given.
 _KERAS_DEFAULT_BATCH_SIZE = 32

@@ -12,8 +12,11 @@ import tensorflow as tf
 
 from keras_stage.data.source_passes import inspect_source
 from keras_stage.data.staging import StagedDataset
-from keras_stage.models.data_adapters.epoch_sources import EpochSource
-from keras_stage.models.data_adapters.staged_data import StagedData, build
+from keras_stage.models.data_adapters.staged_data import (
+    EpochSource,
+    StagedData,
+    build,
+)
 
 logger = logging.getLogger("keras_stage")
 

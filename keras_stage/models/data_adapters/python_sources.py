@@ -12,8 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_stage.models.data_adapters.epoch_sources import EpochSource
-from keras_stage.models.data_adapters.staged_data import build
+from keras_stage.models.data_adapters.staged_data import EpochSource, build
 
 # Keras fixes the spec of a Python source from its first 2 batches
 # (`NUM_BATCHES_FOR_TENSOR_SPEC` of its data adapters): an axis whose size

@@ -103,6 +103,27 @@ class StageRequest:
         )
 
 
+class EpochSource:
+    """One epoch of a call's data, as its input type's adapter gives it.
+
+    Args:
+        dataset: One epoch as Keras would iterate it, or its row-index
+            batches where `gather` (an `ArrayBatches`) is given.
+        arrays: `(x, y, sample_weight)` of in-memory arrays, else None.
+        keeps: Whether the model may keep its stage for later calls.
+        long_lived: Whether its epochs may run on one iterator.
+    """
+
+    def __init__(
+        self, dataset, arrays=None, gather=None, keeps=False, long_lived=True
+    ):
+        self.dataset = dataset
+        self.arrays = arrays
+        self.gather = gather
+        self.keeps = keeps
+        self.long_lived = long_lived
+
+
 def distribute_inputs(strategy, pipeline, options):
     """`pipeline` distributed by `strategy`; replicas buffer on their devices.
 

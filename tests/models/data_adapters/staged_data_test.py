@@ -5,7 +5,7 @@ batches (so labels stay aligned) and the stage is built for the call; a
 user's `tf.data.Dataset` is staged as it is, and kept for later calls on
 it; a dataset the user staged already is used as it is. The epochs a stage
 runs on one iterator (`epochs=`) and every case that refuses them are
-tests/models/data_adapters/epoch_sources_test.py's.
+tests/models/data_adapters/epoch_plans_test.py's.
 """
 
 import logging

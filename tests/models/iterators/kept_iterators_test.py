@@ -4,7 +4,7 @@ The iterators a staged call hands Keras: deferred ones (made when first
 read) and the epoch views of one long-lived iterator (whose own rules are
 tests/data/epochs_test.py's). Here they run on small `range` pipelines,
 with no stage; the same iterators behind `stage_data` and a real `fit` are
-tests/models/data_adapters/epoch_sources_test.py's.
+tests/models/data_adapters/epoch_plans_test.py's.
 """
 
 import pytest
