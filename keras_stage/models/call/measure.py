@@ -13,8 +13,8 @@ import time
 
 import keras
 
+from keras_stage.models.call.facts import costs, traces_whole_step
 from keras_stage.models.data_adapters.staged_data import StageCosts, stage_data
-from keras_stage.models.decision.calls import costs, traces_whole_step
 from keras_stage.models.decision.learned import learned
 
 # The phases whose compiled steps the host times (`tensorflow_steps.guard`).
