@@ -1,8 +1,7 @@
-"""What a call's staging decision is decided from, read off the model.
+"""What a call's decision to stage is decided from, read off the model.
 
 `stages` and `fit_stages` hand the policy (`decision/calls.py`) a call's
-`CallFacts` (its data, the model's state, its stage's measured `costs`),
-then keep and log the `Decision` it takes.
+`CallFacts`, then keep and log the `Decision` it takes.
 """
 
 import logging
@@ -96,16 +95,11 @@ def traces_whole_step(model, phase):
 
 
 class CallFacts:
-    """What the policy decides a call of `phase` from (`calls.decide`).
+    """What the policy decides a call of `phase` from (`calls.decide`,
+    `CallCosts.decide` say what each fact is).
 
     Each fact is read off the model when the policy asks for it: a rule
     that decides early spares the later ones (`random_prefix` may plan).
-
-    Args:
-        batches: The batches it reads from in-memory data, or None.
-        iterators: The iterators its stage makes.
-        x: The call's data, for `unbounded`.
-        unstaged_epochs: The epochs Keras would start unstaged.
     """
 
     def __init__(
@@ -162,13 +156,11 @@ class CallFacts:
 
     @property
     def plans(self):
-        """Whether a staged call would plan the model's SmartStage first."""
         state = model_state(self._model)
         return bool(state.smart_stage) and state.plan is None
 
     @property
     def traces(self):
-        """Whether a staged call would trace its prefix for the phase."""
         state = model_state(self._model)
         if not state.smart_stage:
             return False
@@ -179,23 +171,19 @@ class CallFacts:
 
     @property
     def owed(self):
-        """What running unstaged would add by tracing the whole step:
-        nothing once the model traced it, else about what that costs."""
+        """Nothing once the model traced its whole step, else about what
+        tracing it costs."""
         if not traces_whole_step(self._model, self.phase):
             return 0.0
         return self.costs.whole_trace(self.phase)
 
     @property
     def compiles(self):
-        """Whether a staged call would trace the trunk's step: the model
-        keeps no compiled staged step of the phase."""
+        """Whether the model keeps no compiled staged step of the phase."""
+        steps = model_state(self._model).steps.staged_functions
         return not any(
-            key[0] == self.phase
-            and key[1] != UNSTAGED_STEPS
-            and function is not None
-            for key, function in model_state(
-                self._model
-            ).steps.staged_functions.items()
+            key[0] == self.phase and key[1] != UNSTAGED_STEPS and f is not None
+            for key, f in steps.items()
         )
 
 

@@ -456,13 +456,9 @@ def forget_shared_costs():
 
 
 def decide(facts):
-    """The `Decision` on a call, from its `facts` (`call.facts.CallFacts`).
-
-    The rules in order, each reading only the facts it needs: `skippable`,
-    `batches` (None: not in-memory data, then its `unbounded` figures),
-    `jit_compile`, `random_prefix`; then the measured `costs` weigh the
-    rest (`CallCosts.decide`).
-    """
+    """The `Decision` on a call, from its `facts` (`call.facts.CallFacts`):
+    the rules in order, each reading only the facts it needs (`batches`
+    None: not in-memory data), then the measured `costs` weigh the rest."""
     if not facts.skippable:
         return Decision(Kind.BY_REQUEST)
     if facts.batches is None:
@@ -490,12 +486,9 @@ def weighs_validation(training):
 
 
 def weigh_fit(training, validation, in_memory):
-    """A fit's `(training, validation)` decisions, weighed together.
-
-    A staged fit stages both: a validation stages a fit its training alone
-    would not only if it gains more than the training loses; one in memory
-    (`in_memory`) not measured yet gains nothing known.
-    """
+    """A fit's `(training, validation)` decisions. A staged fit stages
+    both: its validation stages it only if it gains more than the training
+    loses; one `in_memory` not measured yet gains nothing known."""
     if (
         validation.staged
         and training.gain is not None
