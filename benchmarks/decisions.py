@@ -26,7 +26,7 @@ import contextlib
 import logging
 import re
 
-# keras_stage's log line for each call it decides (`decision.calls.stages`).
+# keras_stage's log line for each call it decides (`call.facts.stages`).
 _DECISION = re.compile(
     r"^Model '[^']*': (\w+) (is staged|runs the whole model in Keras's step,"
     r" unstaged)(?: \[(\w+)\])?: (.*)$",

@@ -32,7 +32,7 @@ def _seed_everything():
 @pytest.fixture(autouse=True)
 def _measure_costs_afresh():
     # Staged-call costs are shared between models with the same stage
-    # (`decision.calls.costs`): each test starts as a fresh process would.
+    # (`call.facts.costs`): each test starts as a fresh process would.
     from keras_stage.models.decision.calls import forget_shared_costs
 
     forget_shared_costs()

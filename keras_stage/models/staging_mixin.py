@@ -17,12 +17,13 @@ from keras_stage import _compat
 from keras_stage.layers.staged_input import StagedInput
 from keras_stage.models import backends
 from keras_stage.models.backends import tensorflow_steps
+from keras_stage.models.call import facts
 from keras_stage.models.call.staged_call import StagedCall
 from keras_stage.models.data_adapters.batches import (
     call_batches,
     validation_runs,
 )
-from keras_stage.models.decision import calls, learned
+from keras_stage.models.decision import learned
 from keras_stage.models.iterators import kept_iterators
 from keras_stage.models.model_state import state as _state
 from keras_stage.planner.planner import plan_model
@@ -162,7 +163,7 @@ class StagingMixin:
                 backend=self._stage_backend,
             )
             if state.smart_stage:
-                calls.costs(self).note_plan(time.perf_counter() - started)
+                facts.costs(self).note_plan(time.perf_counter() - started)
         return state.plan, state.split
 
     def _stage_setup(self):
@@ -351,7 +352,7 @@ class StagingMixin:
             isinstance(cb, keras.callbacks.BackupAndRestore)
             for cb in call.callbacks
         )
-        if backend.may_run_unstaged and not calls.fit_stages(
+        if backend.may_run_unstaged and not facts.fit_stages(
             self,
             layer,
             x,
@@ -449,12 +450,12 @@ class StagingMixin:
         backend.check_supported(self, layer)
         # Made first: its callbacks are checked whichever way the call runs.
         call = StagedCall(self, layer, ("test",), callbacks, verbose=verbose)
-        if backend.may_run_unstaged and not calls.stages(
+        if backend.may_run_unstaged and not facts.stages(
             self,
             layer,
             "test",
             call_batches(x, batch_size, steps),
-            iterators=calls.iterators_made(self, "test", x),
+            iterators=facts.iterators_made(self, "test", x),
             x=x,
         ):
             return call.run_unstaged(unstaged)
@@ -500,12 +501,12 @@ class StagingMixin:
         backend.check_supported(self, layer)
         # Made first: its callbacks are checked whichever way the call runs.
         call = StagedCall(self, layer, ("predict",), callbacks, verbose=verbose)
-        if backend.may_run_unstaged and not calls.stages(
+        if backend.may_run_unstaged and not facts.stages(
             self,
             layer,
             "predict",
             call_batches(x, batch_size, steps),
-            iterators=calls.iterators_made(self, "predict", x),
+            iterators=facts.iterators_made(self, "predict", x),
             x=x,
         ):
             return call.run_unstaged(unstaged)

@@ -23,6 +23,7 @@ from keras_stage.callbacks import PrefetchCallback
 from keras_stage.data import pipeline_model
 from keras_stage.data.stats import NO_CLOCK_NOTE
 from keras_stage.layers import StagedInput
+from keras_stage.models.call import facts
 from keras_stage.models.decision import calls
 from tests.helpers import sweep, tensorboard_scalars, twin_optimizer
 from tests.op_determinism import needs_tf_data_model, op_determinism
@@ -379,7 +380,7 @@ def test_calls_on_data_in_memory_are_decided_from_host_timed_steps(
         return model_class(inputs, keras.layers.Dense(1, name="head")(x))
 
     staged, plain = _twins(build, smart_stage=True)
-    costs = calls.costs(staged).phase("train")
+    costs = facts.costs(staged).phase("train")
     caplog.set_level(logging.INFO, logger="keras_stage")
     prefetch = _RecordingPrefetch()
     unstaged_at = None

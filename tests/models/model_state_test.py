@@ -157,9 +157,9 @@ def test_calls_too_short_to_pay_run_unstaged_with_the_same_results(caplog):
     # Its stage as dear to build as a slow machine may time it, so the
     # decision does not ride on this run's timings (the weighing itself is
     # calls_test's): 16 batches of a lookup cannot repay it.
-    from keras_stage.models.decision import calls
+    from keras_stage.models.call import facts
 
-    calls.costs(staged).note_build("train", 10.0)
+    facts.costs(staged).note_build("train", 10.0)
     with caplog.at_level(logging.INFO, logger="keras_stage"):
         for model in (plain, staged):
             model.fit(WORDS, LABELS, batch_size=16, epochs=2, verbose=0)

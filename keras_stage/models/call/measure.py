@@ -4,7 +4,7 @@ The call times its stage's build and iterators (`staged_data`), its steps
 on the host (the step guard's clocks, `note_work`, `note_unstaged_steps`),
 the traces its steps took (`note_traces`) and, unstaged, Keras's epoch
 starts (`EpochStartClock`); `decision/calls.py` decides from the costs
-noted here (`calls.costs(model)`).
+noted here (`facts.costs(model)`).
 """
 
 import functools
@@ -13,9 +13,9 @@ import time
 
 import keras
 
+from keras_stage.models.call.facts import costs, traces_whole_step
 from keras_stage.models.data_adapters import stage_data
 from keras_stage.models.data_adapters.staged_data import StageCosts
-from keras_stage.models.decision.calls import costs, traces_whole_step
 from keras_stage.models.decision.learned import learned
 
 # The phases whose compiled steps the host times (`tensorflow_steps.guard`).

@@ -1,5 +1,5 @@
-"""Whether a call, or an epoch of it, is staged.
+"""Whether a call is staged.
 
-- `calls`: whether a call can repay its stage, from measured costs.
-- `epochs`: whether a staged fit's next epoch is staged, measured.
+- `calls`: the policy: a call's `Decision`, from its facts and costs.
+- `learned`: what a model's calls taught the policy.
 """

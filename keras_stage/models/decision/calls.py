@@ -1,39 +1,16 @@
-"""Whether a call of a keras_stage model runs staged, from measured costs.
+"""The staging policy: whether a call runs staged, from its facts and costs.
 
-With `StagedInput(adaptive=True)`, a call on in-memory data (arrays, or a
-`tf.data.Dataset` of tensors in memory) that cannot repay its stage runs
-the whole model in Keras's step, unstaged, with the same results. One
-function decides (`CallCosts.decide`), from costs measured per phase on
-the model's calls and shared by models of the same stage
-(`stage_signature`); a `Decision` is a `Kind` and the signed figures it
-weighed. docs/design.md ("How a call is decided") has the rules and the
-regime each serves.
+`decide(facts)` takes what a call is decided from (`call/facts.py`) and the
+costs measured per phase on models of its stage (`CallCosts`, shared by
+stage signature). A `Decision` is a `Kind` and the signed figures it
+weighed; its message is `MESSAGES[kind]`. docs/design.md ("How a call is
+decided") has the rules and the regime each serves.
 """
 
 import collections
 import dataclasses
 import enum
-import logging
 import statistics
-
-import keras
-import tensorflow as tf
-
-from keras_stage.data.staging import StagedDataset
-from keras_stage.layers.staged_input import StagedInput
-from keras_stage.models.data_adapters import datasets
-from keras_stage.models.data_adapters.batches import fit_batches
-from keras_stage.models.data_adapters.epoch_plans import (
-    epochs_refusal,
-    strategy_refusal,
-)
-from keras_stage.models.decision.learned import learned
-from keras_stage.models.iterators.kept_iterators import carries
-from keras_stage.models.model_state import UNSTAGED_STEPS
-from keras_stage.models.model_state import state as model_state
-from keras_stage.planner.state_access import all_layers, seed_states
-
-logger = logging.getLogger("keras_stage")
 
 # The fewest warm steps (after a call's first) whose median is noted.
 MIN_TIMED_STEPS = 4
@@ -196,22 +173,6 @@ class Decision:
     def reason(self):
         """Why, in a sentence (`MESSAGES`)."""
         return MESSAGES[self.kind](self.figures)
-
-
-def may_skip_stage(layer):
-    """Whether skipping a call's stage changes nothing but its speed.
-
-    Exception policies and the tf.data service change what a call does;
-    the timeout guards reading, which in-memory data does not do.
-    """
-    options = layer.stage_options
-    return (
-        layer.adaptive
-        and not options.ignored_exception_types
-        and tuple(options.closed_exception_types)
-        == (tf.errors.OutOfRangeError,)
-        and options.service is None
-    )
 
 
 class PhaseCosts:
@@ -427,7 +388,7 @@ class CallCosts:
             plans: Whether it would plan the model's SmartStage.
             traces: Whether it would trace its prefix for the phase.
             owed: The seconds of tracing the whole step running unstaged
-                would add (`trace_owed`).
+                would add (`CallFacts.owed`).
             compiles: Whether it would trace the trunk's step.
             unstaged_epochs: The epochs Keras would start unstaged.
         """
@@ -472,38 +433,8 @@ class CallCosts:
         )
 
 
-def stage_signature(model, smart_stage):
-    """What a model's stage costs depend on, as a hashable value.
-
-    The inputs, the layer classes in order, their non-trainable state
-    shapes and the `StagedInput` options; not trainable weights (a layer
-    training changes is never staged).
-    """
-    parts = [type(model).__qualname__, repr(smart_stage)]
-    try:
-        inputs = keras.tree.flatten(model.inputs or [])
-    except (AttributeError, ValueError):  # a subclassed model
-        inputs = []
-    parts.extend((tuple(t.shape), str(t.dtype)) for t in inputs)
-    for layer in all_layers(model):
-        entry = (
-            type(layer).__module__,
-            type(layer).__qualname__,
-            tuple(
-                (tuple(w.shape), str(w.dtype))
-                for w in layer.non_trainable_weights
-            ),
-        )
-        if isinstance(layer, StagedInput):
-            config = dict(layer.get_config())
-            config.pop("name", None)
-            entry += (repr(sorted(config.items())),)
-        parts.append(entry)
-    return tuple(parts)
-
-
-# The costs measured per stage signature in this process, the least
-# recently used dropped beyond the bound.
+# The costs measured per stage signature (`call.facts.stage_signature`) in
+# this process, the least recently used dropped beyond the bound.
 _SHARED = collections.OrderedDict()
 _SHARED_BOUND = 64
 
@@ -524,205 +455,53 @@ def forget_shared_costs():
     _SHARED.clear()
 
 
-def costs(model):
-    """The `CallCosts` of `model`'s stage, shared with models like it."""
-    record = learned(model)
-    if record.costs is None:
-        signature = stage_signature(model, model_state(model).smart_stage)
-        record.costs = shared_costs(signature)
-    return record.costs
-
-
-def _first_costs(model, phase):
-    """`(plans, traces)`: whether a staged call would plan / trace first."""
-    state = model_state(model)
-    if not state.smart_stage:
-        return False, False
-    if state.plan is None:
-        return True, True
-    split = state.split
-    return False, split is not None and not split.traced(phase == "train")
-
-
-def _random_prefix(model, phase):
-    """Whether a training call stages random layers (Dropout, noise...),
-    which draw from the stage's seeds: unstaged they would draw others."""
-    state = model_state(model)
-    if phase != "train" or not state.smart_stage:
-        return False
-    if state.plan is None and not seed_states(model):
-        return False
-    split = model._stage_plan()[1]
-    return split is not None and bool(split.seed_states)
-
-
-def stages(model, layer, phase, batches, iterators=1, x=None):
-    """Whether a call of `phase` reading `batches` batches is staged.
-
-    `batches`: None when not from in-memory data (`call_batches`); `x`:
-    the call's data, for the message. The decision is logged and kept in
-    `Learned.decisions[phase]` for the verdict.
-    """
-    decision = _decide(model, layer, phase, batches, iterators, x)
-    _keep(model, phase, decision)
-    return decision.staged
-
-
-def _keep(model, phase, decision):
-    """Keeps and logs the `Decision` taken on a call of `phase`."""
-    learned(model).decisions[phase] = decision
-    if decision.first_call:
-        # Once: a loop of short calls stages its next one and measures it.
-        costs(model).phase(phase).first_call_skipped = True
-    if logger.isEnabledFor(logging.INFO):  # a short call pays no message
-        logger.info(
-            "Model '%s': %s %s [%s]: %s.",
-            model.name,
-            phase,
-            "is staged"
-            if decision.staged
-            else "runs the whole model in Keras's step, unstaged",
-            decision.kind.value,
-            decision.reason,
-        )
-
-
-def trace_owed(model, phase, measured):
-    """What running `phase` unstaged would add by tracing the whole step:
-    nothing once the model traced it, else about what that costs."""
-    if not traces_whole_step(model, phase):
-        return 0.0
-    return measured.whole_trace(phase)
-
-
-def _decide(model, layer, phase, batches, iterators, x, unstaged_epochs=0):
-    if not may_skip_stage(layer):
+def decide(facts):
+    """The `Decision` on a call, from its `facts` (`call.facts.CallFacts`):
+    the rules in order, each reading only the facts it needs (`batches`
+    None: not in-memory data), then the measured `costs` weigh the rest."""
+    if not facts.skippable:
         return Decision(Kind.BY_REQUEST)
-    if batches is None:
-        return Decision(Kind.UNBOUNDED, _unbounded_figures(x))
-    state = model_state(model)
-    if state.smart_stage and state.requested_jit is True:
+    if facts.batches is None:
+        return Decision(Kind.UNBOUNDED, facts.unbounded)
+    if facts.jit_compile:
         return Decision(Kind.JIT_COMPILE)
-    if _random_prefix(model, phase):
+    if facts.random_prefix:
         return Decision(Kind.RANDOM_PREFIX)
-    measured = costs(model)
-    return measured.decide(
-        phase,
-        batches,
-        iterators,
-        *_first_costs(model, phase),
-        trace_owed(model, phase, measured),
-        not _has_staged_step(model, phase),
-        unstaged_epochs=unstaged_epochs,
+    return facts.costs.decide(
+        facts.phase,
+        facts.batches,
+        facts.iterators,
+        facts.plans,
+        facts.traces,
+        facts.owed,
+        facts.compiles,
+        unstaged_epochs=facts.unstaged_epochs,
     )
 
 
-def _has_staged_step(model, phase):
-    """Whether `model` keeps a compiled staged step of `phase`."""
-    return any(
-        key[0] == phase and key[1] != UNSTAGED_STEPS and function is not None
-        for key, function in model_state(model).steps.staged_functions.items()
-    )
+def weighs_validation(training):
+    """Whether a fit's validation may change its `training` decision: not
+    when its training is staged, or due a trial (run whatever else)."""
+    return not (training.staged or training.trial)
 
 
-def _unbounded_figures(x):
-    """What makes a call on `x`, not in-memory data, keep its stage."""
-    if isinstance(x, StagedDataset):
-        return {"source": "staged"}
-    if not isinstance(x, tf.data.Dataset):
-        return {"source": "python"}
-    count = datasets.cardinality(x)
-    return {
-        "source": "dataset",
-        "unknown_length": count == tf.data.UNKNOWN_CARDINALITY,
-        "infinite": count == tf.data.INFINITE_CARDINALITY,
-        "maps": not datasets.reads_memory_only(x),
-    }
-
-
-def traces_whole_step(model, phase):
-    """Whether an unstaged `phase` call of `model` would trace its step."""
-    return (phase, UNSTAGED_STEPS) not in model_state(
-        model
-    ).steps.staged_functions
-
-
-def iterators_made(model, role, x, default=1):
-    """The iterators of its stage a call of `role` on `x` makes: none when
-    it reads on from the one an earlier call left, else `default`."""
-    return 0 if carries(model_state(model).stages, role, x) else default
-
-
-def _iterators(model, layer, phase, role, x, batches, epochs, steps):
-    """The iterators a fit's `role` of `phase` makes: one if its epochs
-    share one (see `stage_data(epochs=...)`); `batches`: all the epochs'."""
-    if not batches or not epochs:
-        return epochs
-    if not iterators_made(model, role, x):
-        return 0
-    refusal = epochs_refusal(
-        layer,
-        phase,
-        batches // epochs,
-        steps,
-        epochs,
-        model.steps_per_execution,
-        served=False,  # `may_skip_stage`: no service
-    )
-    if refusal is None and not strategy_refusal(model.distribute_strategy, x):
-        return 1
-    return epochs
-
-
-def fit_stages(model, layer, x, validation_data, long_lived=True, **kwargs):
-    """Whether a fit is staged: its training or its validation can pay.
-
-    A staged fit stages both: where its training alone would not pay, its
-    validation stages it only if it gains more than the training loses; a
-    training due a trial runs it whatever its validation.
-    """
-    (train, epochs), (val, runs) = fit_batches(x, validation_data, **kwargs)
-
-    def decide(phase, role, data, batches, count, steps, **extra):
-        iterators = count
-        if long_lived:
-            iterators = _iterators(
-                model, layer, phase, role, data, batches, count, steps
-            )
-        return _decide(model, layer, phase, batches, iterators, data, **extra)
-
-    training = decide(
-        "train",
-        "train",
-        x,
-        train,
-        epochs,
-        kwargs["steps_per_epoch"],
-        unstaged_epochs=epochs,
-    )
-    if training.staged or validation_data is None or training.trial:
-        _keep(model, "train", training)
-        return training.staged
-    val_x = keras.utils.unpack_x_y_sample_weight(validation_data)[0]
-    validation = decide(
-        "test", "val", val_x, val, runs, kwargs["validation_steps"]
-    )
+def weigh_fit(training, validation, in_memory):
+    """A fit's `(training, validation)` decisions. A staged fit stages
+    both: its validation stages it only if it gains more than the training
+    loses; one `in_memory` not measured yet gains nothing known."""
     if (
         validation.staged
         and training.gain is not None
-        and (validation.gain is not None or val is not None)
+        and (validation.gain is not None or in_memory)
         and training.gain + (validation.gain or 0.0) <= 0
     ):
-        # A validation in memory not measured yet gains nothing known.
         validation = Decision(
             Kind.TRAINING_LOSES,
             {"training": training, "validation": validation},
         )
-    _keep(model, "test", validation)
     if validation.staged:
         training = Decision(
             Kind.VALIDATION_PAYS,
             {"training": training, "validation": validation},
         )
-    _keep(model, "train", training)
-    return training.staged
+    return training, validation

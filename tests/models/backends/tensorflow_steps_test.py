@@ -22,6 +22,7 @@ from keras_stage.data import StageTimeoutError
 from keras_stage.data import runner as runner_module
 from keras_stage.layers import StagedInput
 from keras_stage.models.backends import tensorflow_steps
+from keras_stage.models.call import facts
 from keras_stage.models.decision import calls
 from keras_stage.models.model_state import state as model_state
 from tests.helpers import wait_until
@@ -268,4 +269,4 @@ def test_a_call_times_at_most_a_bounded_number_of_steps(monkeypatch):
     model.compile(optimizer="sgd", loss="mse", smart_stage=True)
     model.fit(words, Y, batch_size=BATCH_SIZE, epochs=2, verbose=0)
     assert noted == [("train", 5, True)]
-    assert calls.costs(model).phase("train").staged_step_seconds > 0
+    assert facts.costs(model).phase("train").staged_step_seconds > 0

@@ -8,8 +8,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_stage.models.call import measure
-from keras_stage.models.decision import calls
+from keras_stage.models.call import facts, measure
 from keras_stage.models.decision.learned import learned
 from tests.helpers import dense_staged_model
 
@@ -22,7 +21,7 @@ Y = np.ones((240, 1), "float32")
 def test_staged_data_and_note_work_note_what_a_staged_call_costs():
     model, layer = dense_staged_model()
     data = measure.staged_data(model, "test", layer, "test", X, Y, batch_size=8)
-    costs = calls.costs(model).phase("test")
+    costs = facts.costs(model).phase("test")
     assert costs.build_seconds > 0 and costs.iterator_seconds is None
     assert data.cost_phase == "test"
     assert data.work_before == (0.0, 0)
@@ -44,13 +43,13 @@ def test_an_unstaged_fit_times_its_epochs_starts(monkeypatch):
     # A first fit of few batches runs unstaged (`FIRST_CALL_BATCHES`).
     history = model.fit(X, Y, batch_size=48, epochs=3, verbose=0).history
     assert history["stage_unstaged"] == [1.0, 1.0, 1.0]
-    started = calls.costs(model).phase("train").epoch_start_seconds
+    started = facts.costs(model).phase("train").epoch_start_seconds
     assert started is not None and 0 < started < 10
     # Now and then one epoch's start takes far longer (the previous
     # iterator let go, a collection): it does not make the figure.
     other, _ = dense_staged_model()
     measure.note_epoch_starts(other, [0.003, 0.196])
-    assert calls.costs(other).phase("train").epoch_start_seconds == 0.003
+    assert facts.costs(other).phase("train").epoch_start_seconds == 0.003
     # Each epoch's start (to its first step) and end (from its last step to
     # its validation or its end) are timed, not its steps.
     clock = measure.EpochStartClock()
@@ -77,15 +76,15 @@ def test_a_steps_trace_is_timed_and_noted_after_the_call():
         [keras.layers.Rescaling(0.5)], smart_stage=True
     )
     model.fit(X, Y, batch_size=8, epochs=1, verbose=0)  # staged: the trunk
-    measured = calls.costs(model).phase("train")
+    measured = facts.costs(model).phase("train")
     assert measured.step_trace_seconds > 0
     # Its first call traced it, set it up and ran a step.
     assert measured.step_call_seconds > measured.step_trace_seconds
     assert measured.unstaged_trace_seconds is None
     assert learned(model).traces == []  # noted, drained
-    assert calls.traces_whole_step(model, "train")
+    assert facts.traces_whole_step(model, "train")
     # An unstaged call (its stage cannot repay) traces the whole step.
-    calls.costs(model).note_build("train", 100.0)
+    facts.costs(model).note_build("train", 100.0)
     model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
     assert measured.unstaged_trace_seconds > 0
-    assert not calls.traces_whole_step(model, "train")
+    assert not facts.traces_whole_step(model, "train")

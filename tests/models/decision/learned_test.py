@@ -6,6 +6,7 @@ import pytest
 
 import keras_stage
 from keras_stage.layers import StagedInput
+from keras_stage.models.call import facts
 from keras_stage.models.decision import calls
 from keras_stage.models.decision.learned import Learned, forget, learned
 
@@ -22,7 +23,7 @@ def test_a_model_learns_into_one_record_until_compile_forgets_it():
     model = _model()
     record = learned(model)
     assert isinstance(record, Learned) and learned(model) is record
-    costs = calls.costs(model)
+    costs = facts.costs(model)
     assert record.costs is costs
     record.decisions["train"] = calls.Decision(calls.Kind.PAYS)
     model.compile(optimizer="sgd", loss="mse", smart_stage=True)
@@ -30,7 +31,7 @@ def test_a_model_learns_into_one_record_until_compile_forgets_it():
     assert fresh is not record
     assert fresh.decisions == {}
     # The stage's costs are shared by its signature, looked up again.
-    assert calls.costs(model) is costs
+    assert facts.costs(model) is costs
     forget(model)
     assert learned(model) is not fresh
 
