@@ -1,14 +1,10 @@
 """keras_stage: asynchronous staging for Keras 3 input pipelines.
 
-Three lines make a Keras model's input run ahead of training: a
-`keras_stage.layers.StagedInput` first in the model, a
-`keras_stage.callbacks.PrefetchCallback` in `fit` (added for you when
-omitted), and `keras_stage.Model`/`Sequential` in place of Keras's.
-`keras_stage.data.stage` is the Keras-free engine underneath.
-
-`import keras_stage` loads the whole package and registers its layers and
-models with Keras's serialization. `import keras_stage.data` loads the
-engine alone; the names that need Keras then load on their first use.
+A `keras_stage.layers.StagedInput` first in a `keras_stage.Model` or
+`Sequential` runs the model's input ahead of training, on the Keras-free
+engine `keras_stage.data.stage`. `import keras_stage` also registers the
+layers and models with Keras's serialization; `import keras_stage.data`
+loads the engine alone, and the names that need Keras load on first use.
 """
 
 import importlib
@@ -29,8 +25,7 @@ except ImportError as e:
 from keras_stage import data as data
 from keras_stage.data.devices import configure_streams as configure_streams
 
-# The names `_load_keras_names` binds, for tools that read the source (the
-# docs' griffe, type checkers) rather than run it.
+# For tools that read the source (griffe, type checkers), not run it.
 if typing.TYPE_CHECKING:
     from keras_stage import callbacks as callbacks
     from keras_stage import layers as layers
@@ -40,8 +35,7 @@ if typing.TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-# Each name that needs Keras, and the module that defines it (loaded by
-# `__getattr__` after an import of the engine alone).
+# The names that need Keras, by defining module (see `__getattr__`).
 _KERAS_NAMES = {
     "Model": "keras_stage.models",
     "Sequential": "keras_stage.models",
@@ -81,12 +75,9 @@ def __dir__():
 
 
 def _imported_for_the_engine_alone():
-    """Whether this import is Python's first step of `import keras_stage.data`.
-
-    Only the import system's frames (`_find_and_load(name, ...)`) say which
-    submodule was asked for: CPython's internals, checked by
-    `tests/import_test.py`.
-    """
+    """Whether this import is Python's first step of `import keras_stage.data`:
+    only the import system's frames (`_find_and_load(name, ...)`, CPython
+    internals checked by `tests/import_test.py`) say what was asked for."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "_find_and_load":

@@ -8,7 +8,7 @@ inside the functions, so the Keras-free `keras_stage.data` can use this.
 import importlib
 import warnings
 
-# Keras releases whose private symbols below were checked.
+# Keras releases whose private symbols were checked.
 TESTED_KERAS = ("3.15",)
 
 
@@ -27,8 +27,7 @@ def _keras_private(module, name):
 
 
 def dataset_variant(dataset):
-    """The variant tensor of a `tf.data.Dataset`, which a subclass such as
-    `StagedDataset` is built from; TF exposes it only as `_variant_tensor`."""
+    """A dataset's variant tensor, which subclasses wrap (`_variant_tensor`)."""
     return dataset._variant_tensor
 
 
@@ -42,11 +41,8 @@ def private_map_dataset():
 
 
 def inline_map(dataset, fn, name):
-    """`dataset.map(fn, name=name)` with `fn`'s ops run by the calling thread.
-
-    For the stage's tiny functions (the switch is only on TensorFlow's
-    private `_MapDataset`); `fn` must hold no control flow.
-    """
+    """`dataset.map(fn, name=name)` with `fn`'s ops on the calling thread (only
+    the private `_MapDataset` can), for tiny maps without control flow."""
     import tensorflow as tf
 
     fn = tf.autograph.experimental.do_not_convert(fn)
@@ -67,11 +63,8 @@ _REWARNED = {}
 
 
 def get_data_adapter(**kwargs):
-    """Keras's own converter of fit/evaluate/predict inputs to tf.data.
-
-    Inputs must become a dataset exactly as Keras makes it; Keras has no
-    public API for this.
-    """
+    """Keras's converter of fit/evaluate/predict inputs to tf.data: inputs
+    must become a dataset exactly as Keras makes it, which is not public."""
     get = _keras_private("keras.src.trainers.data_adapters", "get_data_adapter")
     # A warning Keras gives for this line is given again from Keras's own.
     with warnings.catch_warnings(record=True) as caught:
@@ -102,8 +95,7 @@ def distributed_dataset_adapter(dataset):
 
 
 def array_adapter_inputs(adapter):
-    """The arrays a Keras array adapter batches, or None for other adapters
-    (kept only in `ArrayDataAdapter._inputs`)."""
+    """The arrays an `ArrayDataAdapter` batches (in `_inputs`), or None."""
     adapter_class = _keras_private(
         "keras.src.trainers.data_adapters.array_data_adapter",
         "ArrayDataAdapter",
@@ -127,17 +119,13 @@ def train_validation_split(arrays, validation_split):
 
 
 def keras_functional_class():
-    """Keras's `Functional` model class, which has no public name (see
-    `models/model.py`)."""
+    """Keras's `Functional` model class, which has no public name."""
     return _keras_private("keras.src.models.functional", "Functional")
 
 
 def functional_nodes(model):
-    """The call nodes of a functional model, producers first.
-
-    Kept only in `Function._nodes_by_depth` (a layer's inbound nodes also
-    hold other models'). Input nodes are left out.
-    """
+    """The call nodes of a functional model, producers first, inputs left
+    out (only in `_nodes_by_depth`: a layer's inbound nodes hold others')."""
     by_depth = model._nodes_by_depth
     nodes = []
     for depth in sorted(by_depth, reverse=True):
@@ -150,11 +138,8 @@ def functional_nodes(model):
 
 
 def call_node(node, values, **kwargs):
-    """Calls a node's layer on computed values, as Keras's Functional does.
-
-    `values` maps `id(KerasTensor)` to its value. Returns the outputs as a
-    flat list; Keras's `Node` and `SymbolicArguments` are not exported.
-    """
+    """Calls a node's layer on `values` (by `id(KerasTensor)`) as Functional
+    does (`Node` is not exported); returns the outputs as a flat list."""
     import keras
 
     args, call_kwargs = node.arguments.fill_in(values)
@@ -168,17 +153,13 @@ def node_inputs(node):
 
 
 def clear_layer_losses(layer):
-    """Drops the losses a layer recorded in its last outermost call (Keras
-    has no public way; the planner's trace leaves graph losses)."""
+    """Drops a layer's losses of its last outermost call (no public way)."""
     layer._clear_losses()
 
 
 def builds_from_data(model):
-    """Whether Keras's next fit/evaluate builds the model from a batch.
-
-    The condition of `Trainer._symbolic_build`: the model, its compiled
-    metrics or its loss are not built yet.
-    """
+    """Whether Keras's next fit/evaluate builds the model from a batch (as
+    `Trainer._symbolic_build` does: model, metrics or loss not built)."""
     loss = model._compile_loss
     return (
         not layers_built(model)
@@ -188,24 +169,19 @@ def builds_from_data(model):
 
 
 def metrics_unbuilt(model):
-    """Whether `model` has compile metrics that are not built yet (kept
-    only in `Trainer._compile_metrics`)."""
+    """Whether `_compile_metrics` (Keras's only record) are not built yet."""
     metrics = model._compile_metrics
     return metrics is not None and not metrics.built
 
 
 def layers_built(model):
-    """Whether every layer of `model`, nested ones too (`_flatten_layers`),
-    is built."""
+    """Whether `model`'s layers, nested too (`_flatten_layers`), are built."""
     return all(layer.built for layer in model._flatten_layers())
 
 
 def symbolic_build(model, data_spec):
-    """Builds the compile metrics, loss and optimizer from raw-data specs.
-
-    With SmartStage a batch holds the cut tensors, not the model's inputs;
-    building first from the raw data's spec makes Keras's build a no-op.
-    """
+    """Builds the compile metrics, loss and optimizer from raw-data specs, so
+    Keras's build (from a SmartStage batch of cut tensors) is a no-op."""
     model._symbolic_build(data_batch=data_spec)
 
 
@@ -214,8 +190,7 @@ FIT_VALIDATION_KWARG = "_use_cached_eval_dataset"
 
 
 def is_fit_validation(evaluate_kwargs):
-    """Whether an `evaluate` call is the validation run of a `fit` (Keras's
-    private keyword is the only sign)."""
+    """Whether an evaluate is fit's validation: only a private kwarg says."""
     return bool(evaluate_kwargs.get(FIT_VALIDATION_KWARG))
 
 
@@ -228,10 +203,8 @@ def dataset_inputs(dataset):
 
 
 def dataset_functions(dataset):
-    """The traced functions of `dataset`'s own transformation (maps, filters).
-
-    Kept only in `Dataset._functions()`; None if they cannot be read.
-    """
+    """The traced functions of `dataset`'s own transformation (maps,
+    filters), only in `Dataset._functions()`; None if unreadable."""
     try:
         return [wrapper.function for wrapper in dataset._functions()]
     except (AttributeError, NotImplementedError, TypeError):
@@ -239,10 +212,8 @@ def dataset_functions(dataset):
 
 
 def dataset_seeded(dataset):
-    """Whether a drawing dataset (`shuffle`, `random`) has a fixed seed.
-
-    Kept only in `_seed` and `_seed2`; True when they cannot be read.
-    """
+    """Whether a drawing dataset (`shuffle`, `random`) has a fixed seed, from
+    `_seed` and `_seed2` (the only record); True when they cannot be read."""
     try:
         seeds = (dataset._seed, dataset._seed2)
     except AttributeError:
@@ -259,14 +230,11 @@ def service_server_port(server):
 
 
 def backend_seed_generators(layer):
-    """The SeedGenerators Keras made for `layer`'s calls on another backend.
-
-    Kept only in `DataLayer._backend_generators`; SmartStage seeds them.
-    """
+    """The SeedGenerators Keras made for `layer`'s calls on another backend
+    (only in `DataLayer._backend_generators`), which SmartStage seeds."""
     return list(vars(layer).get("_backend_generators", {}).values())
 
 
 def backup_files(backup):
-    """The weights and metadata files a `BackupAndRestore` writes (named
-    only in private attributes)."""
+    """The weights and metadata paths of a `BackupAndRestore` (private)."""
     return backup._weights_path, backup._training_metadata_path

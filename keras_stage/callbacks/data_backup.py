@@ -1,10 +1,9 @@
 """`DataBackup`: exactly-once resume for `keras.callbacks.BackupAndRestore`.
 
-With each `BackupAndRestore` save, `DataBackup` saves a checkpoint of the
-tf.data iterator the training step reads, the epoch's metrics and the seed
-generators, so a resumed epoch continues after the last saved batch.
-`recover()` keeps the weights and the position from one save when a kill
-cuts a backup. `keras_stage.Model.fit` adds one to every staged run.
+With each `BackupAndRestore` save it checkpoints the step's tf.data iterator,
+the epoch's metrics and the seed generators, so a resumed epoch continues
+after the last saved batch; `recover()` keeps one save's weights and position
+when a kill cuts a backup. `keras_stage.Model.fit` adds one to staged runs.
 """
 
 import hashlib
@@ -23,8 +22,7 @@ from keras_stage.planner.state_access import seed_states
 
 logger = logging.getLogger("keras_stage")
 
-# The folder inside the BackupAndRestore's backup_dir that holds ours.
-SUBDIR = "keras_stage_data"
+SUBDIR = "keras_stage_data"  # ours, in the BackupAndRestore's backup_dir
 _JOURNAL = "position.json"
 # Iterator checkpoints kept: the journal's, and one written after it.
 _KEPT = 2
@@ -102,13 +100,11 @@ class DataBackup(keras.callbacks.Callback):
         restore_next: Called as the epoch begins with a function restoring
             the iterator's position (run before the next step), the epoch's
             steps left after it (None if unknown), and the epoch.
-        build_metrics: Called (if given) to build the metrics before the
-            resumed epoch's metrics get their saved values.
-        stage_state: Returns (if given) a dict of `tf.Variable`s the
-            stage's pipeline uses, saved with the iterator and restored
-            before it.
-        stage_restored: Called (if given) with the dict `stage_state`
-            returns once its variables are restored.
+        build_metrics: Builds the metrics before a resumed epoch's get
+            their saved values.
+        stage_state: Returns a dict of the `tf.Variable`s the stage's
+            pipeline uses, saved with the iterator and restored before it.
+        stage_restored: Called with that dict once it is restored.
         ordered: Whether the stage keeps the data's order; if not, the
             first save warns that a resumed run's weights will differ.
 
@@ -148,8 +144,6 @@ class DataBackup(keras.callbacks.Callback):
         self._pending = None
         self._saver = None  # (weakref to an iterator, its manager)
         self._warned = set()
-
-    # -- saving -------------------------------------------------------------
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -213,8 +207,7 @@ class DataBackup(keras.callbacks.Callback):
         path = None
         if iterator is not None:
             try:
-                # Numbered by the optimizer's step: the same position gets
-                # the same name.
+                # Numbered by the optimizer's step: one position, one name.
                 path = self._manager(iterator).save(
                     checkpoint_number=self._step()
                 )
@@ -346,13 +339,9 @@ class DataBackup(keras.callbacks.Callback):
         warnings.warn(message, stacklevel=2)
         logger.warning(message)
 
-    # -- restoring ----------------------------------------------------------
-
     def recover(self):
-        """Makes Keras's backup files the ones the journal names.
-
-        Run before `BackupAndRestore` loads them: after a kill during a
-        save, the copy saved with the journal is put back.
+        """Makes Keras's backup files the ones the journal names (run before
+        `BackupAndRestore` loads them, after a kill during a save).
 
         Raises:
             TornBackupError: if that copy is not whole either.
@@ -362,8 +351,7 @@ class DataBackup(keras.callbacks.Callback):
             return
         weights, metadata = _compat.backup_files(self.backup)
         if position["weights"] is None:
-            # Nothing saved yet: Keras's files, if any, are a first save
-            # cut before its data position was written.
+            # Nothing saved: Keras's files are a first save cut before ours.
             if os.path.exists(weights):
                 for path in (weights, metadata):
                     if os.path.exists(path):
@@ -414,7 +402,6 @@ class DataBackup(keras.callbacks.Callback):
         logger.warning(message)
 
     def on_train_begin(self, logs=None):
-        # The journal says where in the epoch BackupAndRestore resumes.
         position = self._read_journal()
         weights, _ = _compat.backup_files(self.backup)
         if position is None and not os.path.exists(weights):

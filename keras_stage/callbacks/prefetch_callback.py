@@ -27,7 +27,6 @@ _CORES_BUSY_LOAD = 0.85
 
 
 def _process_cpu_seconds():
-    """CPU seconds this process has used so far, all threads together."""
     times = os.times()
     return times.user + times.system
 
@@ -187,13 +186,11 @@ class PrefetchCallback(keras.callbacks.Callback):
     # -- wiring, called by the staged model ---------------------------------
 
     def attach(self, phase, staged, adapter=None, **binding):
-        """Registers the stage feeding `phase` ("train", "test", "predict").
-
-        `binding`: `long_lived` (the call's epochs run on one iterator),
-        `carried` (an earlier call left it), `pool_shrinks` (whether the
-        verdict may shrink an adaptive pool), `call_reason` (why the call
-        is staged), `iterator_cost` (what a resized pool costs, or None).
-        """
+        """Registers the stage feeding `phase` ("train", "test", "predict");
+        `binding`: `long_lived` (its epochs run on one iterator), `carried`
+        (an earlier call left it), `pool_shrinks` (the verdict may shrink an
+        adaptive pool), `call_reason` (why the call is staged) and
+        `iterator_cost` (what a resized pool costs, or None)."""
         self._bindings[phase] = _Binding(phase, staged, adapter, **binding)
 
     def attach_unstaged(self, reason):
@@ -212,8 +209,6 @@ class PrefetchCallback(keras.callbacks.Callback):
         self._bindings = {}
         self._unstaged_call = None
         return clean
-
-    # -- Keras hooks ----------------------------------------------------------
 
     def on_train_begin(self, logs=None):
         self.verdict = None
@@ -446,11 +441,9 @@ class PrefetchCallback(keras.callbacks.Callback):
             )
 
     def _shrink_cannot_pay(self, epoch, binding):
-        """Why a smaller pool cannot pay for the rest of the fit, or None.
-
-        It costs a new iterator and saves at most the batches left times the
-        least staged work per batch after the iterator's first epoch.
-        """
+        """Why a smaller pool cannot pay for the rest of the fit, or None: it
+        costs a new iterator, and saves at most the batches left times the
+        least staged work per batch after the iterator's first epoch."""
         cost = (
             None if binding.iterator_cost is None else binding.iterator_cost()
         )
@@ -630,11 +623,9 @@ def _duration(seconds):
 
 
 def verdict(stats, options, pool_size=None):
-    """The bottleneck verdict of one epoch, by DeepRec's rules of thumb.
-
-    The source is not timed: an input-bound stage much slower than its
-    threads was starved by it. `pool_size`: the epoch's resized pool.
-    """
+    """The bottleneck verdict of one epoch, by DeepRec's rules of thumb
+    (`pool_size`: the epoch's resized pool). The source is not timed: an
+    input-bound stage much slower than its threads was starved by it."""
     if stats["wait_seconds"] is None or stats["busy_seconds"] is None:
         return _untimed_verdict(stats, options, pool_size)
     produced = max(stats["produced"], 1)

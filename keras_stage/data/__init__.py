@@ -1,8 +1,7 @@
 """The Keras-free staging engine: `stage(dataset, fn, **options)`.
 
-The public names are those in `__all__`. `live_stages`, `Packer` and
-`resolve_device` are internals that tests and examples import from here;
-they stay importable but are not part of the API.
+The API is `__all__`; `live_stages`, `Packer` and `resolve_device` are
+internals that tests and examples import from here.
 """
 
 from keras_stage.data import service as service

@@ -1,10 +1,4 @@
-"""Devices of a stage: where its buffer lives and which GPU stream it uses.
-
-`resolve_device` turns a stage's `device` into a logical device's name
-(None for the host). `configure_streams` is DeepRec's MultiStream: it
-splits every physical GPU into N logical GPUs (each has its own CUDA
-streams), and `stream_device` maps a stage's `stream` to one of them.
-"""
+"""Devices of a stage: where its buffer lives and which GPU stream it uses."""
 
 import logging
 import shutil
@@ -26,8 +20,7 @@ _FIX_STREAMS = (
     "Call keras_stage.configure_streams(...) at the start of the program, "
     "before any TensorFlow op or model is created."
 )
-# Keys of the warnings already given: each is given once per process.
-_warned = set()
+_warned = set()  # keys of the warnings given: each once per process
 
 
 def _warn_once(key, message):
@@ -40,8 +33,7 @@ def _warn_once(key, message):
 
 
 def _physical_devices(device_type: str) -> list:
-    """The visible physical devices of `device_type` ("GPU" in the public
-    functions; tests run the GPU paths on logical CPU devices)."""
+    """Visible devices of `device_type` (tests run GPU paths on CPUs)."""
     return tf.config.get_visible_devices(device_type)
 
 
@@ -83,12 +75,8 @@ def _check_device(device, name):
 
 
 def validate_device_argument(device):
-    """Checks the form of a stage's `device` option, without initialising
-    TensorFlow's devices (`resolve_device` checks they exist).
-
-    Returns `device` if it is `"auto"`, `"cpu"` or a TensorFlow device
-    string with a type and an index, such as `"/GPU:1"`; else raises
-    `ValueError`.
+    """`device` if it has a form of `_DEVICE_FORMS`, else `ValueError`; the
+    devices are not initialised (`resolve_device` checks they exist).
 
     Example:
 
@@ -153,20 +141,10 @@ def _resolve_device(device, device_type="GPU", name="device"):
 
 
 def resolve_device(device):
-    """The device a stage's buffer lives on, or None for the host.
-
-    Args:
-        device: `"auto"` for the first logical GPU, or the host when
-            TensorFlow sees no GPU; `"cpu"` to keep everything on the host;
-            or a device string such as `"/GPU:1"`, `"gpu:1"`, `"/CPU:1"` or
-            `"/job:localhost/replica:0/task:0/device:GPU:0"`.
-
-    Returns:
-        The full name of the logical device, or None for the host (with a
-        warning for an explicit GPU on a machine without one).
-
-    Raises:
-        ValueError: if `device` is not of those forms, or does not exist.
+    """The full name of the device a stage's buffer lives on, or None for the
+    host: `device` is `"auto"` (the first logical GPU, or the host without
+    one), `"cpu"` or a device string such as `"/GPU:1"`. Warns for a GPU on
+    a machine without one; `ValueError` for another form or a missing device.
 
     Example:
 
@@ -429,21 +407,10 @@ def _stream_device(stream, base_device, device_type="GPU"):
 
 
 def stream_device(stream, base_device=None):
-    """The logical GPU that runs a stage's staged work on stream `stream`.
-
-    Args:
-        stream: A non-negative int below the `num_streams` given to
-            `configure_streams`.
-        base_device: The stage's device (any form `resolve_device`
-            takes): the stream is on its physical GPU. Defaults to `None`.
-
-    Returns:
-        The full name of the logical GPU, or None for the default device
-        (with a warning when `stream > 0` cannot be honoured).
-
-    Raises:
-        ValueError: if `stream` is not a non-negative int below the streams
-            configured.
+    """The logical GPU running a stage's staged work on stream `stream` (of
+    those `configure_streams` made) of `base_device`'s physical GPU, or None
+    for the default device (with a warning when `stream > 0` cannot be
+    honoured). `ValueError` for a stream not configured.
 
     Example:
 

@@ -1,8 +1,4 @@
-"""`EagerIterated`: a dataset whose eager iterators are made its own way.
-
-Each is another dataset in a graph and makes its own iterators in Python
-(the pool's on its current size, a staged model's kept across epochs).
-"""
+"""`EagerIterated`: a dataset whose eager iterators are made its own way."""
 
 import tensorflow as tf
 
@@ -10,11 +6,9 @@ from keras_stage import _compat
 
 
 class EagerIterated(tf.data.Dataset):
-    """`base` as a dataset whose eager iterators `eager_iter` makes.
-
-    Used as a dataset otherwise (inside a `tf.function`, transformed) it is
-    `base` itself. Subclasses define `eager_iter()`.
-    """
+    """`base` as a dataset whose eager iterators a subclass's `eager_iter`
+    makes (the pool's on its current size, a staged model's kept across
+    epochs); in a graph or transformed it is `base` itself."""
 
     def __init__(self, base):
         self._base = base

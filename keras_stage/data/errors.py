@@ -1,8 +1,4 @@
-"""Errors a stage raises, and how stage errors keep their type.
-
-A failure inside the staged computation reaches the user with its own
-TensorFlow type and message, plus the stage it came from.
-"""
+"""Errors a stage raises, and how stage errors keep their type."""
 
 import tensorflow as tf
 
@@ -21,11 +17,8 @@ class StageTimeoutError(tf.errors.DeadlineExceededError):
 
 
 def annotate(error, stage_name, hint=None):
-    """Returns `error` re-created with the stage named in its message.
-
-    The type is kept (an `InvalidArgumentError` stays one), so `except`
-    clauses written for plain tf.data keep working.
-    """
+    """`error` re-created with the stage named in its message, of the same
+    type, so `except` clauses written for plain tf.data keep working."""
     message = getattr(error, "message", None)
     if message is None or _MARK in message:
         return error

@@ -1,11 +1,9 @@
 """Ending a tf.data service epoch whose worker was lost, and its ledger.
 
-A service epoch whose worker died never ends, so once the consumer has
-waited `worker_timeout` seconds in an epoch that has delivered, a branch
-beside the service's reads delivers an end marker whose error the runner
-reads as the end of the data. The ledger counts what each epoch delivered
-against one pass of the source (or one per worker stream in
-`"parallel_epochs"`) and reports what was lost or repeated.
+A service epoch whose worker died never ends, so once the consumer waited
+`worker_timeout` in an epoch that has delivered, a branch beside the reads
+delivers an end marker the runner reads as the end of the data. The ledger
+reports what each epoch lost or repeated against one pass of the source.
 """
 
 import logging
@@ -20,8 +18,7 @@ logger = logging.getLogger("keras_stage")
 
 __all__ = ["ServiceLedger"]
 
-# How long a poll of the end request blocks in its pipeline thread.
-_POLL_SECONDS = 0.2
+_POLL_SECONDS = 0.2  # how long a poll of the end request blocks
 # Arrived from the service, copies started and ended, rows delivered.
 _ARRIVED, _COPIES, _DELIVERED, _ENDED = range(4)
 _SLOTS = 4
@@ -38,13 +35,9 @@ _END_MARK = "keras_stage: the service epoch was ended by fail-over"
 
 
 class ServiceLedger:
-    """The fail-over and per-epoch counts of one stage on the tf.data service.
-
-    `name`, `processing_mode` and `worker_timeout` are the stage's;
-    `per_copy`: the examples (or elements) one pass over the source holds,
-    or None if unknown; `batched`: whether elements are batches whose rows
-    are counted.
-    """
+    """The fail-over and per-epoch counts of one stage on the tf.data service
+    (`per_copy`: the examples, or elements, of one pass over the source, or
+    None; `batched`: elements are batches whose rows are counted)."""
 
     def __init__(
         self, name, processing_mode, worker_timeout, per_copy, batched
@@ -79,8 +72,6 @@ class ServiceLedger:
     def parallel(self):
         return self.processing_mode == "parallel_epochs"
 
-    # -- graph side ----------------------------------------------------------
-
     def worker_side(self, dataset):
         """`dataset` numbered on each worker, `(element, position)`, in
         `"parallel_epochs"`: a stream's first position marks a copy."""
@@ -105,8 +96,7 @@ class ServiceLedger:
         return numbered.concatenate(end)
 
     def client_side(self, dataset):
-        """The service's stream (from `distribute`) counted, unnumbered,
-        with the end branch beside it."""
+        """The service's stream counted, unnumbered, beside the end branch."""
         parallel = self.parallel
         unpacked = type(dataset.element_spec) is tuple
         batched = self.batched
@@ -132,8 +122,7 @@ class ServiceLedger:
         served = dataset.map(arrive, name=f"{self.name}_arrive")
         spec = served.element_spec[1]
         if self.worker_timeout is not None and not _placeable(spec):
-            # The end marker needs a placeholder element of the same
-            # structure; composite tensors have none.
+            # The end marker needs a placeholder element; composites have none.
             logger.warning(
                 "Stage '%s': its elements hold composite tensors (ragged or "
                 "sparse) or tensors of unknown rank, so an epoch whose "
@@ -148,9 +137,8 @@ class ServiceLedger:
         new_token, poll, finish = self._new_token, self._poll, self._finish
 
         def epoch(token):
-            # One epoch's pipeline: the service's reads (which may block for
-            # good) and the end branch side by side. When the reads end,
-            # they end the end branch too (`_finish`).
+            # The service's reads (which may block for good) beside the end
+            # branch, which they end as they end (`_finish`).
             def marked(_):
                 state = tf.py_function(finish, [token], tf.int64)
                 return state, tf.nest.map_structure(_placeholder, spec)
@@ -221,8 +209,7 @@ class ServiceLedger:
             self._finished[token] = threading.Event()
             self._started[token] = self._read()
             if ordered:
-                # Op determinism takes the two branches in turn: the end
-                # branch ends at once instead.
+                # Op determinism alternates branches: end the end branch now.
                 self._finished[token].set()
         if ordered and not self._warned_ordered:
             self._warned_ordered = True
@@ -253,8 +240,7 @@ class ServiceLedger:
         return _END if self._end.is_set() else _NOTHING
 
     def _complete(self):
-        """Whether the parallel epoch being read has all it will get: each
-        stream that started has ended."""
+        """Whether each stream started in the parallel epoch read has ended."""
         if not self.parallel:
             return False
         with self._lock:
@@ -267,13 +253,10 @@ class ServiceLedger:
 
     @property
     def streams_started(self):
-        """The worker streams that started in the epoch being read
-        (`"parallel_epochs"`; None in `"distributed_epoch"`)."""
+        """Worker streams started in the epoch read (None unless parallel)."""
         if not self.parallel:
             return None
         return self._read()[_COPIES] - self._settled[_COPIES]
-
-    # -- the runner's side ---------------------------------------------------
 
     def _read(self):
         counts = tf.raw_ops.ReadVariableOp(
@@ -332,16 +315,11 @@ class ServiceLedger:
         self._end.clear()  # the next epoch's pipeline must not see it
         return True
 
-    # -- per epoch -----------------------------------------------------------
-
     def settle(self):
-        """Closes an epoch's count; returns its report (also in `epochs`).
-
-        The report: `delivered`, `copies` (`"parallel_epochs"`), `expected`,
-        `lost` and `repeated` (None for a source of unknown size), and
-        `ended_early` (fail-over ended the epoch). A loss or a repeat is
-        logged as a warning.
-        """
+        """Closes an epoch's count; returns its report (also in `epochs`):
+        `delivered`, `copies` (`"parallel_epochs"`), `expected`, `lost` and
+        `repeated` (None for a source of unknown size), `ended_early`
+        (fail-over ended it). A loss or a repeat is logged as a warning."""
         now = self._read()
         delivered = now[_DELIVERED] - self._settled[_DELIVERED]
         copies = now[_COPIES] - self._settled[_COPIES]
@@ -381,8 +359,7 @@ class ServiceLedger:
         return report
 
     def end_of_data(self):
-        """Settles the epoch whose iterator ran out of data, for
-        `epoch_report` (Keras's epoch ends after)."""
+        """Settles the epoch whose iterator ran out, before Keras's ends it."""
         self._unreported = self.settle()
 
     def epoch_report(self):

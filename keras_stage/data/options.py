@@ -26,10 +26,8 @@ AUTO = "auto"
 # The private pool when `num_threads="auto"`: above the cores, for IO.
 _AUTO_POOL_MIN = 16
 _AUTO_POOL_PER_CPU = 4
-# How far past its start an adaptive pool grows on IO (`StagePool.most`).
-_AUTO_POOL_GROWTH = 4
-# The buffer of a host stage with nothing to compute and capacity "auto".
-IDLE_CAPACITY = 8
+_AUTO_POOL_GROWTH = 4  # how far an adaptive pool grows on IO (`StagePool.most`)
+IDLE_CAPACITY = 8  # the "auto" buffer of a host stage with nothing to compute
 
 
 def usable_cpus():
@@ -84,9 +82,6 @@ def _find_exception(name):
                 return None
         return found
     return None
-
-
-# -- checks: each returns the value normalised or raises naming the argument
 
 
 def _is_positive_int(value):
@@ -206,13 +201,10 @@ def _processing_mode(name, value):
 
 
 class Option:
-    """One stage option: its name, default, check and documentation.
-
-    `check(name, value)` returns the value normalised or raises naming the
-    argument; `doc` is one paragraph ("Defaults to ..." is added);
-    `exception_classes`: the value is a tuple of exception classes, which a
-    saved config stores by name.
-    """
+    """One stage option: `check(name, value)` returns the value normalised or
+    raises naming the argument; `doc` is one paragraph ("Defaults to ..." is
+    added); with `exception_classes`, a saved config stores the value's
+    exception classes by name."""
 
     def __init__(self, name, default, check, doc, exception_classes=False):
         self.name = name
@@ -269,32 +261,28 @@ def _as_code(value):
     return repr(value)
 
 
-# The stage options, in the order of every entry point's signature; the
-# names are DeepRec's where it has the knob.
+# The stage options in signature order, named as DeepRec's where it has one.
 OPTIONS = (
     Option(
         "capacity",
         AUTO,
         _auto_or_positive_int,
-        f"""Maximum number of finished elements (batches, in a Keras model)
-        waiting for the consumer: a positive int, or `"auto"` to let
-        tf.data size the buffer ({IDLE_CAPACITY} elements for a host stage
-        with nothing to compute).""",
+        f"""How many finished elements (batches, in a Keras model) may wait
+        for the consumer: a positive int, or `"auto"` for tf.data to size the
+        buffer ({IDLE_CAPACITY} for a host stage with nothing to compute).""",
     ),
     Option(
         "num_threads",
         AUTO,
         _auto_or_positive_int,
         """Elements produced at once: a positive int, or `"auto"` (tf.data
-        autotuning, allowed to grow past the core count for stages that
-        wait on IO).""",
+        autotuning, which may exceed the cores for a stage waiting on IO).""",
     ),
     Option(
         "closed_exception_types",
         (tf.errors.OutOfRangeError,),
         _exception_types,
-        """Errors that end the data gracefully, as the end of the dataset
-        does.""",
+        """Errors that end the data gracefully, as the dataset's end does.""",
         exception_classes=True,
     ),
     Option(
@@ -318,10 +306,9 @@ OPTIONS = (
         "thread_pool_size",
         None,
         _positive_int_or_none,
-        f"""Size of the stage's private thread pool, at least
-        `num_threads`; `None` sizes it from `num_threads`. With
-        `num_threads="auto"` the pool is resized between epochs
-        (`StagedDataset.thread_pool`, `PrefetchCallback`): up to
+        f"""Size of the stage's private thread pool, at least `num_threads`;
+        `None` sizes it from `num_threads`. With `num_threads="auto"` it is
+        resized between epochs (`StagedDataset.thread_pool`): up to
         {_AUTO_POOL_PER_CPU} threads per core (at least {_AUTO_POOL_MIN})
         while the consumer waits, one per core once an epoch kept up.""",
     ),
@@ -371,11 +358,10 @@ OPTIONS = (
         "service",
         None,
         _service,
-        """The address of a tf.data service dispatcher, `"grpc://host:port"`
-        (see `keras_stage.data.service`): the dataset and the staged
-        computation run on the service's workers, and finished elements
-        come back into this process's buffer. It needs a tf.data source,
-        not a generator. `None` stages in this process.""",
+        """A tf.data service dispatcher, `"grpc://host:port"` (see
+        `keras_stage.data.service`), whose workers run the dataset (a tf.data
+        source, not a generator) and the staged computation for this
+        process's buffer. `None` stages in this process.""",
     ),
     Option(
         "processing_mode",

@@ -1,16 +1,9 @@
-"""`Packer`: many small tensors in, a few big ones out, bit for bit.
-
-DeepRec's `ENABLE_STAGE_PACK_TRANS`: a batch of many small leaves costs one
-host-to-device copy per tensor, so the stage packs them into a few flat
-tensors and unpacks them where they are consumed. Packing only
-reinterprets bits (`tf.bitcast`), so every value comes back exactly.
-"""
+"""`Packer`: many small tensors in, a few big ones out, bit for bit."""
 
 import math
 
 import tensorflow as tf
 
-# Keys of a packed element.
 NUMERIC = "numeric"
 STRINGS = "strings"
 SHAPES = "shapes"
@@ -37,11 +30,9 @@ _WIDTHS = {
 
 
 def _carrier_dtype(widths: list[int]) -> tf.DType:
-    """The dtype of the numeric tensor: the widest one every leaf fills.
-
-    Only uint8, uint32 and int64: GPUs cannot slice uint16 or uint64, and
-    TensorFlow keeps int32 tensors in host memory.
-    """
+    """The dtype of the numeric tensor, the widest every leaf fills: uint8,
+    uint32 or int64 (GPUs cannot slice uint16 or uint64, and TensorFlow
+    keeps int32 tensors in host memory)."""
     common = math.gcd(*widths)
     if common >= 8:
         return tf.int64
@@ -105,25 +96,20 @@ def _product(factors):
 class Packer:
     """Packs the leaves of a `tf.data` element into a few flat tensors.
 
-    `pack` runs on the host (in a `tf.data` map), the packed element
-    crosses to the device, and `unpack` runs there. The packed element is a
-    dict of at most three 1-D tensors:
+    DeepRec's `ENABLE_STAGE_PACK_TRANS`: each tensor costs one host-to-device
+    copy, so `pack` runs on the host (in a `tf.data` map) and `unpack` on the
+    device; `tf.bitcast` gives every value back exactly.
+    A packed element is a dict of at most three 1-D tensors (a key with
+    nothing to hold is left out):
 
-    - `"numeric"`: every non-string leaf, bitcast to the widest of uint8,
-      uint32 or int64 that all of them fill exactly, concatenated.
+    - `"numeric"`: every non-string leaf, bitcast to one carrier dtype
+      (`_carrier_dtype`) and concatenated.
     - `"strings"`: every string leaf, flattened and concatenated.
     - `"shapes"`: int64, the runtime dimensions the element spec leaves
       unknown (e.g. the batch size).
 
-    A key is absent when it would be empty. Ragged and sparse leaves pack
-    as their component tensors.
-
-    Args:
-        element_spec: The element spec of the dataset to pack, e.g.
-            `dataset.element_spec`: any nest of `tf.TensorSpec`,
-            `tf.RaggedTensorSpec` and `tf.SparseTensorSpec` of dtype bool,
-            (u)int8-64, float16, bfloat16, float32, float64, complex64,
-            complex128 or string.
+    `element_spec` (e.g. `dataset.element_spec`) may nest dense, ragged and
+    sparse specs (packed as their components) of a `_WIDTHS` or string dtype.
 
     Example:
 
@@ -202,11 +188,6 @@ class Packer:
         return [leaf for leaf in self._leaves if leaf.group == group]
 
     @property
-    def element_spec(self):
-        """The element spec the packer was built from."""
-        return self._element_spec
-
-    @property
     def packed_spec(self):
         """The element spec of packed elements: a dict of `tf.TensorSpec`."""
         return dict(self._packed_spec)
@@ -233,8 +214,7 @@ class Packer:
         )
 
     def _as_element(self, args):
-        # tf.data passes a tuple element (exactly `tuple`) as separate
-        # arguments; a direct call passes it as one.
+        # tf.data passes a `tuple` element's items as arguments; a call, one.
         spec = self._element_spec
         candidates = [args[0]] if len(args) == 1 else []
         if type(spec) is tuple:
@@ -292,15 +272,8 @@ class Packer:
         return value
 
     def pack(self, *element):
-        """Packs `element` into a dict of a few flat tensors.
-
-        Args:
-            *element: An element matching the packer's element spec (a
-                tuple may come as separate arguments, as from `map`).
-
-        Returns:
-            A dict of tensors matching `packed_spec`.
-        """
+        """Packs `element` (a tuple may come as separate arguments, as from
+        `map`) into a dict of a few flat tensors matching `packed_spec`."""
         element = self._as_element(element)
         with tf.name_scope("pack"):
             groups = {NUMERIC: [], STRINGS: []}
@@ -338,14 +311,7 @@ class Packer:
         return packed
 
     def unpack(self, packed):
-        """Rebuilds the element `pack` packed.
-
-        Args:
-            packed: A dict matching `packed_spec`, as `pack` returned it.
-
-        Returns:
-            The element, as the packer's element spec describes it.
-        """
+        """Rebuilds the element `pack` packed into the dict `packed`."""
         if not isinstance(packed, dict) or set(packed) != set(
             self._packed_spec
         ):

@@ -1,10 +1,9 @@
 """A stage's figures read on the host from tf.data's own model of its iterator.
 
-`tf.data.experimental.get_model_proto` (TF 2.17+) reads the autotuner's
-model of an iterator between steps, with no op in the pipeline: what a
-stage measures under op determinism (`StageStats.count_nothing`). The wait
-is the time the consumer did not spend between fetches; the busy time the
-staged map's processing time.
+`tf.data.experimental.get_model_proto` (TF 2.17+) reads the autotuner's model
+of an iterator between steps with no op in the pipeline, for op determinism
+(`StageStats.count_nothing`). The wait is the consumer's time not spent
+between fetches; the busy time, the staged map's processing time.
 """
 
 import collections
@@ -18,8 +17,7 @@ import tensorflow as tf
 _get_model_proto = getattr(tf.data.experimental, "get_model_proto", None)
 AVAILABLE = _get_model_proto is not None
 
-# tf.data keeps the gaps of an iterator's last fetches
-# (`Model::RecordIteratorGapTime`).
+# The fetch gaps tf.data keeps (`Model::RecordIteratorGapTime`).
 GAP_WINDOW = 100
 # How many fetches apart a consumer samples, at most (within the window).
 SAMPLE_FETCHES = 10
@@ -70,12 +68,9 @@ def stage_nodes(model, maps_above):
 
 
 class PipelineModel:
-    """Running totals of a stage's figures, sampled from tf.data's model.
-
-    Args:
-        maps_above: Maps between the stage's buffer and its own map;
-            `None`: the stage has no map, so its busy time is 0.
-    """
+    """Running totals of a stage's figures, sampled from tf.data's model
+    (`maps_above`: maps between the stage's buffer and its own map; None:
+    the stage has no map, so its busy time is 0)."""
 
     def __init__(self, maps_above=0):
         self.maps_above = maps_above

@@ -1,10 +1,9 @@
 """The private thread pool of an `"auto"` stage, resized between epochs.
 
-A stage waiting on IO needs more threads than cores; one computing on
-busy cores loses to extra threads. A tf.data pool is fixed when its
-pipeline is built, so a `StagePool` keeps a pipeline per size and makes
-each eager iterator from the current size's; `adapt` sets the next
-epoch's size from the epoch that ended (`PrefetchCallback` calls it).
+A stage waiting on IO needs more threads than cores; one computing on busy
+cores loses to extra threads. A tf.data pool is fixed when its pipeline is
+built, so a `StagePool` keeps a pipeline per size for eager iterators, and
+`PrefetchCallback` calls `adapt` to size the next epoch's from the last.
 
 Example:
 
@@ -24,17 +23,10 @@ from keras_stage.data.eager_iterated import EagerIterated
 
 
 class StagePool:
-    """The resizable private thread pool of one stage.
-
-    Args:
-        name: The stage's name, for messages.
-        largest: The size it starts with, and the most `adapt` gives a
-            stage unless it waits on IO.
-        smallest: The fewest threads `adapt` leaves (the cores).
-        most: The most threads `adapt` gives a stage that waits on IO.
-            Defaults to `largest`.
-        start: The first iterator's size. Defaults to `largest`.
-    """
+    """The resizable private thread pool of stage `name`: `adapt` keeps it
+    between `smallest` (the cores) and `largest`, or up to `most` (default
+    `largest`) for a stage waiting on IO. The first iterator gets `start`
+    (default `largest`)."""
 
     def __init__(self, name, largest, smallest, most=None, start=None):
         most = largest if most is None else most
@@ -63,10 +55,8 @@ class StagePool:
         return self._size
 
     def resize(self, threads):
-        """Gives iterators made from now on a pool of `threads`; returns it.
-
-        Iterators already running keep theirs (a tf.data pool is fixed).
-        """
+        """Gives iterators made from now on a pool of `threads`; returns it
+        (running ones keep theirs: a tf.data pool is fixed)."""
         if isinstance(threads, bool) or not isinstance(threads, int):
             raise TypeError(
                 f"Invalid pool size for stage '{self.name}': expected a "
@@ -83,21 +73,13 @@ class StagePool:
         return threads
 
     def adapt(self, input_bound, needed_threads, cores_busy=True, shrink=True):
-        """Sizes the next epoch's pool from the epoch that ended; returns it.
+        """Sizes the next epoch's pool from the verdict of the last; returns it.
 
-        An input-bound epoch gets at least `largest` back, and with idle
-        cores the threads the verdict asks for, up to `most`. An epoch that
-        kept up with no more than `smallest` threads gets what it needs,
-        never a size that once kept the step waiting. Any other epoch keeps
-        the size.
-
-        Args:
-            input_bound: Whether the epoch kept the step waiting.
-            needed_threads: The verdict's `suggested_num_threads`.
-            cores_busy: Whether the process kept the cores busy (then no
-                growth past `largest`). Defaults to True.
-            shrink: Whether an epoch that kept up may shrink the pool.
-                Defaults to True.
+        An `input_bound` epoch gets at least `largest` back, and unless
+        `cores_busy` the `needed_threads`, up to `most`. With `shrink`, an
+        epoch that kept up needing no more than `smallest` threads gets what
+        it needs, never a size that once kept the step waiting. Any other
+        epoch keeps the size.
         """
         if input_bound:
             if self.size < self.largest:
@@ -113,9 +95,8 @@ class StagePool:
         return self.resize(threads)
 
     def pipelines(self, build):
-        """`(lean, measured)` from `build(size)`, each eager iterator's on
-        a pool of the size then (used as a dataset otherwise, the size when
-        built)."""
+        """`(lean, measured)` from `build(size)`, eager iterators on a pool of
+        the size then (used as a dataset otherwise: the size when built)."""
         built = {}
 
         def pipeline(size, which):
@@ -132,8 +113,7 @@ class StagePool:
 
 class _Resized(EagerIterated):
     """A stage pipeline whose eager iterators run on the pool's current size
-    (a dataset of its own: a wrapper op would sit on every element's path).
-    """
+    (not a wrapper op, which would sit on every element's path)."""
 
     def __init__(self, base, pipeline, which, pool):
         self._pipeline = pipeline

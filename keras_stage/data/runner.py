@@ -1,11 +1,9 @@
 """The Python boundary of a stage: exception policies and the timeout.
 
-`StageRunner` skips ignored error types, ends the data on closed ones and
-times out a consumer waiting for input, around each blocking call of the
-consumer (`next(iterator)`, one Keras step). A blocked TensorFlow call
-cannot be interrupted, so with a timeout it runs on a helper thread while
-the caller waits with a deadline; a call whose elements are already
-buffered runs in the caller's thread (see `ReadyElements`).
+A blocked TensorFlow call cannot be interrupted, so with a timeout each
+blocking call of the consumer (`next(iterator)`, one Keras step) runs on a
+helper thread while the caller waits with a deadline; a call whose elements
+are buffered runs in the caller's thread (`ReadyElements`).
 """
 
 import atexit
@@ -21,22 +19,17 @@ from keras_stage.data.errors import StageTimeoutError, annotate
 
 logger = logging.getLogger("keras_stage")
 
-# How often the waiting caller re-checks the input-wait clock.
-_POLL_SECONDS = 0.5
+_POLL_SECONDS = 0.5  # how often a waiting caller checks the wait clock
 # One buffered call in this many still records (see `StageRunner.call`).
 READY_SAMPLE = 16
 # How long the interpreter's exit waits for keras_stage's threads.
 EXIT_WAIT_SECONDS = 10.0
-# Every helper thread (`_CallThread`) not yet ended.
-_call_threads = weakref.WeakSet()
+_call_threads = weakref.WeakSet()  # every `_CallThread` not yet ended
 
 
 def wait_at_exit(waits):
-    """Calls each `wait(seconds)` of `waits`, all within `EXIT_WAIT_SECONDS`.
-
-    A daemon thread ended inside TensorFlow's C++ at interpreter exit
-    aborts the whole process ("terminate called ...").
-    """
+    """Calls each `wait(seconds)` of `waits` within `EXIT_WAIT_SECONDS`: a
+    daemon thread ended inside TensorFlow's C++ at exit aborts the process."""
     deadline = time.monotonic() + EXIT_WAIT_SECONDS
     for wait in waits:
         wait(max(0.0, deadline - time.monotonic()))
@@ -55,11 +48,8 @@ _NODE = re.compile(r"\{\{node ([^}]+)\}\}")
 
 
 def failing_layer(error, layers):
-    """The name, among `layers`, of the layer whose op raised `error`.
-
-    Read from the failing node's name scopes
-    ("model_stage_1/parse_numbers_1/StringToNumber"); None if none is.
-    """
+    """The layer among `layers` whose op raised `error`, or None: read from
+    the node's scopes ("model_stage_1/parse_numbers_1/StringToNumber")."""
     message = getattr(error, "message", None) or str(error)
     names = set(layers)
     for node in _NODE.findall(message):
@@ -72,8 +62,7 @@ def failing_layer(error, layers):
 
 
 def _is_end_of_data(error):
-    """Whether `error` is an iterator's end, not a truncated record's
-    OutOfRangeError."""
+    """Whether `error` ends an iterator, not a truncated record's OutOfRange."""
     if isinstance(error, StopIteration):
         return True
     message = getattr(error, "message", None) or ""
@@ -126,11 +115,8 @@ class EndOfData(Exception):
 
 
 class _CallThread:
-    """One daemon thread that runs blocking calls handed to it.
-
-    Not a `ThreadPoolExecutor`, whose exit hook would join a call abandoned
-    on a source that never answers.
-    """
+    """One daemon thread running the blocking calls handed to it (not a
+    `ThreadPoolExecutor`, whose exit hook would join an abandoned call)."""
 
     def __init__(self, name):
         self._cond = threading.Condition()
@@ -196,13 +182,10 @@ class _CallThread:
 
 
 class ReadyElements:
-    """Finished elements a consumer's next calls can take without waiting.
-
-    A call needing no more than the elements counted ready and not consumed
-    cannot time out. The counters are shared by every iterator, so a count
-    is trusted only for an iterator started after every earlier one was
-    gone, less what those left behind (read from the stage's `stats`).
-    """
+    """Finished elements a consumer's next calls can take without waiting,
+    so without a timeout. The counters are shared by every iterator, so a
+    count is trusted only for an iterator started after every earlier one
+    was gone, less what those left behind."""
 
     def __init__(self, stats):
         self.stats = stats
@@ -233,8 +216,7 @@ class ReadyElements:
         return True
 
     def note(self, iterator, unconsumed):
-        """Takes a count of unconsumed elements read after a call of
-        `iterator` (a floor for the next call)."""
+        """Notes the unconsumed count after a call of `iterator` (a floor)."""
         if self._left_behind is None or not self._is_current(iterator):
             return
         self._noted = True
@@ -273,10 +255,9 @@ class ReadyElements:
 
 
 class _HostWait:
-    """A call's wait for input, timed on the host from the consumed count
-    (no clock in the graph, or `host_timed`): from the call's start or its
-    last element's arrival until it has `elements` (None: until it returns).
-    """
+    """A call's input wait timed on the host from the consumed count (no
+    graph clock, or `host_timed`): since its start or last arrival, until
+    it has `elements` (None: until it returns)."""
 
     def __init__(self, stats, started, elements):
         self._stats = stats
@@ -295,17 +276,9 @@ class _HostWait:
 
 
 class StageRunner:
-    """Applies a stage's exception policies and timeout to blocking calls.
-
-    Args:
-        options: The stage's `StageOptions`.
-        stats: The stage's `StageStats`.
-        gate: The pipeline's open flag (a boolean variable) that a timeout
-            clears, or None. Defaults to `None`.
-        counts_in_order: Whether the stage counts its elements ready in
-            delivery order (see `ReadyElements`). Defaults to `False`.
-        ledger: The stage's `ServiceLedger`, or None. Defaults to `None`.
-    """
+    """Applies a stage's exception policies and timeout to blocking calls
+    (`gate`: the pipeline's open flag, which a timeout clears;
+    `counts_in_order`: the stage counts elements ready in delivery order)."""
 
     def __init__(
         self, options, stats, gate=None, counts_in_order=False, ledger=None
@@ -364,16 +337,12 @@ class StageRunner:
         """Runs `fn(*args)` under the stage's policies.
 
         With `check_origin`, errors not raised by the stage's pipeline pass
-        through. `elements`: the most elements the call fetches from the
-        stage's iterator `args[0]`. `ready_fn`: the same call without
-        recording, for buffered calls (all if `host_timed`, else all but one
-        in `READY_SAMPLE`).
-
-        Raises:
-            SkipElement: the element failed with an ignored exception type.
-            EndOfData: the data ended (a closed exception type).
-            StageTimeoutError: the consumer waited longer than `timeout`.
-            Any other error: re-raised with its type, the stage named.
+        through. `elements`: the most the call fetches from the stage's
+        iterator `args[0]`. `ready_fn`: the same call without recording, for
+        buffered calls (all if `host_timed`, else all but one in
+        `READY_SAMPLE`). Raises `SkipElement` (an ignored exception type),
+        `EndOfData` (a closed one, or the end), `StageTimeoutError`, or any
+        other error with its type, the stage named.
         """
         started = time.time()
         try:
@@ -559,8 +528,7 @@ class StageRunner:
             self._gate.assign(False)
 
     def open_gate(self):
-        """Lets the pipeline finish elements again (a stage run by several
-        calls)."""
+        """Lets the pipeline finish elements again (a stage run by calls)."""
         if self._gate is not None:
             self._gate.assign(True)
 

@@ -1,11 +1,7 @@
 """The tf.data service: staged work on other machines' CPUs.
 
-What keras_stage adds to `tf.data.experimental.service`: the check that a
-dispatcher answers, the read of a stage's pipeline from the workers, and
-`LocalService` (a dispatcher and workers in this process, for development).
-
 The protocol has no authentication or encryption, and TensorFlow's servers
-listen on every interface: run them on a private network or behind a
+listen on every interface: keep them on a private network or behind a
 firewall.
 """
 
@@ -109,8 +105,7 @@ def check_dispatcher(address, timeout=5.0):
 
 
 def distribute(dataset, service, processing_mode):
-    """`dataset` computed by the service's workers, read in this process
-    (each iteration is a new job)."""
+    """`dataset` run by the service's workers (each iteration: a new job)."""
     check_dispatcher(service)
     return dataset.apply(
         tf.data.experimental.service.distribute(
@@ -133,21 +128,18 @@ def _is_loopback(host):
 class LocalService:
     """A tf.data service dispatcher and workers in this process.
 
-    For development and tests: the workers share this process's CPUs. In
-    production run `tf.data.experimental.service.DispatchServer` and
-    `WorkerServer` (one per machine) and pass the dispatcher's address.
-
-    Its servers listen on every network interface, whatever `host` says,
-    without authentication: any machine that reaches these ports can read
-    the data and run dataset graphs in this process. It logs the ports
-    when it starts; confine them with a firewall or a private network.
+    For development and tests (the workers share this process's CPUs); in
+    production run `tf.data.experimental.service.DispatchServer` and a
+    `WorkerServer` per machine. Its servers listen on every interface,
+    whatever `host` says, without authentication: any machine reaching the
+    ports it logs can read the data and run dataset graphs in this process.
+    Confine them with a firewall or a private network.
 
     Args:
         num_workers: Workers to start. Defaults to `2`.
         host: The address the servers announce to clients (not where they
             listen: that is every interface). Defaults to `"localhost"`.
-        port: The dispatcher's port; `0` picks a free one. Defaults to
-            `0`.
+        port: The dispatcher's port; `0` picks a free one. Defaults to `0`.
         heartbeat_ms: How often workers report to the dispatcher. Defaults
             to `500` (TensorFlow's default is 30 s).
         allow_remote: Whether `host` may be an address other machines use
@@ -270,8 +262,7 @@ class LocalService:
         worker.stop()
 
     def close(self):
-        """Stops the workers (each waits for its tasks to end), then the
-        dispatcher."""
+        """Stops the workers (each ends its tasks), then the dispatcher."""
         for index, worker in enumerate(self.workers):
             if worker is not None:
                 self.workers[index] = None

@@ -1,8 +1,7 @@
 """`stage()`: a bounded, multi-threaded prefetch stage on tf.data.
 
-DeepRec's `tf.staged` on tf.data: a parallel map on a private thread pool,
-a prefetch buffer of `capacity` elements, and small maps around the fetch
-that update the stage's counters. Policies and the timeout: `runner.py`.
+Small maps around the fetch update the stage's counters; the policies and
+the timeout are `runner.py`'s.
 """
 
 import functools
@@ -36,12 +35,9 @@ _live_stages = weakref.WeakSet()
 
 
 class Placement:
-    """Where a stage's finished elements wait, and whether they are packed.
-
-    `device`: None for the host. `pack`: the `pack_transfer` option.
-    `unpacks`: whether the consumer unpacks in its own step (`"auto"` packs
-    only for such consumers).
-    """
+    """Where a stage's finished elements wait (`device`: None for the host)
+    and whether they are packed (`pack`: the `pack_transfer` option; its
+    `"auto"` packs only if `unpacks`, the consumer unpacks in its step)."""
 
     def __init__(self, device=None, pack=False, unpacks=False):
         self.device = device
@@ -95,8 +91,7 @@ def _is_host(device):
 
 
 def graph_ready(fn):
-    """Whether `fn` needs no AutoGraph conversion by the stage's map (a
-    `tf.function`, or marked `keras_stage_graph_ready`)."""
+    """Whether `fn` skips AutoGraph: a tf.function, or marked graph-ready."""
     return isinstance(fn, tf.types.experimental.PolymorphicFunction) or getattr(
         fn, "keras_stage_graph_ready", False
     )
@@ -128,13 +123,10 @@ def _build_pipeline(
     ledger=None,
     reads_in_python=False,
 ):
-    """The stage's pipelines: `(lean, measured)`.
-
-    `lean` runs the staged computation and buffers it; `measured` adds the
-    consumer's side of the counters around the fetch (see `StageStats`).
-    `pool_size`: with a `StagePool`, the size these pipelines run on. The
-    other arguments are `build_stage`'s.
-    """
+    """The stage's pipelines `(lean, measured)`: `lean` runs the staged
+    computation and buffers it, `measured` adds the consumer's counters
+    around the fetch. `pool_size`: the size to run on, with a `StagePool`;
+    the other arguments are `build_stage`'s."""
     name = options.name
     num_threads = (
         tf.data.AUTOTUNE if options.num_threads == AUTO else options.num_threads
@@ -150,8 +142,7 @@ def _build_pipeline(
         # The autotuner keeps such a buffer at about one element.
         capacity = IDLE_CAPACITY
 
-    # tf.data passes a tuple element (exactly `tuple`) as separate
-    # arguments and any other structure as one.
+    # tf.data passes the items of a `tuple` element as separate arguments.
     unpacked = type(dataset.element_spec) is tuple
     staged_fn = None if fn is None else on_host(fn)
 
@@ -211,7 +202,6 @@ def _build_pipeline(
         )
         if not count_after:
             return mapped
-        # A tuple element comes as separate arguments (see `unpacked`).
         tupled = type(mapped.element_spec) is tuple
 
         def count_ready(*args):
@@ -261,8 +251,8 @@ def _build_pipeline(
         return element
 
     def measure(buffered):
-        # zip pulls the marker first, in the consumer's thread: the marked
-        # interval is the time it is blocked on the buffer.
+        # zip pulls the marker first, in the consumer's thread: it times the
+        # wait on the buffer.
         markers = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64))
         markers = _compat.inline_map(
             markers.repeat(), lambda _: stats.begin_wait(), f"{name}_wait"
@@ -295,8 +285,7 @@ def _build_pipeline(
 
 
 class _Watched(EagerIterated):
-    """A stage's pipeline whose eager iterators its stats watch (op
-    determinism, see `StageStats.count_nothing`)."""
+    """A pipeline whose eager iterators its stats watch (op determinism)."""
 
     def __init__(self, base, stats):
         self._stats = stats
@@ -309,10 +298,8 @@ class _Watched(EagerIterated):
 
 
 def _stage_pool(fn, options, stats, start=None):
-    """The `StagePool` the stage's work runs on, or None for a fixed pool.
-
-    `start`: the size its first iterator gets (None: its largest).
-    """
+    """The `StagePool` the stage's work runs on, or None for a fixed pool
+    (`start`: its first iterator's size; None: its largest)."""
     if fn is None or not options.adaptive_pool:
         return None
     if stats.pool is None:
@@ -336,8 +323,7 @@ def _served(
     cardinality,
     ledger,
 ):
-    """`dataset` and `staged_fn` run by the tf.data service's workers
-    (arguments: see `build_stage` and `ServiceLedger`)."""
+    """`dataset` and `staged_fn` run by the tf.data service's workers."""
     if staged_fn is not None:
         dataset = dataset.map(
             lambda *args: staged_fn(args if unpacked else args[0]),
@@ -413,8 +399,7 @@ class StagedDataset(tf.data.Dataset):
 
     @property
     def thread_pool(self):
-        """The stage's resizable `StagePool`, or None if its pool is fixed
-        (see `keras_stage.data.pool`)."""
+        """The stage's resizable `StagePool`, or None if its pool is fixed."""
         return self._thread_pool
 
     @property
@@ -461,8 +446,7 @@ def _timed_fetch(stats, iterator):
 
 
 class StageIterator:
-    """Eager iterator of a `StagedDataset` applying its policies; times
-    each fetch of the lean pipeline on the host."""
+    """Eager iterator of a `StagedDataset`: its policies, host-timed fetches."""
 
     def __init__(self, staged):
         self._staged = staged

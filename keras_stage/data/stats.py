@@ -1,11 +1,9 @@
 """In-graph statistics of one stage.
 
-`StageStats` owns a stage's counters (elements produced, consumed and
-skipped, busy and wait seconds, buffer fill): one variable vector updated
-by graph ops, so measuring runs no Python per element. A consumer recording
-in its own step learns a baseline from ready fetches and counts only what
-exceeds it as waiting (`_fetch_figures`). Under op determinism, which
-forbids `tf.timestamp`, the figures come from `pipeline_model` or are NaN.
+`StageStats` keeps a stage's counters in one variable vector updated by graph
+ops: no Python per element. A consumer recording in its step counts as waiting
+only what exceeds a baseline of ready fetches (`_fetch_figures`). Under op
+determinism (no `tf.timestamp`) they come from `pipeline_model`, or are NaN.
 """
 
 import logging
@@ -19,8 +17,7 @@ from keras_stage.data import pipeline_model
 
 logger = logging.getLogger("keras_stage")
 
-# How many error messages of skipped elements a stage keeps per report.
-MAX_SKIPPED_MESSAGES = 5
+MAX_SKIPPED_MESSAGES = 5  # skipped elements' errors a report keeps
 
 # Slots of the one float64 counter vector (one update op per side).
 _PRODUCED, _BUSY = 0, 1
@@ -31,33 +28,23 @@ _DONE_FETCH = 5  # start time of the last fetch that finished
 _BASELINE, _ORPHANS = 6, 7
 _READY = 8  # elements that entered the buffer, in delivery order
 _SLOTS = 9
-# Weight of one ready fetch in the moving baseline.
-_BASELINE_WEIGHT = 0.1
+_BASELINE_WEIGHT = 0.1  # of one ready fetch in the moving baseline
 
 
 def _fetch_figures(marked, took, buffered, baseline, to_float, maximum):
-    """A recorded fetch's wait, and how far it moves the baseline.
+    """`(waited, moved)`: a recorded fetch's wait, and the baseline's change.
 
-    Runs on tensors (`accumulate`) and on Python floats (`take_report`);
-    0/1 masks rather than branches keep the graph small.
-
-    Args:
-        marked: The fetch's start mark (negative: an epoch's first fetch,
-            whose time may include tracing the step and is not waiting).
-        took: Seconds from the mark to the batch's arrival.
-        buffered: Other finished elements buffered at the arrival.
-        baseline: The baseline before this fetch (0: none yet).
-
-    Returns:
-        `(waited, moved)`: the seconds the fetch waited, and the change of
-        the baseline.
+    `marked` is the fetch's start mark (negative: an epoch's first fetch,
+    whose time may include tracing the step and is not waiting), `took` the
+    seconds to the arrival, `buffered` the other elements buffered then,
+    `baseline` the one before (0: none yet). Runs on tensors (`accumulate`)
+    and floats (`take_report`): 0/1 masks, not branches, keep graphs small.
     """
     later = to_float(marked > 0.0)
     ready = to_float(buffered > 0.0)
     beyond = took - baseline
     waited = later * (1.0 - ready) * maximum(beyond, 0.0)
-    # A ready fetch moves the baseline by a fraction of its distance from
-    # it; the first one sets it.
+    # A ready fetch moves the baseline part of the way; the first sets it.
     rate = 1.0 - (1.0 - _BASELINE_WEIGHT) * to_float(baseline > 0.0)
     moved = later * ready * rate * beyond
     return waited, moved
@@ -94,8 +81,7 @@ _REPORT_SIZE = 2 + 2 * _SLOTS
 # Called while tracing: AutoGraph is not to convert the logging.
 @tf.autograph.experimental.do_not_convert
 def clock_allowed():
-    """Whether a graph built now may read the clock (not under op
-    determinism)."""
+    """Whether a graph built now may read the clock (no op determinism)."""
     if op_determinism_enabled():
         _note_no_clock()
         return False
@@ -112,7 +98,6 @@ def op_determinism_enabled():
     return False
 
 
-# The note `_note_no_clock` logs, once per process.
 NO_CLOCK_NOTE = (
     "Op determinism is on: TensorFlow forbids in-graph clocks then, so "
     "keras_stage reads its stages' waits, buffer fill and staged work from "
@@ -140,14 +125,10 @@ def _note_no_clock():
 
 
 class StageStats:
-    """Counters of one stage, read with `snapshot()`.
+    """Counters of one stage, read with `snapshot()`; `track_peak` also tracks
+    the largest fill (one more update per fetch) for `"auto"` buffers."""
 
-    `track_peak`: also track the largest buffer fill (one more update per
-    fetch), to scale the fill of `"auto"` buffers.
-    """
-
-    # The length of a step's report of its fetch (see `report`).
-    REPORT_SIZE = _REPORT_SIZE
+    REPORT_SIZE = _REPORT_SIZE  # the length of a step's `report`
 
     def __init__(self, name, track_peak=False):
         self.name = name
@@ -170,8 +151,7 @@ class StageStats:
             # Set on a close after a timeout.
             self._closed = tf.Variable(False, trainable=False, name="closed")
         self._lock = threading.Lock()
-        # The adaptive `StagePool` of the stages counted here.
-        self.pool = None
+        self.pool = None  # the adaptive `StagePool` of the stages counted
         self.skipped = 0
         self.skipped_messages = []
         # The consumer's side as `take_report` accumulates it in Python.
@@ -189,12 +169,9 @@ class StageStats:
         self._host_model = None
 
     def count_nothing(self, computes=True, maps_above=0):
-        """Notes that the stage's pipeline holds no counter (op determinism).
-
-        `snapshot` then reads tf.data's model of each iterator `watch`ed.
-        `computes`: whether the stage has work of its own. `maps_above`: see
-        `PipelineModel`.
-        """
+        """Notes that the pipeline holds no counter (op determinism): `snapshot`
+        reads tf.data's model of each iterator `watch`ed instead. `computes`:
+        the stage has work of its own; `maps_above`: see `PipelineModel`."""
         self._pipeline_counts = False
         if computes:
             self._busy_timed = False
@@ -220,14 +197,12 @@ class StageStats:
 
     @property
     def pipeline_counts(self):
-        """Whether the stage's pipeline counts its elements."""
         return self._pipeline_counts
 
     # -- graph side: called inside tf.data functions -------------------------
 
     def start_busy(self):
-        """A timestamp at the start of an element's staged computation, or
-        None when the clock is forbidden."""
+        """The start time of an element's staged work, or None (no clock)."""
         self._busy_timed = clock_allowed()
         if not self._busy_timed:
             return None
@@ -245,12 +220,9 @@ class StageStats:
         )
 
     def count_produced(self, started, gate, ready=True):
-        """Counts one finished element; fails it if its pipeline was closed.
-
-        `started`: `start_busy`'s timestamp, or None. `gate`: the pipeline's
-        boolean variable, False once closed. `ready`: also count it ready
-        (a stage finishing elements in delivery order).
-        """
+        """Counts one finished element; fails it once `gate` (the pipeline's
+        open flag) is False. `started`: `start_busy`'s time; `ready`: also
+        count it ready (a stage finishing elements in delivery order)."""
         check = tf.debugging.Assert(
             gate,
             [
@@ -268,8 +240,7 @@ class StageStats:
             return self._counters.assign_add(_slots(values))
 
     def count_ready(self):
-        """Counts one element entering the buffer, in delivery order (an
-        ordered parallel map finishes them out of order)."""
+        """Counts one element entering the buffer, in delivery order."""
         return self._counters.assign_add(_slots({_READY: 1}))
 
     def _wait_clock(self):
@@ -304,10 +275,8 @@ class StageStats:
     def _record_fetch(
         self, counters, started, waited, buffered=None, extra=None, count=True
     ):
-        """Adds a fetch's wait and fill; with `count`, counts it done too.
-
-        `started` and `waited` are None for a fetch timed by no clock.
-        """
+        """Adds a fetch's wait and fill and, with `count`, counts it done
+        (`started` and `waited` are None for a fetch no clock timed)."""
         if buffered is None:
             buffered = self._buffered(counters)
         values = {_BUFFERED: buffered}
@@ -329,16 +298,11 @@ class StageStats:
     # -- graph side: called inside a consumer's own step --------------------
 
     def record_fetch(self, element, accumulate=True):
-        """Records, in a step, the fetch that delivered `element`.
-
-        The fetch began when the previous step ended (`record_step_end`);
-        see `_fetch_figures`. An epoch's first fetch (marked negative by
-        `mark_request`) is not counted. Fails if the stage was closed.
-
-        `accumulate`: add the fetch's wait and fill to the counters here;
-        with False only the element is counted (see `report`). Returns the
-        fetch: `(mark, arrival time, counters before it)`.
-        """
+        """Records, in a step, the fetch that delivered `element` (begun as
+        the previous step ended; an epoch's first, marked negative by
+        `mark_request`, is not counted); fails once closed. Returns `(mark,
+        arrival time, counters before it)`. `accumulate`: add its wait and
+        fill here; with False only the element is counted (see `report`)."""
         leaves = tf.nest.flatten(element, expand_composites=True)
         check = self._open_check()
         timed = self._wait_clock()
@@ -357,11 +321,8 @@ class StageStats:
         return fetch
 
     def accumulate(self, fetch, count=False):
-        """Adds a fetch's wait and buffer fill to the counters, in the graph.
-
-        `fetch`: what `record_fetch` returned. `count`: also count the
-        element consumed and mark the fetch done.
-        """
+        """Adds the wait and fill of `fetch` (from `record_fetch`) in the
+        graph; `count`: also count it consumed and mark it done."""
         marked, arrived, counters = fetch
         if arrived is None:  # no clock: the fill only
             return self._record_fetch(counters, None, None, count=count)
@@ -386,9 +347,8 @@ class StageStats:
         )
 
     def report(self, fetch, end):
-        """A step's report for `take_report`: one float64 vector, from
-        `record_fetch(..., accumulate=False)` (or None) and
-        `record_step_end`."""
+        """A step's float64 report for `take_report`, from `record_step_end`
+        and `record_fetch(..., accumulate=False)` (or None)."""
         if fetch is None:
             return end
         marked, arrived, counters = fetch
@@ -411,12 +371,9 @@ class StageStats:
     # -- Python side ---------------------------------------------------------
 
     def take_report(self, values, called=None):
-        """Accumulates a step's `report` as `accumulate` does, in Python.
-
-        `called`: when the consumer's call began (`time.time()`), if the
-        fetch was the call's first. Returns the elements ready and not
-        consumed once the step was done (see `unconsumed`).
-        """
+        """Accumulates a step's `report` as `accumulate` does, in Python;
+        `called`: the call's start (`time.time()`) if the fetch was its
+        first. Returns the elements ready and not consumed after the step."""
         if len(values) == _REPORT_SIZE:
             self._take_fetch(values, called)
         return self._ready(values[-_SLOTS:])
@@ -461,22 +418,17 @@ class StageStats:
         return self._clocked and not clock_allowed()
 
     def count_taken(self, elements, buffered):
-        """Counts, in Python, the fetches of a call that did not record them
-        (its elements were buffered, so they did not wait).
-
-        `buffered`: the buffer fill to record for each of `elements`.
-        """
+        """Counts in Python the fetches a call did not record (buffered, so
+        they did not wait); `buffered`: the fill to record for each."""
         with self._lock:
             self._taken += elements
             self._reported_buffered += elements * buffered
             self._reported_peak = max(self._reported_peak, buffered)
 
     def mark_request(self, orphan=True):
-        """Starts the consumer's fetch clock now (at an epoch's start).
-
-        Elements not consumed so far were left in a dropped iterator's
-        buffer, unless `orphan=False` (one iterator runs the epochs).
-        """
+        """Starts the consumer's fetch clock (an epoch's start); elements not
+        consumed so far were left in a dropped iterator's buffer, unless
+        `orphan=False` (one iterator runs the epochs)."""
         self._fetch_start.assign(-time.time())  # negated: see `record_fetch`
         with self._lock:  # `snapshot` reads both sides at once
             taken, self._taken = self._taken, 0
@@ -543,8 +495,7 @@ class StageStats:
         return max(0.0, time.time() - started)
 
     def snapshot(self):
-        """Returns the counters as a dict of Python numbers (NaN: a time
-        the graphs last traced could not take)."""
+        """The counters, as Python numbers (NaN: a time no clock took)."""
         model = self._host_model
         if model is not None:
             model.sample(boundary=True)

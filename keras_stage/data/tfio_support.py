@@ -1,8 +1,7 @@
 """tensorflow-io support: a clear error where its ops do not load, and readers.
 
-Each tensorflow-io release's native ops fit one TensorFlow minor version.
-`require_tensorflow_io` and `explain_tfio_error` name the pairing that
-works; `read_parquet` and `read_hdf5` read files into datasets of dicts.
+Each tensorflow-io release's native ops fit one TensorFlow minor version:
+the errors name the pairing that works.
 """
 
 import functools
@@ -29,8 +28,7 @@ _FIX = (
     f"The working pairing is {WORKING_PAIRING}: build it with `make "
     f"venv-io` in a keras_stage checkout, or install it with `{_INSTALL}`."
 )
-# Signs in tfio's loader's or `load_op_library`'s error that tfio's shared
-# library did not load.
+# Signs in an error that tfio's shared library did not load.
 _LOAD_FAILURE_SIGNS = (
     "undefined symbol",
     "unable to open file",
@@ -98,8 +96,7 @@ def require_tensorflow_io():
 
     Raises:
         ImportError: If tensorflow-io is not installed or its ops do not
-            load; the message names the versions, the underlying error
-            and `WORKING_PAIRING`.
+            load, naming the versions, the error and `WORKING_PAIRING`.
 
     Example:
 
@@ -164,9 +161,8 @@ def _load_tensorflow_io():
 def explain_tfio_error(exc):
     """The clear message for an error from a tfio op that did not load.
 
-    The message `require_tensorflow_io` raises, if `exc` or an exception it
-    was raised from is tensorflow-io failing to load its native ops; else
-    `None`.
+    The message `require_tensorflow_io` raises if `exc`, or an exception it
+    was raised from, is tensorflow-io failing to load its ops; else `None`.
 
     Example:
 

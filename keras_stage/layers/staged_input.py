@@ -1,9 +1,4 @@
-"""`StagedInput`: the layer that marks a model's stage boundary.
-
-The layer owns the stage's options. In a staged run of a `keras_stage.Model`
-its data comes out of a stage built with them; everywhere else it is an
-identity, and trained where nothing stages it, it warns once.
-"""
+"""`StagedInput`: the layer that marks a model's stage boundary."""
 
 import logging
 import re
@@ -32,10 +27,8 @@ def _stage_name(layer_name):
 
 
 def warn_not_staged(layer, where):
-    """Warns once per layer that nothing stages `layer`; `where` says why.
-
-    Logged, not warned: a Python warning would point into Keras's step.
-    """
+    """Logs once per layer that nothing stages `layer` (`where` says why): a
+    Python warning would point into Keras's step."""
     if getattr(layer, "_not_staged_warned", False):
         return
     layer._not_staged_warned = True
@@ -121,8 +114,7 @@ class StagedInput(keras.layers.Layer):
         self.supports_masking = True
         self.built = True
 
-    # Set by the keras_stage model that stages the layer.
-    staged_by_model = False
+    staged_by_model = False  # set by the keras_stage model that stages it
 
     def call(self, inputs, training=None):
         # Only training is warned: inference and export are meant to pass.
@@ -161,20 +153,10 @@ class StagedInput(keras.layers.Layer):
         pool_start=None,
         **overrides,
     ):
-        """Stages `dataset` with this layer's options.
-
-        Args:
-            dataset: A `tf.data.Dataset`.
-            fn: The staged computation, or `None`. Defaults to `None`.
-            name: Stage name; defaults to the layer's name.
-            stats, distributed, unpacks, rebatch, cardinality,
-                consumer_records, per_copy, reads_in_python, pool_start:
-                See `keras_stage.data.staging.build_stage`.
-            **overrides: Options that differ from the layer's for this
-                stage (e.g. `service=None` to stage in this process).
-
-        Returns:
-            A `keras_stage.data.StagedDataset`.
+        """Stages `dataset` with this layer's options; returns the
+        `StagedDataset`. `name` defaults to the layer's; `overrides` are
+        options that differ for this stage (`service=None` stages in this
+        process); the rest are `keras_stage.data.staging.build_stage`'s.
         """
         config = self.stage_options.get_config()
         config["name"] = name or self.stage_options.name

@@ -1,11 +1,8 @@
 """SmartStage's planner: finds the longest prefix training does not change.
 
-`plan_model` stages every call whose inputs come from the stage and whose
-trace (`state_access.py`) touches no state training changes (trainable
-weights, variables assigned in training and what reads them), picks a
-transfer-aware cut along that prefix and explains each trunk layer.
-`StageSplit` turns the plan into a prefix model (run by the stage) and a
-trunk model (run by the train step) sharing the user's layers.
+`plan_model` stages each call whose trace (`state_access.py`) touches no
+state training changes and picks a transfer-aware cut; `StageSplit` makes
+the prefix (run by the stage) and trunk (run by the step) models.
 """
 
 import functools
@@ -29,12 +26,10 @@ from keras_stage.planner.state_access import (
     trace_access,
 )
 
-# How many times more bytes per example the longest prefix's cut may carry
-# than a shorter prefix's before the planner stages less (uint8 pixels
-# rescaled to float32 are exactly 4x and stay staged).
+# A longest cut this many times a shorter one's bytes per example stages
+# less (uint8 pixels rescaled to float32, exactly 4x, stay staged).
 CUT_INFLATION_LIMIT = 4
-# Nor below this many bytes per example at the longest cut: a small copy
-# costs less than moving layers into the step.
+# Nor below this many bytes per example: a small copy beats moving layers.
 CUT_INFLATION_MIN_BYTES = 1024
 
 
@@ -97,11 +92,8 @@ def _own_reason(layer, access, changing, seeds, backend):
 
 
 def _shares_safely(layer):
-    """Whether a layer's state may be read into a tf.data trace as constants.
-
-    True for Keras preprocessing layers, whose fixed state is rebuilt as new
-    objects when adapted again (see `_state_slots`).
-    """
+    """Whether a tf.data trace may read a layer's state as constants: true of
+    preprocessing layers, which replace it when adapted (`_state_slots`)."""
     if not getattr(layer, "variables", None):
         return True
     return type(layer).__module__.startswith("keras.src.layers.preprocessing")
@@ -149,21 +141,14 @@ def _kind(spec):
 
 
 def plan_model(model, boundary_layer=None, smart_stage=True, backend=None):
-    """Plans `model`; returns `(StagePlan, StageSplit or None)`.
+    """Plans built `model` from its `StagedInput` `boundary_layer` (None: its
+    inputs); returns `(StagePlan, StageSplit or None)`, no split when nothing
+    past the boundary can be staged or there is no functional graph.
 
-    Args:
-        model: A built keras_stage model.
-        boundary_layer: Its `StagedInput`, or None to stage from the model
-            inputs.
-        smart_stage: `True` for the transfer-aware cut (the longest prefix,
-            unless its cut inflates past `CUT_INFLATION_LIMIT`); `"longest"`
-            for the longest prefix always. Defaults to `True`.
-        backend: The backend of the model's steps (a
-            `keras_stage.models.backends.Backend`), which says what can run
-            in tf.data. Defaults to the model's own.
-
-    The split is None when nothing past the boundary can be staged, or
-    when the model has no functional graph (the plan's `note` says so).
+    `smart_stage`: `True` for the transfer-aware cut (the longest prefix
+    unless its cut inflates past `CUT_INFLATION_LIMIT`), `"longest"` for the
+    longest prefix always. `backend`: the steps' `Backend`, which says what
+    can run in tf.data (default: the model's).
 
     Example:
 
@@ -216,8 +201,7 @@ def plan_model(model, boundary_layer=None, smart_stage=True, backend=None):
     # Calls with trainable weights are in the trunk whatever they trace.
     untraced = [n for n in nodes if _has_trainable_weights(n.operation)]
     try:
-        # On another backend, calls that cannot run in TensorFlow go to
-        # the trunk instead of failing the plan.
+        # On another backend an untraceable call goes to the trunk.
         accesses, specs = trace_access(
             graph,
             nodes,
@@ -252,8 +236,7 @@ def plan_model(model, boundary_layer=None, smart_stage=True, backend=None):
             variables = getattr(layer, "variables", None) or []
             changing |= {id(v) for v in variables if id(v) not in seeds}
 
-    # An output on the cut that cannot cross the stage sends its node back
-    # to the trunk, and the plan is made again.
+    # A node whose cut output cannot cross goes to the trunk; plan again.
     held = {}
     assign = functools.partial(
         _assign, graph, nodes, accesses, boundary_layer, changing, seeds
@@ -321,11 +304,9 @@ def _unplanned(model, boundary_layer, note, reason):
 def _assign(
     graph, nodes, accesses, boundary_layer, changing, seeds, held, backend
 ):
-    """Splits `nodes` into staged and trunk, producers first.
-
-    `held` maps nodes kept in the trunk to the reason. Returns the staged
-    and trunk nodes, the reasons, and the ids of the staged tensors.
-    """
+    """Splits `nodes` (producers first) into staged and trunk; `held` maps
+    nodes kept in the trunk to the reason. Also returns the reasons and the
+    ids of the staged tensors."""
     available = {id(t) for t in graph.inputs}
     producer = {}
     staged_nodes, trunk_nodes = [], []
@@ -422,11 +403,8 @@ class _Candidate:
 def _candidate_cuts(
     graph, nodes, staged_nodes, accesses, boundary_layer, specs, names
 ):
-    """The valid cuts after each staged call, shortest prefix first.
-
-    Returns `(candidates, ordered)`: the staged nodes in the order the
-    prefixes grow, the `StagedInput` first.
-    """
+    """The valid cuts after each staged call, shortest prefix first, and the
+    staged nodes in the order the prefixes grow (the `StagedInput` first)."""
     base = [n for n in staged_nodes if n.operation is boundary_layer]
     ordered = base + [
         n for n in staged_nodes if n.operation is not boundary_layer
@@ -534,11 +512,8 @@ def _input_name(name, taken):
 
 
 def _state_slots(model):
-    """`(layer, attribute, value)` of tensors and resources layers hold.
-
-    A trace captures these by identity; preprocessing layers swap them when
-    re-adapted or loaded (checked by `_slots_hold`).
-    """
+    """`(layer, attribute, value)` of the tensors and resources a trace
+    captures by identity; a re-adapted or loaded layer swaps them."""
     found = []
     for layer in all_layers(model):
         for name, value in vars(layer).items():
@@ -547,16 +522,14 @@ def _state_slots(model):
     return found
 
 
-# Whether a value of each type is state a trace captures, decided once per
-# type (`keras.ops.is_tensor` is a slow Protocol check).
+# Per type, whether a trace captures it (`ops.is_tensor` is slow to ask).
 _STATE_TYPES = {}
 
 
 def _is_state(kind, value):
     known = _STATE_TYPES.get(kind)
     if known is None:
-        # keras.ops.is_tensor: another backend's arrays (JAX's), which a
-        # tf.data trace reads as constants.
+        # is_tensor: another backend's (JAX's) arrays, read as constants.
         known = isinstance(
             value, (tf.Tensor, tf.saved_model.experimental.TrackableResource)
         ) or (
@@ -572,10 +545,7 @@ def _slots_hold(slots):
 
 
 def _takes_training(layer):
-    """Whether `layer`'s own call can compute differently in training.
-
-    Models and StagedInput only pass `training` on.
-    """
+    """Whether `layer`'s own call can differ in training (not a mere relay)."""
     passes_on = (_compat.keras_functional_class().call, keras.Sequential.call)
     if isinstance(layer, StagedInput) or type(layer).call in passes_on:
         return False
@@ -583,17 +553,10 @@ def _takes_training(layer):
 
 
 class StageSplit:
-    """The two runnable halves of a planned model.
-
-    Attributes:
-        prefix: A functional model from the model inputs to the cut
-            tensors (a list), built on the user's own layers.
-        trunk: A functional model from the cut tensors to the model
-            outputs, calling the user's trunk layers again: training it
-            trains the model.
-        seed_states: Seed-state variables of the staged random layers.
-        backend: The backend of the model's steps (see `plan_model`).
-    """
+    """The two runnable halves of a planned model, on the user's own layers:
+    `prefix` from the model inputs to the cut tensors (a list), `trunk` from
+    them to the outputs (training it trains the model), and `seed_states`,
+    the seed-state variables of the staged random layers."""
 
     def __init__(
         self, graph, cut, specs, trunk_nodes, plan, staged_seeds, backend
@@ -654,18 +617,13 @@ class StageSplit:
 
     @property
     def ordinal(self):
-        """The count of elements numbered so far (a `tf.Variable`), or None.
-
-        Carries the count from one iterator to the next (see `number`).
-        """
+        """The count of elements numbered so far (a `tf.Variable`), or None."""
         return self._ordinal
 
     def number(self, dataset, writes=True):
-        """Tags each element with its ordinal, in data order, if seeds need it.
-
-        `writes`: whether each element's ordinal is written to `ordinal`
-        (not for an iterator run across calls, which sets it itself).
-        """
+        """Tags each element with its ordinal, in data order, if seeds need
+        it; `writes` also stores it in `ordinal` (not for an iterator run
+        across calls, which sets it itself)."""
         if self._ordinal is None:
             return dataset
         ordinal, unnumbered = self._ordinal, self.unnumbered
@@ -686,12 +644,9 @@ class StageSplit:
         return dataset.scan((False, tf.constant(0, tf.int64)), step)
 
     def stage_fn(self, training):
-        """The staged computation of one element of a `number`ed dataset.
-
-        Replaces `x` of Keras's `(x, y, sample_weight)` (or a bare `x`) by
-        the cut tensors. Traced afresh when a staged layer holds new state
-        objects (a re-adapted lookup's new table).
-        """
+        """The staged computation of an element of a `number`ed dataset: the
+        cut tensors replace `x` of Keras's `(x, y, sample_weight)` or a bare
+        `x`. Traced again when a staged layer holds new state objects."""
         key = self._trace_key(training)
         cached = self._stage_fns.get(key)
         if cached is not None and _slots_hold(cached[0]):
@@ -757,11 +712,8 @@ class StageSplit:
         return fn
 
     def _run_prefix(self, x, training):
-        """The cut tensors of `x`: the prefix model's call, in TensorFlow.
-
-        Another backend's Keras would convert graph tensors to its own
-        arrays, so there the prefix's calls are made one by one.
-        """
+        """The cut tensors of `x`, in TensorFlow; on another backend call by
+        call, as its Keras would convert graph tensors to its own arrays."""
         prefix = self.prefix
         if self.backend.native_tf:
             return prefix(x, training=training)
@@ -784,11 +736,8 @@ class StageSplit:
         return [values[id(t)] for t in prefix.outputs]
 
     def _seeded(self, ordinal):
-        """A scope giving each staged seed state the element's own seeds.
-
-        Each state is folded with the ordinal and given as a scope update
-        (`state_mapping` would convert the graph tensors to JAX arrays).
-        """
+        """A scope giving each staged seed state the element's own seeds, as
+        scope updates (`state_mapping` would make graph tensors JAX arrays)."""
         scope = keras.StatelessScope()
         for state in self.seed_states:
             base = tf.cast(state.value, tf.int64)

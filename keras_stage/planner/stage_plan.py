@@ -1,8 +1,5 @@
-"""`StagePlan`: what SmartStage stages in a model, and why the rest is not.
-
-The plan as users see it, and the table `Model.stage_summary()` prints;
-`planner.py` fills it in.
-"""
+"""`StagePlan`: what SmartStage stages in a model, and why the rest is not
+(`planner.py` fills it in, `Model.stage_summary()` prints it)."""
 
 import math
 import textwrap
@@ -88,11 +85,10 @@ class StagePlan:
         note: Why nothing could be planned, or `""`.
         layer_types: The class name of every planned layer, by name.
         cut_reason: Why the cut is where it is, or `""`.
-        candidate_cuts: The cuts the planner weighed, in topological
-            order: `(after_layer_name, bytes_per_example)` after each staged
-            call of the longest prefix; the first name is the `StagedInput`,
-            or `None` for the model inputs. Sizes are `None` when not
-            static.
+        candidate_cuts: The cuts weighed, `(after_layer_name,
+            bytes_per_example)` after each staged call of the longest
+            prefix, in order; the first name is the `StagedInput` or `None`
+            (the model inputs). A size is `None` when not static.
 
     Example:
 

@@ -1,10 +1,9 @@
 """Which state each layer call of a functional model reads and writes.
 
-The call nodes are traced once, in training mode, in one `tf.function`;
-each captured resource their ops touch is mapped back to its Keras variable
-(or lookup table) and each use classified as a read or a write, following
-nested functions. Anything unclassified counts as a write. The trace also
-gives every tensor's true dtype and shape.
+One training-mode trace of the call nodes maps each captured resource their
+ops touch to its Keras variable or table and classifies each use, through
+nested functions; anything unclassified is a write. The trace also gives
+every tensor's true dtype and shape.
 """
 
 import inspect
@@ -69,18 +68,10 @@ class TraceError(Exception):
 
 
 class NodeAccess:
-    """What one call node touched, found in the trace.
-
-    Attributes:
-        reads: Keras variables the call reads.
-        writes: Keras variables the call assigns.
-        table_writes: Whether it modifies a lookup table.
-        foreign: `(kind, op_type)` for each captured resource that is no
-            Keras variable of the model.
-        adds_loss: Whether the call added a loss.
-        outputs: The `tf.TypeSpec`s of the node's outputs.
-        failure: The `TraceError` of a failed call (`keep_going`), or None.
-    """
+    """What one call node touched, found in the trace: the Keras variables it
+    `reads` and `writes`, whether it writes a lookup table or `adds_loss`,
+    `(kind, op_type)` of each `foreign` resource (not a model variable), its
+    `outputs`' TypeSpecs, and the `TraceError` of a failed call."""
 
     def __init__(self):
         self.reads = []
@@ -203,16 +194,11 @@ def _resource_uses(op_consumers, library, tensor, depth=0):
 
 
 def trace_access(model, nodes, keep_going=False, skip=()):
-    """Traces `nodes` of `model` in training mode; returns their access.
-
-    `nodes`: its call nodes, producers first. `keep_going`: record a failed
-    call in its `NodeAccess` and trace on instead of raising `TraceError`.
-    `skip`: nodes not to call. Calls needing the outputs of either get no
-    access.
-
-    Returns:
-        `{node: NodeAccess}` for the nodes traced, and
-        `{id(KerasTensor): tf.TypeSpec}` for the tensors they made.
+    """Traces call `nodes` of `model` (producers first) in training mode;
+    returns `{node: NodeAccess}` of the nodes traced and `{id(KerasTensor):
+    tf.TypeSpec}` of the tensors they made. `keep_going`: record a failed
+    call in its `NodeAccess` and go on instead of raising `TraceError`;
+    `skip`: nodes not to call. Calls needing either's outputs get no access.
     """
     skip = set(skip)
     model_inputs = list(model.inputs)
@@ -269,7 +255,6 @@ def trace_access(model, nodes, keep_going=False, skip=()):
 
     handles = _variable_handles(model)
     internal_to_external = {id(i): e for e, i in graph.captures}
-    # The function definitions of the traced graph, by name.
     library = {
         f.signature.name: f for f in graph.as_graph_def().library.function
     }
@@ -344,11 +329,8 @@ def _clear_trace_losses(nodes):
 
 
 def seed_states(model):
-    """The state variables of the SeedGenerators of `model`'s layers.
-
-    Random layers (Dropout, GaussianNoise, Random* augmentation) assign
-    them on every call; they hold random state, not model state.
-    """
+    """The state variables of the SeedGenerators of `model`'s layers: random
+    state, not model state, that random layers assign on every call."""
     states = []
     for layer in all_layers(model):
         for value in vars(layer).values():
