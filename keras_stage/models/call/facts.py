@@ -33,11 +33,9 @@ logger = logging.getLogger("keras_stage")
 
 
 def may_skip_stage(layer):
-    """Whether skipping a call's stage changes nothing but its speed.
-
-    Exception policies and the tf.data service change what a call does;
-    the timeout guards reading, which in-memory data does not do.
-    """
+    """Whether skipping a call's stage changes nothing but its speed: not
+    under an exception policy or the tf.data service (the timeout guards
+    reading, which in-memory data does not do)."""
     options = layer.stage_options
     return (
         layer.adaptive
@@ -49,12 +47,10 @@ def may_skip_stage(layer):
 
 
 def stage_signature(model, smart_stage):
-    """What a model's stage costs depend on, as a hashable value.
-
-    The inputs, the layer classes in order, their non-trainable state
-    shapes and the `StagedInput` options; not trainable weights (a layer
-    training changes is never staged).
-    """
+    """What a model's stage costs depend on, as a hashable value: the
+    inputs, the layer classes in order, their non-trainable state shapes
+    and the `StagedInput` options; not trainable weights (a layer training
+    changes is never staged)."""
     parts = [type(model).__qualname__, repr(smart_stage)]
     try:
         inputs = keras.tree.flatten(model.inputs or [])

@@ -139,12 +139,9 @@ MESSAGES = {
 class Decision:
     """How a call runs: a `Kind` and the figures (seconds) it weighed.
 
-    Figures, where the kind weighed them: `batches`, `epochs`, `set_up`
-    (the stage's build and iterators, and a model's first plan and
-    traces), `saving` (staged steps against the whole model's, signed),
-    `owed` (tracing the whole model's step, were it unstaged), `starts`
-    (Keras starting its epochs unstaged) and `gain` (`saving + owed +
-    starts - set_up`).
+    Figures, where the kind weighed them: `batches`, `epochs`, `set_up`,
+    `saving`, `owed`, `starts` and `gain` (`saving + owed + starts -
+    set_up`), as `CallCosts.decide` weighs them (docs/design.md).
     """
 
     kind: Kind
@@ -416,9 +413,7 @@ _SHARED_BOUND = 64
 
 def shared_costs(signature):
     """The `CallCosts` of every model with stage signature `signature`."""
-    costs = _SHARED.pop(signature, None)
-    if costs is None:
-        costs = CallCosts()
+    costs = _SHARED.pop(signature, None) or CallCosts()
     _SHARED[signature] = costs
     while len(_SHARED) > _SHARED_BOUND:
         _SHARED.popitem(last=False)
