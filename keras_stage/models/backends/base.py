@@ -1,8 +1,5 @@
-"""`Backend`: what a staged call asks of the Keras backend it runs on.
-
-The base is also the backend of those keras_stage does not stage on
-(torch, numpy, openvino): it refuses their staged calls.
-"""
+"""`Backend`: what a staged call asks of the Keras backend it runs on; the
+base refuses the staged calls of the others (torch, numpy, openvino)."""
 
 import keras
 
@@ -13,8 +10,7 @@ from keras_stage.models.model_state import FUNCTIONS
 class Backend:
     """What a staged call does on one Keras backend.
 
-    A new backend is a subclass in this folder, named in
-    `backends.BACKENDS`. It implements:
+    A new backend subclasses it here, named in `backends.BACKENDS`, with:
 
     - Refusals: `check_supported(model, layer)`, `check_strategy(model)`,
       `check_exportable(model)`.
@@ -57,11 +53,8 @@ class Backend:
         """Raises a clear error for a fit under a strategy it cannot train."""
 
     def check_exportable(self, model):
-        """Raises a clear error for an export this backend cannot make.
-
-        Off TensorFlow, Keras exports through jax2tf, which fails deep
-        inside on string inputs.
-        """
+        """Raises a clear error for an export this backend cannot make (off
+        TensorFlow, Keras exports through jax2tf, which fails on strings)."""
         strings = [
             t.name
             for t in keras.tree.flatten(getattr(model, "inputs", None) or [])

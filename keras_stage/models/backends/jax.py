@@ -1,9 +1,6 @@
-"""`JaxBackend`: Keras's jitted steps take each batch from Python.
-
-Keras's JAX trainer reads the stage's eager iterator and puts each batch
-on the device itself: the stage's buffer stays on the host. The staged
-prefix runs in tf.data; the trunk is traced into the jitted step.
-"""
+"""`JaxBackend`: Keras's jitted steps, tracing the trunk, take each batch
+from Python, and its trainer puts each on the device itself, one ahead: the
+stage's buffer stays on the host."""
 
 import logging
 
@@ -25,7 +22,6 @@ class JaxBackend(Backend):
     # A string prefix cannot run unstaged: every call is staged.
     may_run_unstaged = False
     jit_by_default = True  # Keras's "auto" on JAX: jit what it can
-    # Keras's trainer copies each batch to the device itself, one ahead.
     uses_device_buffer = False
     pool_shrinks = False  # see `pool_start`
     unread_opens = 0  # Keras's generators open the dataset when first read
@@ -49,10 +45,8 @@ class JaxBackend(Backend):
         return False
 
     def host_arrays(self, data):
-        """`data` with NumPy string arrays as `tf.string` tensors.
-
-        Keras's array adapter on JAX rejects object arrays.
-        """
+        """`data` with NumPy string arrays as `tf.string` tensors: Keras's
+        array adapter on JAX rejects object arrays."""
         if data is None:
             return data
 
@@ -67,21 +61,16 @@ class JaxBackend(Backend):
         return keras.tree.map_structure(convert, data)
 
     def feed(self, data, phase):
-        """The stage's eager dataset, as Keras's trainer is to read it.
-
-        Across processes the source is this process's shard already: it
-        goes in an adapter Keras does not shard again.
-        """
+        """The stage's eager dataset; across processes, this process's
+        shard already, in an adapter Keras does not shard again."""
         if not _across_processes():
             return data.eager_dataset
         return _compat.distributed_dataset_adapter(data.eager_dataset)
 
     def build(self, model, data, phase):
-        """Builds the model's metrics from the stage's specs, not a batch.
-
-        No staged iterator starts for Keras's first read, whose draw from
-        the source is made all the same (the epochs keep their orders).
-        """
+        """Builds the model's metrics from the stage's specs, not a batch:
+        no staged iterator starts for Keras's first read, whose draw from
+        the source is made all the same (the epochs keep their orders)."""
         if not _compat.builds_from_data(model):
             return
         if not data.defers and data.source is not None:
@@ -94,7 +83,7 @@ class JaxBackend(Backend):
 
         Under an auto-sharding `keras.distribution` across processes, Keras
         rebatches each global batch and tf.data loses the length: a shard
-        has the dataset's batch count. None otherwise, or if unknown.
+        has the dataset's batch count.
         """
         if not isinstance(dataset, tf.data.Dataset) or not _across_processes():
             return None
@@ -104,11 +93,9 @@ class JaxBackend(Backend):
         return batches if batches >= 0 else None
 
     def pool_start(self, options):
-        """The threads a stage's adaptive pool starts with: the cores.
-
-        Steps dispatched ahead make the waits swing between epochs, and a
-        resize restarts the stage: the pool only grows (docs/jax.md).
-        """
+        """The adaptive pool starts at the cores and only grows: steps
+        dispatched ahead make the waits swing between epochs, and a resize
+        restarts the stage (docs/jax.md)."""
         return options.smallest_pool_size()
 
     def narrows_int64(self):

@@ -1,8 +1,5 @@
-"""`TensorFlowBackend`: Keras's compiled steps read the stage in their graph.
-
-Their guard and recording are `tensorflow_steps.py`'s; predict batches
-Keras reads in Python.
-"""
+"""`TensorFlowBackend`: Keras's compiled steps read the stage in their graph
+(guarded and recorded by `tensorflow_steps.py`); predict's, in Python."""
 
 import tensorflow as tf
 
@@ -28,10 +25,7 @@ class TensorFlowBackend(Backend):
         pass
 
     def check_strategy(self, model):
-        """Refuses a fit over several workers, which Keras 3 cannot train.
-
-        keras-team/keras#20585: a plain `keras.Model` fails there too.
-        """
+        """Refuses a fit over several workers, which Keras 3 cannot train."""
         workers = worker_count(model.distribute_strategy)
         if workers > 1:
             raise NotImplementedError(
@@ -82,12 +76,9 @@ class TensorFlowBackend(Backend):
         return pipeline
 
     def build(self, model, data, phase):
-        """Builds what the first step's trace would create variables for.
-
-        A `tf.function` creating variables in its first trace is traced
-        twice. Under a strategy Keras builds from a batch, which with
-        SmartStage holds the cut tensors: built from specs instead.
-        """
+        """Builds what the first step's trace would create variables for,
+        which would trace it twice. Under a strategy Keras builds from a
+        batch, which with SmartStage holds the cut tensors: from specs."""
         if data.element_spec is None:
             return
         strategy = model.distribute_strategy
@@ -116,13 +107,10 @@ class TensorFlowBackend(Backend):
 
 
 def _build_from_specs(model, data, phase):
-    """`_compat.symbolic_build` from the cheapest specs that build it all.
-
-    With every layer built and a split, from the cut tensors through the
-    trunk, as the staged step calls it (the staged layers are not traced
-    again); otherwise (an unbuilt layer, a packed or non-dense cut) from
-    the raw data's specs through the whole model.
-    """
+    """`_compat.symbolic_build` from the cheapest specs that build it all:
+    with every layer built and a split's cut dense and unpacked, the cut
+    tensors through the trunk (the staged layers are not traced again),
+    else the raw data's through the whole model."""
     staged_spec = data.staged.element_spec
     if (
         data.split is not None
@@ -140,11 +128,8 @@ def _build_from_specs(model, data, phase):
 
 
 def default_strategy(strategy):
-    """Whether Keras iterates with the default strategy (no distribution).
-
-    Under any other, Keras makes its iterators from the dataset's graph,
-    not through `__iter__`.
-    """
+    """Whether Keras iterates with the default strategy (no distribution);
+    under any other, it makes iterators from the graph, not `__iter__`."""
     return strategy is None or (
         not tf.distribute.has_strategy()
         and strategy is tf.distribute.get_strategy()
@@ -157,8 +142,7 @@ def worker_count(strategy):
     if resolver is None:
         return 1
     spec = resolver.cluster_spec()
-    jobs = spec.jobs
     count = sum(
-        spec.num_tasks(job) for job in ("chief", "worker") if job in jobs
+        spec.num_tasks(job) for job in ("chief", "worker") if job in spec.jobs
     )
     return max(count, 1)

@@ -1,10 +1,7 @@
 """The compiled steps of a staged call: Keras's steps, guarded and recorded.
 
-`TensorFlowBackend`'s helper: `guard` wraps a compiled step with its
-phase's stage runner, `recorded_step` makes the step record its own
-fetches (`UnrecordedStep`: a twin without them for buffered batches), and
-`unpacked` / `calling_trunk` make it unpack the stage's elements and run
-the SmartStage trunk (`calling_trunk` on every backend).
+`TensorFlowBackend`'s helper; `calling_trunk` (the SmartStage trunk in a
+step's trace) serves every backend.
 """
 
 import contextlib
@@ -25,11 +22,8 @@ from keras_stage.models.model_state import state as _state
 
 
 def guard(model, phase, function):
-    """Wraps a compiled Keras step with the stage runner of `phase`.
-
-    A call whose steps the host times (`StagingState.step_clocks`) is timed
-    step by step.
-    """
+    """Wraps a compiled Keras step with the stage runner of `phase`, timing
+    each step where the host times them (`StepBindings.step_clocks`)."""
     unrecorded = UnrecordedStep(model, phase)
     unstaged_ran = []  # whether this step ran unstaged yet (its first traces)
 
@@ -82,8 +76,7 @@ def guard(model, phase, function):
                 if first:
                     seconds = time.perf_counter() - started
                     unrecorded.note_first_call(seconds)
-                    # As the whole model's first call above, with the wait
-                    # for the stage's first batch.
+                    # As the whole model's first call, with the first wait.
                     learned(model).traces.append((phase, "step_call", seconds))
                 if report is not None:
                     values = report.numpy().tolist()
@@ -106,12 +99,9 @@ def guard(model, phase, function):
 
 
 def build_optimizer(model):
-    """Builds `model`'s optimizer before its train step is first traced.
-
+    """Builds `model`'s optimizer before its train step is first traced:
     Keras builds it inside the first trace without a strategy, and a
-    `tf.function` whose first trace creates variables is traced twice. A
-    model with a layer not built yet is left to Keras.
-    """
+    `tf.function` whose first trace creates variables is traced twice."""
     optimizer = getattr(model, "optimizer", None)
     if (
         optimizer is None
@@ -135,7 +125,7 @@ def track_iterator(bound, phase, iterator):
     A resumed epoch (`DataBackup`) holds only the batches after its saved
     position, where Keras counts the whole epoch: their count, when known,
     ends it (`resumed_epoch_ended`), then `reopen()` makes the iterator
-    Keras makes after an epoch it stepped through.
+    Keras makes after a full epoch.
     """
     pending = bound.pending_restores.pop(phase, None)
     if pending is not None:
@@ -147,20 +137,14 @@ def track_iterator(bound, phase, iterator):
         bound.iterators.pop(phase, None)
         return
     if pending is not None and left is not None:
-        bound.resumed_left[phase] = [
-            bound.iterators[phase],
-            left,
-            reopen,
-        ]
+        bound.resumed_left[phase] = [bound.iterators[phase], left, reopen]
 
 
 def resumed_epoch_ended(bound, phase, iterator, batches):
-    """Whether a resumed epoch's data is all read (see `track_iterator`).
-
-    Counts down the call's `batches` otherwise. Keras's extra call would
-    fail at the end of the data yet count an optimizer iteration, which a
-    run never stopped does not make.
-    """
+    """Whether a resumed epoch's data is all read (see `track_iterator`);
+    counts down the call's `batches` otherwise. Keras's extra call, failing
+    at the end of the data, would count an optimizer iteration that a run
+    never stopped does not make."""
     left = bound.resumed_left.get(phase)
     if left is None or left[0]() is not iterator:
         bound.resumed_left.pop(phase, None)
@@ -173,24 +157,22 @@ def resumed_epoch_ended(bound, phase, iterator, batches):
     return False
 
 
-# The most step times of one call the host keeps (`decision.calls` takes
-# their median).
+# The most step times of one call the host keeps (for their median).
 TIMED_STEPS_KEPT = 1024
 # The fewest recorded calls before the unrecorded twin is traced: a second
 # trace pays for itself only over many steps.
 UNRECORDED_AFTER = 100
-# An estimate of what the recording adds to a step, in seconds: the twin
-# is traced once the recorded steps would have paid its trace at this rate.
+# About what the recording adds to a step, in seconds: the twin is traced
+# once the recorded steps would have paid its trace at this rate.
 RECORDING_SECONDS = 50e-6
 
 
 class UnrecordedStep:
     """`phase`'s compiled step without the fetch recording, made on demand.
 
-    The recording lengthens every call of the step; a batch known to be
-    buffered has no wait to measure, so the runner runs this twin instead
-    (`StageRunner.call`'s `ready_fn`). Only for keras_stage's own steps at
-    one batch per call, whose fetches the guard counts in Python.
+    A batch known to be buffered has no wait to measure: the runner runs
+    this twin instead (`StageRunner.call`'s `ready_fn`), for keras_stage's
+    own steps at one batch per call (docs/engine.md).
     """
 
     def __init__(self, model, phase):
@@ -202,11 +184,8 @@ class UnrecordedStep:
         self.first_call_noted = False
 
     def note_first_call(self, seconds):
-        """Notes the recorded step's first call, which traced it.
-
-        The twin's trace costs about as much: it waits for as many recorded
-        calls as would cost that (`RECORDING_SECONDS`).
-        """
+        """Notes the recorded step's first call (its trace): the twin's
+        trace waits for recorded calls that cost as much."""
         self.first_call_noted = True
         self._after = max(UNRECORDED_AFTER, int(seconds / RECORDING_SECONDS))
 
@@ -243,9 +222,9 @@ class UnrecordedStep:
 def make_unrecorded(model, phase):
     """`phase`'s step on an iterator's next batch, compiled unrecorded.
 
-    Keras's compiled step at `steps_per_execution=1`, one replica, no XLA,
-    without its end-of-data Optional (two eager ops a call): the twin runs
-    on buffered batches only; at the end of the data `get_next` raises.
+    Keras's compiled step at one batch per call on one replica, without
+    its end-of-data Optional (two eager ops a call): on buffered batches
+    only; at the end of the data `get_next` raises.
     """
     step = getattr(model, f"{phase}_step")
     strategy = model.distribute_strategy
@@ -270,11 +249,8 @@ def make_unrecorded(model, phase):
 
 
 def step_stats(model, layer, phase):
-    """The stats `phase`'s compiled step records in, or None.
-
-    None where the step cannot take timestamps (XLA, several replicas):
-    those stages count the fetch in the pipeline.
-    """
+    """The stats `phase`'s compiled step records in, or None where it
+    cannot take timestamps (XLA, several replicas): the pipeline counts."""
     state = _state(model)
     if (
         state.requested_jit is True
@@ -283,8 +259,7 @@ def step_stats(model, layer, phase):
     ):
         return None
     stats = state.steps.step_stats.get(phase)
-    # Closed stats, or a clock op determinism now refuses: the traced
-    # step would fail.
+    # A traced step fails on closed stats or a clock op determinism refuses.
     if stats is None or stats.closed or stats.clock_refused:
         if stats is not None:
             # The traced step still records in the closed stats.
@@ -301,17 +276,15 @@ REPORT_KEY = "_keras_stage_report"
 def recorded_step(model, phase, step, data):
     """Runs `step(data)`, recording its fetch where `phase` records.
 
-    keras_stage's own step returns its stage's report in its logs
-    (`REPORT_KEY`) for the guard to accumulate in Python. A subclass's step
-    may drop the key, and a call of several steps hands out only the last
-    one's outputs: those accumulate their fetches in the graph.
+    keras_stage's own step returns its report in its logs (`REPORT_KEY`)
+    for the guard to accumulate in Python. A subclass's step may drop the
+    key, and a call of several steps hands out only the last one's
+    outputs: those accumulate in the graph.
     """
     state = _state(model)
     stats = state.bound.recording.get(phase)
-    if stats is None:
-        return step(data)
-    if getattr(state.steps.local, "unrecorded", False):
-        return step(data)  # its batch was buffered: see `UnrecordedStep`
+    if stats is None or getattr(state.steps.local, "unrecorded", False):
+        return step(data)  # unrecorded: a buffered batch (`UnrecordedStep`)
     fetch = stats.record_fetch(data, accumulate=False)
     outputs = step(data)
     end = stats.record_step_end(outputs)
@@ -377,10 +350,8 @@ def trunk(model):
 
 
 def call_model(model, call, inputs, **kwargs):
-    """`call(inputs, **kwargs)`, or the trunk's call while a step traces it.
-
-    The stage hands a cut of one tensor bare; the trunk takes a list.
-    """
+    """`call(inputs, **kwargs)`, or the trunk's call while a step traces it
+    (the stage hands a cut of one tensor bare; the trunk takes a list)."""
     split_trunk = trunk(model)
     if split_trunk is None:
         return call(inputs, **kwargs)

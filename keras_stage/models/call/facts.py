@@ -1,7 +1,7 @@
 """What a call's decision to stage is decided from, read off the model.
 
 `stages` and `fit_stages` hand the policy (`decision/calls.py`) a call's
-`CallFacts`, then keep and log the `Decision` it takes.
+`CallFacts`, then keep and log its `Decision`.
 """
 
 import logging
@@ -33,11 +33,9 @@ logger = logging.getLogger("keras_stage")
 
 
 def may_skip_stage(layer):
-    """Whether skipping a call's stage changes nothing but its speed.
-
-    Exception policies and the tf.data service change what a call does;
-    the timeout guards reading, which in-memory data does not do.
-    """
+    """Whether skipping a call's stage changes nothing but its speed: not
+    under an exception policy or the tf.data service (the timeout guards
+    reading, which in-memory data does not do)."""
     options = layer.stage_options
     return (
         layer.adaptive
@@ -49,12 +47,10 @@ def may_skip_stage(layer):
 
 
 def stage_signature(model, smart_stage):
-    """What a model's stage costs depend on, as a hashable value.
-
-    The inputs, the layer classes in order, their non-trainable state
-    shapes and the `StagedInput` options; not trainable weights (a layer
-    training changes is never staged).
-    """
+    """What a model's stage costs depend on, as a hashable value: the
+    inputs, the layer classes in order, their non-trainable state shapes
+    and the `StagedInput` options; not trainable weights (a layer training
+    changes is never staged)."""
     parts = [type(model).__qualname__, repr(smart_stage)]
     try:
         inputs = keras.tree.flatten(model.inputs or [])
@@ -89,16 +85,13 @@ def costs(model):
 
 def traces_whole_step(model, phase):
     """Whether an unstaged `phase` call of `model` would trace its step."""
-    return (phase, UNSTAGED_STEPS) not in model_state(
-        model
-    ).steps.staged_functions
+    steps = model_state(model).steps.staged_functions
+    return (phase, UNSTAGED_STEPS) not in steps
 
 
 class CallFacts:
-    """What the policy decides a call of `phase` from (`calls.decide`,
-    `CallCosts.decide` say what each fact is).
-
-    Each fact is read off the model when the policy asks for it: a rule
+    """What the policy decides a call of `phase` from (`CallCosts.decide`
+    says what each fact is), each read when the policy asks for it: a rule
     that decides early spares the later ones (`random_prefix` may plan).
     """
 
@@ -106,6 +99,7 @@ class CallFacts:
         self, model, layer, phase, batches, iterators, x, unstaged_epochs=0
     ):
         self._model = model
+        self._state = model_state(model)
         self._layer = layer
         self._x = x
         self.phase = phase
@@ -135,17 +129,14 @@ class CallFacts:
 
     @property
     def jit_compile(self):
-        state = model_state(self._model)
-        return state.smart_stage and state.requested_jit is True
+        return self._state.smart_stage and self._state.requested_jit is True
 
     @property
     def random_prefix(self):
-        """Whether a training call stages random layers (Dropout, noise...),
-        which draw from the stage's seeds: unstaged they would draw others."""
-        state = model_state(self._model)
-        if self.phase != "train" or not state.smart_stage:
+        """Whether a training call stages random layers (Dropout, noise)."""
+        if self.phase != "train" or not self._state.smart_stage:
             return False
-        if state.plan is None and not seed_states(self._model):
+        if self._state.plan is None and not seed_states(self._model):
             return False
         split = self._model._stage_plan()[1]
         return split is not None and bool(split.seed_states)
@@ -156,23 +147,20 @@ class CallFacts:
 
     @property
     def plans(self):
-        state = model_state(self._model)
-        return bool(state.smart_stage) and state.plan is None
+        return bool(self._state.smart_stage) and self._state.plan is None
 
     @property
     def traces(self):
-        state = model_state(self._model)
-        if not state.smart_stage:
+        if not self._state.smart_stage:
             return False
-        if state.plan is None:
+        if self._state.plan is None:
             return True
-        split = state.split
+        split = self._state.split
         return split is not None and not split.traced(self.phase == "train")
 
     @property
     def owed(self):
-        """Nothing once the model traced its whole step, else about what
-        tracing it costs."""
+        """About what tracing the whole step costs, if not traced yet."""
         if not traces_whole_step(self._model, self.phase):
             return 0.0
         return self.costs.whole_trace(self.phase)
@@ -180,7 +168,7 @@ class CallFacts:
     @property
     def compiles(self):
         """Whether the model keeps no compiled staged step of the phase."""
-        steps = model_state(self._model).steps.staged_functions
+        steps = self._state.steps.staged_functions
         return not any(
             key[0] == self.phase and key[1] != UNSTAGED_STEPS and f is not None
             for key, f in steps.items()
@@ -191,8 +179,7 @@ def stages(model, layer, phase, batches, iterators=1, x=None):
     """Whether a call of `phase` reading `batches` batches is staged.
 
     `batches`: None when not from in-memory data (`call_batches`); `x`:
-    the call's data, for the message. The decision is logged and kept in
-    `Learned.decisions[phase]` for the verdict.
+    the call's data, for the message.
     """
     decision = decide(CallFacts(model, layer, phase, batches, iterators, x))
     _keep(model, phase, decision)
@@ -200,7 +187,7 @@ def stages(model, layer, phase, batches, iterators=1, x=None):
 
 
 def _keep(model, phase, decision):
-    """Keeps and logs the `Decision` taken on a call of `phase`."""
+    """Logs the `Decision` on a call of `phase`, kept for the verdict."""
     learned(model).decisions[phase] = decision
     if decision.first_call:
         # Once: a loop of short calls stages its next one and measures it.

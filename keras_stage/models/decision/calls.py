@@ -1,10 +1,8 @@
 """The staging policy: whether a call runs staged, from its facts and costs.
 
-`decide(facts)` takes what a call is decided from (`call/facts.py`) and the
-costs measured per phase on models of its stage (`CallCosts`, shared by
-stage signature). A `Decision` is a `Kind` and the signed figures it
-weighed; its message is `MESSAGES[kind]`. docs/design.md ("How a call is
-decided") has the rules and the regime each serves.
+`decide(facts)` weighs a call's facts (`call/facts.py`) and the costs
+measured on models of its stage (`CallCosts`, shared by stage signature).
+docs/design.md ("How a call is decided") has the rules.
 """
 
 import collections
@@ -14,10 +12,9 @@ import statistics
 
 # The fewest warm steps (after a call's first) whose median is noted.
 MIN_TIMED_STEPS = 4
-# The most of a call's staged step time a trial's trace of the whole
-# model's step may cost.
+# The most of a call's staged step time the trial's trace may cost.
 TRACE_SHARE = 0.1
-# The staged calls of a phase after which its trial runs whatever the
+# The staged calls of a phase after which its trial runs whatever its
 # trace costs: calls that repeat repay it.
 LOOP_CALLS = 3
 # The most in-memory batches a first call (nothing measured yet) may read
@@ -142,12 +139,9 @@ MESSAGES = {
 class Decision:
     """How a call runs: a `Kind` and the figures (seconds) it weighed.
 
-    Figures, where the kind weighed them: `batches`, `epochs`, `set_up`
-    (the stage's build and iterators, and a model's first plan and
-    traces), `saving` (staged steps against the whole model's, signed),
-    `owed` (tracing the whole model's step, were it unstaged), `starts`
-    (Keras starting its epochs unstaged) and `gain` (`saving + owed +
-    starts - set_up`).
+    Figures, where the kind weighed them: `batches`, `epochs`, `set_up`,
+    `saving`, `owed`, `starts` and `gain` (`saving + owed + starts -
+    set_up`), as `CallCosts.decide` weighs them (docs/design.md).
     """
 
     kind: Kind
@@ -175,6 +169,23 @@ class Decision:
         return MESSAGES[self.kind](self.figures)
 
 
+class _Median:
+    """A `PhaseCosts` figure: the median of its samples noted under `key`,
+    else `default` (a value, or another `_Median` to fall back on)."""
+
+    def __init__(self, key, default=None):
+        self.key = key
+        self.default = default
+
+    def __get__(self, costs, owner=None):
+        samples = costs._samples[self.key]
+        if samples:
+            return statistics.median(samples)
+        if isinstance(self.default, _Median):
+            return self.default.__get__(costs)
+        return self.default
+
+
 class PhaseCosts:
     """What staging one phase (train, test, predict) costs on a model.
 
@@ -183,22 +194,24 @@ class PhaseCosts:
     """
 
     SAMPLES = 5
+    # Seconds to build a stage and to make one iterator of it.
+    build_seconds = _Median("build")
+    iterator_seconds = _Median("iterator")
+    # Keras starting and ending an unstaged fit's epoch: it makes each
+    # epoch's iterator, a long-lived stage one in all.
+    epoch_start_seconds = _Median("epoch_start")
+    # The first call of the whole model's step (trace, graph set-up, one
+    # step), and the trunk's step's Python while traced.
+    unstaged_trace_seconds = _Median("whole_trace")
+    step_trace_seconds = _Median("step_trace", 0.0)
+    # The first call of the trunk's step, or its Python's trace.
+    step_call_seconds = _Median("step_call", step_trace_seconds)
 
     def __init__(self):
-        # Seconds to build a stage, to make one iterator of it, of the
-        # first call of the whole model's step and of the trunk's (trace,
-        # graph set-up, one step), of the trunk's step's Python while
-        # traced, and of Keras starting and ending an unstaged epoch.
         self._samples = {
-            key: collections.deque(maxlen=self.SAMPLES)
-            for key in (
-                "build",
-                "iterator",
-                "whole_trace",
-                "step_call",
-                "step_trace",
-                "epoch_start",
-            )
+            figure.key: collections.deque(maxlen=self.SAMPLES)
+            for figure in vars(PhaseCosts).values()
+            if isinstance(figure, _Median)
         }
         # Staged work per batch (None: not measured, e.g. under op
         # determinism where tf.data's model cannot be read).
@@ -212,39 +225,8 @@ class PhaseCosts:
         self.first_call_skipped = False  # see `FIRST_CALL_BATCHES`
         self.staged_calls = 0  # see `LOOP_CALLS`
 
-    def _median(self, key, default=None):
-        samples = self._samples[key]
-        return statistics.median(samples) if samples else default
-
-    @property
-    def build_seconds(self):
-        return self._median("build")
-
-    @property
-    def iterator_seconds(self):
-        return self._median("iterator")
-
-    @property
-    def epoch_start_seconds(self):
-        """Seconds an unstaged fit's epoch takes to start and end, or None:
-        Keras makes each epoch's iterator, a long-lived stage one in all."""
-        return self._median("epoch_start")
-
-    @property
-    def unstaged_trace_seconds(self):
-        return self._median("whole_trace")
-
-    @property
-    def step_trace_seconds(self):
-        return self._median("step_trace", 0.0)
-
-    @property
-    def step_call_seconds(self):
-        """The trunk's step's first call, or its Python's trace (0)."""
-        return self._median("step_call", self.step_trace_seconds)
-
     def note(self, **seconds):
-        """Notes seconds under the keys of `_samples`."""
+        """Notes seconds under the `key`s of the `_Median` figures."""
         for key, value in seconds.items():
             self._samples[key].append(value)
 
@@ -255,12 +237,12 @@ class PhaseCosts:
         kinds of steps, so does the whole model's step less the staged
         one, below zero where the stage's threads slow the trunk.
         """
-        steps = None
-        if self.staged_step_seconds is not None:
-            if self.unstaged_step_seconds is not None:
-                steps = self.unstaged_step_seconds - self.staged_step_seconds
-        if self.batch_seconds is None or steps is None:
-            return self.batch_seconds if steps is None else steps
+        staged, unstaged = self.staged_step_seconds, self.unstaged_step_seconds
+        if staged is None or unstaged is None:
+            return self.batch_seconds
+        steps = unstaged - staged
+        if self.batch_seconds is None:
+            return steps
         return min(steps, self.batch_seconds)
 
     def measured(self):
@@ -282,12 +264,6 @@ class PhaseCosts:
     def saving(self, batches):
         """What staging `batches` batches saves, signed, in seconds."""
         return max(batches - 1, 0) * self.batch_saving()
-
-    def step_seconds(self, batches):
-        """What `batches` warm staged steps take, or None if not timed."""
-        if self.staged_step_seconds is None:
-            return None
-        return batches * self.staged_step_seconds
 
     def cost(self, iterators):
         """What a call making `iterators` iterators pays for its stage."""
@@ -350,12 +326,9 @@ class CallCosts:
         return costs
 
     def whole_trace(self, phase):
-        """About what tracing the whole model's `phase` step costs.
-
-        As an unstaged call measured it; before that, the prefix's trace
-        and the trunk's step's first call (the whole step sets up a graph
-        of both; its trace alone would leave that set-up out).
-        """
+        """About what tracing the whole model's `phase` step costs: as an
+        unstaged call measured it, else the prefix's trace and the trunk's
+        step's first call (which includes the graph set-up a trace omits)."""
         costs = self.measured_like(phase)
         if costs.unstaged_trace_seconds is not None:
             return costs.unstaged_trace_seconds
@@ -398,17 +371,16 @@ class CallCosts:
             return Decision(Kind.ONE_BATCH, {"batches": batches})
         costs = self.phase(phase)
         if costs.trial_due() and (
-            owed <= TRACE_SHARE * costs.step_seconds(batches)
+            owed <= TRACE_SHARE * (batches * costs.staged_step_seconds)
             or costs.staged_calls >= LOOP_CALLS
         ):
             return Decision(Kind.TRIAL, {"batches": batches, "owed": owed})
         costs = self.measured_like(phase)
         if not costs.measured():
-            first = self.phase(phase)
             if (
                 (costs.build_seconds is None or costs.iterator_seconds is None)
                 and batches <= FIRST_CALL_BATCHES
-                and not first.first_call_skipped
+                and not self.phase(phase).first_call_skipped
             ):
                 return Decision(Kind.FIRST_CALL, {"batches": batches})
             return Decision(Kind.UNMEASURED, {"batches": batches})
@@ -433,17 +405,15 @@ class CallCosts:
         )
 
 
-# The costs measured per stage signature (`call.facts.stage_signature`) in
-# this process, the least recently used dropped beyond the bound.
+# The costs per stage signature (`call.facts.stage_signature`), the least
+# recently used dropped beyond the bound.
 _SHARED = collections.OrderedDict()
 _SHARED_BOUND = 64
 
 
 def shared_costs(signature):
     """The `CallCosts` of every model with stage signature `signature`."""
-    costs = _SHARED.pop(signature, None)
-    if costs is None:
-        costs = CallCosts()
+    costs = _SHARED.pop(signature, None) or CallCosts()
     _SHARED[signature] = costs
     while len(_SHARED) > _SHARED_BOUND:
         _SHARED.popitem(last=False)
@@ -456,9 +426,8 @@ def forget_shared_costs():
 
 
 def decide(facts):
-    """The `Decision` on a call, from its `facts` (`call.facts.CallFacts`):
-    the rules in order, each reading only the facts it needs (`batches`
-    None: not in-memory data), then the measured `costs` weigh the rest."""
+    """The `Decision` on a call from its `call.facts.CallFacts`: the rules
+    in order, each reading only the facts it needs, then `facts.costs`."""
     if not facts.skippable:
         return Decision(Kind.BY_REQUEST)
     if facts.batches is None:

@@ -1,19 +1,15 @@
-"""What a model's calls taught the staging policy, until it is compiled.
-
-The policy's part of a model's state: the measured costs of its stage
-(shared with models of the same stage), the steps traced since its last
-call, and its last decision per phase. `StagingState` holds one
-`Learned`; compile drops it.
-"""
+"""What a model's calls taught the staging policy, until it is compiled
+(`StagingState.learned`: compile drops it)."""
 
 from keras_stage.models.model_state import state as model_state
 
 
 class Learned:
-    """The policy's record of one model (see the module docstring)."""
+    """The policy's record of one model."""
 
     def __init__(self):
-        # The `calls.CallCosts` of its stage, looked up on first use.
+        # The `calls.CallCosts` of its stage (shared by models of the same
+        # stage), looked up on first use.
         self.costs = None
         # `(phase, kind, seconds)` of each step traced since the last call
         # ended: "whole_trace", "step_call" or "step_trace".
