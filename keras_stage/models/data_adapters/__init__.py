@@ -34,11 +34,9 @@ def stage_data(layer, phase, x, y=None, sample_weight=None, **kwargs):
             to the running backend's, `role` to `phase`.
     """
     kwargs.update(y=y, sample_weight=sample_weight)
-    kwargs.setdefault("backend", None)
-    kwargs.setdefault("role", None)
-    if kwargs["backend"] is None:
+    if kwargs.get("backend") is None:
         kwargs["backend"] = backends.get()
-    if kwargs["role"] is None:
+    if kwargs.get("role") is None:
         kwargs["role"] = phase
     if isinstance(x, StagedDataset):
         return datasets.stage_staged(StageRequest(layer, phase, x, **kwargs))

@@ -22,14 +22,11 @@ _KERAS_DEFAULT_BATCH_SIZE = 32
 
 def batch_count(x, batch_size, steps):
     """The batch count of a call on in-memory arrays, or None."""
-    if steps is not None:
-        return steps if in_memory(x) else None
     if not in_memory(x):
         return None
-    leaves = _leaves(x)
-    if not leaves:
-        return None
-    rows = len(leaves[0])
+    if steps is not None:
+        return steps
+    rows = len(_leaves(x)[0])
     return math.ceil(rows / (batch_size or _KERAS_DEFAULT_BATCH_SIZE))
 
 
@@ -55,11 +52,10 @@ def _is_tensor(value):
 
 
 class ArrayBatches:
-    """Keras's batches of in-memory arrays: index batches and a gather.
+    """Keras's batches of in-memory arrays: `indices.map(gather)`.
 
-    The batches are `indices.map(gather)`. A stage with work of its own
-    runs `gather` in its own map, on the index batches (one map and one
-    buffer fewer).
+    A stage with work of its own runs `gather` in its own map, on the index
+    batches (one map and one buffer fewer).
 
     Attributes:
         indices: The row indices of each batch, in the order Keras's
@@ -113,10 +109,8 @@ class ArrayBatches:
 
 
 def array_batches(adapter, shuffle):
-    """The `ArrayBatches` of `adapter`'s arrays, or None.
-
-    The same elements as `adapter.get_tf_dataset()` in the same order, with
-    the options Keras sets on its dataset.
+    """The `ArrayBatches` of `adapter`'s arrays: the elements of
+    `adapter.get_tf_dataset()` in its order, with the options Keras sets.
 
     Args:
         adapter: The Keras data adapter of a call's inputs.
@@ -149,22 +143,21 @@ def stage(request):
     service the stage reads Keras's own dataset.
     """
     adapter = request.keras_adapter()
-    arrays = (request.x, request.y, request.sample_weight)
-    gathers = request.split is not None
     batches = None
     if not request.served:
         batches = array_batches(adapter, request.shuffle)
+    gather = None if request.split is None else batches
     if batches is None:
         dataset = adapter.get_tf_dataset()
-    elif gathers:
-        dataset = batches.indices
+    elif gather is not None:
+        dataset = gather.indices
     else:
         dataset = batches.dataset()
-    held = in_memory(arrays[0])
+    held = in_memory(request.x)
     epoch = EpochSource(
         dataset,
-        arrays=arrays if held else None,
-        gather=batches if gathers else None,
+        arrays=(request.x, request.y, request.sample_weight) if held else None,
+        gather=gather,
         # What else Keras's adapter takes (e.g. a DataFrame) runs per epoch.
         long_lived=held,
     )
