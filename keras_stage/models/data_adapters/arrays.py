@@ -39,16 +39,12 @@ def _leaves(x):
 
 
 def in_memory(x):
-    """Whether `x` is arrays (NumPy, tensors) or nested lists/dicts of them."""
+    """Whether `x` is arrays (NumPy, tensors of any backend) or nested
+    lists/dicts of them (a tf.data.Dataset has no shape nor dtype)."""
     leaves = _leaves(x)
     return bool(leaves) and all(
-        isinstance(leaf, np.ndarray) or _is_tensor(leaf) for leaf in leaves
+        hasattr(leaf, "shape") and hasattr(leaf, "dtype") for leaf in leaves
     )
-
-
-def _is_tensor(value):
-    # Tensors of any backend (a tf.data.Dataset has neither).
-    return hasattr(value, "shape") and hasattr(value, "dtype")
 
 
 class ArrayBatches:
@@ -85,13 +81,8 @@ class ArrayBatches:
 
     def staged_fn(self, fn, numbered=False):
         """`fn` of the gathered batch, for a stage over the index batches.
-
-        Args:
-            fn: The stage's computation of one gathered batch.
-            numbered: Whether each index batch comes numbered, as
-                `(ordinal, (indices,))` (`StageSplit.number`); `fn` then
-                takes `(ordinal, batch)` as that numbering gives it.
-        """
+        `numbered`: each index batch comes as `(ordinal, (indices,))`
+        (`StageSplit.number`), and `fn` takes `(ordinal, batch)`."""
 
         def gathered(element):
             if not numbered:
@@ -109,17 +100,11 @@ class ArrayBatches:
 
 
 def array_batches(adapter, shuffle):
-    """The `ArrayBatches` of `adapter`'s arrays: the elements of
-    `adapter.get_tf_dataset()` in its order, with the options Keras sets.
-
-    Args:
-        adapter: The Keras data adapter of a call's inputs.
-        shuffle: The call's `shuffle` argument (False, True or "batch").
-
-    Returns:
-        An `ArrayBatches`, or None where keras_stage reads Keras's own
-        dataset: adapters of anything but arrays, and sparse or ragged
-        arrays (Keras slices those its own way).
+    """The `ArrayBatches` of `adapter`'s arrays (the elements of
+    `adapter.get_tf_dataset()` in its order, with the options Keras sets),
+    or None where keras_stage reads Keras's own dataset: adapters of
+    anything but arrays, and sparse or ragged arrays (Keras slices those
+    its own way). `shuffle`: the call's (False, True or "batch").
     """
     inputs = _compat.array_adapter_inputs(adapter)
     if inputs is None:

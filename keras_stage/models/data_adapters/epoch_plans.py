@@ -16,10 +16,7 @@ from keras_stage.data import source_passes
 from keras_stage.data.epochs import FedSource, LongLivedEpochs
 from keras_stage.data.stats import op_determinism_enabled
 from keras_stage.models.backends.tensorflow import default_strategy
-from keras_stage.models.iterators.kept_iterators import (
-    earlier_stage,
-    switched_data,
-)
+from keras_stage.models.iterators.kept_iterators import switched_data
 
 _SHARED_DRAWS = (
     "the call also reads another dataset built on the same datasets (their "
@@ -95,11 +92,9 @@ def epochs_refusal(
 
 
 def plan(request, epoch, dataset, num_batches, spans_calls):
-    """`(LongLivedEpochs, None)` for the call's epochs, or `(None, why not)`.
-
-    `epoch`: the call's `EpochSource`; `dataset`: one epoch of it.
-    `spans_calls`: whether the iterator may outlive the call.
-    """
+    """`(LongLivedEpochs, None)` for the call's epochs, or `(None, why not)`;
+    `epoch`: its `EpochSource`, `dataset` one epoch of it, `spans_calls` as
+    for `epochs_refusal`."""
     r = request
     refusal = epochs_refusal(
         r.layer,
@@ -142,9 +137,7 @@ def plan(request, epoch, dataset, num_batches, spans_calls):
     feeds = (
         spans_calls
         and r.feedable
-        and (
-            r.role == "val" or switched_data(earlier_stage(r.kept, r.role), r.x)
-        )
+        and (r.role == "val" or switched_data(r.kept, r.role, r.x))
         and not r.served
         and not r.distributed
         and not (r.split is not None and r.split.numbers(r.phase == "train"))
@@ -164,12 +157,10 @@ def _draws_per_iterator(dataset, spans_calls):
 def _long_lived_epochs(
     request, epoch, dataset, num_batches, spans_calls, first_alone, fed
 ):
-    """`plan`'s answer for a stage that passed its refusals.
-
-    `first_alone`: whether the first epoch reads an iterator of its own (a
-    drawing dataset on an adaptive pool). `fed`: whether the source is fed
-    each call's passes (`FedSource`).
-    """
+    """`plan`'s answer for a stage that passed its refusals. `first_alone`:
+    whether the first epoch reads an iterator of its own (a drawing dataset
+    on an adaptive pool); `fed`: whether the source is fed each call's
+    passes (`FedSource`)."""
     if not epoch.long_lived:
         return None, "the data is not in-memory arrays or a tf.data.Dataset"
     arrays = epoch.arrays

@@ -228,9 +228,8 @@ class _BatchCheck:
     def _raise_rank(self, i, shape, ref_shape, index):
         raise self._bad_batch(
             index,
-            f"`{self._name(i)}` has rank {len(shape)} (shape "
-            f"{shape}) but the first batch's has rank "
-            f"{len(ref_shape)}.",
+            f"`{self._name(i)}` has rank {len(shape)} (shape {shape}) but "
+            f"the first batch's has rank {len(ref_shape)}.",
             "Yield the same number of axes for every batch.",
         )
 
@@ -291,18 +290,24 @@ def _checked_generator(generator, check):
 
 
 class _CheckedPyDataset(keras.utils.PyDataset):
-    """A PyDataset that reads `source` and checks each batch it returns.
-
-    `super().__init__` is not called: its length, workers and epoch hooks
-    stay the source's own.
-    """
+    """`source`, each batch checked. No `super().__init__`: the length,
+    workers and epoch hooks stay the source's own."""
 
     def __init__(self, source):
         self.source = source
-        self._check = _BatchCheck(
-            f"PyDataset '{type(source).__name__}'",
-            " (`__getitem__({index})`)",
-        )
+        name = f"PyDataset '{type(source).__name__}'"
+        self._check = _BatchCheck(name, " (`__getitem__({index})`)")
+        try:
+            empty = source.num_batches == 0
+        except NotImplementedError:  # Keras reports it when it reads it
+            empty = False
+        if empty:
+            raise _batch_error(
+                f"{name} yielded no batches: its `__len__` returned 0. Make "
+                "`__len__` return the number of batches (at least 1), e.g. "
+                "`math.ceil(num_samples / batch_size)`.",
+                name,
+            )
 
     @property
     def workers(self):
@@ -366,13 +371,6 @@ def check_source(x):
     through unchanged, in the same order; failures raise a `SourceError`.
     Any other `x`, or a source already wrapped, is returned as is.
 
-    Args:
-        x: The data passed to fit/evaluate/predict.
-
-    Returns:
-        `x` wrapped if it is a Python generator or a `keras.utils.PyDataset`,
-        else `x`.
-
     Raises:
         SourceBatchError: if `x` is a PyDataset of length 0.
 
@@ -400,17 +398,5 @@ def check_source(x):
     if isinstance(x, keras.utils.PyDataset) and not isinstance(
         x, _CheckedPyDataset
     ):
-        try:
-            empty = x.num_batches == 0
-        except NotImplementedError:  # Keras reports it when it reads it
-            empty = False
-        if empty:
-            name = f"PyDataset '{type(x).__name__}'"
-            raise _batch_error(
-                f"{name} yielded no batches: its `__len__` returned 0. Make "
-                "`__len__` return the number of batches (at least 1), e.g. "
-                "`math.ceil(num_samples / batch_size)`.",
-                name,
-            )
         return _CheckedPyDataset(x)
     return x

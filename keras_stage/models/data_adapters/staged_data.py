@@ -1,9 +1,6 @@
-"""A call's staged data: what it asked for, and the stage built for it.
-
-Each input type's adapter (`arrays`, `datasets`, `python_sources`) takes a
-`StageRequest` through Keras's own data adapter, so a staged run sees plain
-Keras's batches in the same order, and `build` stages them into the
-`StagedData` the call runs. `data_adapters.stage_data` picks the adapter.
+"""A call's staged data: what it asks (`StageRequest`), and the `StagedData`
+`build` stages from the `EpochSource` its input type's adapter made through
+Keras's own data adapter (a staged run sees plain Keras's batches, in order).
 """
 
 import dataclasses

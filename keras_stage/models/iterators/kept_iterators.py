@@ -21,7 +21,6 @@ class KeptIterator:
     """An iterator Keras holds that stands for a real one (`resolve`)."""
 
     def resolve(self):
-        """The real iterator."""
         raise NotImplementedError
 
     def __iter__(self):
@@ -50,7 +49,6 @@ class DeferredIterator(KeptIterator):
         self._iterator = None
 
     def resolve(self):
-        """The real iterator, made now if it was not yet."""
         if self._iterator is None:
             started = time.perf_counter()
             self._iterator = iter(self._pipeline)
@@ -200,8 +198,7 @@ class DistributedEpochPipeline(tf.distribute.DistributedDataset):
 class CallIterators:
     """What Keras iterates of one role's stage in one call (`data`, its
     `StagedData`): a `DeferredIterator` per epoch (`plan` None), or
-    `EpochView`s of one `LongLivedIterator` run as `plan` (`LongLivedEpochs`)
-    says, which the role's `KeptStage` may keep across calls."""
+    `EpochView`s of one `LongLivedIterator` run as `plan` says."""
 
     def __init__(self, data, plan=None):
         self._data = data
@@ -268,18 +265,15 @@ class CallIterators:
     def end_call(self):
         """Ends the call's iterators, or detaches one that runs on (its
         elements are the next call's); returns the thread tearing down the
-        long-lived one, or None.
-
-        Keras may leave an iterator alive (a traceback holds it): the gate
-        keeps its late elements out of the stats the next call shares.
-        """
+        long-lived one, or None. Keras may leave an iterator alive (a
+        traceback holds it): the gate keeps its late elements out of the
+        stats the next call shares."""
         data, kept = self._data, self._data.kept
-        values = None
         if kept is not None and kept.carries():
             values = variable_values(data.split)
-        if values is not None:
-            kept.end_call(values)
-            return None
+            if values is not None:
+                kept.end_call(values)
+                return None
         if data.owned:
             data.staged.runner.close_gate()
         released = None
@@ -297,12 +291,9 @@ TEARDOWN_WAIT_SECONDS = 5.0
 
 
 class KeptStage:
-    """A stage a model keeps for its later calls on the same dataset: what
-    it depends on is held, not only its id (a new object could take it).
-
-    Built for the call of `request` (a `StageRequest`) from its epoch's
-    `batches`, the `fn` its stage maps and the service's `overrides`.
-    """
+    """A stage a model keeps for its later calls on the same dataset, built
+    for the call of `request` (a `StageRequest`): what it depends on is
+    held, not only its id (a new object could take it)."""
 
     def __init__(
         self, request, batches, fn, long_lived, overrides, call_source
@@ -368,14 +359,14 @@ class KeptStage:
             fed = self.long_lived.fed
             if (
                 fed is None
-                or not self.keeps_running()
+                or not self.carries()
                 or not fed.accepts(other.call_source)
             ):
                 return False
             objects, others = objects[:1] + objects[2:], others[:1] + others[2:]
         if not all(a is b for a, b in zip(objects, others, strict=True)):
             return False
-        if self._variables is None or not self.keeps_running():
+        if self._variables is None or not self.carries():
             return True
         return _same_values(self._variables, variable_values(split))
 
@@ -390,13 +381,10 @@ class KeptStage:
         self.drop_iterator(ends_source=False)
         self._shared, self._shared_pipeline = shared, pipeline
 
-    def keeps_running(self):
-        """Whether the kept iterator runs on into a next call's epoch."""
-        return self._shared is not None and self._shared.carries
-
     def carries(self):
-        """Whether a call reusing this stage reads on from its iterator."""
-        return self.spans_calls and self.keeps_running()
+        """Whether a call reusing this stage reads on from its iterator (one
+        is kept only where the stage spans calls)."""
+        return self._shared is not None and self._shared.carries
 
     def end_call(self, values):
         """Ends a call whose iterator runs on; `values`: the staged layers'
@@ -412,9 +400,8 @@ class KeptStage:
         self._shared_pipeline, self._variables = None, None
         if shared is not None and not shared.closed:
             self.released = shared.close()
-        fed = None if self.long_lived is None else self.long_lived.fed
-        if ends_source and fed is not None:
-            fed.close()
+        if ends_source and self.feeds and self.long_lived.fed is not None:
+            self.long_lived.fed.close()
 
     def retire(self):
         """Ends this stage for good: a new one replaces it."""
@@ -471,9 +458,10 @@ def earlier_stage(kept, role):
     return earlier
 
 
-def switched_data(earlier, x):
-    """Whether a call on `x` follows calls of its role on other datasets
-    (`earlier`, the role's kept stage, is fed or built on another)."""
+def switched_data(kept, role, x):
+    """Whether a call of `role` on `x` follows calls of its role on other
+    datasets: the stage it may run again is fed, or built on another."""
+    earlier = earlier_stage(kept, role)
     if earlier is None:
         return False
     return earlier.feeds or earlier.objects[1] is not x
