@@ -23,22 +23,13 @@ from keras_stage.models.data_adapters.staged_data import StageRequest
 
 
 def stage_data(layer, phase, x, y=None, sample_weight=None, **kwargs):
-    """Stages `x` (with `y`, `sample_weight`) for one call's `phase`: the
-    call's `StagedData`.
-
-    Args:
-        layer: The model's `StagedInput`.
-        phase: "train", "test" or "predict".
-        x, y, sample_weight: The call's data.
-        **kwargs: The rest of the call's `StageRequest`; `backend` defaults
-            to the running backend's, `role` to `phase`.
-    """
+    """The `StagedData` of one call's `x` (with `y`, `sample_weight`) for
+    its `phase`; `**kwargs`: the rest of its `StageRequest` (`backend`
+    defaults to the running backend's, `role` to `phase`)."""
     kwargs.update(y=y, sample_weight=sample_weight)
-    kwargs.setdefault("backend", None)
-    kwargs.setdefault("role", None)
-    if kwargs["backend"] is None:
+    if kwargs.get("backend") is None:
         kwargs["backend"] = backends.get()
-    if kwargs["role"] is None:
+    if kwargs.get("role") is None:
         kwargs["role"] = phase
     if isinstance(x, StagedDataset):
         return datasets.stage_staged(StageRequest(layer, phase, x, **kwargs))

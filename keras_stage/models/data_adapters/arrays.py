@@ -22,14 +22,11 @@ _KERAS_DEFAULT_BATCH_SIZE = 32
 
 def batch_count(x, batch_size, steps):
     """The batch count of a call on in-memory arrays, or None."""
-    if steps is not None:
-        return steps if in_memory(x) else None
     if not in_memory(x):
         return None
-    leaves = _leaves(x)
-    if not leaves:
-        return None
-    rows = len(leaves[0])
+    if steps is not None:
+        return steps
+    rows = len(_leaves(x)[0])
     return math.ceil(rows / (batch_size or _KERAS_DEFAULT_BATCH_SIZE))
 
 
@@ -42,24 +39,19 @@ def _leaves(x):
 
 
 def in_memory(x):
-    """Whether `x` is arrays (NumPy, tensors) or nested lists/dicts of them."""
+    """Whether `x` is arrays (NumPy, tensors of any backend) or nested
+    lists/dicts of them (a tf.data.Dataset has no shape nor dtype)."""
     leaves = _leaves(x)
     return bool(leaves) and all(
-        isinstance(leaf, np.ndarray) or _is_tensor(leaf) for leaf in leaves
+        hasattr(leaf, "shape") and hasattr(leaf, "dtype") for leaf in leaves
     )
 
 
-def _is_tensor(value):
-    # Tensors of any backend (a tf.data.Dataset has neither).
-    return hasattr(value, "shape") and hasattr(value, "dtype")
-
-
 class ArrayBatches:
-    """Keras's batches of in-memory arrays: index batches and a gather.
+    """Keras's batches of in-memory arrays: `indices.map(gather)`.
 
-    The batches are `indices.map(gather)`. A stage with work of its own
-    runs `gather` in its own map, on the index batches (one map and one
-    buffer fewer).
+    A stage with work of its own runs `gather` in its own map, on the index
+    batches (one map and one buffer fewer).
 
     Attributes:
         indices: The row indices of each batch, in the order Keras's
@@ -89,13 +81,8 @@ class ArrayBatches:
 
     def staged_fn(self, fn, numbered=False):
         """`fn` of the gathered batch, for a stage over the index batches.
-
-        Args:
-            fn: The stage's computation of one gathered batch.
-            numbered: Whether each index batch comes numbered, as
-                `(ordinal, (indices,))` (`StageSplit.number`); `fn` then
-                takes `(ordinal, batch)` as that numbering gives it.
-        """
+        `numbered`: each index batch comes as `(ordinal, (indices,))`
+        (`StageSplit.number`), and `fn` takes `(ordinal, batch)`."""
 
         def gathered(element):
             if not numbered:
@@ -113,19 +100,11 @@ class ArrayBatches:
 
 
 def array_batches(adapter, shuffle):
-    """The `ArrayBatches` of `adapter`'s arrays, or None.
-
-    The same elements as `adapter.get_tf_dataset()` in the same order, with
-    the options Keras sets on its dataset.
-
-    Args:
-        adapter: The Keras data adapter of a call's inputs.
-        shuffle: The call's `shuffle` argument (False, True or "batch").
-
-    Returns:
-        An `ArrayBatches`, or None where keras_stage reads Keras's own
-        dataset: adapters of anything but arrays, and sparse or ragged
-        arrays (Keras slices those its own way).
+    """The `ArrayBatches` of `adapter`'s arrays (the elements of
+    `adapter.get_tf_dataset()` in its order, with the options Keras sets),
+    or None where keras_stage reads Keras's own dataset: adapters of
+    anything but arrays, and sparse or ragged arrays (Keras slices those
+    its own way). `shuffle`: the call's (False, True or "batch").
     """
     inputs = _compat.array_adapter_inputs(adapter)
     if inputs is None:
@@ -149,22 +128,21 @@ def stage(request):
     service the stage reads Keras's own dataset.
     """
     adapter = request.keras_adapter()
-    arrays = (request.x, request.y, request.sample_weight)
-    gathers = request.split is not None
     batches = None
     if not request.served:
         batches = array_batches(adapter, request.shuffle)
+    gather = None if request.split is None else batches
     if batches is None:
         dataset = adapter.get_tf_dataset()
-    elif gathers:
-        dataset = batches.indices
+    elif gather is not None:
+        dataset = gather.indices
     else:
         dataset = batches.dataset()
-    held = in_memory(arrays[0])
+    held = in_memory(request.x)
     epoch = EpochSource(
         dataset,
-        arrays=arrays if held else None,
-        gather=batches if gathers else None,
+        arrays=(request.x, request.y, request.sample_weight) if held else None,
+        gather=gather,
         # What else Keras's adapter takes (e.g. a DataFrame) runs per epoch.
         long_lived=held,
     )

@@ -16,10 +16,7 @@ from keras_stage.data import source_passes
 from keras_stage.data.epochs import FedSource, LongLivedEpochs
 from keras_stage.data.stats import op_determinism_enabled
 from keras_stage.models.backends.tensorflow import default_strategy
-from keras_stage.models.iterators.kept_iterators import (
-    earlier_stage,
-    switched_data,
-)
+from keras_stage.models.iterators.kept_iterators import switched_data
 
 _SHARED_DRAWS = (
     "the call also reads another dataset built on the same datasets (their "
@@ -95,19 +92,16 @@ def epochs_refusal(
 
 
 def plan(request, epoch, dataset, num_batches, spans_calls):
-    """`(LongLivedEpochs, None)` for the call's epochs, or `(None, why not)`.
-
-    `epoch`: the call's `EpochSource`; `dataset`: one epoch of it.
-    `spans_calls`: whether the iterator may outlive the call.
-    """
+    """`(LongLivedEpochs, None)` for the call's epochs, or `(None, why not)`;
+    `epoch`: its `EpochSource`, `dataset` one epoch of it, `spans_calls` as
+    for `epochs_refusal`."""
     r = request
-    epochs = int(r.epochs)
     refusal = epochs_refusal(
         r.layer,
         r.phase,
         num_batches,
         r.steps,
-        epochs,
+        int(r.epochs),
         int(r.steps_per_execution),
         r.served,
         spans_calls=spans_calls,
@@ -143,27 +137,14 @@ def plan(request, epoch, dataset, num_batches, spans_calls):
     feeds = (
         spans_calls
         and r.feedable
-        and (
-            r.role == "val" or switched_data(earlier_stage(r.kept, r.role), r.x)
-        )
+        and (r.role == "val" or switched_data(r.kept, r.role, r.x))
         and not r.served
         and not r.distributed
         and not (r.split is not None and r.split.numbers(r.phase == "train"))
         and not op_determinism_enabled()
     )
     return _long_lived_epochs(
-        r.phase,
-        epoch,
-        dataset,
-        num_batches,
-        r.steps,
-        epochs,
-        int(r.steps_per_execution),
-        r.alongside,
-        spans_calls=spans_calls,
-        first_alone=first_alone,
-        fed=feeds,
-        unread_opens=r.backend.unread_opens,
+        r, epoch, dataset, num_batches, spans_calls, first_alone, feeds
     )
 
 
@@ -174,40 +155,22 @@ def _draws_per_iterator(dataset, spans_calls):
 
 
 def _long_lived_epochs(
-    phase,
-    epoch,
-    dataset,
-    num_batches,
-    steps,
-    epochs,
-    steps_per_execution,
-    alongside,
-    unread_opens,
-    spans_calls=False,
-    first_alone=False,
-    fed=False,
+    request, epoch, dataset, num_batches, spans_calls, first_alone, fed
 ):
-    """`(LongLivedEpochs, None)`, or `(None, why not)`, for a safe stage.
-
-    `first_alone`: whether the first epoch reads an iterator of its own (a
-    drawing dataset on an adaptive pool). `fed`: whether the source is fed
-    each call's passes (`FedSource`).
-    """
+    """`plan`'s answer for a stage that passed its refusals. `first_alone`:
+    whether the first epoch reads an iterator of its own (a drawing dataset
+    on an adaptive pool); `fed`: whether the source is fed each call's
+    passes (`FedSource`)."""
     if not epoch.long_lived:
         return None, "the data is not in-memory arrays or a tf.data.Dataset"
     arrays = epoch.arrays
+    epochs = int(request.epochs)
+    steps_per_execution = int(request.steps_per_execution)
     facts = source_passes.inspect_source(dataset)
     if facts.refusal is not None:
         return None, f"its source cannot be read ahead: {facts.refusal}"
     if spans_calls and fed and not facts.kernel_seeded:
-        return _fed_epochs(
-            dataset,
-            facts,
-            alongside,
-            num_batches,
-            steps_per_execution,
-            unread_opens,
-        )
+        return _fed_epochs(request, dataset, facts, num_batches)
     if spans_calls and facts.free_passes:
         # Any pass stands for a fresh iterator's.
         return LongLivedEpochs(
@@ -234,21 +197,22 @@ def _long_lived_epochs(
                 f"{source_passes.REPLAY_LIMIT_BYTES // 2**20} MiB"
             )
         replay = True
-    if arrays is None and _shares_a_dataset(facts, alongside):
+    if arrays is None and _shares_a_dataset(facts, request.alongside):
         return None, _SHARED_DRAWS
     start = stop = None
     independent = arrays is not None or not facts.iterator_draws
-    # Not under op determinism: a variable read in the pipeline would make
+    # Epochs that depend on no earlier iterator: one can start at any. Not
+    # under op determinism: a variable read in the pipeline would make
     # tf.data run all of it one element at a time.
-    if independent and not op_determinism_enabled():
-        # Epochs that depend on no earlier iterator: one can start at any.
+    starts_anywhere = independent and not op_determinism_enabled()
+    if starts_anywhere or first_alone:
         with tf.init_scope(), tf.device("/CPU:0"):
             start = tf.Variable(0, dtype=tf.int64, trainable=False)
-    elif first_alone:
-        with tf.init_scope(), tf.device("/CPU:0"):
-            start = tf.Variable(0, dtype=tf.int64, trainable=False)
-            stop = tf.Variable(1, dtype=tf.int64, trainable=False)
-    opens = 0 if independent or (phase == "train" and steps) else unread_opens
+            if not starts_anywhere:
+                stop = tf.Variable(1, dtype=tf.int64, trainable=False)
+    opens = request.backend.unread_opens
+    if independent or (request.phase == "train" and request.steps):
+        opens = 0
     source = functools.partial(
         source_passes.long_lived_source,
         dataset,
@@ -278,15 +242,13 @@ def _shares_a_dataset(facts, alongside):
     )
 
 
-def _fed_epochs(
-    dataset, facts, alongside, num_batches, steps_per_execution, unread_opens
-):
+def _fed_epochs(request, dataset, facts, num_batches):
     """`_long_lived_epochs`'s plan of a `FedSource`."""
     opens = 0
     if not facts.free_passes:
-        if _shares_a_dataset(facts, alongside):
+        if _shares_a_dataset(facts, request.alongside):
             return None, _SHARED_DRAWS
-        opens = unread_opens  # spans_calls: no steps_per_epoch
+        opens = request.backend.unread_opens  # spans_calls: no steps
 
     def fed_source():
         fed.fed = FedSource(dataset.element_spec, dataset.options())
@@ -295,7 +257,7 @@ def _fed_epochs(
     fed = LongLivedEpochs(
         None,
         num_batches,
-        steps_per_execution,
+        int(request.steps_per_execution),
         None,
         fed_source,
         opens=opens,

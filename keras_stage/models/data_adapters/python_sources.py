@@ -6,6 +6,7 @@ dtype silently. `check_source` wraps such a source so that its errors name
 it and the batch, and each batch is checked against the first ones.
 """
 
+import functools
 import types
 
 import keras
@@ -34,7 +35,8 @@ class SourceError(Exception):
 
     Attributes:
         source: The source, e.g. `"generator 'make_batches'"`.
-        index: The batch (counting from 0), or None.
+        index: The batch (counting from 0; a PyDataset's `__getitem__`
+            index), or None.
     """
 
     source = None
@@ -62,6 +64,12 @@ def _restore(base, cls, args, state):
     return error
 
 
+def _batch_error(message, source, index=None):
+    error = SourceBatchError(message)
+    error.source, error.index = source, index
+    return error
+
+
 # One combined class per user exception type (unpickling finds it again).
 _error_classes = {}
 
@@ -82,30 +90,25 @@ def _error_class(base):
     return cls
 
 
-# Dtype names by dtype: numpy builds `dtype.name` anew at each call.
-_dtype_names = {}
-
-
 def _dtype_name(dtype):
     try:
-        return _dtype_names[dtype]
-    except KeyError:
-        pass
+        return _hashable_dtype_name(dtype)
     except TypeError:  # unhashable
         return str(dtype)
+
+
+@functools.cache  # numpy builds `dtype.name` anew at each call
+def _hashable_dtype_name(dtype):
     if isinstance(dtype, np.dtype):
         # Text arrays change dtype with their longest string; TensorFlow
         # makes all of them (and objects) strings.
-        name = "string" if dtype.kind in "USO" else dtype.name
-    elif isinstance(dtype, tf.DType):
-        name = dtype.name
-    else:
-        try:
-            name = keras.backend.standardize_dtype(dtype)
-        except (TypeError, ValueError):
-            name = str(dtype)
-    _dtype_names[dtype] = name
-    return name
+        return "string" if dtype.kind in "USO" else dtype.name
+    if isinstance(dtype, tf.DType):
+        return dtype.name
+    try:
+        return keras.backend.standardize_dtype(dtype)
+    except (TypeError, ValueError):
+        return str(dtype)
 
 
 def _leaf_spec(leaf):
@@ -194,12 +197,12 @@ class _BatchCheck:
         return _part_name(self._paths[i], self._is_tuple)
 
     def _bad_batch(self, index, detail, fix):
-        error = SourceBatchError(
+        return _batch_error(
             f"{self.source}, batch {index}{self.where(index)}, does not "
-            f"match the first batches: {detail} {fix}"
+            f"match the first batches: {detail} {fix}",
+            self.source,
+            index,
         )
-        error.source, error.index = self.source, index
-        return error
 
     def _raise_structure(self, batch, paths, index):
         is_tuple = isinstance(batch, (tuple, list))
@@ -225,9 +228,8 @@ class _BatchCheck:
     def _raise_rank(self, i, shape, ref_shape, index):
         raise self._bad_batch(
             index,
-            f"`{self._name(i)}` has rank {len(shape)} (shape "
-            f"{shape}) but the first batch's has rank "
-            f"{len(ref_shape)}.",
+            f"`{self._name(i)}` has rank {len(shape)} (shape {shape}) but "
+            f"the first batch's has rank {len(ref_shape)}.",
             "Yield the same number of axes for every batch.",
         )
 
@@ -273,13 +275,12 @@ def _checked_generator(generator, check):
             batch = next(generator)
         except StopIteration:
             if index == 0:
-                error = SourceBatchError(
+                raise _batch_error(
                     f"{check.source} yielded no batches; fit, evaluate and "
                     "predict need at least one. A generator can be iterated "
-                    "only once: create a new one for each call."
-                )
-                error.source = check.source
-                raise error from None
+                    "only once: create a new one for each call.",
+                    check.source,
+                ) from None
             return
         except Exception as e:
             raise check.raised(e, index) from e
@@ -289,18 +290,24 @@ def _checked_generator(generator, check):
 
 
 class _CheckedPyDataset(keras.utils.PyDataset):
-    """A PyDataset that reads `source` and checks each batch it returns.
-
-    `super().__init__` is not called: its length, workers and epoch hooks
-    stay the source's own.
-    """
+    """`source`, each batch checked. No `super().__init__`: the length,
+    workers and epoch hooks stay the source's own."""
 
     def __init__(self, source):
         self.source = source
-        self._check = _BatchCheck(
-            f"PyDataset '{type(source).__name__}'",
-            " (`__getitem__({index})`)",
-        )
+        name = f"PyDataset '{type(source).__name__}'"
+        self._check = _BatchCheck(name, " (`__getitem__({index})`)")
+        try:
+            empty = source.num_batches == 0
+        except NotImplementedError:  # Keras reports it when it reads it
+            empty = False
+        if empty:
+            raise _batch_error(
+                f"{name} yielded no batches: its `__len__` returned 0. Make "
+                "`__len__` return the number of batches (at least 1), e.g. "
+                "`math.ceil(num_samples / batch_size)`.",
+                name,
+            )
 
     @property
     def workers(self):
@@ -329,17 +336,17 @@ class _CheckedPyDataset(keras.utils.PyDataset):
         self._check(batch, index)
         return batch
 
-    def on_epoch_begin(self):
+    def _run_hook(self, hook):
         try:
-            self.source.on_epoch_begin()
+            getattr(self.source, hook)()
         except Exception as e:
-            raise self._check.raised(e, hook="on_epoch_begin") from e
+            raise self._check.raised(e, hook=hook) from e
+
+    def on_epoch_begin(self):
+        self._run_hook("on_epoch_begin")
 
     def on_epoch_end(self):
-        try:
-            self.source.on_epoch_end()
-        except Exception as e:
-            raise self._check.raised(e, hook="on_epoch_end") from e
+        self._run_hook("on_epoch_end")
 
 
 def stage(request):
@@ -361,22 +368,8 @@ def check_source(x):
 
     Use it on the `x` of `fit`, `evaluate` or `predict` before Keras's data
     adapter reads it (a staged model does this itself). The batches pass
-    through unchanged, in the same order. Any other `x`, or a source
-    already wrapped, is returned as is.
-
-    The wrapper raises a `SourceError` naming the source and the batch
-    (counting from 0; for a PyDataset the index given to `__getitem__`)
-    when the source's own code raises, and `SourceBatchError` when a batch
-    differs from the first ones in structure, dtype or shape (only the
-    batch axis may change, and axes whose size differs between the first
-    two batches) or the source yields no batches.
-
-    Args:
-        x: The data passed to fit/evaluate/predict.
-
-    Returns:
-        `x` wrapped if it is a Python generator or a `keras.utils.PyDataset`,
-        else `x`.
+    through unchanged, in the same order; failures raise a `SourceError`.
+    Any other `x`, or a source already wrapped, is returned as is.
 
     Raises:
         SourceBatchError: if `x` is a PyDataset of length 0.
@@ -405,18 +398,5 @@ def check_source(x):
     if isinstance(x, keras.utils.PyDataset) and not isinstance(
         x, _CheckedPyDataset
     ):
-        try:
-            empty = x.num_batches == 0
-        except NotImplementedError:  # Keras reports it when it reads it
-            empty = False
-        if empty:
-            error = SourceBatchError(
-                f"PyDataset '{type(x).__name__}' yielded no batches: its "
-                "`__len__` returned 0. Make `__len__` return the number of "
-                "batches (at least 1), e.g. `math.ceil(num_samples / "
-                "batch_size)`."
-            )
-            error.source = f"PyDataset '{type(x).__name__}'"
-            raise error
         return _CheckedPyDataset(x)
     return x

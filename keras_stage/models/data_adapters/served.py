@@ -12,13 +12,12 @@ logger = logging.getLogger("keras_stage")
 _WARNED_ONE_SPLIT = weakref.WeakSet()
 
 
-def _warn_one_split(layer, overrides):
+def _warn_one_split(layer, mode):
     """Warns, once per layer, that arrays give the service one split.
 
     Keras's dataset of arrays starts from `Dataset.range(1)`: in
     `"distributed_epoch"` mode one worker computes the whole epoch.
     """
-    mode = overrides.get("processing_mode", layer.stage_options.processing_mode)
     if mode != DISTRIBUTED_EPOCH or layer in _WARNED_ONE_SPLIT:
         return
     _WARNED_ONE_SPLIT.add(layer)
@@ -82,13 +81,22 @@ def batch_size(adapter, dataset):
     return None if size is None else int(size)
 
 
-def note_data(request, overrides, adapter, dataset, arrays):
+def note_data(request, overrides, adapter, dataset, arrays, num_batches):
     """Adds what the service needs of the call's data to `overrides`;
     `arrays`: the `EpochSource`'s arrays, or None."""
+    options = request.layer.stage_options
+    mode = overrides.get("processing_mode", options.processing_mode)
     # Before `split.number`, whose ordinals a peek would consume.
     overrides["rebatch"] = batch_size(adapter, dataset)
     if arrays is not None:
         if request.steps is None:
             # The examples of one pass, for the epoch's count of lost ones.
             overrides["per_copy"] = int(tf.nest.flatten(arrays[0])[0].shape[0])
-        _warn_one_split(request.layer, overrides)
+        _warn_one_split(request.layer, mode)
+    if (
+        mode == DISTRIBUTED_EPOCH
+        and num_batches is not None
+        and not options.ignored_exception_types
+    ):
+        # Split among the workers, an epoch's batch count is unknown.
+        overrides["cardinality"] = num_batches

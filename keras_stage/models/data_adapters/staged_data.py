@@ -1,9 +1,6 @@
-"""A call's staged data: what it asked for, and the stage built for it.
-
-Each input type's adapter (`arrays`, `datasets`, `python_sources`) takes a
-`StageRequest` through Keras's own data adapter, so a staged run sees plain
-Keras's batches in the same order, and `build` stages them into the
-`StagedData` the call runs. `data_adapters.stage_data` picks the adapter.
+"""A call's staged data: what it asks (`StageRequest`), and the `StagedData`
+`build` stages from the `EpochSource` its input type's adapter made through
+Keras's own data adapter (a staged run sees plain Keras's batches, in order).
 """
 
 import dataclasses
@@ -14,7 +11,6 @@ import tensorflow as tf
 
 from keras_stage import _compat
 from keras_stage.data import source_passes
-from keras_stage.data.service import DISTRIBUTED_EPOCH
 from keras_stage.models.data_adapters import epoch_plans, served
 from keras_stage.models.iterators.kept_iterators import (
     CallIterators,
@@ -103,10 +99,11 @@ class StageRequest:
         )
 
 
+@dataclasses.dataclass(eq=False)
 class EpochSource:
     """One epoch of a call's data, as its input type's adapter gives it.
 
-    Args:
+    Attributes:
         dataset: One epoch as Keras would iterate it, or its row-index
             batches where `gather` (an `ArrayBatches`) is given.
         arrays: `(x, y, sample_weight)` of in-memory arrays, else None.
@@ -114,14 +111,11 @@ class EpochSource:
         long_lived: Whether its epochs may run on one iterator.
     """
 
-    def __init__(
-        self, dataset, arrays=None, gather=None, keeps=False, long_lived=True
-    ):
-        self.dataset = dataset
-        self.arrays = arrays
-        self.gather = gather
-        self.keeps = keeps
-        self.long_lived = long_lived
+    dataset: object
+    arrays: object = None
+    gather: object = None
+    keeps: bool = False
+    long_lived: bool = True
 
 
 def distribute_inputs(strategy, pipeline, options):
@@ -140,19 +134,19 @@ def distribute_inputs(strategy, pipeline, options):
     return strategy.experimental_distribute_dataset(pipeline, input_options)
 
 
+@dataclasses.dataclass(eq=False)
 class StageCosts:
     """A call's record of what its stage costs (see `call.measure.staged_data`).
 
-    Args:
+    Attributes:
         cost_phase: The phase the costs are noted for, or None.
         on_iterator: Told the seconds each iterator took to make, or None.
         step_clock: The list the step's host times go to, or None.
     """
 
-    def __init__(self, cost_phase=None, on_iterator=None, step_clock=None):
-        self.cost_phase = cost_phase
-        self.on_iterator = on_iterator
-        self.step_clock = step_clock
+    cost_phase: object = None
+    on_iterator: object = None
+    step_clock: object = None
 
     def made(self, seconds):
         if self.on_iterator is not None:
@@ -186,11 +180,9 @@ class StagedData:
         self.staged = staged
         self.adapter = adapter
         self.strategy = strategy  # the one distributing the pipeline
-        # Built for this call (not the user's own staged dataset).
-        self.owned = owned
+        self.owned = owned  # built for this call, not a user's staged dataset
         self.split = split  # the SmartStage split the stage runs, or None
-        # The structure of the data before the stage (the model's inputs).
-        self.element_spec = element_spec
+        self.element_spec = element_spec  # the model's inputs' structure
         staged.runner.records_in_step = in_step
         # Whether Keras gets iterators made when first read (see
         # `DeferredPipeline`): only where a new iterator draws nothing.
@@ -250,7 +242,8 @@ class StagedData:
     @property
     def epochs_restartable(self):
         """Whether any epoch can start on a new iterator."""
-        return self.iterators.restartable
+        plan = self.iterators.plan
+        return plan is None or plan.restartable
 
     def end_call(self):
         """Ends the call's iterators (see `CallIterators.end_call`)."""
@@ -288,19 +281,46 @@ def _staged_fn(request, gather, numbered):
     return fn
 
 
+def _new_stage(request, source, long_lived, fn, numbered, overrides):
+    """A new stage of the call: over `long_lived`'s source, or else
+    `source` (one epoch)."""
+    r, options = request, request.layer.stage_options
+    dataset = source if long_lived is None else long_lived.source
+    if numbered:
+        # Only for a new stage: `number`'s scan is traced as it is made.
+        dataset = r.split.number(dataset, writes=long_lived is None)
+    return r.layer.stage(
+        dataset,
+        fn=fn,
+        name=f"{options.name}_{r.role}",
+        stats=r.stats,
+        consumer_records=r.stats is not None or r.reads_in_python,
+        # On JAX, Keras's trainer copies each batch to the device.
+        distributed=r.distributed or not r.backend.uses_device_buffer,
+        unpacks=True,
+        reads_in_python=r.reads_in_python,
+        pool_start=(
+            r.backend.pool_start(options)
+            if r.pool_start is None
+            else min(r.pool_start, options.most_pool_size())
+        ),
+        **overrides,
+    )
+
+
 def build(request, adapter, epoch):
     """The `StagedData` of `request`'s call, from its Keras `adapter` and
     the `EpochSource` its input type's adapter made."""
-    r, layer = request, request.layer
-    options = layer.stage_options
+    r = request
     overrides = dict(r.overrides)
     num_batches = adapter.num_batches
     if num_batches is None:
         num_batches = r.backend.shard_batches(r.x)
-    dataset = _counted(r, epoch.dataset, num_batches)
+    source = _counted(r, epoch.dataset, num_batches)  # one epoch, to stage
     if r.served:
-        served.note_data(r, overrides, adapter, dataset, epoch.arrays)
-    source = dataset  # one epoch of what the stage stages
+        served.note_data(
+            r, overrides, adapter, source, epoch.arrays, num_batches
+        )
     keeps = r.kept is not None and epoch.keeps
     # Whether a kept stage's iterator may outlive the call: not with
     # `steps` (Keras's epochs end where the data does, not a repeat).
@@ -308,39 +328,18 @@ def build(request, adapter, epoch):
     long_lived, refusal = None, None
     if r.epochs is not None:
         long_lived, refusal = epoch_plans.plan(
-            r, epoch, dataset, num_batches, spans_calls
+            r, epoch, source, num_batches, spans_calls
         )
     gather = epoch.gather
-    element_spec = (gather or dataset).element_spec  # before the stage
     numbered = r.split is not None and r.split.numbers(r.phase == "train")
     if numbered and long_lived is not None:
         # Its iterator reads ahead of Keras: it keeps the count itself.
         long_lived.ordinal = r.split.ordinal
     fn = _staged_fn(r, gather, numbered)
-    if (
-        r.served
-        and overrides.get("processing_mode", options.processing_mode)
-        == DISTRIBUTED_EPOCH
-        and num_batches is not None
-        and not options.ignored_exception_types
-    ):
-        overrides["cardinality"] = num_batches
     call_plan = long_lived  # a kept stage's replaces it below
     entry = None
     if keeps:
-        wanted = KeptStage(
-            layer,
-            r.phase,
-            r.x,
-            num_batches,
-            fn,
-            r.stats,
-            long_lived,
-            class_weight=r.class_weight,
-            strategy=r.strategy if r.distributed else None,
-            overrides=overrides,
-            call_source=source,
-        )
+        wanted = KeptStage(r, num_batches, fn, long_lived, overrides, source)
         entry = kept_stage(r.kept, r.role, wanted, r.split)
     carried = False
     if entry is not None and entry.staged is not None:
@@ -349,28 +348,7 @@ def build(request, adapter, epoch):
         long_lived = entry.long_lived  # what `staged` was built on
         carried = entry.carries()
     else:
-        if long_lived is not None:
-            dataset = long_lived.source
-        if numbered:
-            # Only for a new stage: `number`'s scan is traced as it is made.
-            dataset = r.split.number(dataset, writes=long_lived is None)
-        staged = layer.stage(
-            dataset,
-            fn=fn,
-            name=f"{options.name}_{r.role}",
-            stats=r.stats,
-            consumer_records=r.stats is not None or r.reads_in_python,
-            # On JAX, Keras's trainer copies each batch to the device.
-            distributed=r.distributed or not r.backend.uses_device_buffer,
-            unpacks=True,
-            reads_in_python=r.reads_in_python,
-            pool_start=(
-                r.backend.pool_start(options)
-                if r.pool_start is None
-                else min(r.pool_start, options.most_pool_size())
-            ),
-            **overrides,
-        )
+        staged = _new_stage(r, source, long_lived, fn, numbered, overrides)
         if entry is not None:
             entry.staged = staged
             r.kept[r.role] = entry
@@ -394,7 +372,7 @@ def build(request, adapter, epoch):
         staged,
         adapter,
         r.split,
-        element_spec,
+        (gather or source).element_spec,  # before the stage
         in_step=r.stats is not None,
         strategy=r.strategy if r.distributed else None,
         defers=epoch.arrays is not None

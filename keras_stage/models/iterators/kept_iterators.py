@@ -21,7 +21,6 @@ class KeptIterator:
     """An iterator Keras holds that stands for a real one (`resolve`)."""
 
     def resolve(self):
-        """The real iterator."""
         raise NotImplementedError
 
     def __iter__(self):
@@ -50,7 +49,6 @@ class DeferredIterator(KeptIterator):
         self._iterator = None
 
     def resolve(self):
-        """The real iterator, made now if it was not yet."""
         if self._iterator is None:
             started = time.perf_counter()
             self._iterator = iter(self._pipeline)
@@ -63,8 +61,8 @@ class DeferredIterator(KeptIterator):
 
 
 class DeferredPipeline(EagerIterated):
-    """`pipeline` as a dataset whose eager iterators are `DeferredIterator`s
-    (with `defer=False`, made when Keras asks), each timed by `made`."""
+    """`pipeline` with `DeferredIterator`s as eager iterators (made at once
+    with `defer=False`), each timed by `made`."""
 
     def __init__(self, pipeline, made, defer=True):
         self._made = made
@@ -83,9 +81,9 @@ class EpochView(KeptIterator):
     `steps_per_execution` batches. Python reads end with the epoch: a
     reader one batch ahead (Keras's JAX trainer) gets the end, not the next
     epoch's first batch. `spec`: under several replicas, one replica's
-    batch: Keras reads one batch in Python from each `fit`'s and
-    `evaluate`'s first iterator to build what is unbuilt (the staged call
-    built it all); that read, before any step, gets `spec` with no rows.
+    batch. Keras reads one batch in Python from each `fit`'s and
+    `evaluate`'s first iterator to build the model (the staged call built
+    it already): that read, before any step, gets `spec` with no rows.
     """
 
     def __init__(self, shared, element_spec, spec=None):
@@ -101,35 +99,22 @@ class EpochView(KeptIterator):
         self._stepped = True
         return self._shared.read(self, self._shared.steps_per_execution)
 
-    def _peek(self):
-        if self._peeked or self._stepped or self._python_reads:
-            return None
-        self._peeked = True
-        return tf.nest.map_structure(_empty_batch, self._spec)
-
-    def _read_one(self):
+    def _next(self, read, end):
+        """A batch read in Python: Keras's peek, or `read` of the shared
+        iterator; `end()` is raised at the epoch's end."""
+        if not (self._peeked or self._stepped or self._python_reads):
+            self._peeked = True
+            return tf.nest.map_structure(_empty_batch, self._spec)
         if self._python_reads >= self._shared.batches:
-            return None  # the epoch's end
+            raise end()
         self._python_reads += 1
-        return self._shared.read(self, 1)
+        return read(self._shared.read(self, 1))
 
     def __next__(self):
-        peeked = self._peek()
-        if peeked is not None:
-            return peeked
-        iterator = self._read_one()
-        if iterator is None:
-            raise StopIteration
-        return next(iterator)
+        return self._next(next, StopIteration)
 
     def get_next(self):
-        peeked = self._peek()
-        if peeked is not None:
-            return peeked
-        iterator = self._read_one()
-        if iterator is None:
-            raise tf.errors.OutOfRangeError(None, None, "End of sequence")
-        return iterator.get_next()
+        return self._next(_get_next, _end_of_sequence)
 
     @property
     def element_spec(self):
@@ -137,8 +122,8 @@ class EpochView(KeptIterator):
 
 
 class EpochPipeline(EagerIterated):
-    """One epoch of a long-lived pipeline, as Keras sees it: one epoch's
-    batches, eager iterators `EpochView`s of the shared iterator."""
+    """One epoch of a long-lived pipeline, as Keras sees it: its eager
+    iterators are `EpochView`s of the shared iterator."""
 
     def __init__(self, shared, pipeline):
         self._shared = shared
@@ -160,6 +145,14 @@ def _epoch_pipeline(shared, pipeline):
         held = (pipeline, EpochPipeline(shared, pipeline))
         shared.epoch_pipelines[id(pipeline)] = held
     return held[1]
+
+
+def _get_next(iterator):
+    return iterator.get_next()
+
+
+def _end_of_sequence():
+    return tf.errors.OutOfRangeError(None, None, "End of sequence")
 
 
 def _empty_batch(spec):
@@ -205,8 +198,7 @@ class DistributedEpochPipeline(tf.distribute.DistributedDataset):
 class CallIterators:
     """What Keras iterates of one role's stage in one call (`data`, its
     `StagedData`): a `DeferredIterator` per epoch (`plan` None), or
-    `EpochView`s of one `LongLivedIterator` run as `plan` (`LongLivedEpochs`)
-    says, which the role's `KeptStage` may keep across calls."""
+    `EpochView`s of one `LongLivedIterator` run as `plan` says."""
 
     def __init__(self, data, plan=None):
         self._data = data
@@ -214,11 +206,9 @@ class CallIterators:
         self._shared = None  # its `LongLivedIterator`, made when read
 
     def eager_dataset(self):
-        """What Keras reads in Python (predict; every phase on JAX)."""
         return self._per_epoch(self._data.staged)
 
     def compiled_dataset(self):
-        """What the compiled step iterates."""
         data = self._data
         staged = data.staged
         pipeline = staged.lean_pipeline if data.in_step else staged.pipeline
@@ -272,26 +262,18 @@ class CallIterators:
         (see `LongLivedIterator.next_epoch_reads_on`)."""
         return self._shared is not None and self._shared.next_epoch_reads_on()
 
-    @property
-    def restartable(self):
-        """Whether any epoch can start on a new iterator (see `start`)."""
-        return self.plan is None or self.plan.restartable
-
     def end_call(self):
-        """Ends the call's iterators, or detaches one that runs on; returns
-        the thread tearing down the long-lived one, or None.
-
-        Keras may leave an iterator alive (a traceback holds it): the gate
-        keeps its late elements out of the stats the next call shares.
-        """
+        """Ends the call's iterators, or detaches one that runs on (its
+        elements are the next call's); returns the thread tearing down the
+        long-lived one, or None. Keras may leave an iterator alive (a
+        traceback holds it): the gate keeps its late elements out of the
+        stats the next call shares."""
         data, kept = self._data, self._data.kept
-        values = None
         if kept is not None and kept.carries():
             values = variable_values(data.split)
-        if values is not None:
-            # Its iterator runs on: its elements are the next call's.
-            kept.end_call(values)
-            return None
+            if values is not None:
+                kept.end_call(values)
+                return None
         if data.owned:
             data.staged.runner.close_gate()
         released = None
@@ -309,29 +291,21 @@ TEARDOWN_WAIT_SECONDS = 5.0
 
 
 class KeptStage:
-    """A stage a model keeps for its later calls on the same dataset: what
-    it depends on is held, not only its id (a new object could take it)."""
+    """A stage a model keeps for its later calls on the same dataset, built
+    for the call of `request` (a `StageRequest`): what it depends on is
+    held, not only its id (a new object could take it)."""
 
     def __init__(
-        self,
-        layer,
-        phase,
-        source,
-        batches,
-        fn,
-        stats,
-        long_lived,
-        class_weight=None,
-        strategy=None,
-        overrides=None,
-        call_source=None,
+        self, request, batches, fn, long_lived, overrides, call_source
     ):
-        # `strategy`: the one of several replicas that distributes it.
-        self.objects = (layer, source, fn, stats, strategy)
+        r = request
+        # The strategy only where several replicas distribute the stage.
+        strategy = r.strategy if r.distributed else None
+        self.objects = (r.layer, r.x, fn, r.stats, strategy)
         self.values = (
-            phase,
+            r.phase,
             batches,
-            repr(sorted(layer.stage_options.get_config().items())),
+            repr(sorted(r.layer.stage_options.get_config().items())),
             None
             if long_lived is None
             else (
@@ -342,13 +316,12 @@ class KeptStage:
             # Keras weighs the batches in its dataset; copied, as a user
             # may change the dict between calls.
             None
-            if class_weight is None
-            else repr(sorted(dict(class_weight).items())),
-            repr(sorted((overrides or {}).items())),
+            if r.class_weight is None
+            else repr(sorted(dict(r.class_weight).items())),
+            repr(sorted(overrides.items())),
         )
         self.long_lived = long_lived  # its `LongLivedEpochs`, or None
-        # One epoch of the call's source, which a fed stage's call feeds.
-        self.call_source = call_source
+        self.call_source = call_source  # one epoch, which a fed call feeds
         # Whether its one iterator outlives calls; that iterator, its
         # pipeline, and the staged layers' variables' values when the last
         # call ended (None: none to compare).
@@ -370,25 +343,30 @@ class KeptStage:
             self._distributed = (pipeline, distribute(pipeline))
         return self._distributed[1]
 
+    @property
+    def feeds(self):
+        """Whether each call feeds its passes to the stage (`FedSource`)."""
+        return self.long_lived is not None and self.long_lived.feeds
+
     def same(self, other, split=None):
         """Whether `other`, wanted by a new call, is this stage (with a kept
         iterator, its buffer computed with the variables' values now)."""
         if self.values != other.values:
             return False
         objects, others = self.objects, other.objects
-        if self.long_lived is not None and self.long_lived.feeds:
+        if self.feeds:
             # Fed: another dataset of its structure, while it runs on.
             fed = self.long_lived.fed
             if (
                 fed is None
-                or not self.keeps_running()
+                or not self.carries()
                 or not fed.accepts(other.call_source)
             ):
                 return False
             objects, others = objects[:1] + objects[2:], others[:1] + others[2:]
         if not all(a is b for a, b in zip(objects, others, strict=True)):
             return False
-        if self._variables is None or not self.keeps_running():
+        if self._variables is None or not self.carries():
             return True
         return _same_values(self._variables, variable_values(split))
 
@@ -403,13 +381,10 @@ class KeptStage:
         self.drop_iterator(ends_source=False)
         self._shared, self._shared_pipeline = shared, pipeline
 
-    def keeps_running(self):
-        """Whether the kept iterator runs on into a next call's epoch."""
-        return self._shared is not None and self._shared.carries
-
     def carries(self):
-        """Whether a call reusing this stage reads on from its iterator."""
-        return self.spans_calls and self.keeps_running()
+        """Whether a call reusing this stage reads on from its iterator (one
+        is kept only where the stage spans calls)."""
+        return self._shared is not None and self._shared.carries
 
     def end_call(self, values):
         """Ends a call whose iterator runs on; `values`: the staged layers'
@@ -425,9 +400,8 @@ class KeptStage:
         self._shared_pipeline, self._variables = None, None
         if shared is not None and not shared.closed:
             self.released = shared.close()
-        fed = None if self.long_lived is None else self.long_lived.fed
-        if ends_source and fed is not None:
-            fed.close()
+        if ends_source and self.feeds and self.long_lived.fed is not None:
+            self.long_lived.fed.close()
 
     def retire(self):
         """Ends this stage for good: a new one replaces it."""
@@ -479,23 +453,18 @@ def earlier_stage(kept, role):
     earlier = kept.get(role)
     if earlier is None and role == "test":
         val = kept.get("val")
-        if (
-            val is not None
-            and not val.in_use
-            and val.long_lived is not None
-            and val.long_lived.feeds
-        ):
+        if val is not None and not val.in_use and val.feeds:
             return val
     return earlier
 
 
-def switched_data(earlier, x):
-    """Whether a call on `x` follows calls of its role on other datasets
-    (`earlier`, the role's kept stage, is fed or built on another)."""
+def switched_data(kept, role, x):
+    """Whether a call of `role` on `x` follows calls of its role on other
+    datasets: the stage it may run again is fed, or built on another."""
+    earlier = earlier_stage(kept, role)
     if earlier is None:
         return False
-    plan = earlier.long_lived
-    return (plan is not None and plan.feeds) or earlier.objects[1] is not x
+    return earlier.feeds or earlier.objects[1] is not x
 
 
 def carries(kept, role, x):
