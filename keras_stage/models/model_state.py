@@ -5,7 +5,6 @@ plan, the compiled steps, their stats, what the policy learned and, while
 a call runs, what binds its stages to its steps.
 """
 
-import contextlib
 import threading
 
 # Keras's compiled steps, by the phase keras_stage stages for them.
@@ -110,15 +109,3 @@ def drop_traced_steps(model, phase):
     kept = state(model).steps.staged_functions
     for key in [k for k in kept if k[0] == phase]:
         del kept[key]
-
-
-@contextlib.contextmanager
-def set_aside(phase, *bindings):
-    """Within, `phase` has no entry in the dicts `bindings`; put back after."""
-    saved = [binding.pop(phase, None) for binding in bindings]
-    try:
-        yield
-    finally:
-        for binding, value in zip(bindings, saved, strict=True):
-            if value is not None:
-                binding[phase] = value

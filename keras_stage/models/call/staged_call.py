@@ -23,7 +23,6 @@ from keras_stage.models.model_state import (
     FUNCTIONS,
     UNSTAGED_STEPS,
     drop_traced_steps,
-    set_aside,
 )
 from keras_stage.models.model_state import state as model_state
 from keras_stage.planner.state_access import all_layers
@@ -40,6 +39,8 @@ class StagedCall:
         callbacks: The user's callbacks (a list, or None).
         steps_per_epoch: The fit's `steps_per_epoch`, or None.
         verbose: The call's `verbose`.
+        stacklevel: The user's call, as `warnings.warn` counts from the
+            caller of `run`, for `run`'s warnings.
 
     Attributes:
         split: The SmartStage split the stages run, or None; set before
@@ -54,11 +55,13 @@ class StagedCall:
         callbacks,
         steps_per_epoch=None,
         verbose="auto",
+        stacklevel=2,
     ):
         self.model = model
         self.layer = layer
         self.split = None
         self.phases = tuple(phases)
+        self._stacklevel = stacklevel
         self.callbacks, self.prefetch = _with_prefetch_callback(
             callbacks, progbar=verbose != 0
         )
@@ -222,7 +225,8 @@ class StagedCall:
         }
         with (
             _skips_end_epochs_early(self.layer, self.built, self.callbacks),
-            _staged_steps(model, self.phases, splits),
+            # Below the caller: run, __enter__, _staged_steps, _trunk_jit.
+            _staged_steps(model, self.phases, splits, self._stacklevel + 4),
         ):
             if self.built and "predict" not in self.phases:
                 self.backend.build(model, self.built[0], self.phases[0])
@@ -326,38 +330,28 @@ def release_placement(model, phase):
 
 
 @contextlib.contextmanager
-def _staged_steps(model, phases, splits):
+def _staged_steps(model, phases, splits, stacklevel):
     """Within, the model's compiled steps are those of `splits`' trunks.
 
-    `splits` maps each phase to its SmartStage split or None. The staged
-    steps are cached between calls; the plain ones and the outer call's
-    splits are put back afterwards.
+    `splits` maps each phase to its SmartStage split or None.
     """
-    state = model_state(model)
-    saved = {p: state.steps.active.get(p) for p in phases}
-    if not any(splits.values()) and not any(saved.values()):
+    steps = model_state(model).steps
+    active = [steps.active.get(phase) for phase in phases]
+    if not any(splits.values()) and not any(active):
         yield
         return
-    plain = {}
-    for phase in phases:
-        attr = FUNCTIONS[phase]
-        plain[phase] = getattr(model, attr, None)
-        key = (phase, id(splits[phase]) if splits[phase] else None)
-        setattr(model, attr, state.steps.staged_functions.get(key))
-        state.steps.active[phase] = splits[phase]
-    jit = state.steps.staged_jit
-    if any(split is not None for split in splits.values()):
-        state.steps.staged_jit = _trunk_jit(model, splits)
-    try:
-        yield
-    finally:
-        for phase in phases:
-            attr = FUNCTIONS[phase]
-            key = (phase, id(splits[phase]) if splits[phase] else None)
-            state.steps.staged_functions[key] = getattr(model, attr, None)
-            setattr(model, attr, plain[phase])
-            state.steps.active[phase] = saved[phase]
-        state.steps.staged_jit = jit
+    keys = {
+        phase: (phase, id(split) if split else None)
+        for phase, split in splits.items()
+    }
+    with _swapped_steps(model, keys, splits):
+        jit = steps.staged_jit
+        if any(split is not None for split in splits.values()):
+            steps.staged_jit = _trunk_jit(model, splits, stacklevel)
+        try:
+            yield
+        finally:
+            steps.staged_jit = jit
 
 
 @contextlib.contextmanager
@@ -367,47 +361,64 @@ def _unstaged_steps(model, phases, clocks):
     Not Keras's own step, in which a stage-only call records its fetches.
     `clocks`: per phase, a list its steps' host times go to.
     """
-    state = model_state(model)
-    saved = {}
-    with contextlib.ExitStack() as stack:
-        for phase in phases:
-            attr = FUNCTIONS[phase]
-            saved[phase] = (
-                getattr(model, attr, None),
-                state.steps.active.get(phase),
-            )
-            stack.enter_context(
-                set_aside(
-                    phase,
-                    state.bound.runners,
-                    state.bound.recording,
-                    state.bound.step_clocks,
-                )
-            )
-            if phase in clocks:
-                state.bound.step_clocks[phase] = clocks[phase]
-            unstaged = state.steps.staged_functions.get((phase, UNSTAGED_STEPS))
-            # Keras's attribute tracking costs: set only what changes.
-            if saved[phase][0] is not unstaged:
-                setattr(model, attr, unstaged)
-            state.steps.active[phase] = None
+    bound = model_state(model).bound
+    keys = {phase: (phase, UNSTAGED_STEPS) for phase in phases}
+    with _set_aside(phases, bound.runners, bound.recording, bound.step_clocks):
+        bound.step_clocks.update(clocks)
         try:
-            yield
+            with _swapped_steps(model, keys, dict.fromkeys(phases), keep=True):
+                yield
         finally:
             for phase in clocks:
-                state.bound.step_clocks.pop(phase, None)
-            for phase in phases:
-                attr = FUNCTIONS[phase]
-                unstaged = getattr(model, attr, None)
-                state.steps.staged_functions[(phase, UNSTAGED_STEPS)] = unstaged
-                function, active = saved[phase]
-                # Where the model held none, the unstaged step stays.
-                if function is not None and function is not unstaged:
-                    setattr(model, attr, function)
-                state.steps.active[phase] = active
+                bound.step_clocks.pop(phase, None)
 
 
-def _trunk_jit(model, splits):
+@contextlib.contextmanager
+def _set_aside(phases, *bindings):
+    """Within, `phases` have no entry in the dicts `bindings`."""
+    saved = [
+        (b, phase, b.pop(phase, None)) for b in bindings for phase in phases
+    ]
+    try:
+        yield
+    finally:
+        for binding, phase, value in saved:
+            if value is not None:
+                binding[phase] = value
+
+
+@contextlib.contextmanager
+def _swapped_steps(model, keys, splits, keep=False):
+    """Within, each phase's compiled step is the one kept under its key.
+
+    `keys`: per phase, its key in `staged_functions`; `splits`: per phase,
+    the split its step runs. After, the step (as traced within) is kept
+    and the model's own put back; with `keep`, not where the model held
+    none. Keras's attribute tracking costs: only what changes is set.
+    """
+    steps = model_state(model).steps
+    saved = {}
+    for phase, key in keys.items():
+        attr = FUNCTIONS[phase]
+        saved[phase] = (getattr(model, attr, None), steps.active.get(phase))
+        step = steps.staged_functions.get(key)
+        if saved[phase][0] is not step:
+            setattr(model, attr, step)
+        steps.active[phase] = splits[phase]
+    try:
+        yield
+    finally:
+        for phase, key in keys.items():
+            attr = FUNCTIONS[phase]
+            step = getattr(model, attr, None)
+            steps.staged_functions[key] = step
+            function, active = saved[phase]
+            if function is not step and (function is not None or not keep):
+                setattr(model, attr, function)
+            steps.active[phase] = active
+
+
+def _trunk_jit(model, splits, stacklevel):
     """Whether staged steps are XLA-compiled, or None for Keras's choice.
 
     Keras turns `jit_compile=True` off for a model with a layer XLA cannot
@@ -426,7 +437,7 @@ def _trunk_jit(model, splits):
             warnings.warn(
                 f"jit_compile=True: the trunk of model '{model.name}' still "
                 "has a layer XLA cannot compile; its steps run without XLA.",
-                stacklevel=6,
+                stacklevel=stacklevel,
             )
             return False
     return True
