@@ -34,10 +34,8 @@ _SMART_STAGE_VALUES = (True, False, "longest")
 
 
 def find_staged_input(model):
-    """The model's `StagedInput`, or None; checks where it stands.
-
-    Kept until the model's layers change.
-    """
+    """The model's `StagedInput` or None, checked where it stands (kept
+    until the model's layers change)."""
     layers = tuple(model.layers)
     kept = _state(model).staged_input
     if kept is not None and kept[0] == layers:
@@ -177,11 +175,9 @@ class StagingMixin:
         return layer
 
     def _stage_split(self, stacklevel=2):
-        """The SmartStage split a staged call runs, or None; announced once.
-
-        `stacklevel`: the user's call, as `warnings.warn` counts from the
-        caller, for the plan's note.
-        """
+        """The SmartStage split a staged call runs, or None; announced once
+        (`stacklevel`: the user's call, as `warnings.warn` counts from the
+        caller)."""
         state = _state(self)
         if not state.smart_stage:
             return None
@@ -360,11 +356,10 @@ class StagingMixin:
         ):
             return call.run_unstaged(functools.partial(super().fit, **given))
         call.split = self._stage_split()
-        val_x = val_y = val_sw = None
-        if validation_data is not None:
-            val_x, val_y, val_sw = keras.utils.unpack_x_y_sample_weight(
-                validation_data
-            )
+        # (None, None, None) without validation data.
+        val_x, val_y, val_sw = keras.utils.unpack_x_y_sample_weight(
+            validation_data
+        )
         left = max(epochs - initial_epoch, 0)  # the epochs this fit runs
         with call:
             train = call.stage(
@@ -438,8 +433,8 @@ class StagingMixin:
         Args:
             phase: `"test"` or `"predict"`, also the stage's role.
             keras_call: Keras's method, bound (`super().evaluate`).
-            given: The user's arguments (`_given`), the call unstaged.
-            **kwargs: `keras_call`'s further arguments, staged.
+            given: The user's arguments (`_given`): the unstaged call.
+            **kwargs: `keras_call`'s further arguments when staged.
         """
         x, batch_size, steps = given["x"], given["batch_size"], given["steps"]
         layer = self._stage_setup()
@@ -491,10 +486,8 @@ class StagingMixin:
 def _given(arguments):
     """The user's arguments to a model method, from its `locals()` on entry
     (`__class__` is there for `super()`), with its `**kwargs` spread."""
-    given = {
-        name: value
-        for name, value in arguments.items()
-        if name not in ("self", "__class__")
-    }
+    given = dict(arguments)
+    del given["self"]
+    given.pop("__class__", None)
     given.update(given.pop("kwargs", {}))
     return given

@@ -3,7 +3,7 @@
 It owns what lasts one call: its callbacks (a `PrefetchCallback` first),
 its stages, their bindings to the compiled steps and the steps swapped in
 while Keras runs; an evaluate from a fit's callback gives the fit's
-bindings back when it ends. `StagingMixin.evaluate` shows its use.
+bindings back when it ends.
 """
 
 import contextlib
@@ -39,12 +39,11 @@ class StagedCall:
         callbacks: The user's callbacks (a list, or None).
         steps_per_epoch: The fit's `steps_per_epoch`, or None.
         verbose: The call's `verbose`.
-        stacklevel: The user's call, as `warnings.warn` counts from the
-            caller of `run`, for `run`'s warnings.
+        stacklevel: Where `run`'s warnings point: the user's call, as
+            `warnings.warn` counts from `run`'s caller.
 
     Attributes:
-        split: The SmartStage split the stages run, or None; set before
-            the first `stage`.
+        split: The SmartStage split the stages run, or None; set first.
     """
 
     def __init__(
@@ -66,8 +65,7 @@ class StagedCall:
             callbacks, progbar=verbose != 0
         )
         self._unstaged_fit_callbacks = self.callbacks  # without DataBackup
-        # Per phase: the `StagedData` Keras iterates.
-        self._fed = {}
+        self._fed = {}  # per phase: the `StagedData` Keras iterates
         if "train" in self.phases:
             self.callbacks = _with_data_backup(
                 model,
@@ -78,30 +76,18 @@ class StagedCall:
                 ordered=layer.stage_options.deterministic,
             )
         self.built = []
-        # (role, pool) of the stages with stats of their own.
-        self._own_pools = []
+        self._own_pools = []  # (role, pool) of stages with their own stats
         self._state = model_state(model)
         self.backend = backends.for_model(model)
-        # Per bound phase: the outer call's (runner, recording, placement,
-        # step clock).
-        self._outer = {}
+        self._outer = {}  # per bound phase: the outer call's bindings
 
     # -- stages -----------------------------------------------------------
 
-    def stage(
-        self,
-        phase,
-        role,
-        x,
-        y=None,
-        sample_weight=None,
-        **kwargs,
-    ):
+    def stage(self, phase, role, x, y=None, sample_weight=None, **kwargs):
         """Stages `x` (and its labels and weights) for `phase`'s step.
 
-        `role` names the stage ("train", "val", "test", "predict"); `kwargs`
-        go to `data_adapters.stage_data`. Returns the `StagedData`, bound to
-        the step.
+        `role` names the stage ("val": a fit's validation); `kwargs` go to
+        `stage_data`. Returns the `StagedData`, bound to the step.
         """
         model = self.model
         stepped = self.backend.reads_in_graph(phase)
@@ -134,24 +120,22 @@ class StagedCall:
         return data
 
     def _feedable(self, phase):
-        """Whether `phase`'s stage may read a fed source across calls.
-
-        Not where `BackupAndRestore` saves the iterator: a fed source's
-        queue is not in a tf.data checkpoint.
-        """
+        """Whether `phase`'s stage may read a fed source across calls: not
+        where `BackupAndRestore` saves the iterator (a fed source's queue is
+        not in a tf.data checkpoint)."""
         return phase != "train" or not any(
             isinstance(cb, DataBackup) for cb in self.callbacks
         )
 
     def _bind(self, phase, data):
         """Hands `data`'s stage to the callback and its runner to the step."""
-        state = self._state
+        bound = self._state.bound
         if phase not in self._outer:
             self._outer[phase] = (
-                state.bound.runners.get(phase),
-                state.bound.recording.get(phase),
-                state.bound.placements.get(phase),
-                state.bound.step_clocks.get(phase),
+                bound.runners.get(phase),
+                bound.recording.get(phase),
+                bound.placements.get(phase),
+                bound.step_clocks.get(phase),
             )
         self._fed[phase] = data
         decision = learned(self.model).decisions.pop(phase, None)
@@ -170,15 +154,11 @@ class StagedCall:
         bind_placement(self.model, phase, data.staged.placement)
         if phase == "predict":
             return
-        state.bound.runners[phase] = data.staged.runner
-        if data.step_clock is not None:
-            state.bound.step_clocks[phase] = data.step_clock
-        else:
-            state.bound.step_clocks.pop(phase, None)
-        if data.in_step:
-            state.bound.recording[phase] = data.staged.stats
-        else:
-            state.bound.recording.pop(phase, None)
+        bound.runners[phase] = data.staged.runner
+        _put(bound.step_clocks, phase, data.step_clock)
+        _put(
+            bound.recording, phase, data.staged.stats if data.in_step else None
+        )
 
     # -- running Keras's call ---------------------------------------------
 
@@ -187,11 +167,9 @@ class StagedCall:
         return self.backend.feed(data, self.phases[0])
 
     def _reopen(self, phase, count=1):
-        """Makes and drops `count` iterators of `phase`'s source.
-
-        The reshuffle seeds Keras's own iterators would draw; nothing for a
-        source whose iterators Keras gets deferred (`StagedData.defers`).
-        """
+        """Makes and drops `count` iterators of `phase`'s source, drawing
+        the reshuffle seeds Keras's own would; not where Keras gets them
+        deferred (`StagedData.defers`)."""
         data = self._fed.get(phase)
         if data is None or data.defers or data.source is None:
             return
@@ -199,11 +177,8 @@ class StagedCall:
             iter(data.source)
 
     def _build_metrics(self, phase):
-        """Builds the compile metrics and loss from `phase`'s specs.
-
-        A resumed epoch restores their values before the first step, where
-        Keras would build them.
-        """
+        """Builds the compile metrics and loss from `phase`'s specs: a
+        resumed epoch restores them before the step where Keras would."""
         data = self._fed.get(phase)
         if (
             data is None
@@ -218,11 +193,10 @@ class StagedCall:
     def run(self, keras_call, **kwargs):
         """`keras_call(callbacks=..., **kwargs)` with the staged steps."""
         model = self.model
-        fed = {phase: self._fed.get(phase) for phase in self.phases}
-        splits = {
-            phase: None if data is None else data.split
-            for phase, data in fed.items()
-        }
+        splits = {}
+        for phase in self.phases:
+            data = self._fed.get(phase)
+            splits[phase] = None if data is None else data.split
         with (
             _skips_end_epochs_early(self.layer, self.built, self.callbacks),
             # Below the caller: run, __enter__, _staged_steps, _trunk_jit.
@@ -235,8 +209,7 @@ class StagedCall:
     def run_unstaged(self, keras_call):
         """Runs `keras_call()` (the user's call as given) with no stage.
 
-        A fit's is given `callbacks=`, with the call's `PrefetchCallback`
-        first to log why it ran unstaged.
+        A fit's gets `callbacks=`, the `PrefetchCallback` first to log why.
         """
         clocks = {
             phase: []
@@ -248,8 +221,8 @@ class StagedCall:
             self.prefetch.attach_unstaged(
                 learned(self.model).decisions["train"].reason
             )
-            # What Keras's epochs cost to start, which a stage's epochs on
-            # one iterator would not pay.
+            # What Keras's epochs cost to start, unpaid by a stage's epochs
+            # on one iterator.
             starts = measure.EpochStartClock()
             kwargs["callbacks"] = [*self._unstaged_fit_callbacks, starts]
         try:
@@ -272,22 +245,16 @@ class StagedCall:
 
     def close(self):
         """Ends the call's stages and gives an outer call its bindings back."""
-        state = self._state
+        bound = self._state.bound
         try:
-            for phase, outer_bindings in self._outer.items():
-                runner, recording, placement, clock = outer_bindings
-                for bindings, outer in (
-                    (state.bound.runners, runner),
-                    (state.bound.recording, recording),
-                    (state.bound.step_clocks, clock),
-                ):
-                    if outer is None:
-                        bindings.pop(phase, None)
-                    else:
-                        bindings[phase] = outer
+            for phase, outer in self._outer.items():
+                runner, recording, placement, clock = outer
+                _put(bound.runners, phase, runner)
+                _put(bound.recording, phase, recording)
+                _put(bound.step_clocks, phase, clock)
                 if runner is None:
-                    state.bound.iterators.pop(phase, None)
-                    state.bound.pending_restores.pop(phase, None)
+                    bound.iterators.pop(phase, None)
+                    bound.pending_restores.pop(phase, None)
                 if placement is None:
                     release_placement(self.model, phase)
                 else:
@@ -297,13 +264,21 @@ class StagedCall:
             try:
                 for role, pool in self._own_pools:
                     if pool is not None:
-                        state.pool_sizes[role] = pool.size
+                        self._state.pool_sizes[role] = pool.size
                 for data in self.built:
                     if data.owned:
                         measure.note_work(self.model, data)
                     data.end_call()
             finally:
                 self.prefetch.close()
+
+
+def _put(bindings, phase, value):
+    """Binds `value` to `phase`, or unbinds it for None."""
+    if value is None:
+        bindings.pop(phase, None)
+    else:
+        bindings[phase] = value
 
 
 def bind_placement(model, phase, placement):
@@ -331,10 +306,8 @@ def release_placement(model, phase):
 
 @contextlib.contextmanager
 def _staged_steps(model, phases, splits, stacklevel):
-    """Within, the model's compiled steps are those of `splits`' trunks.
-
-    `splits` maps each phase to its SmartStage split or None.
-    """
+    """Within, the model's compiled steps are those of `splits`' trunks
+    (per phase, its SmartStage split or None)."""
     steps = model_state(model).steps
     active = [steps.active.get(phase) for phase in phases]
     if not any(splits.values()) and not any(active):
@@ -356,32 +329,22 @@ def _staged_steps(model, phases, splits, stacklevel):
 
 @contextlib.contextmanager
 def _unstaged_steps(model, phases, clocks):
-    """Within, the model's steps run the whole model and record nothing.
-
-    Not Keras's own step, in which a stage-only call records its fetches.
-    `clocks`: per phase, a list its steps' host times go to.
-    """
+    """Within, the model's steps run the whole model and record nothing
+    (Keras's own step would record a stage-only call's fetches); `clocks`:
+    per phase, a list its steps' host times go to."""
     bound = model_state(model).bound
     keys = {phase: (phase, UNSTAGED_STEPS) for phase in phases}
-    with _set_aside(phases, bound.runners, bound.recording, bound.step_clocks):
-        bound.step_clocks.update(clocks)
-        try:
-            with _swapped_steps(model, keys, dict.fromkeys(phases), keep=True):
-                yield
-        finally:
-            for phase in clocks:
-                bound.step_clocks.pop(phase, None)
-
-
-@contextlib.contextmanager
-def _set_aside(phases, *bindings):
-    """Within, `phases` have no entry in the dicts `bindings`."""
+    bindings = (bound.runners, bound.recording, bound.step_clocks)
     saved = [
         (b, phase, b.pop(phase, None)) for b in bindings for phase in phases
     ]
+    bound.step_clocks.update(clocks)
     try:
-        yield
+        with _swapped_steps(model, keys, dict.fromkeys(phases), keep=True):
+            yield
     finally:
+        for phase in clocks:
+            bound.step_clocks.pop(phase, None)
         for binding, phase, value in saved:
             if value is not None:
                 binding[phase] = value
@@ -389,13 +352,10 @@ def _set_aside(phases, *bindings):
 
 @contextlib.contextmanager
 def _swapped_steps(model, keys, splits, keep=False):
-    """Within, each phase's compiled step is the one kept under its key.
-
-    `keys`: per phase, its key in `staged_functions`; `splits`: per phase,
-    the split its step runs. After, the step (as traced within) is kept
-    and the model's own put back; with `keep`, not where the model held
-    none. Keras's attribute tracking costs: only what changes is set.
-    """
+    """Within, each phase's compiled step is `staged_functions[keys[phase]]`
+    running `splits[phase]`; after, the step (as traced) is kept there and
+    the model's own put back, unless `keep` and the model had none. Keras's
+    attribute tracking costs: only what changes is set."""
     steps = model_state(model).steps
     saved = {}
     for phase, key in keys.items():
@@ -430,9 +390,7 @@ def _trunk_jit(model, splits, stacklevel):
     if requested is not True:
         return None
     for split in splits.values():
-        if split is None:
-            continue
-        layers = all_layers(split.trunk)
+        layers = () if split is None else all_layers(split.trunk)
         if not all(getattr(layer, "supports_jit", True) for layer in layers):
             warnings.warn(
                 f"jit_compile=True: the trunk of model '{model.name}' still "
@@ -445,12 +403,9 @@ def _trunk_jit(model, splits, stacklevel):
 
 @contextlib.contextmanager
 def _skips_end_epochs_early(layer, built, callbacks):
-    """Silences Keras's "ran out of data" warning when epochs may end early.
-
-    Skipped elements, an epoch resumed by `DataBackup`, a device buffer
-    (which hides the count from Keras) and the tf.data service's
-    `parallel_epochs` all end epochs short by design, not a short dataset.
-    """
+    """Silences Keras's "ran out of data" warning where epochs end short by
+    design: skipped elements, an epoch resumed by `DataBackup`, a device
+    buffer (hiding the count from Keras), the tf.data service."""
     quiet = (
         bool(layer.stage_options.ignored_exception_types)
         or any(data.staged.device is not None for data in built)
@@ -468,19 +423,13 @@ def _skips_end_epochs_early(layer, built, callbacks):
 
 
 def _with_data_backup(
-    model,
-    callbacks,
-    steps_per_epoch,
-    reopen,
-    build_metrics=None,
-    ordered=True,
+    model, callbacks, steps_per_epoch, reopen, build_metrics=None, ordered=True
 ):
     """`callbacks` with a `DataBackup` right after a `BackupAndRestore`.
 
-    `reopen(phase, count=1)`: `StagedCall._reopen`, the iterators Keras
-    makes around epochs, for a resumed epoch that ends before Keras's count
-    of its steps (`tensorflow_steps.track_iterator`). `build_metrics`:
-    `StagedCall._build_metrics`. `ordered`: the stage's `deterministic`.
+    `reopen` and `build_metrics`: `StagedCall._reopen` (the iterators Keras
+    makes around epochs, `tensorflow_steps.track_iterator`) and
+    `_build_metrics`. `ordered`: the stage's `deterministic`.
     """
     state = model_state(model)
     out = []
@@ -488,22 +437,20 @@ def _with_data_backup(
         out.append(callback)
         if isinstance(callback, keras.callbacks.BackupAndRestore):
 
-            def current(state=state):
+            def current():
                 ref = state.bound.iterators.get("train")
                 return None if ref is None else ref()
 
-            def stage_restored(variables, state=state):
+            def stage_restored(variables):
                 # The restored iterator has numbered nothing yet.
                 state.split.unnumbered.assign(True)
 
-            def drew_itself(left, state=state):
-                """Whether the restore drew a reshuffle seed of its own.
-
+            def drew_itself(left):
+                """Whether the restore drew a reshuffle seed of its own, as
                 tf.data's does when the saved iterator held no more of the
-                source: it had handed out the epoch's last batch (`left`
-                0), or the staged random layers' numbering `scan` had read
-                the source to its end (its mark is still set).
-                """
+                source: it had handed out the epoch's last batch (`left` 0)
+                or the staged random layers' numbering `scan` had read the
+                source to its end (its mark is still set)."""
                 split = state.split
                 if split is not None and split.unnumbered is not None:
                     drew = bool(split.unnumbered.numpy())
@@ -511,7 +458,7 @@ def _with_data_backup(
                     return drew
                 return left == 0
 
-            def restore_next(restore, left, epoch, state=state):
+            def restore_next(restore, left, epoch):
                 if steps_per_epoch is not None:
                     # Keras reads one iterator across the epochs: the
                     # restored one holds the later epochs' batches too.
@@ -523,7 +470,7 @@ def _with_data_backup(
                     # the orders match it (docs/reliability.md).
                     reopen("train", max(2 * epoch - 1, 0))
 
-                def end(epoch=epoch, left=left, drew_itself=drew_itself):
+                def end():
                     # In epoch 0 a restore that drew its own seed and the
                     # epoch's iterator already made the draws before epoch 1.
                     if not (drew_itself(left) and epoch == 0):
@@ -531,18 +478,15 @@ def _with_data_backup(
 
                 state.bound.pending_restores["train"] = (restore, left, end)
 
-            def stage_state(state=state):
+            def stage_state():
                 ordinal = None if state.split is None else state.split.ordinal
                 return {} if ordinal is None else {"stage_ordinal": ordinal}
 
-            build = None
-            if build_metrics is not None:
-                build = functools.partial(build_metrics, "train")
             data_backup = DataBackup(
                 callback,
                 current,
                 restore_next,
-                build,
+                build_metrics and functools.partial(build_metrics, "train"),
                 stage_state,
                 ordered,
                 stage_restored,
@@ -556,8 +500,8 @@ def _with_data_backup(
 def _with_prefetch_callback(callbacks, progbar):
     """The callback list with a PrefetchCallback first, and that callback.
 
-    Only Keras's progress bar (`progbar`: the call shows one) goes before
-    it, so the callback's epoch-end lines follow the epoch's progress line.
+    Only Keras's progress bar (if `progbar`) goes before it, so that its
+    epoch-end lines follow the epoch's progress line.
     """
     if isinstance(callbacks, keras.callbacks.CallbackList):
         raise TypeError(
@@ -573,14 +517,13 @@ def _with_prefetch_callback(callbacks, progbar):
             f"{len(found)}. One callback reports the model's stage."
         )
     prefetch = found[0] if found else PrefetchCallback()
-    bars = [
-        cb for cb in callbacks if isinstance(cb, keras.callbacks.ProgbarLogger)
-    ]
+    bar_class = keras.callbacks.ProgbarLogger
+    bars = [cb for cb in callbacks if isinstance(cb, bar_class)]
     if progbar and not bars:
-        bars = [keras.callbacks.ProgbarLogger()]
+        bars = [bar_class()]
     others = [
         cb
         for cb in callbacks
-        if cb is not prefetch and not any(cb is bar for bar in bars)
+        if cb is not prefetch and not isinstance(cb, bar_class)
     ]
     return bars + [prefetch] + others, prefetch
