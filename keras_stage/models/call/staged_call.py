@@ -282,11 +282,9 @@ def _put(bindings, phase, value):
 
 
 def bind_placement(model, phase, placement):
-    """Makes `phase`'s step unpack what `placement` packed.
-
-    Two structures can pack to the same spec, so tf.function would not
-    retrace: a new layout drops the phase's traced steps.
-    """
+    """Makes `phase`'s step unpack what `placement` packed; a new layout
+    drops the phase's traced steps (two structures can pack to the same
+    spec, so tf.function would not retrace)."""
     state = model_state(model)
     layout = None if placement.packer is None else placement.unpacked_spec
     if state.bound.layouts.get(phase) != layout:
@@ -336,7 +334,9 @@ def _unstaged_steps(model, phases, clocks):
     keys = {phase: (phase, UNSTAGED_STEPS) for phase in phases}
     bindings = (bound.runners, bound.recording, bound.step_clocks)
     saved = [
-        (b, phase, b.pop(phase, None)) for b in bindings for phase in phases
+        (binding, phase, binding.pop(phase, None))
+        for binding in bindings
+        for phase in phases
     ]
     bound.step_clocks.update(clocks)
     try:
@@ -379,11 +379,9 @@ def _swapped_steps(model, keys, splits, keep=False):
 
 
 def _trunk_jit(model, splits, stacklevel):
-    """Whether staged steps are XLA-compiled, or None for Keras's choice.
-
+    """Whether staged steps are XLA-compiled, or None for Keras's choice:
     Keras turns `jit_compile=True` off for a model with a layer XLA cannot
-    compile; those are usually staged, so the trunk can honour it.
-    """
+    compile, and those are usually staged, so the trunk can honour it."""
     requested = model_state(model).requested_jit
     if requested == "auto":
         requested = backends.for_model(model).jit_by_default
@@ -405,7 +403,8 @@ def _trunk_jit(model, splits, stacklevel):
 def _skips_end_epochs_early(layer, built, callbacks):
     """Silences Keras's "ran out of data" warning where epochs end short by
     design: skipped elements, an epoch resumed by `DataBackup`, a device
-    buffer (hiding the count from Keras), the tf.data service."""
+    buffer (hiding the count from Keras), the tf.data service's
+    `parallel_epochs`."""
     quiet = (
         bool(layer.stage_options.ignored_exception_types)
         or any(data.staged.device is not None for data in built)
