@@ -1,11 +1,6 @@
-"""What a keras_stage model keeps between its staged calls.
+"""What a keras_stage model keeps between its staged calls: one
+`StagingState`, neither tracked nor saved by Keras."""
 
-One `StagingState` per model, neither tracked nor saved by Keras: the
-plan, the compiled steps, their stats, what the policy learned and, while
-a call runs, what binds its stages to its steps.
-"""
-
-import contextlib
 import threading
 
 # Keras's compiled steps, by the phase keras_stage stages for them.
@@ -19,11 +14,8 @@ UNSTAGED_STEPS = "unstaged"
 
 
 class CompiledSteps:
-    """The compiled steps a model keeps between calls.
-
-    Used by the call (which swaps them in, `call/staged_call.py`) and the
-    backend's steps (`backends/tensorflow_steps.py`).
-    """
+    """The compiled steps a model keeps between calls, which the call swaps
+    in (`call/staged_call.py`)."""
 
     def __init__(self):
         # Per `(phase, split id, or UNSTAGED_STEPS)`: a compiled step.
@@ -42,12 +34,11 @@ class CompiledSteps:
 class StepBindings:
     """What binds the running call's stages to its phases' steps.
 
-    Set by the call (`StagedCall`), read by the steps: per phase, the
-    stage's runner, the stats it records in, the placement unpacking its
-    elements and the spec its traced step was built for, the host clock of
-    its steps, the iterator read last (weakly) and a position to restore
-    before the next step, with what is left of a resumed epoch (see
-    `DataBackup`).
+    Set by `StagedCall`, read by the steps: per phase, the stage's runner,
+    the stats it records in, the placement unpacking its elements and the
+    spec its traced step was built for, its steps' host clock, the iterator
+    read last (weakly) and a position to restore before the next step, with
+    what is left of a resumed epoch (`DataBackup`).
     """
 
     def __init__(self):
@@ -62,14 +53,7 @@ class StepBindings:
 
 
 class StagingState:
-    """Per-model run state, kept out of Keras's attribute tracking.
-
-    In parts: what compile and the first staged call set up (the backend,
-    the plan and split), the compiled steps (`steps`), what binds a running
-    call to them (`bound`), the stages kept for later calls (`stages`, with
-    `kept_iterators`) and what the policy learned (`learned`, with
-    `decision.learned`).
-    """
+    """Per-model run state, kept out of Keras's attribute tracking."""
 
     def __init__(self):
         # The model's `backends.Backend`, chosen on first use.
@@ -110,15 +94,3 @@ def drop_traced_steps(model, phase):
     kept = state(model).steps.staged_functions
     for key in [k for k in kept if k[0] == phase]:
         del kept[key]
-
-
-@contextlib.contextmanager
-def set_aside(phase, *bindings):
-    """Within, `phase` has no entry in the dicts `bindings`; put back after."""
-    saved = [binding.pop(phase, None) for binding in bindings]
-    try:
-        yield
-    finally:
-        for binding, value in zip(bindings, saved, strict=True):
-            if value is not None:
-                binding[phase] = value

@@ -34,10 +34,8 @@ _SMART_STAGE_VALUES = (True, False, "longest")
 
 
 def find_staged_input(model):
-    """The model's `StagedInput`, or None; checks where it stands.
-
-    Kept until the model's layers change.
-    """
+    """The model's `StagedInput` or None, checked where it stands (kept
+    until the model's layers change)."""
     layers = tuple(model.layers)
     kept = _state(model).staged_input
     if kept is not None and kept[0] == layers:
@@ -176,8 +174,10 @@ class StagingMixin:
             layer = state.default_input
         return layer
 
-    def _stage_split(self):
-        """The SmartStage split a staged call runs, or None; announced once."""
+    def _stage_split(self, stacklevel=2):
+        """The SmartStage split a staged call runs, or None; announced once
+        (`stacklevel`: the user's call, as `warnings.warn` counts from the
+        caller)."""
         state = _state(self)
         if not state.smart_stage:
             return None
@@ -185,7 +185,7 @@ class StagingMixin:
         if not state.announced:
             state.announced = True
             if plan.note:
-                warnings.warn(plan.note, stacklevel=3)
+                warnings.warn(plan.note, stacklevel=stacklevel + 1)
             elif find_staged_input(self) is None:
                 logger.info(
                     "smart_stage: model '%s' has no StagedInput, so the "
@@ -304,29 +304,10 @@ class StagingMixin:
         validation_batch_size=None,
         validation_freq=1,
     ):
-        def unstaged(callbacks=callbacks):
-            return super(StagingMixin, self).fit(
-                x=x,
-                y=y,
-                batch_size=batch_size,
-                epochs=epochs,
-                verbose=verbose,
-                callbacks=callbacks,
-                validation_split=validation_split,
-                validation_data=validation_data,
-                shuffle=shuffle,
-                class_weight=class_weight,
-                sample_weight=sample_weight,
-                initial_epoch=initial_epoch,
-                steps_per_epoch=steps_per_epoch,
-                validation_steps=validation_steps,
-                validation_batch_size=validation_batch_size,
-                validation_freq=validation_freq,
-            )
-
+        given = _given(locals())
         layer = self._stage_setup()
         if layer is None:
-            return unstaged()
+            return super().fit(**given)
         backend = self._stage_backend
         backend.check_supported(self, layer)
         backend.check_strategy(self)
@@ -345,7 +326,14 @@ class StagingMixin:
                     validation_split,
                 )
             )
-            validation_split = 0.0
+            # An unstaged fit runs on the same split.
+            given.update(
+                x=x,
+                y=y,
+                sample_weight=sample_weight,
+                validation_split=0.0,
+                validation_data=validation_data,
+            )
         # One iterator across the epochs, unless BackupAndRestore
         # checkpoints each epoch's.
         long_lived = not any(
@@ -366,13 +354,12 @@ class StagingMixin:
             validation_batch_size=validation_batch_size,
             validation_freq=validation_freq,
         ):
-            return call.run_unstaged(unstaged)
+            return call.run_unstaged(functools.partial(super().fit, **given))
         call.split = self._stage_split()
-        val_x = val_y = val_sw = None
-        if validation_data is not None:
-            val_x, val_y, val_sw = keras.utils.unpack_x_y_sample_weight(
-                validation_data
-            )
+        # (None, None, None) without validation data.
+        val_x, val_y, val_sw = keras.utils.unpack_x_y_sample_weight(
+            validation_data
+        )
         left = max(epochs - initial_epoch, 0)  # the epochs this fit runs
         with call:
             train = call.stage(
@@ -429,101 +416,78 @@ class StagingMixin:
         return_dict=False,
         **kwargs,
     ):
-        def unstaged():
-            return super(StagingMixin, self).evaluate(
-                x=x,
-                y=y,
-                batch_size=batch_size,
-                verbose=verbose,
-                sample_weight=sample_weight,
-                steps=steps,
-                callbacks=callbacks,
-                return_dict=return_dict,
-                **kwargs,
-            )
-
-        layer = self._stage_setup()
-        if layer is None or _compat.is_fit_validation(kwargs):
-            # Unstaged, or the validation of a fit (staged with the fit).
-            return unstaged()
-        backend = self._stage_backend
-        backend.check_supported(self, layer)
-        # Made first: its callbacks are checked whichever way the call runs.
-        call = StagedCall(self, layer, ("test",), callbacks, verbose=verbose)
-        if backend.may_run_unstaged and not facts.stages(
-            self,
-            layer,
-            "test",
-            call_batches(x, batch_size, steps),
-            iterators=facts.iterators_made(self, "test", x),
-            x=x,
-        ):
-            return call.run_unstaged(unstaged)
-        call.split = self._stage_split()
-        with call:
-            test = call.stage(
-                "test",
-                "test",
-                x,
-                y,
-                sample_weight,
-                batch_size=batch_size,
-                steps=steps,
-                epochs=1,  # a kept stage's iterator may run on past it
-                steps_per_execution=self.steps_per_execution,
-            )
-            return call.run(
-                super().evaluate,
-                x=call.feed(test),
-                verbose=verbose,
-                steps=steps,
-                return_dict=return_dict,
-                **kwargs,
-            )
+        given = _given(locals())
+        return self._one_phase_call(
+            "test", super().evaluate, given, return_dict=return_dict, **kwargs
+        )
 
     def predict(
         self, x, batch_size=None, verbose="auto", steps=None, callbacks=None
     ):
+        given = _given(locals())
+        return self._one_phase_call("predict", super().predict, given)
+
+    def _one_phase_call(self, phase, keras_call, given, **kwargs):
+        """Runs an evaluate or predict call, staged if the policy decides so.
+
+        Args:
+            phase: `"test"` or `"predict"`, also the stage's role.
+            keras_call: Keras's method, bound (`super().evaluate`).
+            given: The user's arguments (`_given`): the unstaged call.
+            **kwargs: `keras_call`'s further arguments when staged.
+        """
+        x, batch_size, steps = given["x"], given["batch_size"], given["steps"]
         layer = self._stage_setup()
-
-        def unstaged():
-            return super(StagingMixin, self).predict(
-                x,
-                batch_size=batch_size,
-                verbose=verbose,
-                steps=steps,
-                callbacks=callbacks,
-            )
-
-        if layer is None:
-            return unstaged()
+        if layer is None or _compat.is_fit_validation(given):
+            # Unstaged, or the validation of a fit (staged with the fit).
+            return keras_call(**given)
         backend = self._stage_backend
         backend.check_supported(self, layer)
         # Made first: its callbacks are checked whichever way the call runs.
-        call = StagedCall(self, layer, ("predict",), callbacks, verbose=verbose)
+        call = StagedCall(
+            self,
+            layer,
+            (phase,),
+            given["callbacks"],
+            verbose=given["verbose"],
+            stacklevel=3,
+        )
         if backend.may_run_unstaged and not facts.stages(
             self,
             layer,
-            "predict",
+            phase,
             call_batches(x, batch_size, steps),
-            iterators=facts.iterators_made(self, "predict", x),
+            iterators=facts.iterators_made(self, phase, x),
             x=x,
         ):
-            return call.run_unstaged(unstaged)
-        call.split = self._stage_split()
+            return call.run_unstaged(functools.partial(keras_call, **given))
+        call.split = self._stage_split(stacklevel=3)
         with call:
             data = call.stage(
-                "predict",
-                "predict",
+                phase,
+                phase,
                 x,
+                given.get("y"),
+                given.get("sample_weight"),
                 batch_size=batch_size,
                 steps=steps,
                 epochs=1,  # a kept stage's iterator may run on past it
                 steps_per_execution=self.steps_per_execution,
             )
             return call.run(
-                super().predict,
+                keras_call,
                 x=call.feed(data),
-                verbose=verbose,
+                verbose=given["verbose"],
                 steps=steps,
+                **kwargs,
             )
+
+
+def _given(arguments):
+    """The user's arguments to a model method, from its `locals()` on entry
+    (`__class__` is there for `super()`), with its `**kwargs` spread."""
+    given = dict(arguments)
+    del given["self"]
+    given.pop("__class__", None)
+    given.update(given.pop("kwargs", {}))
+    return given

@@ -497,6 +497,45 @@ def test_staged_evaluate_return_dict_matches_plain_model():
         assert staged_logs[key] == pytest.approx(value, rel=1e-6)
 
 
+class _NoJitDense(keras.layers.Dense):
+    """A trainable layer Keras knows XLA cannot compile."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.supports_jit = False
+
+
+def _unplanned():
+    # A subclassed model has no plan: its stage plan carries a note.
+    model = _build_subclassed(staged=True)
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    return model
+
+
+def _no_jit_trunk():
+    inputs = keras.Input(shape=(4,))
+    x = keras.layers.Rescaling(0.5)(_staged_input()(inputs))
+    model = keras_stage.Model(inputs, _NoJitDense(1)(x))
+    model.compile(
+        optimizer="sgd", loss="mse", smart_stage=True, jit_compile=True
+    )
+    return model
+
+
+@pytest.mark.parametrize("method", ["fit", "evaluate", "predict"])
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [(_unplanned, "subclassed model"), (_no_jit_trunk, "XLA cannot compile")],
+)
+def test_staging_warnings_point_at_the_users_call(method, build, message):
+    model = build()
+    data = (X,) if method == "predict" else (X, Y)
+    with pytest.warns(UserWarning, match=message) as caught:
+        getattr(model, method)(*data, batch_size=BATCH_SIZE, verbose=0)
+    ours = [w.filename for w in caught if message in str(w.message)]
+    assert ours == [__file__]
+
+
 def test_staged_input_is_an_identity_in_a_plain_keras_model():
     # Outside keras_stage models the layer changes nothing, so a plain Keras
     # model with it trains like one without it.

@@ -1,10 +1,6 @@
-"""What a staged or unstaged call measures, for the staging policy.
-
-The call times its stage's build and iterators (`staged_data`), its steps
-on the host (the step guard's clocks, `note_work`, `note_unstaged_steps`),
-the traces its steps took (`note_traces`) and, unstaged, Keras's epoch
-starts (`EpochStartClock`); `decision/calls.py` decides from the costs
-noted here (`facts.costs(model)`).
+"""What a staged or unstaged call measures for the policy, which decides
+from these costs (`facts.costs(model)`): its stage's build and iterators,
+its steps' host times and traces and, unstaged, Keras's epoch starts.
 """
 
 import functools
@@ -24,7 +20,7 @@ TIMED_PHASES = ("train", "test")
 
 def staged_data(model, phase, layer, role, *args, **kwargs):
     """`stage_data(layer, phase, *args, role=role, **kwargs)`, its build,
-    trace and iterators noted for `phase`."""
+    trace and iterators noted."""
     measured = costs(model)
     split = kwargs.get("split")
     traced = 0.0 if split is None else split.trace_seconds
@@ -54,18 +50,15 @@ def iterator_cost(model, phase):
 
 
 def resize_cost(model, data):
-    """What resizing `data`'s pool before the next epoch costs, or None.
-
-    A new iterator where the next epoch would read on from the one it has
-    (`CallIterators.resize_makes_an_iterator`), else nothing.
-    """
+    """What resizing `data`'s pool before the next epoch costs, or None:
+    a new iterator where the next epoch would read on from its own."""
     if not data.iterators.resize_makes_an_iterator():
         return 0.0
     return iterator_cost(model, data.cost_phase)
 
 
 def note_work(model, data):
-    """Notes the staged work and steps of `data`'s stage in the call ending."""
+    """Notes the work and steps of `data`'s stage in the call ending."""
     if data.staged.stats.closed:
         return
     snapshot = data.staged.stats.snapshot()
@@ -99,19 +92,17 @@ def timed_unstaged_phases(model, phases):
 
 
 class EpochStartClock(keras.callbacks.Callback):
-    """Times how long each epoch of an unstaged fit takes to start and end.
-
-    From the epoch's begin to its first step's (Keras making its
-    iterator), and from its last step's end to its validation or its end
-    (Keras letting it go): `seconds` holds one figure per ended epoch.
+    """Times each epoch of an unstaged fit outside its steps: from its begin
+    to its first step (Keras making its iterator), and from its last step
+    to its validation or end (letting it go). `seconds`: one per epoch.
     """
 
     def __init__(self):
         super().__init__()
         self.seconds = []
         self._begun = None
-        self._started = None  # this epoch's start, once its first step came
-        self._stepped = None  # when this epoch's last step so far ended
+        self._started = None  # the epoch's start, once its first step came
+        self._stepped = None  # when its last step so far ended
 
     def on_epoch_begin(self, epoch, logs=None):
         self._begun = time.perf_counter()
@@ -140,7 +131,7 @@ class EpochStartClock(keras.callbacks.Callback):
 
 def note_epoch_starts(model, seconds):
     """Notes the lower median of an `EpochStartClock`'s epochs: now and
-    then one start takes several times the others (a collection)."""
+    then one takes several times the others (a collection)."""
     if seconds:
         costs(model).phase("train").note(
             epoch_start=statistics.median_low(seconds)

@@ -3,7 +3,7 @@
 It owns what lasts one call: its callbacks (a `PrefetchCallback` first),
 its stages, their bindings to the compiled steps and the steps swapped in
 while Keras runs; an evaluate from a fit's callback gives the fit's
-bindings back when it ends. `StagingMixin.evaluate` shows its use.
+bindings back when it ends.
 """
 
 import contextlib
@@ -23,7 +23,6 @@ from keras_stage.models.model_state import (
     FUNCTIONS,
     UNSTAGED_STEPS,
     drop_traced_steps,
-    set_aside,
 )
 from keras_stage.models.model_state import state as model_state
 from keras_stage.planner.state_access import all_layers
@@ -40,10 +39,11 @@ class StagedCall:
         callbacks: The user's callbacks (a list, or None).
         steps_per_epoch: The fit's `steps_per_epoch`, or None.
         verbose: The call's `verbose`.
+        stacklevel: Where `run`'s warnings point: the user's call, as
+            `warnings.warn` counts from `run`'s caller.
 
     Attributes:
-        split: The SmartStage split the stages run, or None; set before
-            the first `stage`.
+        split: The SmartStage split the stages run, or None; set first.
     """
 
     def __init__(
@@ -54,17 +54,18 @@ class StagedCall:
         callbacks,
         steps_per_epoch=None,
         verbose="auto",
+        stacklevel=2,
     ):
         self.model = model
         self.layer = layer
         self.split = None
         self.phases = tuple(phases)
+        self._stacklevel = stacklevel
         self.callbacks, self.prefetch = _with_prefetch_callback(
             callbacks, progbar=verbose != 0
         )
         self._unstaged_fit_callbacks = self.callbacks  # without DataBackup
-        # Per phase: the `StagedData` Keras iterates.
-        self._fed = {}
+        self._fed = {}  # per phase: the `StagedData` Keras iterates
         if "train" in self.phases:
             self.callbacks = _with_data_backup(
                 model,
@@ -75,30 +76,18 @@ class StagedCall:
                 ordered=layer.stage_options.deterministic,
             )
         self.built = []
-        # (role, pool) of the stages with stats of their own.
-        self._own_pools = []
+        self._own_pools = []  # (role, pool) of stages with their own stats
         self._state = model_state(model)
         self.backend = backends.for_model(model)
-        # Per bound phase: the outer call's (runner, recording, placement,
-        # step clock).
-        self._outer = {}
+        self._outer = {}  # per bound phase: the outer call's bindings
 
     # -- stages -----------------------------------------------------------
 
-    def stage(
-        self,
-        phase,
-        role,
-        x,
-        y=None,
-        sample_weight=None,
-        **kwargs,
-    ):
+    def stage(self, phase, role, x, y=None, sample_weight=None, **kwargs):
         """Stages `x` (and its labels and weights) for `phase`'s step.
 
-        `role` names the stage ("train", "val", "test", "predict"); `kwargs`
-        go to `data_adapters.stage_data`. Returns the `StagedData`, bound to
-        the step.
+        `role` names the stage ("val": a fit's validation); `kwargs` go to
+        `stage_data`. Returns the `StagedData`, bound to the step.
         """
         model = self.model
         stepped = self.backend.reads_in_graph(phase)
@@ -131,24 +120,22 @@ class StagedCall:
         return data
 
     def _feedable(self, phase):
-        """Whether `phase`'s stage may read a fed source across calls.
-
-        Not where `BackupAndRestore` saves the iterator: a fed source's
-        queue is not in a tf.data checkpoint.
-        """
+        """Whether `phase`'s stage may read a fed source across calls: not
+        where `BackupAndRestore` saves the iterator (a fed source's queue is
+        not in a tf.data checkpoint)."""
         return phase != "train" or not any(
             isinstance(cb, DataBackup) for cb in self.callbacks
         )
 
     def _bind(self, phase, data):
         """Hands `data`'s stage to the callback and its runner to the step."""
-        state = self._state
+        bound = self._state.bound
         if phase not in self._outer:
             self._outer[phase] = (
-                state.bound.runners.get(phase),
-                state.bound.recording.get(phase),
-                state.bound.placements.get(phase),
-                state.bound.step_clocks.get(phase),
+                bound.runners.get(phase),
+                bound.recording.get(phase),
+                bound.placements.get(phase),
+                bound.step_clocks.get(phase),
             )
         self._fed[phase] = data
         decision = learned(self.model).decisions.pop(phase, None)
@@ -167,15 +154,11 @@ class StagedCall:
         bind_placement(self.model, phase, data.staged.placement)
         if phase == "predict":
             return
-        state.bound.runners[phase] = data.staged.runner
-        if data.step_clock is not None:
-            state.bound.step_clocks[phase] = data.step_clock
-        else:
-            state.bound.step_clocks.pop(phase, None)
-        if data.in_step:
-            state.bound.recording[phase] = data.staged.stats
-        else:
-            state.bound.recording.pop(phase, None)
+        bound.runners[phase] = data.staged.runner
+        _put(bound.step_clocks, phase, data.step_clock)
+        _put(
+            bound.recording, phase, data.staged.stats if data.in_step else None
+        )
 
     # -- running Keras's call ---------------------------------------------
 
@@ -184,11 +167,9 @@ class StagedCall:
         return self.backend.feed(data, self.phases[0])
 
     def _reopen(self, phase, count=1):
-        """Makes and drops `count` iterators of `phase`'s source.
-
-        The reshuffle seeds Keras's own iterators would draw; nothing for a
-        source whose iterators Keras gets deferred (`StagedData.defers`).
-        """
+        """Makes and drops `count` iterators of `phase`'s source, drawing
+        the reshuffle seeds Keras's own would; not where Keras gets them
+        deferred (`StagedData.defers`)."""
         data = self._fed.get(phase)
         if data is None or data.defers or data.source is None:
             return
@@ -196,11 +177,8 @@ class StagedCall:
             iter(data.source)
 
     def _build_metrics(self, phase):
-        """Builds the compile metrics and loss from `phase`'s specs.
-
-        A resumed epoch restores their values before the first step, where
-        Keras would build them.
-        """
+        """Builds the compile metrics and loss from `phase`'s specs: a
+        resumed epoch restores them before the step where Keras would."""
         data = self._fed.get(phase)
         if (
             data is None
@@ -215,14 +193,14 @@ class StagedCall:
     def run(self, keras_call, **kwargs):
         """`keras_call(callbacks=..., **kwargs)` with the staged steps."""
         model = self.model
-        fed = {phase: self._fed.get(phase) for phase in self.phases}
-        splits = {
-            phase: None if data is None else data.split
-            for phase, data in fed.items()
-        }
+        splits = {}
+        for phase in self.phases:
+            data = self._fed.get(phase)
+            splits[phase] = None if data is None else data.split
         with (
             _skips_end_epochs_early(self.layer, self.built, self.callbacks),
-            _staged_steps(model, self.phases, splits),
+            # Below the caller: run, __enter__, _staged_steps, _trunk_jit.
+            _staged_steps(model, self.phases, splits, self._stacklevel + 4),
         ):
             if self.built and "predict" not in self.phases:
                 self.backend.build(model, self.built[0], self.phases[0])
@@ -231,8 +209,7 @@ class StagedCall:
     def run_unstaged(self, keras_call):
         """Runs `keras_call()` (the user's call as given) with no stage.
 
-        A fit's is given `callbacks=`, with the call's `PrefetchCallback`
-        first to log why it ran unstaged.
+        A fit's gets `callbacks=`, the `PrefetchCallback` first to log why.
         """
         clocks = {
             phase: []
@@ -244,8 +221,8 @@ class StagedCall:
             self.prefetch.attach_unstaged(
                 learned(self.model).decisions["train"].reason
             )
-            # What Keras's epochs cost to start, which a stage's epochs on
-            # one iterator would not pay.
+            # What Keras's epochs cost to start, unpaid by a stage's epochs
+            # on one iterator.
             starts = measure.EpochStartClock()
             kwargs["callbacks"] = [*self._unstaged_fit_callbacks, starts]
         try:
@@ -268,22 +245,16 @@ class StagedCall:
 
     def close(self):
         """Ends the call's stages and gives an outer call its bindings back."""
-        state = self._state
+        bound = self._state.bound
         try:
-            for phase, outer_bindings in self._outer.items():
-                runner, recording, placement, clock = outer_bindings
-                for bindings, outer in (
-                    (state.bound.runners, runner),
-                    (state.bound.recording, recording),
-                    (state.bound.step_clocks, clock),
-                ):
-                    if outer is None:
-                        bindings.pop(phase, None)
-                    else:
-                        bindings[phase] = outer
+            for phase, outer in self._outer.items():
+                runner, recording, placement, clock = outer
+                _put(bound.runners, phase, runner)
+                _put(bound.recording, phase, recording)
+                _put(bound.step_clocks, phase, clock)
                 if runner is None:
-                    state.bound.iterators.pop(phase, None)
-                    state.bound.pending_restores.pop(phase, None)
+                    bound.iterators.pop(phase, None)
+                    bound.pending_restores.pop(phase, None)
                 if placement is None:
                     release_placement(self.model, phase)
                 else:
@@ -293,7 +264,7 @@ class StagedCall:
             try:
                 for role, pool in self._own_pools:
                     if pool is not None:
-                        state.pool_sizes[role] = pool.size
+                        self._state.pool_sizes[role] = pool.size
                 for data in self.built:
                     if data.owned:
                         measure.note_work(self.model, data)
@@ -302,12 +273,18 @@ class StagedCall:
                 self.prefetch.close()
 
 
-def bind_placement(model, phase, placement):
-    """Makes `phase`'s step unpack what `placement` packed.
+def _put(bindings, phase, value):
+    """Binds `value` to `phase`, or unbinds it for None."""
+    if value is None:
+        bindings.pop(phase, None)
+    else:
+        bindings[phase] = value
 
-    Two structures can pack to the same spec, so tf.function would not
-    retrace: a new layout drops the phase's traced steps.
-    """
+
+def bind_placement(model, phase, placement):
+    """Makes `phase`'s step unpack what `placement` packed; a new layout
+    drops the phase's traced steps (two structures can pack to the same
+    spec, so tf.function would not retrace)."""
     state = model_state(model)
     layout = None if placement.packer is None else placement.unpacked_spec
     if state.bound.layouts.get(phase) != layout:
@@ -326,107 +303,97 @@ def release_placement(model, phase):
 
 
 @contextlib.contextmanager
-def _staged_steps(model, phases, splits):
-    """Within, the model's compiled steps are those of `splits`' trunks.
-
-    `splits` maps each phase to its SmartStage split or None. The staged
-    steps are cached between calls; the plain ones and the outer call's
-    splits are put back afterwards.
-    """
-    state = model_state(model)
-    saved = {p: state.steps.active.get(p) for p in phases}
-    if not any(splits.values()) and not any(saved.values()):
+def _staged_steps(model, phases, splits, stacklevel):
+    """Within, the model's compiled steps are those of `splits`' trunks
+    (per phase, its SmartStage split or None)."""
+    steps = model_state(model).steps
+    active = [steps.active.get(phase) for phase in phases]
+    if not any(splits.values()) and not any(active):
         yield
         return
-    plain = {}
-    for phase in phases:
-        attr = FUNCTIONS[phase]
-        plain[phase] = getattr(model, attr, None)
-        key = (phase, id(splits[phase]) if splits[phase] else None)
-        setattr(model, attr, state.steps.staged_functions.get(key))
-        state.steps.active[phase] = splits[phase]
-    jit = state.steps.staged_jit
-    if any(split is not None for split in splits.values()):
-        state.steps.staged_jit = _trunk_jit(model, splits)
-    try:
-        yield
-    finally:
-        for phase in phases:
-            attr = FUNCTIONS[phase]
-            key = (phase, id(splits[phase]) if splits[phase] else None)
-            state.steps.staged_functions[key] = getattr(model, attr, None)
-            setattr(model, attr, plain[phase])
-            state.steps.active[phase] = saved[phase]
-        state.steps.staged_jit = jit
+    keys = {
+        phase: (phase, id(split) if split else None)
+        for phase, split in splits.items()
+    }
+    with _swapped_steps(model, keys, splits):
+        jit = steps.staged_jit
+        if any(split is not None for split in splits.values()):
+            steps.staged_jit = _trunk_jit(model, splits, stacklevel)
+        try:
+            yield
+        finally:
+            steps.staged_jit = jit
 
 
 @contextlib.contextmanager
 def _unstaged_steps(model, phases, clocks):
-    """Within, the model's steps run the whole model and record nothing.
-
-    Not Keras's own step, in which a stage-only call records its fetches.
-    `clocks`: per phase, a list its steps' host times go to.
-    """
-    state = model_state(model)
-    saved = {}
-    with contextlib.ExitStack() as stack:
-        for phase in phases:
-            attr = FUNCTIONS[phase]
-            saved[phase] = (
-                getattr(model, attr, None),
-                state.steps.active.get(phase),
-            )
-            stack.enter_context(
-                set_aside(
-                    phase,
-                    state.bound.runners,
-                    state.bound.recording,
-                    state.bound.step_clocks,
-                )
-            )
-            if phase in clocks:
-                state.bound.step_clocks[phase] = clocks[phase]
-            unstaged = state.steps.staged_functions.get((phase, UNSTAGED_STEPS))
-            # Keras's attribute tracking costs: set only what changes.
-            if saved[phase][0] is not unstaged:
-                setattr(model, attr, unstaged)
-            state.steps.active[phase] = None
-        try:
+    """Within, the model's steps run the whole model and record nothing
+    (Keras's own step would record a stage-only call's fetches); `clocks`:
+    per phase, a list its steps' host times go to."""
+    bound = model_state(model).bound
+    keys = {phase: (phase, UNSTAGED_STEPS) for phase in phases}
+    bindings = (bound.runners, bound.recording, bound.step_clocks)
+    saved = [
+        (binding, phase, binding.pop(phase, None))
+        for binding in bindings
+        for phase in phases
+    ]
+    bound.step_clocks.update(clocks)
+    try:
+        with _swapped_steps(model, keys, dict.fromkeys(phases), keep=True):
             yield
-        finally:
-            for phase in clocks:
-                state.bound.step_clocks.pop(phase, None)
-            for phase in phases:
-                attr = FUNCTIONS[phase]
-                unstaged = getattr(model, attr, None)
-                state.steps.staged_functions[(phase, UNSTAGED_STEPS)] = unstaged
-                function, active = saved[phase]
-                # Where the model held none, the unstaged step stays.
-                if function is not None and function is not unstaged:
-                    setattr(model, attr, function)
-                state.steps.active[phase] = active
+    finally:
+        for phase in clocks:
+            bound.step_clocks.pop(phase, None)
+        for binding, phase, value in saved:
+            if value is not None:
+                binding[phase] = value
 
 
-def _trunk_jit(model, splits):
-    """Whether staged steps are XLA-compiled, or None for Keras's choice.
+@contextlib.contextmanager
+def _swapped_steps(model, keys, splits, keep=False):
+    """Within, each phase's compiled step is `staged_functions[keys[phase]]`
+    running `splits[phase]`; after, the step (as traced) is kept there and
+    the model's own put back, unless `keep` and the model had none. Keras's
+    attribute tracking costs: only what changes is set."""
+    steps = model_state(model).steps
+    saved = {}
+    for phase, key in keys.items():
+        attr = FUNCTIONS[phase]
+        saved[phase] = (getattr(model, attr, None), steps.active.get(phase))
+        step = steps.staged_functions.get(key)
+        if saved[phase][0] is not step:
+            setattr(model, attr, step)
+        steps.active[phase] = splits[phase]
+    try:
+        yield
+    finally:
+        for phase, key in keys.items():
+            attr = FUNCTIONS[phase]
+            step = getattr(model, attr, None)
+            steps.staged_functions[key] = step
+            function, active = saved[phase]
+            if function is not step and (function is not None or not keep):
+                setattr(model, attr, function)
+            steps.active[phase] = active
 
+
+def _trunk_jit(model, splits, stacklevel):
+    """Whether staged steps are XLA-compiled, or None for Keras's choice:
     Keras turns `jit_compile=True` off for a model with a layer XLA cannot
-    compile; those are usually staged, so the trunk can honour it.
-    """
+    compile, and those are usually staged, so the trunk can honour it."""
     requested = model_state(model).requested_jit
     if requested == "auto":
         requested = backends.for_model(model).jit_by_default
     if requested is not True:
         return None
     for split in splits.values():
-        if split is None:
-            continue
-        layers = all_layers(split.trunk)
+        layers = () if split is None else all_layers(split.trunk)
         if not all(getattr(layer, "supports_jit", True) for layer in layers):
             warnings.warn(
                 f"jit_compile=True: the trunk of model '{model.name}' still "
                 "has a layer XLA cannot compile; its steps run without XLA.",
-                stacklevel=6,
+                stacklevel=stacklevel,
             )
             return False
     return True
@@ -434,12 +401,10 @@ def _trunk_jit(model, splits):
 
 @contextlib.contextmanager
 def _skips_end_epochs_early(layer, built, callbacks):
-    """Silences Keras's "ran out of data" warning when epochs may end early.
-
-    Skipped elements, an epoch resumed by `DataBackup`, a device buffer
-    (which hides the count from Keras) and the tf.data service's
-    `parallel_epochs` all end epochs short by design, not a short dataset.
-    """
+    """Silences Keras's "ran out of data" warning where epochs end short by
+    design: skipped elements, an epoch resumed by `DataBackup`, a device
+    buffer (hiding the count from Keras), the tf.data service's
+    `parallel_epochs`."""
     quiet = (
         bool(layer.stage_options.ignored_exception_types)
         or any(data.staged.device is not None for data in built)
@@ -457,19 +422,13 @@ def _skips_end_epochs_early(layer, built, callbacks):
 
 
 def _with_data_backup(
-    model,
-    callbacks,
-    steps_per_epoch,
-    reopen,
-    build_metrics=None,
-    ordered=True,
+    model, callbacks, steps_per_epoch, reopen, build_metrics=None, ordered=True
 ):
     """`callbacks` with a `DataBackup` right after a `BackupAndRestore`.
 
-    `reopen(phase, count=1)`: `StagedCall._reopen`, the iterators Keras
-    makes around epochs, for a resumed epoch that ends before Keras's count
-    of its steps (`tensorflow_steps.track_iterator`). `build_metrics`:
-    `StagedCall._build_metrics`. `ordered`: the stage's `deterministic`.
+    `reopen` and `build_metrics`: `StagedCall._reopen` (the iterators Keras
+    makes around epochs, `tensorflow_steps.track_iterator`) and
+    `_build_metrics`. `ordered`: the stage's `deterministic`.
     """
     state = model_state(model)
     out = []
@@ -477,22 +436,20 @@ def _with_data_backup(
         out.append(callback)
         if isinstance(callback, keras.callbacks.BackupAndRestore):
 
-            def current(state=state):
+            def current():
                 ref = state.bound.iterators.get("train")
                 return None if ref is None else ref()
 
-            def stage_restored(variables, state=state):
+            def stage_restored(variables):
                 # The restored iterator has numbered nothing yet.
                 state.split.unnumbered.assign(True)
 
-            def drew_itself(left, state=state):
-                """Whether the restore drew a reshuffle seed of its own.
-
+            def drew_itself(left):
+                """Whether the restore drew a reshuffle seed of its own, as
                 tf.data's does when the saved iterator held no more of the
-                source: it had handed out the epoch's last batch (`left`
-                0), or the staged random layers' numbering `scan` had read
-                the source to its end (its mark is still set).
-                """
+                source: it had handed out the epoch's last batch (`left` 0)
+                or the staged random layers' numbering `scan` had read the
+                source to its end (its mark is still set)."""
                 split = state.split
                 if split is not None and split.unnumbered is not None:
                     drew = bool(split.unnumbered.numpy())
@@ -500,7 +457,7 @@ def _with_data_backup(
                     return drew
                 return left == 0
 
-            def restore_next(restore, left, epoch, state=state):
+            def restore_next(restore, left, epoch):
                 if steps_per_epoch is not None:
                     # Keras reads one iterator across the epochs: the
                     # restored one holds the later epochs' batches too.
@@ -512,7 +469,7 @@ def _with_data_backup(
                     # the orders match it (docs/reliability.md).
                     reopen("train", max(2 * epoch - 1, 0))
 
-                def end(epoch=epoch, left=left, drew_itself=drew_itself):
+                def end():
                     # In epoch 0 a restore that drew its own seed and the
                     # epoch's iterator already made the draws before epoch 1.
                     if not (drew_itself(left) and epoch == 0):
@@ -520,18 +477,15 @@ def _with_data_backup(
 
                 state.bound.pending_restores["train"] = (restore, left, end)
 
-            def stage_state(state=state):
+            def stage_state():
                 ordinal = None if state.split is None else state.split.ordinal
                 return {} if ordinal is None else {"stage_ordinal": ordinal}
 
-            build = None
-            if build_metrics is not None:
-                build = functools.partial(build_metrics, "train")
             data_backup = DataBackup(
                 callback,
                 current,
                 restore_next,
-                build,
+                build_metrics and functools.partial(build_metrics, "train"),
                 stage_state,
                 ordered,
                 stage_restored,
@@ -545,8 +499,8 @@ def _with_data_backup(
 def _with_prefetch_callback(callbacks, progbar):
     """The callback list with a PrefetchCallback first, and that callback.
 
-    Only Keras's progress bar (`progbar`: the call shows one) goes before
-    it, so the callback's epoch-end lines follow the epoch's progress line.
+    Only Keras's progress bar (if `progbar`) goes before it, so that its
+    epoch-end lines follow the epoch's progress line.
     """
     if isinstance(callbacks, keras.callbacks.CallbackList):
         raise TypeError(
@@ -562,14 +516,13 @@ def _with_prefetch_callback(callbacks, progbar):
             f"{len(found)}. One callback reports the model's stage."
         )
     prefetch = found[0] if found else PrefetchCallback()
-    bars = [
-        cb for cb in callbacks if isinstance(cb, keras.callbacks.ProgbarLogger)
-    ]
+    bar_class = keras.callbacks.ProgbarLogger
+    bars = [cb for cb in callbacks if isinstance(cb, bar_class)]
     if progbar and not bars:
-        bars = [keras.callbacks.ProgbarLogger()]
+        bars = [bar_class()]
     others = [
         cb
         for cb in callbacks
-        if cb is not prefetch and not any(cb is bar for bar in bars)
+        if cb is not prefetch and not isinstance(cb, bar_class)
     ]
     return bars + [prefetch] + others, prefetch
