@@ -13,10 +13,7 @@ from keras_stage.data.staging import StagedDataset
 from keras_stage.layers.staged_input import StagedInput
 from keras_stage.models.data_adapters import datasets
 from keras_stage.models.data_adapters.batches import fit_batches
-from keras_stage.models.data_adapters.epoch_plans import (
-    epochs_refusal,
-    strategy_refusal,
-)
+from keras_stage.models.data_adapters.epoch_plans import epochs_refusal
 from keras_stage.models.decision.calls import (
     decide,
     shared_costs,
@@ -226,10 +223,10 @@ def _iterators(model, layer, phase, role, x, batches, epochs, steps):
         epochs,
         model.steps_per_execution,
         served=False,  # `may_skip_stage`: no service
+        strategy=model.distribute_strategy,
+        dataset=x,
     )
-    if refusal is None and not strategy_refusal(model.distribute_strategy, x):
-        return 1
-    return epochs
+    return epochs if refusal else 1
 
 
 def fit_stages(model, layer, x, validation_data, long_lived=True, **kwargs):

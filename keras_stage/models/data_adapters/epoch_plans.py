@@ -59,11 +59,14 @@ def epochs_refusal(
     steps_per_execution,
     served,
     spans_calls=False,
+    strategy=None,
+    dataset=None,
 ):
     """Why Keras's reads of the call's epochs cannot share one iterator.
 
     None when Keras reads exactly `num_batches` batches from each iterator,
-    in whole calls of the compiled step. `spans_calls`: whether the
+    in whole calls of the compiled step, and `strategy` lets them be views
+    of one (`strategy_refusal`, on `dataset`). `spans_calls`: whether the
     iterator may outlive the call (then one epoch is enough).
     """
     options = layer.stage_options
@@ -88,7 +91,7 @@ def epochs_refusal(
         )
     if phase != "train" and steps is not None and steps < num_batches:
         return "each evaluation reads only part of the data (steps)"
-    return None
+    return strategy_refusal(strategy, dataset)
 
 
 def plan(request, epoch, dataset, num_batches, spans_calls):
@@ -105,9 +108,9 @@ def plan(request, epoch, dataset, num_batches, spans_calls):
         int(r.steps_per_execution),
         r.served,
         spans_calls=spans_calls,
+        strategy=r.strategy,
+        dataset=dataset,
     )
-    if refusal is None:
-        refusal = strategy_refusal(r.strategy, dataset)
     # A resized pool runs only in a new iterator, and a drawing dataset's
     # epochs cannot start one at any epoch: its first epoch reads an
     # iterator of its own and the rest one more, on the pool sized after
