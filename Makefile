@@ -5,6 +5,7 @@ PY ?= python3
 VENV ?= .venv
 VENV_IO ?= .venv-io
 VENV_JAX ?= .venv-jax
+VENV_TORCH ?= .venv-torch
 # The demo's own environment: only what `python -m examples.demo` imports
 # (TensorFlow, Keras, NumPy), so a first `make demo` does not install the
 # test, lint, docs and benchmark tools of $(VENV).
@@ -34,6 +35,7 @@ LINT_PATHS := keras_stage tests examples benchmarks
 PRIMARY_REQS := requirements/primary.txt requirements/primary-constraints.txt
 IO_REQS := requirements/io.txt requirements/io-constraints.txt
 JAX_REQS := requirements/jax.txt requirements/jax-constraints.txt
+TORCH_REQS := requirements/torch.txt requirements/torch-constraints.txt
 DEMO_REQS := requirements/demo.txt requirements/demo-constraints.txt
 
 # The venv markers depend only on the requirement files and setup.cfg (not
@@ -44,20 +46,22 @@ DEMO_REQS := requirements/demo.txt requirements/demo-constraints.txt
 # Quieten TensorFlow's C++ logging for test/demo runs.
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: help venv venv-io venv-jax venv-demo test test-long test-io \
-	test-jax test-all demo lint docs clean
+.PHONY: help venv venv-io venv-jax venv-torch venv-demo test test-long \
+	test-io test-jax test-torch test-all demo lint docs clean
 
 help:
 	@echo "Targets:"
 	@echo "  venv      build $(VENV) (primary: tensorflow-cpu 2.21, keras 3)"
 	@echo "  venv-io   build $(VENV_IO) (tensorflow-cpu 2.16 + tensorflow-io)"
 	@echo "  venv-jax  build $(VENV_JAX) (tensorflow-cpu 2.21 + jax[cpu])"
+	@echo "  venv-torch build $(VENV_TORCH) (tensorflow-cpu 2.21 + torch 2.13 CPU)"
 	@echo "  venv-demo build $(VENV_DEMO) (tensorflow-cpu 2.21, keras 3, numpy: what the demo imports)"
 	@echo "  test      the default suite in $(VENV), long sweeps left out (PYTEST_ARGS=...)"
 	@echo "  test-long the long sweeps (random kills, soak, fail-over, fuzzing, benchmark runs)"
 	@echo "  test-io   the whole suite in $(VENV_IO) with KERAS_STAGE_ENV=io"
 	@echo "  test-jax  run pytest tests/jax in $(VENV_JAX), KERAS_BACKEND=jax"
-	@echo "  test-all  everything CI runs: test, test-long, test-io, test-jax"
+	@echo "  test-torch run pytest tests/torch in $(VENV_TORCH), KERAS_BACKEND=torch"
+	@echo "  test-all  everything CI runs: test, test-long, test-io, test-jax, test-torch"
 	@echo "  demo      run examples.demo in $(VENV_DEMO) (DEMO_ARGS=...)"
 	@echo "  lint      ruff check + ruff format --check"
 	@echo "  docs      build the documentation site into site/ (warnings fail)"
@@ -84,6 +88,15 @@ $(VENV_JAX)/.done: $(JAX_REQS) setup.cfg
 	$(VENV_JAX)/bin/python -m pip install -e . --no-deps
 	touch $@
 
+# torch is pinned (requirements/torch.txt) to the CPU build pip finds on
+# this machine's disk: an open range pulls a CUDA build of several GB.
+$(VENV_TORCH)/.done: $(TORCH_REQS) setup.cfg
+	test -x $(VENV_TORCH)/bin/python || $(PY) -m venv $(VENV_TORCH)
+	$(VENV_TORCH)/bin/python -m pip install -r requirements/torch.txt \
+		-c requirements/torch-constraints.txt
+	$(VENV_TORCH)/bin/python -m pip install -e . --no-deps
+	touch $@
+
 $(VENV_DEMO)/.done: $(DEMO_REQS) setup.cfg
 	test -x $(VENV_DEMO)/bin/python || $(PY) -m venv $(VENV_DEMO)
 	$(VENV_DEMO)/bin/python -m pip install -r requirements/demo.txt \
@@ -96,6 +109,8 @@ venv: $(VENV)/.done
 venv-io: $(VENV_IO)/.done
 
 venv-jax: $(VENV_JAX)/.done
+
+venv-torch: $(VENV_TORCH)/.done
 
 venv-demo: $(VENV_DEMO)/.done
 
@@ -121,7 +136,12 @@ test-jax: venv-jax
 	$(PYTEST) KERAS_BACKEND=jax $(VENV_JAX)/bin/python -m pytest tests/jax \
 		$(PYTEST_ARGS)
 
-test-all: test test-long test-io test-jax
+# Only tests/torch: the rest of the suite is TensorFlow-backend.
+test-torch: venv-torch
+	$(PYTEST) KERAS_BACKEND=torch $(VENV_TORCH)/bin/python -m pytest tests/torch \
+		$(XDIST) $(PYTEST_ARGS)
+
+test-all: test test-long test-io test-jax test-torch
 
 demo: venv-demo
 	$(VENV_DEMO)/bin/python -m examples.demo $(DEMO_ARGS)
@@ -136,7 +156,7 @@ docs: venv
 	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf $(VENV) $(VENV_IO) $(VENV_JAX) $(VENV_DEMO) build dist site \
+	rm -rf $(VENV) $(VENV_IO) $(VENV_JAX) $(VENV_TORCH) $(VENV_DEMO) build dist site \
 		.eggs *.egg-info .pytest_cache .ruff_cache .hypothesis
 	find . -path ./.git -prune -o -type d -name __pycache__ -print0 \
 		| xargs -0 rm -rf

@@ -5,10 +5,15 @@ import keras
 from keras_stage.models.backends.base import Backend
 from keras_stage.models.backends.jax import JaxBackend
 from keras_stage.models.backends.tensorflow import TensorFlowBackend
+from keras_stage.models.backends.torch import TorchBackend
 from keras_stage.models.model_state import state as model_state
 
 # The Keras backends keras_stage stages on, by Keras's name.
-BACKENDS = {"tensorflow": TensorFlowBackend, "jax": JaxBackend}
+BACKENDS = {
+    "tensorflow": TensorFlowBackend,
+    "jax": JaxBackend,
+    "torch": TorchBackend,
+}
 
 
 def get(name=None):
