@@ -139,6 +139,7 @@ test-jax: venv-jax
 # Only tests/torch: the rest of the suite is TensorFlow-backend.
 test-torch: venv-torch
 	$(PYTEST) KERAS_BACKEND=torch $(VENV_TORCH)/bin/python -m pytest tests/torch \
+		tests/models/backends/torch_batches_test.py \
 		$(XDIST) $(PYTEST_ARGS)
 
 test-all: test test-long test-io test-jax test-torch

@@ -35,6 +35,8 @@ class Backend:
     # then runs in tf.data; otherwise only fixed preprocessing layers and
     # layers of TensorFlow ops.
     native_tf = False
+    # Why a model with string inputs cannot be exported on this backend.
+    export_refusal = "jax2tf takes numeric arrays only"
 
     def __init__(self, name):
         self.name = name
@@ -53,8 +55,8 @@ class Backend:
         """Raises a clear error for a fit under a strategy it cannot train."""
 
     def check_exportable(self, model):
-        """Raises a clear error for an export this backend cannot make (off
-        TensorFlow, Keras exports through jax2tf, which fails on strings)."""
+        """Raises a clear error for an export this backend cannot make: off
+        TensorFlow, of a model with string inputs."""
         strings = [
             t.name
             for t in keras.tree.flatten(getattr(model, "inputs", None) or [])
@@ -64,7 +66,7 @@ class Backend:
             raise ValueError(
                 f"Model '{model.name}' has string inputs ({strings}), which "
                 f"Keras cannot export on the {self.name} backend "
-                "(jax2tf takes numeric arrays only). Save it with "
+                f"({self.export_refusal}). Save it with "
                 "`model.save('model.keras')`, load it with "
                 "KERAS_BACKEND=tensorflow (`keras.saving.load_model`) and "
                 "call `export` there: the exported model then serves raw "
