@@ -1,5 +1,5 @@
 """`Backend`: what a staged call asks of the Keras backend it runs on; the
-base refuses the staged calls of the others (torch, numpy, openvino)."""
+base refuses the staged calls of the others (numpy, openvino)."""
 
 import keras
 
@@ -44,11 +44,12 @@ class Backend:
     def check_supported(self, model, layer):
         """Raises a clear error for a staged call this backend cannot run."""
         raise NotImplementedError(
-            f"keras_stage stages fit/evaluate/predict on the TensorFlow and "
-            f"JAX backends; model '{model.name}' runs on the '{self.name}' "
-            "backend. Set KERAS_BACKEND=jax or KERAS_BACKEND=tensorflow "
-            "before importing Keras, or use a plain keras.Model (or remove "
-            "the StagedInput and smart_stage) on this backend."
+            f"keras_stage stages fit/evaluate/predict on the TensorFlow, "
+            f"JAX and PyTorch backends; model '{model.name}' runs on the "
+            f"'{self.name}' backend. Set KERAS_BACKEND=tensorflow, "
+            "KERAS_BACKEND=jax or KERAS_BACKEND=torch before importing "
+            "Keras, or use a plain keras.Model (or remove the StagedInput "
+            "and smart_stage) on this backend."
         )
 
     def check_strategy(self, model):

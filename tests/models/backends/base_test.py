@@ -17,7 +17,7 @@ def _model():
     return keras_stage.Model(inputs, keras.layers.Dense(1)(x))
 
 
-@pytest.mark.parametrize("name", ["torch", "numpy", "openvino"])
+@pytest.mark.parametrize("name", ["numpy", "openvino"])
 def test_other_backends_get_an_error_naming_the_supported_ones(name):
     model = _model()
     backend = backends.get(name)
@@ -26,7 +26,8 @@ def test_other_backends_get_an_error_naming_the_supported_ones(name):
         backend.check_supported(model, model.get_layer("stage"))
     message = str(raised.value)
     assert f"'{name}' backend" in message
-    assert "KERAS_BACKEND=jax or KERAS_BACKEND=tensorflow" in message
+    for supported in ("tensorflow", "jax", "torch"):
+        assert f"KERAS_BACKEND={supported}" in message
 
 
 def test_a_model_s_backend_is_chosen_once():

@@ -33,7 +33,7 @@ def test_tensorflow_runs_graph_steps_with_device_buffers():
 def test_tensorflow_is_supported():
     model = _model()
     backends.get("tensorflow").check_supported(model, model.get_layer("stage"))
-    assert tuple(backends.BACKENDS) == ("tensorflow", "jax")
+    assert tuple(backends.BACKENDS) == ("tensorflow", "jax", "torch")
 
 
 def test_string_arrays_are_left_to_keras_on_tensorflow():
