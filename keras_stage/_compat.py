@@ -142,9 +142,15 @@ def call_node(node, values, **kwargs):
     does (`Node` is not exported); returns the outputs as a flat list."""
     import keras
 
-    args, call_kwargs = node.arguments.fill_in(values)
+    args, call_kwargs = node_arguments(node, values)
     call_kwargs = {**call_kwargs, **kwargs}
     return keras.tree.flatten(node.operation(*args, **call_kwargs))
+
+
+def node_arguments(node, values):
+    """A node's call arguments `(args, kwargs)`, its KerasTensors replaced by
+    `values` (by `id(KerasTensor)`)."""
+    return node.arguments.fill_in(values)
 
 
 def node_inputs(node):

@@ -19,9 +19,8 @@ from keras_stage.layers.staged_input import StagedInput
 from keras_stage.planner.stage_plan import BoundaryTensor, StagePlan
 from keras_stage.planner.state_access import (
     TraceError,
-    accepts_training,
     all_layers,
-    run_node,
+    run_graph,
     seed_states,
     trace_access,
 )
@@ -93,9 +92,12 @@ def _own_reason(layer, access, changing, seeds, backend):
 
 def _shares_safely(layer):
     """Whether a tf.data trace may read a layer's state as constants: true of
-    preprocessing layers, which replace it when adapted (`_state_slots`)."""
+    preprocessing layers, which replace it when adapted (`_state_slots`),
+    and of a nested model of them (a `FeatureSpace`'s)."""
     if not getattr(layer, "variables", None):
         return True
+    if isinstance(layer, _compat.keras_functional_class()):
+        return all(_shares_safely(inner) for inner in layer.layers)
     return type(layer).__module__.startswith("keras.src.layers.preprocessing")
 
 
@@ -207,6 +209,7 @@ def plan_model(model, boundary_layer=None, smart_stage=True, backend=None):
             nodes,
             keep_going=not backend.native_tf,
             skip=untraced,
+            by_layer=not backend.native_tf,
         )
     except TraceError as e:
         # A tensorflow-io op that cannot load fails every later trace too.
@@ -485,22 +488,6 @@ def _choose_cut(candidates, smart_stage):
     return smaller, reason, moved
 
 
-def _as_input(value, tensor):
-    """`value` with the dtype and rank of the model input `tensor`, as
-    Keras's functional call casts and expands or squeezes its inputs."""
-    value = tf.convert_to_tensor(value) if not tf.is_tensor(value) else value
-    rank = len(tensor.shape)
-    if isinstance(value, tf.Tensor) and value.shape.rank is not None:
-        if value.shape.rank == rank - 1 and tensor.shape[-1] == 1:
-            value = tf.expand_dims(value, -1)
-        elif value.shape.rank == rank + 1 and value.shape[-1] == 1:
-            value = tf.squeeze(value, -1)
-    dtype = tf.as_dtype(tensor.dtype)
-    if value.dtype != dtype and value.dtype != tf.string and dtype != tf.string:
-        value = tf.cast(value, dtype)
-    return value
-
-
 def _input_name(name, taken):
     base = re.sub(r"\W", "_", name) + "_cut"
     candidate, i = base, 1
@@ -717,23 +704,7 @@ class StageSplit:
         prefix = self.prefix
         if self.backend.native_tf:
             return prefix(x, training=training)
-        if isinstance(prefix.input, dict):
-            pairs = [(t, x[name]) for name, t in prefix.input.items()]
-        else:
-            pairs = zip(
-                keras.tree.flatten(prefix.input),
-                keras.tree.flatten(x),
-                strict=True,
-            )
-        values = {id(t): _as_input(v, t) for t, v in pairs}
-        for node in self._prefix_nodes:
-            extra = {}
-            if accepts_training(node.operation):
-                extra["training"] = bool(training)
-            outputs = run_node(node, values, **extra)
-            for t, v in zip(node.outputs, outputs, strict=True):
-                values[id(t)] = v
-        return [values[id(t)] for t in prefix.outputs]
+        return run_graph(prefix, x, training, self._prefix_nodes)
 
     def _seeded(self, ordinal):
         """A scope giving each staged seed state the element's own seeds, as

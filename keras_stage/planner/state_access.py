@@ -193,12 +193,13 @@ def _resource_uses(op_consumers, library, tensor, depth=0):
     return uses
 
 
-def trace_access(model, nodes, keep_going=False, skip=()):
+def trace_access(model, nodes, keep_going=False, skip=(), by_layer=False):
     """Traces call `nodes` of `model` (producers first) in training mode;
     returns `{node: NodeAccess}` of the nodes traced and `{id(KerasTensor):
     tf.TypeSpec}` of the tensors they made. `keep_going`: record a failed
     call in its `NodeAccess` and go on instead of raising `TraceError`;
     `skip`: nodes not to call. Calls needing either's outputs get no access.
+    `by_layer`: see `run_node`.
     """
     skip = set(skip)
     model_inputs = list(model.inputs)
@@ -222,7 +223,7 @@ def trace_access(model, nodes, keep_going=False, skip=()):
             if accepts_training(layer):
                 extra["training"] = True
             try:
-                out = run_node(node, values, **extra)
+                out = run_node(node, values, by_layer=by_layer, **extra)
             except Exception as e:
                 if keep_going:
                     access = NodeAccess()
@@ -296,13 +297,71 @@ def trace_access(model, nodes, keep_going=False, skip=()):
     return accesses, tensor_specs
 
 
-def run_node(node, values, **kwargs):
-    """Calls a node's layer on traced values; a `StagedInput` passes them
-    (calling it would convert graph tensors to another backend's arrays)."""
-    if isinstance(node.operation, StagedInput):
+def run_node(node, values, by_layer=False, **kwargs):
+    """Calls a node's layer on traced values; a `StagedInput` passes them.
+
+    `by_layer`, off TensorFlow, where Keras's `Layer.__call__` would convert
+    graph tensors to the backend's arrays: a nested functional model (a
+    `FeatureSpace`'s, say) runs call by call (`run_graph`), and a layer
+    other than Keras's preprocessing layers (which switch to TensorFlow ops
+    in tf.data themselves) runs its `call` on the graph tensors, so a layer
+    of TensorFlow ops traces and one of the backend's ops fails.
+    """
+    layer = node.operation
+    if isinstance(layer, StagedInput):
         inputs, _ = _compat.node_inputs(node)
         return [values[id(t)] for t in inputs]
-    return _compat.call_node(node, values, **kwargs)
+    if not by_layer or _converts_itself(layer):
+        return _compat.call_node(node, values, **kwargs)
+    args, call_kwargs = _compat.node_arguments(node, values)
+    if isinstance(layer, _compat.keras_functional_class()):
+        return run_graph(layer, args[0], kwargs.get("training"))
+    return keras.tree.flatten(layer.call(*args, **call_kwargs, **kwargs))
+
+
+def run_graph(model, inputs, training, nodes=None):
+    """The flat outputs of functional `model` on graph tensors `inputs`,
+    its calls run one by one (`run_node(by_layer=True)`); `nodes`: its
+    `_compat.functional_nodes`, if known."""
+    if isinstance(model.input, dict):
+        pairs = [(t, inputs[name]) for name, t in model.input.items()]
+    else:
+        pairs = zip(
+            keras.tree.flatten(model.input),
+            keras.tree.flatten(inputs),
+            strict=True,
+        )
+    values = {id(t): as_input(v, t) for t, v in pairs}
+    for node in nodes or _compat.functional_nodes(model):
+        extra = {}
+        if accepts_training(node.operation):
+            extra["training"] = bool(training)
+        outputs = run_node(node, values, by_layer=True, **extra)
+        for t, v in zip(node.outputs, outputs, strict=True):
+            values[id(t)] = v
+    return [values[id(t)] for t in model.outputs]
+
+
+def as_input(value, tensor):
+    """`value` with the dtype and rank of the model input `tensor`, as
+    Keras's functional call casts and expands or squeezes its inputs."""
+    value = tf.convert_to_tensor(value) if not tf.is_tensor(value) else value
+    rank = len(tensor.shape)
+    if isinstance(value, tf.Tensor) and value.shape.rank is not None:
+        if value.shape.rank == rank - 1 and tensor.shape[-1] == 1:
+            value = tf.expand_dims(value, -1)
+        elif value.shape.rank == rank + 1 and value.shape[-1] == 1:
+            value = tf.squeeze(value, -1)
+    dtype = tf.as_dtype(tensor.dtype)
+    if value.dtype != dtype and value.dtype != tf.string and dtype != tf.string:
+        value = tf.cast(value, dtype)
+    return value
+
+
+def _converts_itself(layer):
+    """Whether `layer` is one of Keras's preprocessing layers, whose
+    `__call__` runs TensorFlow ops on graph tensors on any backend."""
+    return type(layer).__module__.startswith("keras.src.layers.preprocessing")
 
 
 def _has(variables, variable):
