@@ -48,3 +48,16 @@ def test_the_demo_installs_no_development_tools():
         assert tool not in pins, tool
     for needed in ("tensorflow-cpu", "keras", "numpy"):
         assert needed in _pins("demo.txt"), needed
+
+
+def test_the_torch_environment_pins_the_cpu_build_beside_the_primary():
+    # An open range, or a release newer than the one on this machine's
+    # disk, makes pip download a CUDA build of torch of several GB.
+    for name in ("torch.txt", "torch-constraints.txt"):
+        pins = _pins(name)
+        assert pins["torch"] == "2.13.0", (name, pins.get("torch"))
+        for package in ("tensorflow-cpu", "keras", "numpy"):
+            primary = _pins("primary-constraints.txt")[package]
+            assert pins.get(package) == primary, (name, package)
+    setup = (ROOT / "setup.cfg").read_text()
+    assert re.search(r"^torch =\n    torch>=2\.13,<2\.14$", setup, re.M)

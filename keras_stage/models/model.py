@@ -47,9 +47,24 @@ class Model(StagingMixin, keras.Model):
     """
 
     def __new__(cls, *args, **kwargs):
-        if cls is Model and _functional_init_arguments(args, kwargs):
-            return Functional.__new__(Functional, *args, **kwargs)
+        if _functional_init_arguments(args, kwargs):
+            if cls is Model:
+                return Functional.__new__(Functional, *args, **kwargs)
+            _inject_functional(cls)
         return super().__new__(cls, *args, **kwargs)
+
+
+def _inject_functional(cls):
+    """Puts `Functional` in place of `Model` among the bases of `cls`, a
+    subclass called as `cls(inputs, outputs)`, as Keras's `Model.__init__`
+    puts its Functional in place of `keras.Model`; Keras's own would give
+    `Model` both, an inconsistent method resolution order."""
+    if cls is Model:
+        return Functional
+    if not issubclass(cls, Model) or issubclass(cls, Functional):
+        return cls
+    cls.__bases__ = tuple(_inject_functional(base) for base in cls.__bases__)
+    return cls
 
 
 @keras.saving.register_keras_serializable(package="keras_stage")

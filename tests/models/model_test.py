@@ -98,6 +98,26 @@ def test_subclassing_stays_a_subclass_before_and_after_functional_models():
     assert np.isfinite(history.history["loss"][0])
 
 
+def test_a_subclass_called_functionally_becomes_a_staged_functional_model():
+    # As `class M(keras.Model)` called as `M(inputs, outputs)` becomes a
+    # Keras Functional, a subclass of keras_stage.Model becomes one of ours.
+    class Named(keras_stage.Model):
+        pass
+
+    inputs = keras.Input(shape=(3,))
+    staged = keras_stage.layers.StagedInput()(inputs)
+    outputs = keras.layers.Dense(1)(keras.layers.Rescaling(0.5)(staged))
+    models = [Named(inputs, outputs), Named(inputs=inputs, outputs=outputs)]
+    for model in models:
+        assert isinstance(model, Named) and isinstance(model, Functional)
+    assert keras_stage.Model.__bases__ == (StagingMixin, keras.Model)
+    model = models[0]
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    x, y = _data()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert model.get_stage_plan().staged_layers[-1] == "rescaling"
+
+
 # -- compile(smart_stage=...) ------------------------------------------------
 
 

@@ -9,6 +9,7 @@ import logging
 import keras
 import tensorflow as tf
 
+from keras_stage import _compat
 from keras_stage.data.options import AUTO
 from keras_stage.models.backends.jax import JaxBackend
 
@@ -87,6 +88,16 @@ class TorchBackend(JaxBackend):
         from keras_stage.models.backends import torch_batches
 
         return torch_batches.data_loader(data.eager_dataset)
+
+    def build(self, model, data, phase):
+        """As on JAX (`JaxBackend.build`), and the torch generator's draw of
+        the `DataLoader` iterator Keras's read would make: an unseeded
+        `Dropout` draws its masks from that generator."""
+        if _compat.builds_from_data(model):
+            from keras_stage.models.backends import torch_batches
+
+            torch_batches.draw_loader_seed()
+        super().build(model, data, phase)
 
     def shard_batches(self, dataset):
         return None

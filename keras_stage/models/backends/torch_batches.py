@@ -26,6 +26,17 @@ def data_loader(dataset):
     )
 
 
+def draw_loader_seed():
+    """Draws from torch's default generator what a `DataLoader` iterator
+    draws for its workers' seed, by making one over no batches."""
+    iter(torch.utils.data.DataLoader(_NoBatches(), batch_size=None))
+
+
+class _NoBatches(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(())
+
+
 class TorchBatches(torch.utils.data.IterableDataset):
     """The batches of a tf.data `dataset` as torch tensors on `device`.
 

@@ -81,3 +81,17 @@ def test_the_next_batch_is_copied_before_the_step_takes_this_one():
         ("step", 3),
     ]
     assert list(_RecordedCopies([]).one_ahead(iter([]))) == []
+
+
+def test_the_seed_draw_is_a_loader_iterator_s():
+    # What Keras's read of the first batch would draw from torch's
+    # generator, which an unseeded Dropout then draws its masks from.
+    loader = torch_batches.data_loader(tf.data.Dataset.range(4).batch(2))
+    torch.manual_seed(0)
+    iter(loader)
+    expected = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    torch_batches.draw_loader_seed()
+    assert torch.equal(torch.random.get_rng_state(), expected)
+    torch.manual_seed(0)
+    assert not torch.equal(torch.random.get_rng_state(), expected)
