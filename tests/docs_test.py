@@ -309,11 +309,13 @@ def test_contributing_names_the_development_targets():
         "make test",
         "make test-io",
         "make test-jax",
+        "make test-torch",
         "make lint",
         "make docs",
         "make bench",
         ".venv-io",
         ".venv-jax",
+        ".venv-torch",
     ):
         assert target in text, f"CONTRIBUTING.md does not mention {target}"
 
