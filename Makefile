@@ -140,6 +140,7 @@ test-jax: venv-jax
 test-torch: venv-torch
 	$(PYTEST) KERAS_BACKEND=torch $(VENV_TORCH)/bin/python -m pytest tests/torch \
 		tests/models/backends/torch_batches_test.py \
+		keras_stage/models/backends/torch_batches.py \
 		$(XDIST) $(PYTEST_ARGS)
 
 test-all: test test-long test-io test-jax test-torch

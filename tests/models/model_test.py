@@ -106,7 +106,8 @@ def test_a_subclass_called_functionally_becomes_a_staged_functional_model():
 
     inputs = keras.Input(shape=(3,))
     staged = keras_stage.layers.StagedInput()(inputs)
-    outputs = keras.layers.Dense(1)(keras.layers.Rescaling(0.5)(staged))
+    rescale = keras.layers.Rescaling(0.5, name="rescale")
+    outputs = keras.layers.Dense(1)(rescale(staged))
     models = [Named(inputs, outputs), Named(inputs=inputs, outputs=outputs)]
     for model in models:
         assert isinstance(model, Named) and isinstance(model, Functional)
@@ -115,7 +116,7 @@ def test_a_subclass_called_functionally_becomes_a_staged_functional_model():
     model.compile(optimizer="sgd", loss="mse", smart_stage=True)
     x, y = _data()
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    assert model.get_stage_plan().staged_layers[-1] == "rescaling"
+    assert model.get_stage_plan().staged_layers[-1] == "rescale"
 
 
 # -- compile(smart_stage=...) ------------------------------------------------
