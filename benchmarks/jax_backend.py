@@ -529,7 +529,8 @@ def run(rounds, quick, log=print, argv=None):
 
 
 def backend_versions(backend):
-    """The backend's version and devices (torch: its threads too)."""
+    """The backend's version and devices (torch: its threads, and the
+    OpenMP settings that change how they wait on a busy machine)."""
     if backend == "jax":
         import jax
 
@@ -541,6 +542,7 @@ def backend_versions(backend):
         "torch": torch.__version__,
         "torch_cuda": torch.cuda.is_available(),
         "torch_threads": torch.get_num_threads(),
+        **{k: v for k, v in os.environ.items() if k.startswith("OMP_")},
     }
 
 
