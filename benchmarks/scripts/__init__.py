@@ -29,6 +29,7 @@ SCRIPTS = (
     "dcn",
     "remote",
     # Plain is the hand split: they run on JAX and torch too.
+    "featurespace_split",
     "tabular_split",
     "criteo_split",
 )
