@@ -22,7 +22,9 @@ script, which makes its data, then times from its model's construction to
 its end (`script`) and its first `fit`, `evaluate` and `predict`; the
 parent times the whole process (`process`: start-up, imports, data, the
 script and exit). The modes' order rotates per repetition (plain staged
-plain_again, then staged plain_again plain, ...).
+plain_again, then staged plain_again plain, ...). The children inherit
+`KERAS_BACKEND`: on JAX or torch, where plain Keras cannot fit string
+inputs, the `*_split` scripts run (their plain mode is the hand split).
 
 With `--package-root DIR`, either benchmark's children import
 `keras_stage` from `DIR/keras_stage` (an older checkout at a git worktree,
@@ -140,6 +142,11 @@ def _imported():
         key: sys.modules.get(key)
         for key in ("keras_stage", "benchmarks", "keras", "tensorflow")
     }
+    # The backend's own version, when it is not TensorFlow.
+    keras = modules["keras"]
+    backend = keras and keras.backend.backend()
+    if backend in ("jax", "torch"):
+        modules[backend] = sys.modules.get(backend)
     files = {
         f"{key}_file": getattr(modules[key], "__file__", None)
         for key in ("keras_stage", "benchmarks")
@@ -152,6 +159,7 @@ def _imported():
             for key, module in modules.items()
             if key != "benchmarks"
         },
+        "keras_backend": backend,
     }
 
 
@@ -473,6 +481,7 @@ def _run_script(name, processes, env, log, tiny, timeout, package_root):
         plain = runs["plain"][0]
         section["keras_stage_file"] = plain["keras_stage_file"]
         section["versions"] = plain["versions"]
+        section["keras_backend"] = plain.get("keras_backend")
     return section
 
 

@@ -17,9 +17,10 @@ It reads the outputs of every benchmark family:
 - `epoch_switch`: `benchmarks.epoch_switch`, whole multi-epoch fits;
 - `criteo_overlap`: the table `benchmarks.criteo_overlap` prints, saved
   as a `.txt` file whose first line is `# <command>, <date>, at <commit>`.
-- `jax_backend`: `benchmarks.jax_backend`, whole `fit` calls on Keras's
-  JAX backend, staged and expert (plain Keras cannot fit there), `call`
-  and `steps`.
+- `jax_backend`, `torch_backend`: `benchmarks.jax_backend`, whole `fit`
+  calls on Keras's JAX or torch backend, staged and expert (plain Keras
+  cannot fit there), `call` and `steps`; the control (`expert_again`
+  against expert, paired) in `other`.
 - `jax_scale`: `benchmarks.jax_scale`, whole `fit` calls on Keras's JAX
   backend in one process with one device, with two devices and in two
   processes, staged and hand (in `expert`), one row per configuration
@@ -315,11 +316,13 @@ def epoch_switch_rows(results, run, date):
 
 
 def jax_backend_rows(results, run):
-    """Rows of a `benchmarks.jax_backend` results dict."""
+    """Rows of a `benchmarks.jax_backend` results dict (either backend)."""
+    backend = results["environment"]["keras_backend"]
+    backend = "JAX" if backend == "jax" else backend
     base = {
         "date": _date(results["created"]),
         "commit": _commit(results["environment"]),
-        "family": "jax_backend",
+        "family": results["family"],
         "run": run,
         "rounds": results["config"]["rounds"],
         "unit": "s",
@@ -338,11 +341,14 @@ def jax_backend_rows(results, run):
         other = [
             "plain ran"
             if plain["possible"]
-            else f"plain impossible on JAX: {plain['error_type']}",
+            else f"plain impossible on {backend}: {plain['error_type']}",
             "max |staged - expert| weight "
             f"{section['weight_check']['max_abs_difference']:.1e}",
         ]
+        ratios = section["paired_ratios"]
         for timing, key in (("call", "seconds"), ("steps", "steps_seconds")):
+            control = ratios.get("expert_again/expert", {}).get(key)
+            control = [] if control is None else [f"control {control:.3f}"]
             rows.append(
                 {
                     **base,
@@ -352,10 +358,8 @@ def jax_backend_rows(results, run):
                     f"{section['rows']} rows, batch {section['batch_size']}",
                     "expert": _fmt(modes["expert"][f"{key}_median"]),
                     "staged": _fmt(modes["staged"][f"{key}_median"]),
-                    "staged/expert": _fmt(
-                        section["paired_ratios"]["staged/expert"][key]
-                    ),
-                    "other": "; ".join(other),
+                    "staged/expert": _fmt(ratios["staged/expert"][key]),
+                    "other": "; ".join(other + control),
                 }
             )
     return rows
@@ -676,7 +680,7 @@ def rows_of(path):
         return calls_rows(results, run, family, _file_date(path))
     if family == "determinism_verdict":
         return determinism_verdict_rows(results, run, _file_date(path))
-    if results.get("family") == "jax_backend":
+    if results.get("family") in ("jax_backend", "torch_backend"):
         return jax_backend_rows(results, run)
     if results.get("family") == "jax_scale":
         return jax_scale_rows(results, run)

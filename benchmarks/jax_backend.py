@@ -1,50 +1,56 @@
-"""keras_stage on Keras's JAX backend, against the hand split.
+"""keras_stage on Keras's JAX or PyTorch backend, against the hand split.
 
 `KERAS_BACKEND=jax python -m benchmarks.jax_backend [--rounds N] [--quick]
-[--out PATH]` (in the `.venv-jax` environment) times whole `fit(epochs=3)`
-calls of two models with string inputs, in two modes side by side in one
-process:
+[--out PATH]` (in the `.venv-jax` environment; with `KERAS_BACKEND=torch`
+in `.venv-torch`, or `python -m benchmarks.torch_backend`, the same on
+torch) times whole `fit(epochs=3)` calls of two models with string inputs,
+in three modes side by side in one process:
 
 - `staged`: keras_stage's three lines (`StagedInput()` on the inputs,
   `keras_stage.Model`, `compile(..., smart_stage=True)`) and a
   `PrefetchCallback()` in `fit`, fed the numpy arrays. SmartStage runs the
   leading Keras preprocessing layers in a tf.data stage and the rest of the
   model (from the first other layer: `Concatenate`, `Embedding`, `Dense`)
-  as Keras's jitted JAX step;
+  as Keras's JAX (jitted) or torch step;
 - `expert`: the same split by hand: the preprocessing layers called on the
   raw columns in `Dataset.from_tensor_slices((x, y)).batch(B).map(
   preprocess, num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE)` (the
   dataset built inside the timed call, as a script builds it), and a
   numeric `keras.Model` of the rest (the trunk), whose inputs take the
-  shapes and dtypes of `preprocess`'s outputs.
+  shapes and dtypes of `preprocess`'s outputs;
+- `expert_again`: a second `expert`, the control: how far two runs of the
+  same mode drift apart on this machine.
 
-Plain Keras cannot fit these models on JAX (its array adapter rejects the
-string columns): the script tries once per workload, a `keras.Model` of
-the whole model fitting one batch, and records the error.
+Plain Keras cannot fit these models on JAX nor torch (its array adapter
+rejects the string columns): the script tries once per workload, a
+`keras.Model` of the whole model fitting one batch, and records the error.
 
 The workloads: `tabular`, `benchmarks.regimes.TabularModel` (keras.io's
-structured-data model; on JAX its `Concatenate` runs in the trunk, so the
-expert's `preprocess` returns the columns and its trunk starts with the
-`Concatenate`); and `criteo`, a small Criteo-like model: the lines of
-`benchmarks.workloads.criteo.make_criteo_lines` split into 13 numeric
-columns (`log1p`, through one adapted `Normalization`) and 26 string
-columns (`Hashing(1000)` each), then in the trunk an `Embedding(1000, 8)`
-per string column, `Concatenate` with the numerics, `Dense(64, relu)`,
-`Dense(1, sigmoid)`. (The suite's `criteo` workload parses TSV lines in
-custom layers of TensorFlow ops, not Keras preprocessing layers.)
+structured-data model; on JAX and torch its `Concatenate` runs in the
+trunk, so the expert's `preprocess` returns the columns and its trunk
+starts with the `Concatenate`); and `criteo`, a small Criteo-like model:
+the lines of `benchmarks.workloads.criteo.make_criteo_lines` split into 13
+numeric columns (`log1p`, through one adapted `Normalization`) and 26
+string columns (`Hashing(1000)` each), then in the trunk an
+`Embedding(1000, 8)` per string column, `Concatenate` with the numerics,
+`Dense(64, relu)`, `Dense(1, sigmoid)`. (The suite's `criteo` workload
+parses TSV lines in custom layers of TensorFlow ops, not Keras
+preprocessing layers.)
 
-Both modes build their models from the same seed (equal initial weights)
+The modes build their models from the same seed (equal initial weights)
 and keep them for every round. Each fits once untimed first (tracing and
 jit compilation): 3 epochs without shuffling, after which the largest
-difference between the two modes' trunk weights is printed and recorded, a
-check that both trained the same model on the same batches. Every timed
-`fit` is unshuffled too. One measurement is a whole `fit` call, set-up and
-tear-down included (`time.perf_counter`); a callback also sums its steps
-alone (`on_train_batch_begin` to `on_train_batch_end` of every batch). The
-rounds run the modes in a rotating order, with an untimed `gc.collect()`
-after each measurement; the paired ratio staged/expert is the median over
-the rounds of the ratio within a round. Results: a table, and
-`benchmarks/results/jax_backend.json`.
+difference between the staged and expert trunk weights is printed and
+recorded, a check that both trained the same model on the same batches.
+Every timed `fit` is unshuffled too. One measurement is a whole `fit`
+call, set-up and tear-down included (`time.perf_counter`); a callback
+also sums its steps alone (`on_train_batch_begin` to
+`on_train_batch_end` of every batch). The rounds run the modes in a
+rotating order, with an untimed `gc.collect()` after each measurement;
+the paired ratio staged/expert is the median over the rounds of the
+ratio within a round (so is expert_again/expert). Results: a table, and
+`benchmarks/results/<backend>_backend.json` (the backend's versions in
+its `environment`).
 """
 
 import argparse
@@ -75,10 +81,9 @@ SCHEMA_VERSION = 1
 EPOCHS = 3
 DEFAULT_ROUNDS = 7
 QUICK_ROUNDS = 1
-DEFAULT_OUT = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "results", "jax_backend.json"
-)
-MODES = ("staged", "expert")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+BACKENDS = ("jax", "torch")
+MODES = ("staged", "expert", "expert_again")
 
 TIMED = (
     f"One measurement is a whole model.fit(..., epochs={EPOCHS}, "
@@ -89,7 +94,8 @@ TIMED = (
     "fit per mode first. Modes in a rotating order within each round; "
     "gc.collect() untimed after each measurement. Medians over the rounds; "
     "the paired ratio is the median over the rounds of staged/expert "
-    "within a round (above 1: staged slower)."
+    "within a round (above 1: staged slower); expert_again/expert, the "
+    "control, likewise."
 )
 
 
@@ -97,7 +103,7 @@ TIMED = (
 
 
 class TabularWorkload:
-    """`benchmarks.regimes.TabularModel`, cut where the JAX backend cuts it.
+    """`benchmarks.regimes.TabularModel`, cut where JAX and torch cut it.
 
     `columns` builds the model's preprocessing layers on `x` and returns
     their outputs, the inputs of its `Concatenate`; `trunk` is that
@@ -270,8 +276,8 @@ def hand_preprocess(workload, data):
             column = x[name]
             for layer in layers:
                 column = layer(column)
-            # JAX has no int64 without x64 (the stage casts too).
-            if column.dtype == tf.int64:
+            # JAX has no int64 without x64 (the stage casts too); torch has.
+            if column.dtype == tf.int64 and keras.backend.backend() == "jax":
                 column = tf.cast(column, tf.int32)
             outputs.append(column)
         return tuple(outputs)  # tf.data maps return no lists
@@ -324,11 +330,19 @@ class ExpertMode(StagedMode):
         )
 
 
-MODE_CLASSES = {mode.name: mode for mode in (StagedMode, ExpertMode)}
+class ExpertAgainMode(ExpertMode):
+    """A second hand split, the control of the paired ratios."""
+
+    name = "expert_again"
+
+
+MODE_CLASSES = {
+    mode.name: mode for mode in (StagedMode, ExpertMode, ExpertAgainMode)
+}
 
 
 def try_plain(workload, data):
-    """Plain Keras fitting one batch: what it raises on JAX (or that it ran)."""
+    """Plain Keras fitting one batch: what it raises (or that it ran)."""
     keras.utils.set_random_seed(SEED)
     inputs = workload.inputs()
     model = keras.Model(
@@ -425,9 +439,9 @@ def run_workload(workload, rows, rounds, log=print):
         )
     plan = modes["staged"].model.get_stage_plan()
 
-    def paired(key):
+    def paired(mode, key):
         return paired_ratio(
-            [r[key] for r in records["staged"]],
+            [r[key] for r in records[mode]],
             [r[key] for r in records["expert"]],
         )
 
@@ -464,18 +478,18 @@ def run_workload(workload, rows, rounds, log=print):
             for name in modes
         },
         "paired_ratios": {
-            "staged/expert": {
-                "seconds": paired("seconds"),
-                "steps_seconds": paired("steps_seconds"),
+            f"{mode}/expert": {
+                "seconds": paired(mode, "seconds"),
+                "steps_seconds": paired(mode, "steps_seconds"),
             }
+            for mode in ("staged", "expert_again")
         },
     }
 
 
 def run(rounds, quick, log=print, argv=None):
     """Runs every workload; returns the results as a dict."""
-    import jax
-
+    backend = keras.backend.backend()
     started = time.perf_counter()
     before = environment.snapshot()
     rows = {
@@ -485,7 +499,7 @@ def run(rounds, quick, log=print, argv=None):
     results = {
         "schema_version": SCHEMA_VERSION,
         # For benchmarks.history: "workloads" alone means benchmarks.run.
-        "family": "jax_backend",
+        "family": f"{backend}_backend",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "argv": argv,
         "config": {
@@ -500,9 +514,8 @@ def run(rounds, quick, log=print, argv=None):
         "timed": TIMED,
         "environment": {
             **environment.describe(),
-            "keras_backend": keras.backend.backend(),
-            "jax": jax.__version__,
-            "jax_devices": [str(device) for device in jax.devices()],
+            "keras_backend": backend,
+            **backend_versions(backend),
         },
         "workloads": {},
     }
@@ -515,18 +528,37 @@ def run(rounds, quick, log=print, argv=None):
     return results
 
 
+def backend_versions(backend):
+    """The backend's version and devices (torch: its threads, and the
+    OpenMP settings that change how they wait on a busy machine)."""
+    if backend == "jax":
+        import jax
+
+        devices = [str(device) for device in jax.devices()]
+        return {"jax": jax.__version__, "jax_devices": devices}
+    import torch
+
+    return {
+        "torch": torch.__version__,
+        "torch_cuda": torch.cuda.is_available(),
+        "torch_threads": torch.get_num_threads(),
+        **{k: v for k, v in os.environ.items() if k.startswith("OMP_")},
+    }
+
+
 def format_table(results):
     """The results as text: a row per workload, then its notes."""
     lines = [
         f"{'workload':9} {'rows':>6} {'batch':>5}"
         f" {'whole s: staged':>15} {'expert':>7} {'staged/expert':>13}"
         f" {'steps s: staged':>15} {'expert':>7} {'staged/expert':>13}"
-        f" {'max |dw|':>9}"
+        f" {'control':>7} {'max |dw|':>9}"
     ]
     notes = []
     for name, section in results["workloads"].items():
         modes = section["modes"]
         ratios = section["paired_ratios"]["staged/expert"]
+        control = section["paired_ratios"]["expert_again/expert"]
         lines.append(
             f"{name:9} {section['rows']:6d} {section['batch_size']:5d}"
             f" {modes['staged']['seconds_median']:15.3f}"
@@ -535,16 +567,18 @@ def format_table(results):
             f" {modes['staged']['steps_seconds_median']:15.3f}"
             f" {modes['expert']['steps_seconds_median']:7.3f}"
             f" {ratios['steps_seconds']:13.3f}"
+            f" {control['seconds']:7.3f}"
             f" {section['weight_check']['max_abs_difference']:9.1e}"
         )
         plain = section["plain"]
+        backend = results["environment"]["keras_backend"]
         notes += [
             f"{name}: {section['description']}",
             "  plain: "
             + (
-                "ran on JAX (unexpected)"
+                f"ran on {backend} (unexpected)"
                 if plain["possible"]
-                else "impossible on JAX: "
+                else f"impossible on {backend}: "
                 f"{plain['error_type']}: {plain['error']}"
             ),
             "  staged layers: "
@@ -556,7 +590,8 @@ def format_table(results):
         + [
             f"(whole fit(epochs={config['epochs']}) calls and their steps "
             f"alone, medians of {config['rounds']} rounds; staged/expert "
-            "paired; max |dw|: the weight check)"
+            "paired; control: expert_again/expert, paired, whole calls; "
+            "max |dw|: the weight check)"
         ]
         + notes
     )
@@ -565,10 +600,11 @@ def format_table(results):
 def parse_args(argv=None):
     """Parses the command line (see `--help`)."""
     parser = argparse.ArgumentParser(
-        prog="KERAS_BACKEND=jax python -m benchmarks.jax_backend",
+        prog="KERAS_BACKEND=jax|torch python -m benchmarks.jax_backend",
         description=(
             "Time whole fit calls (set-up included) and their steps alone on "
-            "Keras's JAX backend: keras_stage's SmartStage against the hand "
+            "Keras's JAX or torch backend: keras_stage's SmartStage against "
+            "the hand "
             "split (preprocessing in tf.data, a numeric trunk), interleaved, "
             "with paired ratios; and record why plain Keras cannot fit."
         ),
@@ -593,19 +629,22 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--out",
-        default=DEFAULT_OUT,
-        help="results file (default: benchmarks/results/jax_backend.json)",
+        help="results file (default: benchmarks/results/"
+        "<backend>_backend.json)",
     )
     args = parser.parse_args(argv)
     if args.rounds is None:
         args.rounds = QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    if keras.backend.backend() != "jax":
+    backend = keras.backend.backend()
+    if backend not in BACKENDS:
         parser.error(
-            f"Keras runs on the {keras.backend.backend()!r} backend: run "
-            "with KERAS_BACKEND=jax (in .venv-jax: make venv-jax)"
+            f"Keras runs on the {backend!r} backend: run with KERAS_BACKEND="
+            "jax (in .venv-jax: make venv-jax) or torch (make venv-torch)"
         )
+    if args.out is None:
+        args.out = os.path.join(RESULTS, f"{backend}_backend.json")
     return args
 
 
@@ -617,7 +656,7 @@ def main(argv=None):
         args.rounds,
         args.quick,
         log=lambda line: print(line, flush=True),
-        argv=["benchmarks.jax_backend", *argv],
+        argv=[f"benchmarks.{keras.backend.backend()}_backend", *argv],
     )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

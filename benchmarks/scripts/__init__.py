@@ -28,6 +28,10 @@ SCRIPTS = (
     "readme",
     "dcn",
     "remote",
+    # Plain is the hand split: they run on JAX and torch too.
+    "featurespace_split",
+    "tabular_split",
+    "criteo_split",
 )
 MODES = ("plain", "staged")
 # The timed parts a script may have, besides the whole script.
