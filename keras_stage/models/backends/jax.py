@@ -26,6 +26,13 @@ class JaxBackend(Backend):
     pool_shrinks = False  # see `pool_start`
     unread_opens = 0  # Keras's generators open the dataset when first read
 
+    # Why the `device` and `stream` options are not used, logged once.
+    device_note = (
+        "on the JAX backend Keras's trainer puts each batch on the device "
+        "itself, one batch ahead (jax.device_put), so the stage's buffer "
+        "stays on the host"
+    )
+
     def check_supported(self, model, layer):
         options = layer.stage_options
         if options.device in (AUTO, None, "cpu") and options.stream is None:
@@ -34,11 +41,10 @@ class JaxBackend(Backend):
             return
         layer._keras_stage_device_warned = True
         logger.warning(
-            "StagedInput '%s': on the JAX backend Keras's trainer puts each "
-            "batch on the device itself, one batch ahead (jax.device_put), "
-            "so the stage's buffer stays on the host and its `device` and "
-            "`stream` options are not used.",
+            "StagedInput '%s': %s, and its `device` and `stream` options "
+            "are not used.",
             layer.name,
+            self.device_note,
         )
 
     def reads_in_graph(self, phase):

@@ -4,16 +4,11 @@ eager dataset whose batches are already torch tensors: views of the stage's
 buffers on the CPU (DLPack, no copy), and on a GPU copies made one batch
 ahead from pinned memory on a stream of their own."""
 
-import logging
-
 import keras
 import tensorflow as tf
 
 from keras_stage import _compat
-from keras_stage.data.options import AUTO
 from keras_stage.models.backends.jax import JaxBackend
-
-logger = logging.getLogger("keras_stage")
 
 
 class TorchBackend(JaxBackend):
@@ -25,26 +20,15 @@ class TorchBackend(JaxBackend):
     """
 
     jit_by_default = False  # Keras's "auto" on torch: eager steps
+    device_note = (
+        "on the PyTorch backend the stage's buffer stays on the host and "
+        "each batch goes to the device Keras trains on (pinned memory, "
+        "copied one batch ahead on a CUDA stream of its own)"
+    )
     export_refusal = (
         "torch has no string tensors: its exports trace the model with "
         "numeric tensors only"
     )
-
-    def check_supported(self, model, layer):
-        options = layer.stage_options
-        if options.device in (AUTO, None, "cpu") and options.stream is None:
-            return
-        if getattr(layer, "_keras_stage_device_warned", False):
-            return
-        layer._keras_stage_device_warned = True
-        logger.warning(
-            "StagedInput '%s': on the PyTorch backend the stage's buffer "
-            "stays on the host and each batch goes to the device Keras "
-            "trains on (pinned memory, copied one batch ahead on a CUDA "
-            "stream of its own), so its `device` and `stream` options are "
-            "not used.",
-            layer.name,
-        )
 
     def check_strategy(self, model):
         """Refuses what Keras's torch trainer cannot fit with one stage."""
@@ -98,9 +82,6 @@ class TorchBackend(JaxBackend):
 
             torch_batches.draw_loader_seed()
         super().build(model, data, phase)
-
-    def shard_batches(self, dataset):
-        return None
 
     def narrows_int64(self):
         return False  # torch keeps int64
