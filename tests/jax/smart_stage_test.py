@@ -912,13 +912,14 @@ def test_a_feature_space_s_nested_model_is_staged_whole():
         n: keras.Input(shape=(1,), dtype=raw[n].dtype, name=n) for n in raw
     }
     staged = keras_stage.layers.StagedInput(name="stage")(inputs)
-    model = keras_stage.Model(inputs, keras.layers.Dense(1)(encode(staged)))
+    out = keras.layers.Dense(1, name="out")
+    model = keras_stage.Model(inputs, out(encode(staged)))
     model.compile("adam", "mse", smart_stage=True)
     assert model.get_stage_plan().staged_layers == ["stage", "encode"]
     model.fit(x, np.ones((16, 1)), batch_size=8, verbose=0)
     np.testing.assert_allclose(
         model.predict(x, batch_size=8, verbose=0),
-        model.get_layer("dense")(space(x)),
+        out(space(x)),
         rtol=1e-5,
         atol=1e-6,
     )
