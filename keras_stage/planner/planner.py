@@ -20,6 +20,7 @@ from keras_stage.planner.stage_plan import BoundaryTensor, StagePlan
 from keras_stage.planner.state_access import (
     TraceError,
     all_layers,
+    is_preprocessing_layer,
     run_graph,
     seed_states,
     trace_access,
@@ -98,7 +99,7 @@ def _shares_safely(layer):
         return True
     if isinstance(layer, _compat.keras_functional_class()):
         return all(_shares_safely(inner) for inner in layer.layers)
-    return type(layer).__module__.startswith("keras.src.layers.preprocessing")
+    return is_preprocessing_layer(layer)
 
 
 class _Tensors:

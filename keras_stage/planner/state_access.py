@@ -311,7 +311,7 @@ def run_node(node, values, by_layer=False, **kwargs):
     if isinstance(layer, StagedInput):
         inputs, _ = _compat.node_inputs(node)
         return [values[id(t)] for t in inputs]
-    if not by_layer or _converts_itself(layer):
+    if not by_layer or is_preprocessing_layer(layer):
         return _compat.call_node(node, values, **kwargs)
     args, call_kwargs = _compat.node_arguments(node, values)
     if isinstance(layer, _compat.keras_functional_class()):
@@ -331,7 +331,7 @@ def run_graph(model, inputs, training, nodes=None):
             keras.tree.flatten(inputs),
             strict=True,
         )
-    values = {id(t): as_input(v, t) for t, v in pairs}
+    values = {id(t): _as_input(v, t) for t, v in pairs}
     for node in nodes or _compat.functional_nodes(model):
         extra = {}
         if accepts_training(node.operation):
@@ -342,7 +342,7 @@ def run_graph(model, inputs, training, nodes=None):
     return [values[id(t)] for t in model.outputs]
 
 
-def as_input(value, tensor):
+def _as_input(value, tensor):
     """`value` with the dtype and rank of the model input `tensor`, as
     Keras's functional call casts and expands or squeezes its inputs."""
     value = tf.convert_to_tensor(value) if not tf.is_tensor(value) else value
@@ -358,9 +358,10 @@ def as_input(value, tensor):
     return value
 
 
-def _converts_itself(layer):
-    """Whether `layer` is one of Keras's preprocessing layers, whose
-    `__call__` runs TensorFlow ops on graph tensors on any backend."""
+def is_preprocessing_layer(layer):
+    """Whether `layer` is one of Keras's preprocessing layers: its
+    `__call__` runs TensorFlow ops on graph tensors on any backend, and it
+    replaces its state when adapted (`_state_slots`)."""
     return type(layer).__module__.startswith("keras.src.layers.preprocessing")
 
 
