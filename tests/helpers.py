@@ -656,3 +656,54 @@ def staged_prefix_outputs(model, inputs, batch_size, epochs):
         return [[e[0].numpy() for e in staged] for _ in range(epochs)]
     finally:
         staged.close()
+
+
+def check_a_tensorflow_ops_layer_is_staged(kind):
+    """A user's layer of TensorFlow ops (`kind` "layer") or a `Lambda` of
+    them ("lambda") parses strings in the stage on the running backend, and
+    the trained model predicts from its weights."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_stage
+
+    class ParseNumbers(keras.layers.Layer):
+        """ "1.5" -> 1.5, as a user writes such a layer."""
+
+        def call(self, lines):
+            return tf.strings.to_number(lines, tf.float32)
+
+        def compute_output_spec(self, lines):
+            return keras.KerasTensor(lines.shape, "float32")
+
+    parse = (
+        ParseNumbers(name="parse")
+        if kind == "layer"
+        else keras.layers.Lambda(
+            lambda s: tf.strings.to_number(s, tf.float32),
+            output_shape=(1,),
+            name="parse",
+        )
+    )
+    inputs = keras.Input(shape=(1,), dtype="string")
+    x = keras_stage.layers.StagedInput(name="stage")(inputs)
+    x = keras.layers.Normalization(mean=2.0, variance=4.0, name="norm")(
+        parse(x)
+    )
+    model = keras_stage.Model(inputs, keras.layers.Dense(1, name="out")(x))
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    assert model.get_stage_plan().staged_layers == ["stage", "parse", "norm"]
+    # A dataset: Keras's array adapter takes no 2-D string arrays.
+    lines = tf.constant([[f"{i / 8}"] for i in range(32)])
+    numbers = np.array([[i / 8] for i in range(32)], dtype="float32")
+    data = tf.data.Dataset.from_tensor_slices((lines, numbers)).batch(8)
+    history = model.fit(data, epochs=2, shuffle=False, verbose=0)
+    assert np.all(np.isfinite(history.history["loss"]))
+    kernel, bias = model.get_layer("out").get_weights()
+    np.testing.assert_allclose(
+        model.predict(data.map(lambda x, y: x), verbose=0),
+        (numbers - 2.0) / 2.0 @ kernel + bias,
+        rtol=1e-6,
+        atol=1e-6,
+    )

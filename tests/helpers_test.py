@@ -248,3 +248,9 @@ def test_run_forked_together_runs_its_children_side_by_side(tmp_path):
     )
     assert [d.stdout for d in done] == ["True\n", "True\n"]
     assert [d.returncode for d in done] == [0, 4]
+
+
+@pytest.mark.parametrize("kind", ["layer", "lambda"])
+def test_a_layer_of_tensorflow_ops_is_staged_on_tensorflow_too(kind):
+    # The check tests/jax and tests/torch run on their backends.
+    helpers.check_a_tensorflow_ops_layer_is_staged(kind)

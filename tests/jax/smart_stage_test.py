@@ -19,7 +19,10 @@ import pytest
 import tensorflow as tf
 
 import keras_stage
-from tests.helpers import staged_prefix_outputs
+from tests.helpers import (
+    check_a_tensorflow_ops_layer_is_staged,
+    staged_prefix_outputs,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -852,48 +855,11 @@ def test_op_determinism_trains_on_jax():
     assert runs[0] == runs[1]  # the same losses, run after run
 
 
-class ParseNumbers(keras.layers.Layer):
-    """ "1.5" -> 1.5: a layer of TensorFlow ops, as a user writes one."""
-
-    def call(self, lines):
-        return tf.strings.to_number(lines, tf.float32)
-
-    def compute_output_spec(self, lines):
-        return keras.KerasTensor(lines.shape, "float32")
-
-
 @pytest.mark.parametrize("kind", ["layer", "lambda"])
 def test_a_layer_of_tensorflow_ops_parses_strings_in_the_stage(kind):
-    # Keras's Layer.__call__ would make the graph tensors JAX arrays: the
-    # stage runs the layer's call on them.
-    parse = (
-        ParseNumbers(name="parse")
-        if kind == "layer"
-        else keras.layers.Lambda(
-            lambda s: tf.strings.to_number(s, tf.float32),
-            output_shape=(1,),
-            name="parse",
-        )
-    )
-    inputs = keras.Input(shape=(1,), dtype="string")
-    x = keras_stage.layers.StagedInput(name="stage")(inputs)
-    x = keras.layers.Normalization(mean=2.0, variance=4.0, name="norm")(
-        parse(x)
-    )
-    model = keras_stage.Model(inputs, keras.layers.Dense(1, name="out")(x))
-    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
-    assert model.get_stage_plan().staged_layers == ["stage", "parse", "norm"]
-    lines = tf.constant([[f"{i / 8}"] for i in range(32)])
-    numbers = np.array([[i / 8] for i in range(32)], dtype="float32")
-    data = tf.data.Dataset.from_tensor_slices((lines, numbers)).batch(8)
-    model.fit(data, epochs=2, shuffle=False, verbose=0)
-    kernel, bias = model.get_layer("out").get_weights()
-    np.testing.assert_allclose(
-        model.predict(data.map(lambda x, y: x), verbose=0),
-        (numbers - 2.0) / 2.0 @ kernel + bias,
-        rtol=1e-5,
-        atol=1e-6,
-    )
+    # Keras's Layer.__call__ would convert the graph tensors to the
+    # backend's arrays: the stage runs the layer's call on them.
+    check_a_tensorflow_ops_layer_is_staged(kind)
 
 
 def test_a_feature_space_s_nested_model_is_staged_whole():
