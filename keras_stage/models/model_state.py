@@ -63,6 +63,9 @@ class StagingState:
         # SmartStage: the plan and split, made on the first staged call.
         self.plan = None
         self.split = None
+        # A subclassed model's input specs, from its first data or call:
+        # what its plan traces its call on (`subclass_graph`).
+        self.input_specs = None
         self.default_input = None
         # `(model.layers, its StagedInput or None)` as last found (see
         # `staging_mixin.find_staged_input`).

@@ -26,6 +26,7 @@ from keras_stage.models.data_adapters.batches import (
 from keras_stage.models.decision import learned
 from keras_stage.models.iterators import kept_iterators
 from keras_stage.models.model_state import state as _state
+from keras_stage.planner import subclass_graph
 from keras_stage.planner.planner import plan_model
 
 logger = logging.getLogger("keras_stage")
@@ -81,6 +82,27 @@ def _checked_staged_input(model, layers):
 
 class StagingMixin:
     """Adds staging to a Keras model class; see the module docstring."""
+
+    def __init_subclass__(cls, **kwargs):
+        # A subclass's own `call` and steps run the SmartStage trunk in a
+        # staged step: Keras's JAX and torch steps call `call` directly.
+        super().__init_subclass__(**kwargs)
+        if cls.__module__.startswith("keras_stage."):
+            return  # keras_stage's own classes run it already
+        own = vars(cls)
+        if "call" in own and not _routed(own["call"]):
+            cls.call = _trunk_call(own["call"])
+        for phase in ("train", "test", "predict"):
+            step = own.get(f"{phase}_step")
+            if step is not None and not _routed(step):
+                setattr(cls, f"{phase}_step", _trunk_step(step, phase))
+
+    def __setattr__(self, name, value):
+        # While the planner traces the call: what it sets (a side effect).
+        sets = self.__dict__.get(subclass_graph.SETS_ATTRIBUTE)
+        if sets is not None:
+            sets.append(name)
+        super().__setattr__(name, value)
 
     # -- compile ----------------------------------------------------------
 
@@ -154,15 +176,27 @@ class StagingMixin:
             # With smart_stage=False the plan shows what True would stage.
             mode = "longest" if state.smart_stage == "longest" else True
             started = time.perf_counter()
-            state.plan, state.split = plan_model(
+            plan, split = plan_model(
                 self,
                 find_staged_input(self),
                 smart_stage=mode,
                 backend=self._stage_backend,
+                input_specs=state.input_specs,
             )
+            if plan.pending:
+                return plan, split  # planned once its inputs are known
+            state.plan, state.split = plan, split
             if state.smart_stage:
                 facts.costs(self).note_plan(time.perf_counter() - started)
         return state.plan, state.split
+
+    def _note_inputs(self, x):
+        """Keeps a subclassed model's input specs, from its first data or
+        call that tells them: its plan traces its call on them."""
+        state = _state(self)
+        if state.input_specs is not None or not _subclassed(self):
+            return
+        state.input_specs = subclass_graph.input_specs(x)
 
     def _stage_setup(self):
         """The call's `StagedInput` (a default one for SmartStage), or None."""
@@ -202,6 +236,8 @@ class StagingMixin:
         trunk = tensorflow_steps.trunk(self)
         if trunk is not None:
             return trunk(*args, **kwargs)
+        if args:
+            self._note_inputs(args[0])
         return super().__call__(*args, **kwargs)
 
     def call(self, inputs, training=None, mask=None, **kwargs):
@@ -308,6 +344,7 @@ class StagingMixin:
         layer = self._stage_setup()
         if layer is None:
             return super().fit(**given)
+        self._note_inputs(x)
         backend = self._stage_backend
         backend.check_supported(self, layer)
         backend.check_strategy(self)
@@ -441,6 +478,7 @@ class StagingMixin:
         if layer is None or _compat.is_fit_validation(given):
             # Unstaged, or the validation of a fit (staged with the fit).
             return keras_call(**given)
+        self._note_inputs(x)
         backend = self._stage_backend
         backend.check_supported(self, layer)
         # Made first: its callbacks are checked whichever way the call runs.
@@ -481,6 +519,46 @@ class StagingMixin:
                 steps=steps,
                 **kwargs,
             )
+
+
+def _subclassed(model):
+    """Whether `model` is a subclass with its own call (not functional)."""
+    return not isinstance(
+        model, (keras.Sequential, _compat.keras_functional_class())
+    )
+
+
+def _routed(method):
+    """Whether a model class's method already runs the trunk."""
+    return getattr(method, "keras_stage_step", False) or getattr(
+        method, "keras_stage_routed", False
+    )
+
+
+def _trunk_call(call):
+    """A subclass's `call`, calling the trunk instead in a staged step."""
+
+    @functools.wraps(call)
+    def routed(self, *args, **kwargs):
+        if tensorflow_steps.trunk(self) is None:
+            return call(self, *args, **kwargs)
+        return tensorflow_steps.call_model(self, None, args[0], **kwargs)
+
+    routed.keras_stage_routed = True
+    return routed
+
+
+def _trunk_step(step, phase):
+    """A subclass's own `phase` step, its `self(...)` running the trunk."""
+
+    @functools.wraps(step)
+    def routed(self, *args):
+        with tensorflow_steps.calling_trunk(self, phase):
+            return step(self, *args)
+
+    routed.keras_stage_step = False  # not keras_stage's (`own_step`)
+    routed.keras_stage_routed = True
+    return routed
 
 
 def _given(arguments):

@@ -16,6 +16,7 @@ import tensorflow as tf
 from keras_stage import _compat
 from keras_stage.data.tfio_support import explain_tfio_error
 from keras_stage.layers.staged_input import StagedInput
+from keras_stage.planner import subclass_graph
 from keras_stage.planner.stage_plan import BoundaryTensor, StagePlan
 from keras_stage.planner.state_access import (
     TraceError,
@@ -143,7 +144,13 @@ def _kind(spec):
     return "dense"
 
 
-def plan_model(model, boundary_layer=None, smart_stage=True, backend=None):
+def plan_model(
+    model,
+    boundary_layer=None,
+    smart_stage=True,
+    backend=None,
+    input_specs=None,
+):
     """Plans built `model` from its `StagedInput` `boundary_layer` (None: its
     inputs); returns `(StagePlan, StageSplit or None)`, no split when nothing
     past the boundary can be staged or there is no functional graph.
@@ -151,7 +158,9 @@ def plan_model(model, boundary_layer=None, smart_stage=True, backend=None):
     `smart_stage`: `True` for the transfer-aware cut (the longest prefix
     unless its cut inflates past `CUT_INFLATION_LIMIT`), `"longest"` for the
     longest prefix always. `backend`: the steps' `Backend`, which says what
-    can run in tf.data (default: the model's).
+    can run in tf.data (default: the model's). `input_specs`: for a
+    subclassed model, the `tf.TensorSpec`s of its inputs
+    (`subclass_graph.input_specs`): the graph of its call is planned.
 
     Example:
 
@@ -190,16 +199,150 @@ def plan_model(model, boundary_layer=None, smart_stage=True, backend=None):
             "or plan a keras_stage.Model."
         )
     graph = graph_model(model)
-    if graph is None:
+    if graph is not None:
+        return _plan_graph(model, graph, boundary_layer, smart_stage, backend)
+    if isinstance(model, keras.Sequential):
         return _unplanned(
             model,
             boundary_layer,
-            f"Model '{model.name}' is a subclassed model (or not built): it "
-            "has no functional graph for smart_stage to look inside, so the "
+            f"Sequential model '{model.name}' has no inputs yet: add "
+            "keras.Input first to let smart_stage look inside it, or the "
             "stage covers the input data only.",
-            "inside a subclassed model",
+            "inside a model without inputs",
         ), None
+    return _plan_subclass(
+        model, boundary_layer, smart_stage, backend, input_specs
+    )
 
+
+def _plan_subclass(model, boundary_layer, smart_stage, backend, specs):
+    """`plan_model` of a subclassed model, from the graph of its call on
+    inputs of `specs` (`subclass_graph`); its input only where none."""
+    name = f"Subclassed model '{model.name}'"
+    if specs is None:
+        plan = _unplanned(
+            model,
+            boundary_layer,
+            f"{name} has not seen data yet: smart_stage plans it from the "
+            "specs of the data of its first fit, evaluate or predict (or "
+            "of its first call). Until then the stage covers the input "
+            "data only.",
+            "not planned before the model's inputs are known",
+        )
+        plan.pending = True
+        return plan, None
+    try:
+        refuse_overrides(model, backend)
+        graphs = subclass_graph.trace(model, specs)
+    except subclass_graph.Untraceable as e:
+        return _unplanned(
+            model,
+            boundary_layer,
+            f"{name} is not planned: {e}. The stage covers the input data "
+            "only, and the model trains as it would without smart_stage.",
+            "inside a subclassed model that is not planned",
+        ), None
+    plan, split = _plan_graph(
+        model, graphs.graph(True), boundary_layer, smart_stage, backend
+    )
+    if not graphs.branches:
+        return plan, split
+    inference, other = _plan_graph(
+        model, graphs.graph(False), boundary_layer, smart_stage, backend
+    )
+    if (plan.staged_layers, _configs(plan.boundary)) != (
+        inference.staged_layers,
+        _configs(inference.boundary),
+    ):
+        return _unplanned(
+            model,
+            boundary_layer,
+            f"{name} is not planned: its call stages "
+            f"{plan.staged_layers} in training and "
+            f"{inference.staged_layers} otherwise (it branches on "
+            "`training` before its trunk). The stage covers the input "
+            "data only.",
+            "inside a subclassed model that is not planned",
+        ), None
+    if split is not None:
+        split.add_inference(other)
+    return plan, split
+
+
+def _configs(boundary):
+    return [b.get_config() for b in boundary]
+
+
+# Steps and loss methods a subclass may override: planned when they reach
+# the model's layers through `self(...)` only (the stage runs the prefix).
+_STEPS = ("train_step", "test_step", "predict_step")
+_LOSSES = ("compute_loss", "compute_metrics")
+
+
+def refuse_overrides(model, backend):
+    """Raises `subclass_graph.Untraceable` naming an override of the model's
+    class that cannot run on the trunk: a step calling one of its layers
+    directly (not through `self(...)`), or a loss or metrics method that
+    reads its `x` (which the stage has replaced with the cut tensors)."""
+    held = {
+        name
+        for name, value in vars(model).items()
+        if isinstance(value, keras.layers.Layer)
+    }
+    for method in _STEPS + _LOSSES:
+        fn = _override(type(model), method)
+        if fn is None:
+            continue
+        code = fn.__code__
+        if method in _LOSSES:
+            if _reads_local(code, "x"):
+                raise subclass_graph.Untraceable(
+                    f"its {method} reads its `x` argument, which in a "
+                    "staged step holds the cut tensors, not the raw inputs"
+                )
+            continue
+        called = sorted(held & _attributes_read(code))
+        if called:
+            raise subclass_graph.Untraceable(
+                f"its {method} calls layer '{called[0]}' directly, which "
+                "may be staged; call the model (`self(x)`) instead"
+            )
+
+
+def _override(cls, method):
+    """The function of `method` that `cls` defines below Keras's classes
+    (keras_stage's own steps excluded), or None."""
+    for klass in cls.__mro__:
+        if klass.__module__.startswith(("keras.", "keras_stage.")):
+            return None
+        fn = vars(klass).get(method)
+        if fn is not None:
+            return getattr(fn, "__wrapped__", fn)
+    return None
+
+
+def _reads_local(code, name):
+    import dis
+
+    return any(
+        i.opname in ("LOAD_FAST", "LOAD_DEREF", "LOAD_FAST_CHECK")
+        and i.argval == name
+        for i in dis.get_instructions(code)
+    )
+
+
+def _attributes_read(code):
+    import dis
+
+    return {
+        i.argval
+        for i in dis.get_instructions(code)
+        if i.opname in ("LOAD_ATTR", "LOAD_METHOD")
+    }
+
+
+def _plan_graph(model, graph, boundary_layer, smart_stage, backend):
+    """`plan_model` of functional `graph` (the model's own, or its call's)."""
     nodes = _compat.functional_nodes(graph)
     # Calls with trainable weights are in the trunk whatever they trace.
     untraced = [n for n in nodes if _has_trainable_weights(n.operation)]
@@ -602,6 +745,21 @@ class StageSplit:
         self._stage_fns = {}
         self._training_free = None  # see `_trace_key`
         self.trace_seconds = 0.0
+        # A subclass whose call branches on `training`: the split of its
+        # inference graph (`add_inference`), the same staged layers.
+        self._inference = None
+
+    def add_inference(self, other):
+        """Runs `other`, the split of the same model's call in inference
+        (same staged layers and cut), for calls with `training` off."""
+        self._inference = other
+        self._training_free = False
+
+    def trunk_for(self, training):
+        """The trunk a step with this `training` flag runs."""
+        if not training and self._inference is not None:
+            return self._inference.trunk
+        return self.trunk
 
     @property
     def ordinal(self):
@@ -702,10 +860,12 @@ class StageSplit:
     def _run_prefix(self, x, training):
         """The cut tensors of `x`, in TensorFlow; on another backend call by
         call, as its Keras would convert graph tensors to its own arrays."""
-        prefix = self.prefix
+        split = self
+        if not training and self._inference is not None:
+            split = self._inference
         if self.backend.native_tf:
-            return prefix(x, training=training)
-        return run_graph(prefix, x, training, self._prefix_nodes)
+            return split.prefix(x, training=training)
+        return run_graph(split.prefix, x, training, split._prefix_nodes)
 
     def _seeded(self, ordinal):
         """A scope giving each staged seed state the element's own seeds, as

@@ -125,6 +125,8 @@ class StagePlan:
         candidate_cuts=None,
     ):
         self.model_name = model_name
+        # A subclass planned once its input specs are known (`plan_model`).
+        self.pending = False
         self.staged_layers = list(staged_layers)
         self.trunk_layers = list(trunk_layers)
         self.reasons = dict(reasons)

@@ -505,9 +505,16 @@ class _NoJitDense(keras.layers.Dense):
         self.supports_jit = False
 
 
+class SideEffectSubclassed(StagedSubclassed):
+    def call(self, x):
+        self.seen = True  # a side effect: its call is not planned
+        return super().call(x)
+
+
 def _unplanned():
-    # A subclassed model has no plan: its stage plan carries a note.
-    model = _build_subclassed(staged=True)
+    # A subclass whose call cannot be planned: its stage plan has a note.
+    model = SideEffectSubclassed()
+    model(X[:1])
     model.compile(optimizer="sgd", loss="mse", smart_stage=True)
     return model
 
@@ -525,7 +532,7 @@ def _no_jit_trunk():
 @pytest.mark.parametrize("method", ["fit", "evaluate", "predict"])
 @pytest.mark.parametrize(
     ("build", "message"),
-    [(_unplanned, "subclassed model"), (_no_jit_trunk, "XLA cannot compile")],
+    [(_unplanned, "Subclassed model"), (_no_jit_trunk, "XLA cannot compile")],
 )
 def test_staging_warnings_point_at_the_users_call(method, build, message):
     model = build()

@@ -359,21 +359,45 @@ def test_plan_needs_compile():
         model.get_stage_plan()
 
 
-def test_plan_of_a_subclassed_model_explains_itself():
+def test_plan_of_a_subclassed_model_is_the_plan_of_its_call():
     class Sub(keras_stage.Model):
         def __init__(self):
             super().__init__()
-            self.dense = keras.layers.Dense(1)
+            self.dense = keras.layers.Dense(1, name="dense")
 
         def call(self, x):
             return self.dense(x)
 
     model = Sub()
-    model(np.zeros((1, 4), "float32"))
+    model(np.zeros((1, 4), "float32"))  # tells its input specs
     model.compile(optimizer="sgd", loss="mse", smart_stage=True)
     plan = model.get_stage_plan()
     assert plan.staged_layers == []
-    assert "subclassed" in plan.note
+    assert plan.note == ""
+    assert plan.reasons == {"dense": "has trainable weights"}
+    # The cut is at its input, named by the call's argument.
+    assert [b.name for b in plan.boundary] == ["x"]
+
+
+def test_plan_of_an_unplannable_subclassed_model_explains_itself():
+    class Branching(keras_stage.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1, name="dense")
+
+        def call(self, x):
+            if keras.ops.sum(x) > 0:  # Python control flow on a value
+                return self.dense(x)
+            return self.dense(-x)
+
+    model = Branching()
+    model.compile(optimizer="sgd", loss="mse", smart_stage=True)
+    # Before its inputs are known it waits for them, and says so.
+    assert "has not seen data yet" in model.get_stage_plan().note
+    model(np.ones((1, 4), "float32"))
+    plan = model.get_stage_plan()
+    assert plan.staged_layers == []
+    assert "cannot run on symbolic inputs" in plan.note
     assert plan.boundary == []
 
 

@@ -329,7 +329,9 @@ def calling_trunk(model, phase):
     state = _state(model)
     split = state.steps.active.get(phase)
     previous = getattr(state.steps.local, "trunk", None)
-    state.steps.local.trunk = None if split is None else split.trunk
+    state.steps.local.trunk = (
+        None if split is None else split.trunk_for(phase == "train")
+    )
     # Python runs only while the step traces: its time is the trace's.
     started = (
         None if split is None or tf.executing_eagerly() else time.perf_counter()

@@ -1,0 +1,238 @@
+"""The functional graph of a subclassed model's `call`, for the planner.
+
+A subclass's `call` run on symbolic inputs (`keras.Input`s shaped as its
+data) gives a functional graph of the subclass's own layer objects, which
+the planner cuts as it cuts a functional model. A `call` that branches on
+`training` gives a graph per flag (`SubclassGraphs`); one that cannot run
+on symbolic inputs, sets an attribute or makes a layer as it runs is not
+planned (`Untraceable` says why, by name).
+
+Example:
+
+>>> import keras, keras_stage, numpy as np
+>>> from keras_stage.planner import subclass_graph
+>>> class Towers(keras_stage.Model):
+...     def __init__(self):
+...         super().__init__(name="towers")
+...         self.ids = keras.layers.IntegerLookup(vocabulary=[3, 5])
+...         self.out = keras.layers.Dense(1)
+...     def call(self, inputs):
+...         return self.out(keras.ops.cast(self.ids(inputs), "float32"))
+>>> spec = subclass_graph.input_specs(np.zeros((4, 1), "int64"))
+>>> graphs = subclass_graph.trace(Towers(), spec)
+>>> [layer.name for layer in graphs.graph(True).layers][1:]
+['integer_lookup', 'cast', 'dense']
+"""
+
+import inspect
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_stage import _compat
+
+
+class Untraceable(Exception):
+    """A subclass's `call` that cannot be planned; `str()` says why."""
+
+
+class SubclassGraphs:
+    """The functional graphs of a subclass's `call`: one for both training
+    flags, or one per flag where the call branches on it (`branches`)."""
+
+    def __init__(self, graphs):
+        self._graphs = graphs
+
+    @property
+    def branches(self):
+        """Whether the call builds a different graph in training."""
+        return len(self._graphs) > 1
+
+    def graph(self, training):
+        """The graph of a call with this `training` flag."""
+        return self._graphs.get(bool(training), self._graphs.get(None))
+
+
+def spec_of(value):
+    """The `tf.TensorSpec` of a batch `value` (an array or tensor), its
+    first dimension unknown; None if it is neither."""
+    if isinstance(value, tf.TypeSpec):
+        spec = value
+    elif tf.is_tensor(value) and hasattr(value, "dtype"):
+        spec = tf.TensorSpec(value.shape, tf.as_dtype(value.dtype))
+    elif isinstance(value, np.ndarray):
+        dtype = tf.string if value.dtype.kind in "OSU" else value.dtype
+        spec = tf.TensorSpec(value.shape, dtype)
+    else:
+        try:  # another backend's array (JAX, torch)
+            array = keras.ops.convert_to_numpy(value)
+        except Exception:
+            return None
+        return spec_of(array)
+    if not isinstance(spec, tf.TensorSpec) or spec.shape.rank in (None, 0):
+        return None
+    return tf.TensorSpec([None, *spec.shape[1:]], spec.dtype)
+
+
+def input_specs(x):
+    """The specs of the model inputs in data `x` (arrays, tensors, a dict
+    or list of them, or a `tf.data.Dataset` of `(x, y, ...)` or `x`); None
+    if they cannot be told without reading it (a generator, a
+    `PyDataset`)."""
+    if isinstance(x, tf.data.Dataset):
+        spec = x.element_spec
+        if isinstance(spec, tuple):
+            spec = spec[0]
+        x = spec
+    if x is None:
+        return None
+    leaves = keras.tree.flatten(x)
+    specs = [spec_of(leaf) for leaf in leaves]
+    if not specs or any(s is None for s in specs):
+        return None
+    return keras.tree.pack_sequence_as(x, specs)
+
+
+def symbolic_inputs(specs, name=None):
+    """`keras.Input`s for `specs`, named by their keys in a dict, else
+    `name` (numbered in a list)."""
+
+    def make(spec, name=None):
+        return keras.Input(
+            shape=tuple(spec.shape[1:]), dtype=spec.dtype.name, name=name
+        )
+
+    if isinstance(specs, dict):
+        return {
+            key: keras.tree.map_structure(make, value)
+            if not isinstance(value, tf.TypeSpec)
+            else make(value, key)
+            for key, value in specs.items()
+        }
+    if isinstance(specs, tf.TypeSpec):
+        return make(specs, name)
+    if isinstance(specs, (list, tuple)) and name is not None:
+        return type(specs)(
+            make(spec, f"{name}_{i}") if isinstance(spec, tf.TypeSpec)
+            else keras.tree.map_structure(make, spec)
+            for i, spec in enumerate(specs)
+        )
+    return keras.tree.map_structure(make, specs)
+
+
+def _argument_name(model):
+    """The name of the first argument of the subclass's `call`."""
+    parameters = list(inspect.signature(model.call).parameters)
+    return parameters[0] if parameters else None
+
+
+def takes_training(model):
+    """Whether the subclass's `call` takes a `training` argument."""
+    return "training" in inspect.signature(model.call).parameters
+
+
+def build(model, specs):
+    """Builds an unbuilt subclass from its input `specs` as Keras would
+    from a batch: `build(input_shape)` (the user's, if defined) after its
+    call has built its layers on symbolic inputs."""
+    if model.built:
+        return
+    shapes = keras.tree.map_structure(
+        lambda s: tuple(s.shape.as_list()), specs
+    )
+    if type(model).build is not keras.Model.build:
+        model.build(shapes)  # the user's builds what its call needs
+        return
+    try:
+        _called(model, symbolic_inputs(specs, _argument_name(model)), None)
+    except Untraceable:
+        return  # `trace` says why; Keras builds it from a batch
+    model.build(shapes)  # its layers are built: it marks it built
+
+
+def trace(model, specs):
+    """The `SubclassGraphs` of subclass `model`'s call on inputs of
+    `specs`; raises `Untraceable` saying why there is none."""
+    build(model, specs)
+    flags = (True, False) if takes_training(model) else (None,)
+    graphs, layouts = {}, {}
+    for flag in flags:
+        inputs = symbolic_inputs(specs, _argument_name(model))
+        outputs = _called(model, inputs, flag)
+        graph = keras.Model(inputs, outputs, name=model.name)
+        _check_layers(model, graph)
+        graphs[flag], layouts[flag] = graph, _layout(graph)
+    if len(graphs) == 2 and layouts[True] == layouts[False]:
+        # Only the flag differs: the layers read it as they run.
+        graphs = {None: graphs[True]}
+    return SubclassGraphs(graphs)
+
+
+def _called(model, inputs, training):
+    """The outputs of the subclass's own `call` on symbolic `inputs`."""
+    kwargs = {} if training is None else {"training": training}
+    # `StagingMixin.__setattr__` lists the attributes the call sets here.
+    object.__setattr__(model, SETS_ATTRIBUTE, [])
+    try:
+        outputs = type(model).call(model, inputs, **kwargs)
+    except Exception as e:
+        raise Untraceable(
+            f"its call cannot run on symbolic inputs ({type(e).__name__}: "
+            f"{_first_line(e)}); a call that branches on tensor values or "
+            "converts them to NumPy is not planned"
+        ) from e
+    finally:
+        changed = model.__dict__.pop(SETS_ATTRIBUTE)
+    if changed:
+        raise Untraceable(
+            f"its call sets attribute '{changed[0]}' of the model, a side "
+            "effect the stage's ahead-of-time run would not repeat"
+        )
+    if not all(
+        isinstance(t, keras.KerasTensor) for t in keras.tree.flatten(outputs)
+    ):
+        raise Untraceable(
+            "its call returns values that are not tensors of its inputs"
+        )
+    return outputs
+
+
+# The attribute listing what a traced call sets (see `_called`).
+SETS_ATTRIBUTE = "_keras_stage_sets"
+
+
+def _check_layers(model, graph):
+    """Raises `Untraceable` if the call used a layer the model does not hold
+    (made in `call`: a new one, with new weights, at every call)."""
+    from keras_stage.planner.state_access import all_layers
+
+    held = {id(layer) for layer in all_layers(model)}
+    for node in _compat.functional_nodes(graph):
+        layer = node.operation
+        if isinstance(layer, keras.layers.Layer) and id(layer) not in held:
+            raise Untraceable(
+                f"its call makes layer '{layer.name}' as it runs; make it "
+                "in __init__ to let the call be planned"
+            )
+
+
+def _layout(graph):
+    """What a graph computes: its calls, in order, with their inputs."""
+    ids = {id(t): i for i, t in enumerate(keras.tree.flatten(graph.inputs))}
+    layout = []
+    for node in _compat.functional_nodes(graph):
+        inputs, outputs = _compat.node_inputs(node)
+        op = node.operation
+        # Keras ops (`keras.ops.cast`) are new objects at every call.
+        key = id(op) if isinstance(op, keras.layers.Layer) else type(op)
+        layout.append((key, tuple(ids.get(id(t)) for t in inputs)))
+        for t in outputs:
+            ids[id(t)] = len(ids)
+    outputs = keras.tree.flatten(graph.outputs)
+    return layout, tuple(ids.get(id(t)) for t in outputs)
+
+
+def _first_line(error):
+    text = str(error).strip().splitlines()
+    return text[0] if text else ""
