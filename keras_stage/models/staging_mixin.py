@@ -236,6 +236,8 @@ class StagingMixin:
         trunk = tensorflow_steps.trunk(self)
         if trunk is not None:
             return trunk(*args, **kwargs)
+        if _subclassed(self) and subclass_graph.inlines(self, args):
+            return subclass_graph.inline_call(self, *args, **kwargs)
         if args:
             self._note_inputs(args[0])
         return super().__call__(*args, **kwargs)

@@ -25,6 +25,7 @@ Example:
 """
 
 import inspect
+import threading
 
 import keras
 import numpy as np
@@ -138,17 +139,91 @@ def build(model, specs):
     call has built its layers on symbolic inputs."""
     if model.built:
         return
+    try:
+        _built_around(
+            model,
+            specs,
+            lambda: _called(
+                model, symbolic_inputs(specs, _argument_name(model)), None
+            ),
+        )
+    except Untraceable:
+        pass  # `trace` says why; Keras builds it from a batch
+
+
+def _built_around(model, specs, call):
+    """Runs `call()` (the model's call), building the model as Keras does:
+    the user's `build` first (it makes what the call needs), else after,
+    marking it built (its layers are, by the call)."""
     shapes = keras.tree.map_structure(
         lambda s: tuple(s.shape.as_list()), specs
     )
+    if model.built:
+        return call()
     if type(model).build is not keras.Model.build:
-        model.build(shapes)  # the user's builds what its call needs
-        return
+        model.build(shapes)
+        return call()
+    outputs = call()
+    model.build(shapes)
+    return outputs
+
+
+class _Tracing(threading.local):
+    """Whether a call is being traced (`on`), with which training flag."""
+
+    flag = None
+    on = False
+
+
+_tracing = _Tracing()
+
+
+def inlines(model, args):
+    """Whether a call of `model` on `args` runs inline (`inline_call`): a
+    keras_stage subclass called inside a traced call, on symbolic inputs.
+    Keras's `Layer.__call__` would make the whole sub-model one node."""
+    return (
+        _tracing.on
+        and bool(args)
+        and all(
+            isinstance(t, keras.KerasTensor)
+            for t in keras.tree.flatten(args[0])
+        )
+    )
+
+
+def inline_call(model, inputs, **kwargs):
+    """`model`'s own call on symbolic `inputs`, its layers nodes of the
+    traced graph (a query or candidate tower's lookups can be staged)."""
+    if "training" not in kwargs and takes_training(model):
+        kwargs["training"] = _tracing.flag
+    if kwargs.get("training") is None:
+        kwargs.pop("training", None)
+    specs = keras.tree.map_structure(
+        lambda t: tf.TensorSpec(t.shape, t.dtype), inputs
+    )
+    return _built_around(
+        model, specs, lambda: _own_call(model, inputs, kwargs)
+    )
+
+
+def _own_call(model, inputs, kwargs):
+    """The subclass's own call, the attributes it sets listed (`_called`)."""
+    outer = model.__dict__.get(SETS_ATTRIBUTE)
+    if outer is None:
+        object.__setattr__(model, SETS_ATTRIBUTE, [])
     try:
-        _called(model, symbolic_inputs(specs, _argument_name(model)), None)
-    except Untraceable:
-        return  # `trace` says why; Keras builds it from a batch
-    model.build(shapes)  # its layers are built: it marks it built
+        outputs = type(model).call(model, inputs, **kwargs)
+    finally:
+        changed = model.__dict__[SETS_ATTRIBUTE]
+        if outer is None:
+            del model.__dict__[SETS_ATTRIBUTE]
+    if changed:
+        raise Untraceable(
+            f"the call of '{model.name}' sets its attribute '{changed[0]}', "
+            "a side effect the stage's ahead-of-time run would not repeat"
+        )
+    return outputs
 
 
 def trace(model, specs):
@@ -170,12 +245,14 @@ def trace(model, specs):
 
 
 def _called(model, inputs, training):
-    """The outputs of the subclass's own `call` on symbolic `inputs`."""
+    """The outputs of the subclass's own `call` on symbolic `inputs`, the
+    keras_stage sub-models it calls inlined (`inline_call`)."""
     kwargs = {} if training is None else {"training": training}
-    # `StagingMixin.__setattr__` lists the attributes the call sets here.
-    object.__setattr__(model, SETS_ATTRIBUTE, [])
+    _tracing.on, _tracing.flag = True, training
     try:
-        outputs = type(model).call(model, inputs, **kwargs)
+        outputs = _own_call(model, inputs, kwargs)
+    except Untraceable:
+        raise
     except Exception as e:
         raise Untraceable(
             f"its call cannot run on symbolic inputs ({type(e).__name__}: "
@@ -183,12 +260,7 @@ def _called(model, inputs, training):
             "converts them to NumPy is not planned"
         ) from e
     finally:
-        changed = model.__dict__.pop(SETS_ATTRIBUTE)
-    if changed:
-        raise Untraceable(
-            f"its call sets attribute '{changed[0]}' of the model, a side "
-            "effect the stage's ahead-of-time run would not repeat"
-        )
+        _tracing.on, _tracing.flag = False, None
     if not all(
         isinstance(t, keras.KerasTensor) for t in keras.tree.flatten(outputs)
     ):
