@@ -50,8 +50,21 @@ class Model(StagingMixin, keras.Model):
         if _functional_init_arguments(args, kwargs):
             if cls is Model:
                 return Functional.__new__(Functional, *args, **kwargs)
-            _inject_functional(cls)
+            if not _defines_init(cls):
+                # Its arguments reach `keras.Model.__init__`: functional.
+                _inject_functional(cls)
         return super().__new__(cls, *args, **kwargs)
+
+
+def _defines_init(cls):
+    """Whether a subclass of `Model` defines its own `__init__` (whose
+    arguments are its own, not `keras.Model`'s)."""
+    for klass in cls.__mro__:
+        if klass is Model:
+            return False
+        if "__init__" in vars(klass):
+            return True
+    return False
 
 
 def _inject_functional(cls):

@@ -66,6 +66,9 @@ class StagingState:
         # A subclassed model's input specs, from its first data or call:
         # what its plan traces its call on (`subclass_graph`).
         self.input_specs = None
+        # Whether the plan built the subclass, which Keras's first fit or
+        # evaluate would have built from a batch (`keras_builds`).
+        self.built_by_plan = False
         self.default_input = None
         # `(model.layers, its StagedInput or None)` as last found (see
         # `staging_mixin.find_staged_input`).
@@ -97,3 +100,12 @@ def drop_traced_steps(model, phase):
     kept = state(model).steps.staged_functions
     for key in [k for k in kept if k[0] == phase]:
         del kept[key]
+
+
+def keras_builds(model):
+    """Whether Keras's next fit or evaluate builds `model` from a batch
+    (`_compat.builds_from_data`), or would, had SmartStage's plan not built
+    the subclass from its specs before its first call."""
+    from keras_stage import _compat
+
+    return _compat.builds_from_data(model) or state(model).built_by_plan

@@ -176,6 +176,7 @@ class StagingMixin:
             # With smart_stage=False the plan shows what True would stage.
             mode = "longest" if state.smart_stage == "longest" else True
             started = time.perf_counter()
+            unbuilt = not self.built
             plan, split = plan_model(
                 self,
                 find_staged_input(self),
@@ -185,6 +186,7 @@ class StagingMixin:
             )
             if plan.pending:
                 return plan, split  # planned once its inputs are known
+            state.built_by_plan = unbuilt and self.built
             state.plan, state.split = plan, split
             if state.smart_stage:
                 facts.costs(self).note_plan(time.perf_counter() - started)

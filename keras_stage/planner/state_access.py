@@ -394,7 +394,7 @@ def seed_states(model):
     states = []
     for layer in all_layers(model):
         for value in vars(layer).values():
-            for item in value if isinstance(value, (list, tuple)) else [value]:
+            for item in _items(value):
                 if isinstance(item, keras.random.SeedGenerator):
                     states.append(item.state)
         states.extend(g.state for g in _compat.backend_seed_generators(layer))
@@ -413,7 +413,17 @@ def all_layers(model):
         seen.add(id(layer))
         layers.append(layer)
         for value in vars(layer).values():
-            for item in value if isinstance(value, (list, tuple)) else [value]:
+            for item in _items(value):
                 if isinstance(item, keras.layers.Layer):
                     stack.append(item)
     return layers
+
+
+def _items(value):
+    """The values an attribute holds: a list's, tuple's or dict's items
+    (Keras tracks layers kept in each), else the value itself."""
+    if isinstance(value, (list, tuple)):
+        return value
+    if isinstance(value, dict):
+        return list(value.values())
+    return [value]

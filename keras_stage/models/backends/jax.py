@@ -12,6 +12,8 @@ from keras_stage import _compat
 from keras_stage.data.options import AUTO
 from keras_stage.models.backends import tensorflow_steps
 from keras_stage.models.backends.base import Backend
+from keras_stage.models.model_state import keras_builds
+from keras_stage.models.model_state import state as _state
 
 logger = logging.getLogger("keras_stage")
 
@@ -77,8 +79,9 @@ class JaxBackend(Backend):
         """Builds the model's metrics from the stage's specs, not a batch:
         no staged iterator starts for Keras's first read, whose draw from
         the source is made all the same (the epochs keep their orders)."""
-        if not _compat.builds_from_data(model):
+        if not keras_builds(model):
             return
+        _state(model).built_by_plan = False  # its first call builds it
         if not data.defers and data.source is not None:
             next(iter(data.source), None)  # the draw of Keras's own read
         with tensorflow_steps.calling_trunk(model, phase):

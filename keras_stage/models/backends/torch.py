@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from keras_stage import _compat
 from keras_stage.models.backends.jax import JaxBackend
+from keras_stage.models.model_state import keras_builds
 
 
 class TorchBackend(JaxBackend):
@@ -77,7 +78,7 @@ class TorchBackend(JaxBackend):
         """As on JAX (`JaxBackend.build`), and the torch generator's draw of
         the `DataLoader` iterator Keras's read would make: an unseeded
         `Dropout` draws its masks from that generator."""
-        if _compat.builds_from_data(model):
+        if keras_builds(model):
             from keras_stage.models.backends import torch_batches
 
             torch_batches.draw_loader_seed()

@@ -1,0 +1,362 @@
+"""keras-rs's recommenders as subclassed models, their lookups in `call`.
+
+keras-rs's examples (keras.io "Recommending movies: retrieval",
+`deep_recommender.py`, `ml_perf/model.py`'s DLRM) subclass `keras.Model`
+and look their string ids up by hand in `dataset.map`. Here the lookups
+move into the models' calls (a tower's into its own call), so SmartStage
+can stage them; `preprocessed=True` builds the same model for the hand
+split, its `preprocess` run in `dataset.map` as those examples do. Data is
+MovieLens- and Criteo-shaped and synthetic (no download).
+
+Each model class is defined per base (`keras_stage.Model` staged,
+`keras.Model` plain) by `models(base)`.
+"""
+
+import functools
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+USERS, MOVIES, OCCUPATIONS, GENRES = 600, 400, 21, 18
+AGE_BINS = [18.0, 25.0, 35.0, 45.0, 50.0, 56.0]
+SPARSE, DENSE, HASH_BINS = 8, 4, 1000
+
+
+def movielens(rows, seed=0):
+    """`(x, y)`: MovieLens-shaped ratings, ids as strings (as its files)."""
+    rng = np.random.default_rng(seed)
+    user = rng.integers(1, USERS + 40, rows)  # some ids out of vocabulary
+    movie = rng.integers(1, MOVIES + 30, rows)
+    x = {
+        "user_id": np.array([f"u{i}" for i in user]),
+        "movie_id": np.array([f"m{i}" for i in movie]),
+        "user_gender": np.array(["F", "M"])[rng.integers(0, 2, rows)],
+        "raw_user_age": rng.uniform(12, 70, (rows, 1)).astype("float32"),
+        "user_occupation_label": rng.integers(0, OCCUPATIONS, (rows, 1)),
+        "movie_genres": rng.integers(0, GENRES, (rows, 3)),
+    }
+    y = rng.uniform(0.0, 1.0, rows).astype("float32")
+    return x, y
+
+
+def criteo(rows, seed=0):
+    """`(x, y)`: Criteo-shaped rows: dense floats, sparse string ids."""
+    rng = np.random.default_rng(seed)
+    x = {"dense": rng.lognormal(0.0, 1.0, (rows, DENSE)).astype("float32")}
+    for i in range(SPARSE):
+        x[f"cat_{i}"] = np.array(
+            [f"c{i}_{v}" for v in rng.integers(0, 50 * (i + 1), rows)]
+        )
+    y = rng.integers(0, 2, (rows, 1)).astype("float32")
+    return x, y
+
+
+def dataset(data, batch_size, seed=None, preprocess=None):
+    """A batched `tf.data` dataset of `data`, shuffled with `seed` (None:
+    not shuffled), `preprocess`ed in `dataset.map` (the hand split)."""
+    ds = tf.data.Dataset.from_tensor_slices(data)
+    if seed is not None:
+        ds = ds.shuffle(len(data[1]), seed=seed)
+    ds = ds.batch(batch_size)
+    if preprocess is not None:
+        ds = ds.map(
+            lambda x, y: (preprocess(x), y),
+            num_parallel_calls=tf.data.AUTOTUNE,
+        ).prefetch(tf.data.AUTOTUNE)
+    return ds
+
+
+def _vocabulary(prefix, count):
+    return [f"{prefix}{i}" for i in range(1, count + 1)]
+
+
+@functools.cache
+def models(base):
+    """The recommender classes on `base` (`keras_stage.Model` for SmartStage,
+    `keras.Model` plain): a namespace of `Retrieval`, `DeepRetrieval`,
+    `QueryTower`, `CandidateTower` and `DLRM`."""
+    import keras_stage  # the staged models' StagedInput
+
+    staged = base is not keras.Model
+
+    class _Recommender(base):
+        """A StagedInput first where `base` stages; `preprocessed`: the
+        inputs are already the lookups' outputs (the hand split)."""
+
+        def __init__(self, preprocessed=False, **kwargs):
+            super().__init__(**kwargs)
+            self.preprocessed = preprocessed
+            self.stage = (
+                keras_stage.layers.StagedInput(name="stage")
+                if staged and not preprocessed
+                else None
+            )
+
+        def staged_input(self, inputs):
+            return inputs if self.stage is None else self.stage(inputs)
+
+        def get_config(self):
+            return {**super().get_config(), "preprocessed": self.preprocessed}
+
+    class Retrieval(_Recommender):
+        """keras.io's basic retrieval: a user and a movie embedding, an
+        overridden `compute_loss`, no top-k scoring while training."""
+
+        def __init__(self, embedding_dimension=32, **kwargs):
+            super().__init__(**kwargs)
+            self.embedding_dimension = embedding_dimension
+            self.user_lookup = keras.layers.StringLookup(
+                vocabulary=_vocabulary("u", USERS), name="user_lookup"
+            )
+            self.movie_lookup = keras.layers.StringLookup(
+                vocabulary=_vocabulary("m", MOVIES), name="movie_lookup"
+            )
+            self.user_embedding = keras.layers.Embedding(
+                USERS + 1, embedding_dimension, name="user_embedding"
+            )
+            self.movie_embedding = keras.layers.Embedding(
+                MOVIES + 1, embedding_dimension, name="movie_embedding"
+            )
+            self.loss_fn = keras.losses.MeanSquaredError()
+
+        def preprocess(self, inputs):
+            return {
+                "user": self.user_lookup(inputs["user_id"]),
+                "movie": self.movie_lookup(inputs["movie_id"]),
+            }
+
+        def call(self, inputs, training=False):
+            if not self.preprocessed:
+                inputs = self.preprocess(self.staged_input(inputs))
+            users = self.user_embedding(inputs["user"])
+            movies = self.movie_embedding(inputs["movie"])
+            result = {"user_embeddings": users, "movie_embeddings": movies}
+            if not training:
+                # keras-rs's BruteForceRetrieval: the top 10 movies.
+                scores = keras.ops.matmul(
+                    users, keras.ops.transpose(self.movie_embedding.embeddings)
+                )
+                result["predictions"] = keras.ops.top_k(scores, 10)[1]
+            return result
+
+        def compute_loss(self, x, y, y_pred, sample_weight, training=True):
+            scores = keras.ops.sum(
+                y_pred["user_embeddings"] * y_pred["movie_embeddings"],
+                axis=1,
+                keepdims=True,
+            )
+            return self.loss_fn(
+                keras.ops.expand_dims(y, -1), scores, sample_weight
+            )
+
+        def get_config(self):
+            return {
+                **super().get_config(),
+                "embedding_dimension": self.embedding_dimension,
+            }
+
+    class QueryTower(base):
+        """`deep_recommender.py`'s query model, its lookups in its call."""
+
+        def __init__(self, preprocessed=False, dimension=32, **kwargs):
+            super().__init__(**kwargs)
+            self.preprocessed = preprocessed
+            self.user_lookup = keras.layers.StringLookup(
+                vocabulary=_vocabulary("u", USERS), name="user_lookup"
+            )
+            self.gender_lookup = keras.layers.StringLookup(
+                vocabulary=["F", "M"], name="gender_lookup"
+            )
+            self.age_bins = keras.layers.Discretization(
+                bin_boundaries=AGE_BINS, name="age_bins"
+            )
+            self.occupation_lookup = keras.layers.IntegerLookup(
+                vocabulary=list(range(OCCUPATIONS)), name="occupation_lookup"
+            )
+            self.embeddings = {
+                name: keras.layers.Embedding(size, dimension, name=f"{name}_emb")
+                for name, size in (
+                    ("user", USERS + 1),
+                    ("gender", 3),
+                    ("age", len(AGE_BINS) + 1),
+                    ("occupation", OCCUPATIONS + 1),
+                )
+            }
+            self.dense = keras.layers.Dense(dimension, name="query_dense")
+
+        def preprocess(self, inputs):
+            return {
+                "user": self.user_lookup(inputs["user_id"]),
+                "gender": self.gender_lookup(inputs["user_gender"]),
+                "age": self.age_bins(inputs["raw_user_age"])[:, 0],
+                "occupation": self.occupation_lookup(
+                    inputs["user_occupation_label"]
+                )[:, 0],
+            }
+
+        def call(self, inputs):
+            if not self.preprocessed:
+                inputs = self.preprocess(inputs)
+            features = [
+                self.embeddings[name](inputs[name])
+                for name in ("user", "gender", "age", "occupation")
+            ]
+            return self.dense(keras.ops.concatenate(features, axis=1))
+
+    class CandidateTower(base):
+        """`deep_recommender.py`'s candidate model: the movie id and the mean
+        of its genres' embeddings, its lookups in its call."""
+
+        def __init__(self, preprocessed=False, dimension=32, **kwargs):
+            super().__init__(**kwargs)
+            self.preprocessed = preprocessed
+            self.movie_lookup = keras.layers.StringLookup(
+                vocabulary=_vocabulary("m", MOVIES), name="movie_lookup"
+            )
+            self.genre_lookup = keras.layers.IntegerLookup(
+                vocabulary=list(range(GENRES)), name="genre_lookup"
+            )
+            self.movie_embedding = keras.layers.Embedding(
+                MOVIES + 1, dimension, name="movie_emb"
+            )
+            self.genre_embedding = keras.layers.Embedding(
+                GENRES + 1, dimension, name="genre_emb"
+            )
+            self.dense = keras.layers.Dense(dimension, name="candidate_dense")
+
+        def preprocess(self, inputs):
+            return {
+                "movie": self.movie_lookup(inputs["movie_id"]),
+                "genres": self.genre_lookup(inputs["movie_genres"]),
+            }
+
+        def call(self, inputs):
+            if not self.preprocessed:
+                inputs = self.preprocess(inputs)
+            genres = keras.ops.mean(
+                self.genre_embedding(inputs["genres"]), axis=1
+            )
+            movie = self.movie_embedding(inputs["movie"])
+            return self.dense(keras.ops.concatenate([movie, genres], axis=1))
+
+    class DeepRetrieval(_Recommender):
+        """`deep_recommender.py`'s retrieval model: a query and a candidate
+        tower, each with its own lookups."""
+
+        def __init__(self, dimension=32, **kwargs):
+            super().__init__(**kwargs)
+            self.dimension = dimension
+            self.query = QueryTower(
+                self.preprocessed, dimension, name="query_tower"
+            )
+            self.candidate = CandidateTower(
+                self.preprocessed, dimension, name="candidate_tower"
+            )
+            self.loss_fn = keras.losses.MeanSquaredError()
+
+        def preprocess(self, inputs):
+            return {
+                **self.query.preprocess(inputs),
+                **self.candidate.preprocess(inputs),
+            }
+
+        def call(self, inputs, training=False):
+            inputs = self.staged_input(inputs)
+            return {
+                "query": self.query(inputs),
+                "candidate": self.candidate(inputs),
+            }
+
+        def compute_loss(self, x, y, y_pred, sample_weight, training=True):
+            scores = keras.ops.sum(
+                y_pred["query"] * y_pred["candidate"], axis=1, keepdims=True
+            )
+            return self.loss_fn(
+                keras.ops.expand_dims(y, -1), scores, sample_weight
+            )
+
+        def get_config(self):
+            return {**super().get_config(), "dimension": self.dimension}
+
+    class DLRM(_Recommender):
+        """`ml_perf/model.py`'s DLRM shape: normalized dense features
+        through a bottom MLP, hashed sparse ids embedded, their pairwise
+        dot products, a top MLP."""
+
+        def __init__(self, dimension=16, **kwargs):
+            super().__init__(**kwargs)
+            self.dimension = dimension
+            self.normalize = keras.layers.Normalization(
+                mean=1.6, variance=4.7, name="dense_norm"
+            )
+            # Built now: plain Keras would build it while tracing the
+            # model's call, its constants then out of the step's graph.
+            self.normalize.build((None, DENSE))
+            self.hashing = [
+                keras.layers.Hashing(HASH_BINS, name=f"hash_{i}")
+                for i in range(SPARSE)
+            ]
+            self.embeddings = [
+                keras.layers.Embedding(HASH_BINS, dimension, name=f"emb_{i}")
+                for i in range(SPARSE)
+            ]
+            self.bottom = keras.layers.Dense(dimension, "relu", name="bottom")
+            self.top = keras.layers.Dense(32, "relu", name="top")
+            self.out = keras.layers.Dense(1, "sigmoid", name="click")
+
+        def preprocess(self, inputs):
+            features = {"dense": self.normalize(inputs["dense"])}
+            for i, hashing in enumerate(self.hashing):
+                features[f"cat_{i}"] = hashing(inputs[f"cat_{i}"])
+            return features
+
+        def call(self, inputs):
+            if not self.preprocessed:
+                inputs = self.preprocess(self.staged_input(inputs))
+            vectors = [self.bottom(inputs["dense"])] + [
+                embedding(inputs[f"cat_{i}"])
+                for i, embedding in enumerate(self.embeddings)
+            ]
+            stacked = keras.ops.stack(vectors, axis=1)
+            dots = keras.ops.matmul(
+                stacked, keras.ops.transpose(stacked, (0, 2, 1))
+            )
+            flat = keras.ops.reshape(dots, (-1, len(vectors) ** 2))
+            x = keras.ops.concatenate([vectors[0], flat], axis=1)
+            return self.out(self.top(x))
+
+        def get_config(self):
+            return {**super().get_config(), "dimension": self.dimension}
+
+    class Namespace:
+        pass
+
+    space = Namespace()
+    for cls in (Retrieval, QueryTower, CandidateTower, DeepRetrieval, DLRM):
+        cls.__qualname__ = cls.__name__
+        setattr(space, cls.__name__, cls)
+    return space
+
+
+# Per model: (its class's name in `models`, data, compile arguments).
+MODELS = {
+    "retrieval": ("Retrieval", movielens, {}),
+    "deep_retrieval": ("DeepRetrieval", movielens, {}),
+    "dlrm": ("DLRM", criteo, {"loss": "binary_crossentropy"}),
+}
+
+
+def build(name, base, preprocessed=False, seed=1):
+    """Model `name` of `MODELS` on `base`, compiled with Adam (SmartStage
+    where `base` stages), after `keras.utils.set_random_seed(seed)`."""
+    class_name, _, compile_kwargs = MODELS[name]
+    keras.utils.set_random_seed(seed)
+    model = getattr(models(base), class_name)(
+        preprocessed=preprocessed, name=name
+    )
+    kwargs = dict(compile_kwargs)
+    if base is not keras.Model and not preprocessed:
+        kwargs["smart_stage"] = True
+    model.compile(optimizer=keras.optimizers.Adam(0.01), **kwargs)
+    return model
