@@ -707,3 +707,69 @@ def check_a_tensorflow_ops_layer_is_staged(kind):
         rtol=1e-6,
         atol=1e-6,
     )
+
+
+# The staged layers of each keras-rs-shaped recommender
+# (`benchmarks.workloads.recommenders`), in its plan's order, on every
+# backend.
+RECOMMENDER_STAGED = {
+    "retrieval": ["stage", "user_lookup", "movie_lookup"],
+    "deep_retrieval": [
+        "stage",
+        "genre_lookup",
+        "occupation_lookup",
+        "age_bins",
+        "gender_lookup",
+        "user_lookup",
+        "movie_lookup",
+    ],
+    "dlrm": ["stage", *(f"hash_{i}" for i in reversed(range(8))), "dense_norm"],
+}
+
+
+def check_recommender_matches_hand_split(name, rtol=1e-5):
+    """keras-rs-shaped subclass `name` (its lookups in its call) trains
+    staged as its hand split does, the lookups in `dataset.map` and the
+    same subclass on the ids (as keras-rs's examples do): the same plan
+    on every backend, equal losses and weights (`rtol`: XLA may fuse the
+    trunk's ops another way), predictions of the same shape."""
+    import keras
+    import numpy as np
+
+    import keras_stage
+    from benchmarks.workloads import recommenders
+
+    data = recommenders.MODELS[name][1](1024)
+    staged = recommenders.build(name, keras_stage.Model)
+    staged_history = staged.fit(
+        recommenders.dataset(data, 128, seed=5),
+        epochs=2,
+        validation_data=recommenders.dataset(data, 256),
+        shuffle=False,  # the dataset shuffles itself
+        verbose=0,
+    ).history
+    assert staged.get_stage_plan().staged_layers == RECOMMENDER_STAGED[name]
+    assert staged_history["stage_wait_ratio"]  # PrefetchCallback reports
+    hand = recommenders.build(name, keras.Model, preprocessed=True)
+
+    def split(seed=None, batch_size=128):
+        return recommenders.dataset(data, batch_size, seed, hand.preprocess)
+
+    hand_history = hand.fit(
+        split(5),
+        epochs=2,
+        validation_data=split(batch_size=256),
+        shuffle=False,
+        verbose=0,
+    ).history
+    for key in ("loss", "val_loss"):
+        np.testing.assert_allclose(
+            staged_history[key], hand_history[key], rtol=rtol
+        )
+    for a, b in zip(staged.get_weights(), hand.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol / 10)
+    staged_out = staged.predict(recommenders.dataset(data, 256), verbose=0)
+    hand_out = hand.predict(split(batch_size=256), verbose=0)
+    assert keras.tree.map_structure(np.shape, staged_out) == (
+        keras.tree.map_structure(np.shape, hand_out)
+    )

@@ -32,6 +32,8 @@ SCRIPTS = (
     "featurespace_split",
     "tabular_split",
     "criteo_split",
+    # A subclassed model (keras-rs's deep retrieval), on every backend.
+    "recommender",
 )
 MODES = ("plain", "staged")
 # The timed parts a script may have, besides the whole script.

@@ -32,8 +32,8 @@ def movielens(rows, seed=0):
         "user_id": np.array([f"u{i}" for i in user]),
         "movie_id": np.array([f"m{i}" for i in movie]),
         "user_gender": np.array(["F", "M"])[rng.integers(0, 2, rows)],
-        "raw_user_age": rng.uniform(12, 70, (rows, 1)).astype("float32"),
-        "user_occupation_label": rng.integers(0, OCCUPATIONS, (rows, 1)),
+        "raw_user_age": rng.uniform(12, 70, rows).astype("float32"),
+        "user_occupation_label": rng.integers(0, OCCUPATIONS, rows),
         "movie_genres": rng.integers(0, GENRES, (rows, 3)),
     }
     y = rng.uniform(0.0, 1.0, rows).astype("float32")
@@ -175,7 +175,9 @@ def models(base):
                 vocabulary=list(range(OCCUPATIONS)), name="occupation_lookup"
             )
             self.embeddings = {
-                name: keras.layers.Embedding(size, dimension, name=f"{name}_emb")
+                name: keras.layers.Embedding(
+                    size, dimension, name=f"{name}_emb"
+                )
                 for name, size in (
                     ("user", USERS + 1),
                     ("gender", 3),
@@ -189,10 +191,10 @@ def models(base):
             return {
                 "user": self.user_lookup(inputs["user_id"]),
                 "gender": self.gender_lookup(inputs["user_gender"]),
-                "age": self.age_bins(inputs["raw_user_age"])[:, 0],
+                "age": self.age_bins(inputs["raw_user_age"]),
                 "occupation": self.occupation_lookup(
                     inputs["user_occupation_label"]
-                )[:, 0],
+                ),
             }
 
         def call(self, inputs):

@@ -92,3 +92,5 @@ class Functional(_compat.keras_functional_class(), Model):
         return tensorflow_steps.call_model(
             self, super().call, inputs, training=training, mask=mask, **kwargs
         )
+
+    call.keras_stage_routed = True

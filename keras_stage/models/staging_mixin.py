@@ -89,12 +89,12 @@ class StagingMixin:
         super().__init_subclass__(**kwargs)
         if cls.__module__.startswith("keras_stage."):
             return  # keras_stage's own classes run it already
-        own = vars(cls)
-        if "call" in own and not _routed(own["call"]):
-            cls.call = _trunk_call(own["call"])
+        # Resolved through the bases: a mixin's methods count too.
+        if not _routed(cls.call):
+            cls.call = _trunk_call(cls.call)
         for phase in ("train", "test", "predict"):
-            step = own.get(f"{phase}_step")
-            if step is not None and not _routed(step):
+            step = getattr(cls, f"{phase}_step")
+            if not _routed(step):
                 setattr(cls, f"{phase}_step", _trunk_step(step, phase))
 
     def __setattr__(self, name, value):
@@ -249,6 +249,8 @@ class StagingMixin:
         return tensorflow_steps.call_model(
             self, super().call, inputs, training=training, mask=mask, **kwargs
         )
+
+    call.keras_stage_routed = True
 
     # The steps take `(data)` on TensorFlow, `(state, data)` on JAX.
 

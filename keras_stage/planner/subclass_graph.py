@@ -11,17 +11,19 @@ Example:
 
 >>> import keras, keras_stage, numpy as np
 >>> from keras_stage.planner import subclass_graph
->>> class Towers(keras_stage.Model):
+>>> class Ids(keras_stage.Model):
 ...     def __init__(self):
-...         super().__init__(name="towers")
-...         self.ids = keras.layers.IntegerLookup(vocabulary=[3, 5])
-...         self.out = keras.layers.Dense(1)
+...         super().__init__(name="ids")
+...         self.lookup = keras.layers.IntegerLookup(
+...             vocabulary=[3, 5], name="lookup"
+...         )
+...         self.out = keras.layers.Dense(1, name="out")
 ...     def call(self, inputs):
-...         return self.out(keras.ops.cast(self.ids(inputs), "float32"))
->>> spec = subclass_graph.input_specs(np.zeros((4, 1), "int64"))
->>> graphs = subclass_graph.trace(Towers(), spec)
->>> [layer.name for layer in graphs.graph(True).layers][1:]
-['integer_lookup', 'cast', 'dense']
+...         return self.out(self.lookup(inputs))
+>>> specs = subclass_graph.input_specs(np.zeros((4, 1), "int64"))
+>>> graphs = subclass_graph.trace(Ids(), specs)
+>>> [layer.name for layer in graphs.graph(True).layers]
+['inputs', 'lookup', 'out']
 """
 
 import inspect
@@ -115,7 +117,8 @@ def symbolic_inputs(specs, name=None):
         return make(specs, name)
     if isinstance(specs, (list, tuple)) and name is not None:
         return type(specs)(
-            make(spec, f"{name}_{i}") if isinstance(spec, tf.TypeSpec)
+            make(spec, f"{name}_{i}")
+            if isinstance(spec, tf.TypeSpec)
             else keras.tree.map_structure(make, spec)
             for i, spec in enumerate(specs)
         )
@@ -155,9 +158,7 @@ def _built_around(model, specs, call):
     """Runs `call()` (the model's call), building the model as Keras does:
     the user's `build` first (it makes what the call needs), else after,
     marking it built (its layers are, by the call)."""
-    shapes = keras.tree.map_structure(
-        lambda s: tuple(s.shape.as_list()), specs
-    )
+    shapes = keras.tree.map_structure(lambda s: tuple(s.shape.as_list()), specs)
     if model.built:
         return call()
     if type(model).build is not keras.Model.build:
@@ -202,9 +203,7 @@ def inline_call(model, inputs, **kwargs):
     specs = keras.tree.map_structure(
         lambda t: tf.TensorSpec(t.shape, t.dtype), inputs
     )
-    return _built_around(
-        model, specs, lambda: _own_call(model, inputs, kwargs)
-    )
+    return _built_around(model, specs, lambda: _own_call(model, inputs, kwargs))
 
 
 def _own_call(model, inputs, kwargs):
@@ -275,14 +274,23 @@ SETS_ATTRIBUTE = "_keras_stage_sets"
 
 
 def _check_layers(model, graph):
-    """Raises `Untraceable` if the call used a layer the model does not hold
-    (made in `call`: a new one, with new weights, at every call)."""
-    from keras_stage.planner.state_access import all_layers
+    """Raises `Untraceable` if the call used a layer with state that the
+    model does not hold (made in `call`: a new one at every call)."""
+    from keras_stage.planner.state_access import (
+        all_layers,
+        is_preprocessing_layer,
+    )
 
     held = {id(layer) for layer in all_layers(model)}
     for node in _compat.functional_nodes(graph):
         layer = node.operation
-        if isinstance(layer, keras.layers.Layer) and id(layer) not in held:
+        if (
+            isinstance(layer, keras.layers.Layer)
+            and id(layer) not in held
+            # A merge or reshaping layer (`keras.layers.concatenate`) holds
+            # nothing: a new one at every call computes the same.
+            and (layer.weights or is_preprocessing_layer(layer))
+        ):
             raise Untraceable(
                 f"its call makes layer '{layer.name}' as it runs; make it "
                 "in __init__ to let the call be planned"

@@ -7,7 +7,6 @@ ahead from pinned memory on a stream of their own."""
 import keras
 import tensorflow as tf
 
-from keras_stage import _compat
 from keras_stage.models.backends.jax import JaxBackend
 from keras_stage.models.model_state import keras_builds
 
