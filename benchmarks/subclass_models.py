@@ -66,7 +66,7 @@ def run_model(name, rounds, rows, log=print):
     """The rounds of `name`'s modes: `{mode: [seconds of each round]}`."""
     modes = {mode: Mode(name, mode, rows) for mode in MODES}
     for mode in modes.values():
-        mode.fit(1)  # warm-up: traces, the stage's first iterator
+        mode.fit(EPOCHS)  # warm-up: traces, the stage's first iterators
     seconds = {mode: [] for mode in MODES}
     for k in range(rounds):
         order = MODES[k % len(MODES) :] + MODES[: k % len(MODES)]

@@ -370,6 +370,9 @@ class FedSource:
             return
         self.closed = True
         try:
-            self._queue.close(cancel_pending_enqueues=True)
+            # Eagerly: a finalizer (`_release_box`) may run this while a
+            # step is traced, whose graph would otherwise take the op.
+            with tf.init_scope():
+                self._queue.close(cancel_pending_enqueues=True)
         except tf.errors.OpError:  # its resource already gone at exit
             pass

@@ -247,3 +247,21 @@ def test_a_fed_source_holds_one_calls_passes_at_most():
     shared.close()
     with pytest.raises(RuntimeError, match="after it was closed"):
         fed.feed(epoch(1), 1)
+
+
+def test_a_fed_source_closed_while_a_function_traces_closes_eagerly():
+    # Its finalizer can run in a garbage collection inside another model's
+    # step trace: the close must not become an op of that graph (which
+    # would fail once this queue is gone).
+    fed, _, _, _ = _fed()
+
+    @tf.function
+    def traced():
+        fed.close()
+        return tf.constant(1)
+
+    graph = traced.get_concrete_function().graph
+    assert not [op for op in graph.get_operations() if "Close" in op.type]
+    assert fed.closed
+    with pytest.raises(RuntimeError):
+        fed.feed(tf.data.Dataset.range(3), 1)
