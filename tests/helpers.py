@@ -751,9 +751,10 @@ def check_recommender_matches_hand_split(name, rtol=1e-5):
     assert staged.get_stage_plan().staged_layers == RECOMMENDER_STAGED[name]
     assert staged_history["stage_wait_ratio"]  # PrefetchCallback reports
     hand = recommenders.build(name, keras.Model, preprocessed=True)
+    lookups = recommenders.preprocessor(name)
 
     def split(seed=None, batch_size=128):
-        return recommenders.dataset(data, batch_size, seed, hand.preprocess)
+        return recommenders.dataset(data, batch_size, seed, lookups.preprocess)
 
     hand_history = hand.fit(
         split(5),

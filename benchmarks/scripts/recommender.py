@@ -33,7 +33,9 @@ def run(mode, timer, tiny=False):
     hand = not staged and keras.backend.backend() != "tensorflow"
     base = keras_stage.Model if staged else keras.Model
     model = recommenders.build("deep_retrieval", base, preprocessed=hand)
-    preprocess = model.preprocess if hand else None
+    preprocess = (
+        recommenders.preprocessor("deep_retrieval").preprocess if hand else None
+    )
 
     def data(part, seed=None):
         return recommenders.dataset(part, BATCH, seed, preprocess)

@@ -4,8 +4,9 @@ keras-rs's examples (keras.io "Recommending movies: retrieval",
 `deep_recommender.py`, `ml_perf/model.py`'s DLRM) subclass `keras.Model`
 and look their string ids up by hand in `dataset.map`. Here the lookups
 move into the models' calls (a tower's into its own call), so SmartStage
-can stage them; `preprocessed=True` builds the same model for the hand
-split, its `preprocess` run in `dataset.map` as those examples do. Data is
+can stage them; `preprocessed=True` builds the same model without them for
+the hand split, `preprocessor(name).preprocess` run in `dataset.map` as
+those examples do. Data is
 MovieLens- and Criteo-shaped and synthetic (no download).
 
 Each model class is defined per base (`keras_stage.Model` staged,
@@ -106,12 +107,13 @@ def models(base):
         def __init__(self, embedding_dimension=32, **kwargs):
             super().__init__(**kwargs)
             self.embedding_dimension = embedding_dimension
-            self.user_lookup = keras.layers.StringLookup(
-                vocabulary=_vocabulary("u", USERS), name="user_lookup"
-            )
-            self.movie_lookup = keras.layers.StringLookup(
-                vocabulary=_vocabulary("m", MOVIES), name="movie_lookup"
-            )
+            if not self.preprocessed:  # the hand split's are outside
+                self.user_lookup = keras.layers.StringLookup(
+                    vocabulary=_vocabulary("u", USERS), name="user_lookup"
+                )
+                self.movie_lookup = keras.layers.StringLookup(
+                    vocabulary=_vocabulary("m", MOVIES), name="movie_lookup"
+                )
             self.user_embedding = keras.layers.Embedding(
                 USERS + 1, embedding_dimension, name="user_embedding"
             )
@@ -162,18 +164,20 @@ def models(base):
         def __init__(self, preprocessed=False, dimension=32, **kwargs):
             super().__init__(**kwargs)
             self.preprocessed = preprocessed
-            self.user_lookup = keras.layers.StringLookup(
-                vocabulary=_vocabulary("u", USERS), name="user_lookup"
-            )
-            self.gender_lookup = keras.layers.StringLookup(
-                vocabulary=["F", "M"], name="gender_lookup"
-            )
-            self.age_bins = keras.layers.Discretization(
-                bin_boundaries=AGE_BINS, name="age_bins"
-            )
-            self.occupation_lookup = keras.layers.IntegerLookup(
-                vocabulary=list(range(OCCUPATIONS)), name="occupation_lookup"
-            )
+            if not self.preprocessed:  # the hand split's are outside
+                self.user_lookup = keras.layers.StringLookup(
+                    vocabulary=_vocabulary("u", USERS), name="user_lookup"
+                )
+                self.gender_lookup = keras.layers.StringLookup(
+                    vocabulary=["F", "M"], name="gender_lookup"
+                )
+                self.age_bins = keras.layers.Discretization(
+                    bin_boundaries=AGE_BINS, name="age_bins"
+                )
+                self.occupation_lookup = keras.layers.IntegerLookup(
+                    vocabulary=list(range(OCCUPATIONS)),
+                    name="occupation_lookup",
+                )
             self.embeddings = {
                 name: keras.layers.Embedding(
                     size, dimension, name=f"{name}_emb"
@@ -213,12 +217,13 @@ def models(base):
         def __init__(self, preprocessed=False, dimension=32, **kwargs):
             super().__init__(**kwargs)
             self.preprocessed = preprocessed
-            self.movie_lookup = keras.layers.StringLookup(
-                vocabulary=_vocabulary("m", MOVIES), name="movie_lookup"
-            )
-            self.genre_lookup = keras.layers.IntegerLookup(
-                vocabulary=list(range(GENRES)), name="genre_lookup"
-            )
+            if not self.preprocessed:  # the hand split's are outside
+                self.movie_lookup = keras.layers.StringLookup(
+                    vocabulary=_vocabulary("m", MOVIES), name="movie_lookup"
+                )
+                self.genre_lookup = keras.layers.IntegerLookup(
+                    vocabulary=list(range(GENRES)), name="genre_lookup"
+                )
             self.movie_embedding = keras.layers.Embedding(
                 MOVIES + 1, dimension, name="movie_emb"
             )
@@ -289,16 +294,17 @@ def models(base):
         def __init__(self, dimension=16, **kwargs):
             super().__init__(**kwargs)
             self.dimension = dimension
-            self.normalize = keras.layers.Normalization(
-                mean=1.6, variance=4.7, name="dense_norm"
-            )
-            # Built now: plain Keras would build it while tracing the
-            # model's call, its constants then out of the step's graph.
-            self.normalize.build((None, DENSE))
-            self.hashing = [
-                keras.layers.Hashing(HASH_BINS, name=f"hash_{i}")
-                for i in range(SPARSE)
-            ]
+            if not self.preprocessed:  # the hand split's are outside
+                self.normalize = keras.layers.Normalization(
+                    mean=1.6, variance=4.7, name="dense_norm"
+                )
+                # Built now: plain Keras would build it while tracing the
+                # model's call, its constants then out of the step's graph.
+                self.normalize.build((None, DENSE))
+                self.hashing = [
+                    keras.layers.Hashing(HASH_BINS, name=f"hash_{i}")
+                    for i in range(SPARSE)
+                ]
             self.embeddings = [
                 keras.layers.Embedding(HASH_BINS, dimension, name=f"emb_{i}")
                 for i in range(SPARSE)
@@ -347,6 +353,14 @@ MODELS = {
     "deep_retrieval": ("DeepRetrieval", movielens, {}),
     "dlrm": ("DLRM", criteo, {"loss": "binary_crossentropy"}),
 }
+
+
+def preprocessor(name):
+    """The lookups of model `name` as a function, for `dataset.map`: the
+    hand split's, outside the model it trains (as keras-rs's examples have
+    them; layers Keras cannot compile in a model would turn its XLA off)."""
+    class_name = MODELS[name][0]
+    return getattr(models(keras.Model), class_name)(name=f"{name}_lookups")
 
 
 def build(name, base, preprocessed=False, seed=1):
