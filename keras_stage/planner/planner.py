@@ -5,6 +5,7 @@ state training changes and picks a transfer-aware cut; `StageSplit` makes
 the prefix (run by the stage) and trunk (run by the step) models.
 """
 
+import dis
 import functools
 import inspect
 import re
@@ -322,8 +323,6 @@ def _override(cls, method):
 
 
 def _reads_local(code, name):
-    import dis
-
     return any(
         i.opname in ("LOAD_FAST", "LOAD_DEREF", "LOAD_FAST_CHECK")
         and i.argval == name
@@ -332,8 +331,6 @@ def _reads_local(code, name):
 
 
 def _attributes_read(code):
-    import dis
-
     return {
         i.argval
         for i in dis.get_instructions(code)

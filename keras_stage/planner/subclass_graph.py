@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_stage import _compat
+from keras_stage.planner.state_access import all_layers, is_preprocessing_layer
 
 
 class Untraceable(Exception):
@@ -231,12 +232,13 @@ def trace(model, specs):
     build(model, specs)
     flags = (True, False) if takes_training(model) else (None,)
     graphs, layouts = {}, {}
+    held = _held(model)
     for flag in flags:
         inputs = symbolic_inputs(specs, _argument_name(model))
         outputs = _called(model, inputs, flag)
         graph = keras.Model(inputs, outputs, name=model.name)
-        _check_layers(model, graph)
-        graphs[flag], layouts[flag] = graph, _layout(graph)
+        _check_layers(graph, held)
+        graphs[flag], layouts[flag] = graph, _layout(graph, held)
     if len(graphs) == 2 and layouts[True] == layouts[False]:
         # Only the flag differs: the layers read it as they run.
         graphs = {None: graphs[True]}
@@ -273,15 +275,9 @@ def _called(model, inputs, training):
 SETS_ATTRIBUTE = "_keras_stage_sets"
 
 
-def _check_layers(model, graph):
+def _check_layers(graph, held):
     """Raises `Untraceable` if the call used a layer with state that the
-    model does not hold (made in `call`: a new one at every call)."""
-    from keras_stage.planner.state_access import (
-        all_layers,
-        is_preprocessing_layer,
-    )
-
-    held = {id(layer) for layer in all_layers(model)}
+    model does not hold (`held`: made in `call`, a new one at every call)."""
     for node in _compat.functional_nodes(graph):
         layer = node.operation
         if (
@@ -297,15 +293,22 @@ def _check_layers(model, graph):
             )
 
 
-def _layout(graph):
-    """What a graph computes: its calls, in order, with their inputs."""
+def _held(model):
+    """The ids of the layers `model` holds."""
+    return {id(layer) for layer in all_layers(model)}
+
+
+def _layout(graph, held):
+    """What a graph computes: its calls, in order, with their inputs
+    (`held`: the ids of the model's layers)."""
     ids = {id(t): i for i, t in enumerate(keras.tree.flatten(graph.inputs))}
     layout = []
     for node in _compat.functional_nodes(graph):
         inputs, outputs = _compat.node_inputs(node)
         op = node.operation
-        # Keras ops (`keras.ops.cast`) are new objects at every call.
-        key = id(op) if isinstance(op, keras.layers.Layer) else type(op)
+        # Keras ops (`keras.ops.cast`) and merge layers made in the call
+        # are new objects at every call.
+        key = id(op) if id(op) in held else type(op)
         layout.append((key, tuple(ids.get(id(t)) for t in inputs)))
         for t in outputs:
             ids[id(t)] = len(ids)

@@ -217,7 +217,7 @@ def test_retrieval_branches_on_training_with_a_trunk_per_flag():
 
 
 class OwnTrainStep(_Words):
-    """keras.io's "customizing fit" step: the model through `self(x)`."""
+    """keras.io's "customizing fit" steps: the model through `self(x)`."""
 
     def train_step(self, data):
         x, y = data
@@ -227,6 +227,10 @@ class OwnTrainStep(_Words):
         gradients = tape.gradient(loss, self.trainable_variables)
         self.optimizer.apply(gradients, self.trainable_variables)
         return {"loss": loss}
+
+    def test_step(self, data):
+        x, y = data
+        return {"loss": self.compute_loss(x=x, y=y, y_pred=self(x))}
 
 
 def test_own_train_step_through_self_is_planned_and_trains_as_plain():
