@@ -153,6 +153,11 @@ def node_arguments(node, values):
     return node.arguments.fill_in(values)
 
 
+def node_call_kwargs(node):
+    """The keyword arguments a node's call was given (`training=` too)."""
+    return node.arguments.kwargs
+
+
 def node_inputs(node):
     """The KerasTensors a node consumes (flat) and those it produces."""
     return list(node.input_tensors), list(node.outputs)

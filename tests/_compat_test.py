@@ -367,6 +367,17 @@ def test_node_inputs_and_call_node_replay_a_node():
     np.testing.assert_array_equal(result, np.full((1, 3), 2.0))
 
 
+def test_node_call_kwargs_hold_the_training_flag_given():
+    inputs = keras.Input(shape=(3,))
+    outputs = keras.layers.Dropout(0.5)(inputs, training=True)
+    model = keras.Model(inputs, outputs)
+    [node] = _compat.functional_nodes(model)
+    assert _compat.node_call_kwargs(node) == {"training": True}, (
+        "Node.arguments.kwargs changed in Keras "
+        f"{keras.__version__}; " + UPDATE.format("node_call_kwargs")
+    )
+
+
 def test_clear_layer_losses_drops_recorded_losses():
     layer = keras.layers.ActivityRegularization(l1=1.0)
     layer(tf.ones((1, 3)))

@@ -235,9 +235,8 @@ class StagingMixin:
     # -- the model's call in staged steps ---------------------------------
 
     def __call__(self, *args, **kwargs):
-        trunk = tensorflow_steps.trunk(self)
-        if trunk is not None:
-            return trunk(*args, **kwargs)
+        if tensorflow_steps.active_split(self) is not None:
+            return tensorflow_steps.call_model(self, None, *args, **kwargs)
         if _subclassed(self) and subclass_graph.inlines(self, args):
             return subclass_graph.inline_call(self, *args, **kwargs)
         if args:
@@ -546,7 +545,7 @@ def _trunk_call(call):
 
     @functools.wraps(call)
     def routed(self, *args, **kwargs):
-        if tensorflow_steps.trunk(self) is None:
+        if tensorflow_steps.active_split(self) is None:
             return call(self, *args, **kwargs)
         return tensorflow_steps.call_model(self, None, args[0], **kwargs)
 

@@ -43,7 +43,8 @@ class Untraceable(Exception):
 
 class SubclassGraphs:
     """The functional graphs of a subclass's `call`: one for both training
-    flags, or one per flag where the call branches on it (`branches`)."""
+    flags, or one per flag where the call branches on it or passes it to
+    its layers (`branches`)."""
 
     def __init__(self, graphs):
         self._graphs = graphs
@@ -239,8 +240,12 @@ def trace(model, specs):
         graph = keras.Model(inputs, outputs, name=model.name)
         _check_layers(graph, held)
         graphs[flag], layouts[flag] = graph, _layout(graph, held)
-    if len(graphs) == 2 and layouts[True] == layouts[False]:
-        # Only the flag differs: the layers read it as they run.
+    if (
+        len(graphs) == 2
+        and layouts[True] == layouts[False]
+        and not _passes_training(graphs[True])
+    ):
+        # Only the flag differs, and the layers read it as they run.
         graphs = {None: graphs[True]}
     return SubclassGraphs(graphs)
 
@@ -314,6 +319,15 @@ def _layout(graph, held):
             ids[id(t)] = len(ids)
     outputs = keras.tree.flatten(graph.outputs)
     return layout, tuple(ids.get(id(t)) for t in outputs)
+
+
+def _passes_training(graph):
+    """Whether a call of the graph was given `training=` (which each
+    graph keeps as traced: a graph per flag)."""
+    return any(
+        "training" in _compat.node_call_kwargs(node)
+        for node in _compat.functional_nodes(graph)
+    )
 
 
 def _first_line(error):

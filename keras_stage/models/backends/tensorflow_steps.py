@@ -5,6 +5,7 @@ step's trace) serves every backend.
 """
 
 import contextlib
+import inspect
 import time
 import weakref
 
@@ -328,10 +329,8 @@ def calling_trunk(model, phase):
     """Within a step's trace, makes the model's call run `phase`'s trunk."""
     state = _state(model)
     split = state.steps.active.get(phase)
-    previous = getattr(state.steps.local, "trunk", None)
-    state.steps.local.trunk = (
-        None if split is None else split.trunk_for(phase == "train")
-    )
+    previous = getattr(state.steps.local, "split", None)
+    state.steps.local.split = split
     # Python runs only while the step traces: its time is the trace's.
     started = (
         None if split is None or tf.executing_eagerly() else time.perf_counter()
@@ -339,24 +338,38 @@ def calling_trunk(model, phase):
     try:
         yield
     finally:
-        state.steps.local.trunk = previous
+        state.steps.local.split = previous
         if started is not None:
             learned(model).traces.append(
                 (phase, "step_trace", time.perf_counter() - started)
             )
 
 
-def trunk(model):
-    """The trunk the model's call runs while a staged step traces, or None."""
-    return getattr(_state(model).steps.local, "trunk", None)
+def active_split(model):
+    """The split whose trunk the model's call runs while a staged step
+    traces, or None."""
+    return getattr(_state(model).steps.local, "split", None)
 
 
 def call_model(model, call, inputs, **kwargs):
     """`call(inputs, **kwargs)`, or the trunk's call while a step traces it
-    (the stage hands a cut of one tensor bare; the trunk takes a list)."""
-    split_trunk = trunk(model)
-    if split_trunk is None:
+    (the stage hands a cut of one tensor bare; the trunk takes a list).
+    Without `training`, the call gets its own default, as Keras gives it:
+    a subclass's call planned per flag runs that flag's trunk."""
+    split = active_split(model)
+    if split is None:
         return call(inputs, **kwargs)
+    if kwargs.get("training") is None:
+        kwargs["training"] = default_training(model)
+    split_trunk = split.trunk_for(kwargs["training"])
     if len(split_trunk.inputs) == 1 and not isinstance(inputs, (list, tuple)):
         inputs = [inputs]
     return split_trunk(inputs, **kwargs)
+
+
+def default_training(model):
+    """The default of the `training` argument of the model's call, or None."""
+    parameter = inspect.signature(model.call).parameters.get("training")
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        return None
+    return parameter.default
