@@ -218,6 +218,7 @@ class StagingMixin:
         if not state.smart_stage:
             return None
         plan, split = self._stage_plan()
+        self._stage_backend.check_plan(self, plan, state.input_specs)
         if not state.announced:
             state.announced = True
             if plan.note:

@@ -2,6 +2,7 @@
 base refuses the staged calls of the others (numpy, openvino)."""
 
 import keras
+import tensorflow as tf
 
 from keras_stage.models.backends import tensorflow_steps
 from keras_stage.models.model_state import FUNCTIONS
@@ -54,6 +55,42 @@ class Backend:
 
     def check_strategy(self, model):
         """Raises a clear error for a fit under a strategy it cannot train."""
+
+    def check_plan(self, model, plan, input_specs=None):
+        """Raises a clear error for a SmartStage plan whose trunk cannot run
+        here: off TensorFlow, one that takes strings (`input_specs`: a
+        subclass's, whose unplanned call takes its inputs as they are)."""
+        if self.native_tf:
+            return
+        if plan.note and any(
+            spec.dtype == tf.string for spec in keras.tree.flatten(input_specs)
+        ):
+            raise ValueError(
+                f"Model '{model.name}' takes strings, which Keras's "
+                f"{self.name} step cannot, and SmartStage cannot stage the "
+                f"work on them: {plan.note} On this backend the string work "
+                "must be staged: write a sub-model holding lookups as a "
+                "keras_stage.Model (its call is then traced inline), not a "
+                "keras.Model."
+            )
+        strings = [b.name for b in plan.boundary if b.dtype == "string"]
+        if not strings:
+            return
+        trunk = [
+            f"'{name}' ({plan.reasons[name]})"
+            for name in plan.trunk_layers
+            if name in plan.reasons
+        ][:1]
+        raise ValueError(
+            f"Model '{model.name}': on the {self.name} backend its trunk "
+            f"cannot take strings, and the stage hands it the string tensors "
+            f"{strings}, which the trunk's first layers consume"
+            + (f" ({', '.join(trunk)})" if trunk else "")
+            + ". Stage the string work: put the lookups, hashing or parsing "
+            "before any layer with trainable weights, and write a sub-model "
+            "holding them as a keras_stage.Model (its call is then planned "
+            "inline), not a keras.Model."
+        )
 
     def check_exportable(self, model):
         """Raises a clear error for an export this backend cannot make: off

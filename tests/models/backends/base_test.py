@@ -34,3 +34,33 @@ def test_a_model_s_backend_is_chosen_once():
     model = _model()
     assert backends.for_model(model) is backends.for_model(model)
     assert backends.for_model(model).name == keras.backend.backend()
+
+
+def _plan(boundary, note=""):
+    from keras_stage.planner.stage_plan import BoundaryTensor, StagePlan
+
+    return StagePlan(
+        "m",
+        ["stage"] if boundary else [],
+        ["tower"],
+        {"tower": "has trainable weights"},
+        [BoundaryTensor(name, dtype, (None, 1)) for name, dtype in boundary],
+        note=note,
+    )
+
+
+def test_off_tensorflow_a_trunk_taking_strings_is_refused_naming_the_fix():
+    import tensorflow as tf
+
+    model = _model()
+    jax = backends.get("jax")
+    with pytest.raises(ValueError, match="'stage'.*'tower' \\(has trainable"):
+        jax.check_plan(model, _plan([("stage", "string")]))
+    jax.check_plan(model, _plan([("ids", "int64")]))  # numbers cross
+    strings = {"user": tf.TensorSpec([None], tf.string)}
+    with pytest.raises(ValueError, match="as a keras_stage.Model"):
+        jax.check_plan(model, _plan([], note="not planned: why."), strings)
+    # On TensorFlow the step takes strings.
+    backends.get("tensorflow").check_plan(
+        model, _plan([("stage", "string")]), strings
+    )
