@@ -5,7 +5,6 @@ state training changes and picks a transfer-aware cut; `StageSplit` makes
 the prefix (run by the stage) and trunk (run by the step) models.
 """
 
-import dis
 import functools
 import inspect
 import re
@@ -233,7 +232,6 @@ def _plan_subclass(model, boundary_layer, smart_stage, backend, specs):
         plan.pending = True
         return plan, None
     try:
-        refuse_overrides(model, backend)
         graphs = subclass_graph.trace(model, specs)
     except subclass_graph.Untraceable as e:
         return _unplanned(
@@ -272,70 +270,6 @@ def _plan_subclass(model, boundary_layer, smart_stage, backend, specs):
 
 def _configs(boundary):
     return [b.get_config() for b in boundary]
-
-
-# Steps and loss methods a subclass may override: planned when they reach
-# the model's layers through `self(...)` only (the stage runs the prefix).
-_STEPS = ("train_step", "test_step", "predict_step")
-_LOSSES = ("compute_loss", "compute_metrics")
-
-
-def refuse_overrides(model, backend):
-    """Raises `subclass_graph.Untraceable` naming an override of the model's
-    class that cannot run on the trunk: a step calling one of its layers
-    directly (not through `self(...)`), or a loss or metrics method that
-    reads its `x` (which the stage has replaced with the cut tensors)."""
-    held = {
-        name
-        for name, value in vars(model).items()
-        if isinstance(value, keras.layers.Layer)
-    }
-    for method in _STEPS + _LOSSES:
-        fn = _override(type(model), method)
-        if fn is None:
-            continue
-        code = fn.__code__
-        if method in _LOSSES:
-            if _reads_local(code, "x"):
-                raise subclass_graph.Untraceable(
-                    f"its {method} reads its `x` argument, which in a "
-                    "staged step holds the cut tensors, not the raw inputs"
-                )
-            continue
-        called = sorted(held & _attributes_read(code))
-        if called:
-            raise subclass_graph.Untraceable(
-                f"its {method} calls layer '{called[0]}' directly, which "
-                "may be staged; call the model (`self(x)`) instead"
-            )
-
-
-def _override(cls, method):
-    """The function of `method` that `cls` defines below Keras's classes
-    (keras_stage's own steps excluded), or None."""
-    for klass in cls.__mro__:
-        if klass.__module__.startswith(("keras.", "keras_stage.")):
-            return None
-        fn = vars(klass).get(method)
-        if fn is not None:
-            return getattr(fn, "__wrapped__", fn)
-    return None
-
-
-def _reads_local(code, name):
-    return any(
-        i.opname in ("LOAD_FAST", "LOAD_DEREF", "LOAD_FAST_CHECK")
-        and i.argval == name
-        for i in dis.get_instructions(code)
-    )
-
-
-def _attributes_read(code):
-    return {
-        i.argval
-        for i in dis.get_instructions(code)
-        if i.opname in ("LOAD_ATTR", "LOAD_METHOD")
-    }
 
 
 def _plan_graph(model, graph, boundary_layer, smart_stage, backend):
@@ -754,9 +688,13 @@ class StageSplit:
 
     def trunk_for(self, training):
         """The trunk a step with this `training` flag runs."""
+        return self._for(training).trunk
+
+    def _for(self, training):
+        """The split of this `training` flag's graph."""
         if not training and self._inference is not None:
-            return self._inference.trunk
-        return self.trunk
+            return self._inference
+        return self
 
     @property
     def ordinal(self):
@@ -857,9 +795,7 @@ class StageSplit:
     def _run_prefix(self, x, training):
         """The cut tensors of `x`, in TensorFlow; on another backend call by
         call, as its Keras would convert graph tensors to its own arrays."""
-        split = self
-        if not training and self._inference is not None:
-            split = self._inference
+        split = self._for(training)
         if self.backend.native_tf:
             return split.prefix(x, training=training)
         return run_graph(split.prefix, x, training, split._prefix_nodes)

@@ -5,7 +5,8 @@ data) gives a functional graph of the subclass's own layer objects, which
 the planner cuts as it cuts a functional model. A `call` that branches on
 `training` gives a graph per flag (`SubclassGraphs`); one that cannot run
 on symbolic inputs, sets an attribute or makes a layer as it runs is not
-planned (`Untraceable` says why, by name).
+planned, nor a class whose step calls a layer itself or whose loss reads
+`x` (`Untraceable` says why, by name).
 
 Example:
 
@@ -26,6 +27,7 @@ Example:
 ['inputs', 'lookup', 'out']
 """
 
+import dis
 import inspect
 import threading
 
@@ -229,7 +231,9 @@ def _own_call(model, inputs, kwargs):
 
 def trace(model, specs):
     """The `SubclassGraphs` of subclass `model`'s call on inputs of
-    `specs`; raises `Untraceable` saying why there is none."""
+    `specs`; raises `Untraceable` saying why there is none (its call, or an
+    override of its class, `refuse_overrides`)."""
+    refuse_overrides(model)
     build(model, specs)
     flags = (True, False) if takes_training(model) else (None,)
     graphs, layouts = {}, {}
@@ -319,6 +323,70 @@ def _layout(graph, held):
             ids[id(t)] = len(ids)
     outputs = keras.tree.flatten(graph.outputs)
     return layout, tuple(ids.get(id(t)) for t in outputs)
+
+
+# Steps and loss methods a subclass may override: planned when they reach
+# the model's layers through `self(...)` only (the stage runs the prefix).
+_STEPS = ("train_step", "test_step", "predict_step")
+_LOSSES = ("compute_loss", "compute_metrics")
+
+
+def refuse_overrides(model):
+    """Raises `Untraceable` naming an override of the model's
+    class that cannot run on the trunk: a step calling one of its layers
+    directly (not through `self(...)`), or a loss or metrics method that
+    reads its `x` (which the stage has replaced with the cut tensors)."""
+    held = {
+        name
+        for name, value in vars(model).items()
+        if isinstance(value, keras.layers.Layer)
+    }
+    for method in _STEPS + _LOSSES:
+        fn = _override(type(model), method)
+        if fn is None:
+            continue
+        code = fn.__code__
+        if method in _LOSSES:
+            if _reads_local(code, "x"):
+                raise Untraceable(
+                    f"its {method} reads its `x` argument, which in a "
+                    "staged step holds the cut tensors, not the raw inputs"
+                )
+            continue
+        called = sorted(held & _attributes_read(code))
+        if called:
+            raise Untraceable(
+                f"its {method} calls layer '{called[0]}' directly, which "
+                "may be staged; call the model (`self(x)`) instead"
+            )
+
+
+def _override(cls, method):
+    """The function of `method` that `cls` defines below Keras's classes
+    (keras_stage's own steps excluded), or None."""
+    for klass in cls.__mro__:
+        if klass.__module__.startswith(("keras.", "keras_stage.")):
+            return None
+        fn = vars(klass).get(method)
+        if fn is not None:
+            return getattr(fn, "__wrapped__", fn)
+    return None
+
+
+def _reads_local(code, name):
+    return any(
+        i.opname in ("LOAD_FAST", "LOAD_DEREF", "LOAD_FAST_CHECK")
+        and i.argval == name
+        for i in dis.get_instructions(code)
+    )
+
+
+def _attributes_read(code):
+    return {
+        i.argval
+        for i in dis.get_instructions(code)
+        if i.opname in ("LOAD_ATTR", "LOAD_METHOD")
+    }
 
 
 def _passes_training(graph):
