@@ -28,6 +28,7 @@ import time
 import keras
 
 import keras_stage
+from benchmarks.paired import paired_ratio
 from benchmarks.workloads import recommenders
 
 MODES = ("staged", "reference", "reference_again")
@@ -82,18 +83,15 @@ def run_model(name, rounds, rows, log=print):
     return seconds
 
 
-def paired(seconds, mode):
-    """The median over the rounds of `mode`'s time over the reference's."""
-    return statistics.median(
-        a / b for a, b in zip(seconds[mode], seconds["reference"], strict=True)
-    )
-
-
 def summarize(seconds):
     return {
         "median_seconds": {m: statistics.median(v) for m, v in seconds.items()},
-        "staged/reference": paired(seconds, "staged"),
-        "reference_again/reference": paired(seconds, "reference_again"),
+        "staged/reference": paired_ratio(
+            seconds["staged"], seconds["reference"]
+        ),
+        "reference_again/reference": paired_ratio(
+            seconds["reference_again"], seconds["reference"]
+        ),
         "seconds": seconds,
     }
 

@@ -81,13 +81,22 @@ def models(base):
 
     staged = base is not keras.Model
 
-    class _Recommender(base):
-        """A StagedInput first where `base` stages; `preprocessed`: the
-        inputs are already the lookups' outputs (the hand split)."""
+    class _LooksUp(base):
+        """A model with lookups (`preprocess`); `preprocessed`: its inputs
+        are already their outputs (the hand split), and it has none."""
 
         def __init__(self, preprocessed=False, **kwargs):
             super().__init__(**kwargs)
             self.preprocessed = preprocessed
+
+        def looked_up(self, inputs):
+            return inputs if self.preprocessed else self.preprocess(inputs)
+
+    class _Recommender(_LooksUp):
+        """A StagedInput first where `base` stages."""
+
+        def __init__(self, preprocessed=False, **kwargs):
+            super().__init__(preprocessed, **kwargs)
             self.stage = (
                 keras_stage.layers.StagedInput(name="stage")
                 if staged and not preprocessed
@@ -129,8 +138,7 @@ def models(base):
             }
 
         def call(self, inputs, training=False):
-            if not self.preprocessed:
-                inputs = self.preprocess(self.staged_input(inputs))
+            inputs = self.looked_up(self.staged_input(inputs))
             users = self.user_embedding(inputs["user"])
             movies = self.movie_embedding(inputs["movie"])
             result = {"user_embeddings": users, "movie_embeddings": movies}
@@ -158,12 +166,11 @@ def models(base):
                 "embedding_dimension": self.embedding_dimension,
             }
 
-    class QueryTower(base):
+    class QueryTower(_LooksUp):
         """`deep_recommender.py`'s query model, its lookups in its call."""
 
         def __init__(self, preprocessed=False, dimension=32, **kwargs):
-            super().__init__(**kwargs)
-            self.preprocessed = preprocessed
+            super().__init__(preprocessed, **kwargs)
             if not self.preprocessed:  # the hand split's are outside
                 self.user_lookup = keras.layers.StringLookup(
                     vocabulary=_vocabulary("u", USERS), name="user_lookup"
@@ -202,21 +209,19 @@ def models(base):
             }
 
         def call(self, inputs):
-            if not self.preprocessed:
-                inputs = self.preprocess(inputs)
+            inputs = self.looked_up(inputs)
             features = [
                 self.embeddings[name](inputs[name])
                 for name in ("user", "gender", "age", "occupation")
             ]
             return self.dense(keras.ops.concatenate(features, axis=1))
 
-    class CandidateTower(base):
+    class CandidateTower(_LooksUp):
         """`deep_recommender.py`'s candidate model: the movie id and the mean
         of its genres' embeddings, its lookups in its call."""
 
         def __init__(self, preprocessed=False, dimension=32, **kwargs):
-            super().__init__(**kwargs)
-            self.preprocessed = preprocessed
+            super().__init__(preprocessed, **kwargs)
             if not self.preprocessed:  # the hand split's are outside
                 self.movie_lookup = keras.layers.StringLookup(
                     vocabulary=_vocabulary("m", MOVIES), name="movie_lookup"
@@ -239,8 +244,7 @@ def models(base):
             }
 
         def call(self, inputs):
-            if not self.preprocessed:
-                inputs = self.preprocess(inputs)
+            inputs = self.looked_up(inputs)
             genres = keras.ops.mean(
                 self.genre_embedding(inputs["genres"]), axis=1
             )
@@ -320,8 +324,7 @@ def models(base):
             return features
 
         def call(self, inputs):
-            if not self.preprocessed:
-                inputs = self.preprocess(self.staged_input(inputs))
+            inputs = self.looked_up(self.staged_input(inputs))
             vectors = [self.bottom(inputs["dense"])] + [
                 embedding(inputs[f"cat_{i}"])
                 for i, embedding in enumerate(self.embeddings)

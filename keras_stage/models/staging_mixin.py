@@ -238,7 +238,7 @@ class StagingMixin:
     def __call__(self, *args, **kwargs):
         if tensorflow_steps.active_split(self) is not None:
             return tensorflow_steps.call_model(self, None, *args, **kwargs)
-        if _subclassed(self) and subclass_graph.inlines(self, args):
+        if _subclassed(self) and subclass_graph.inlines(args):
             return subclass_graph.inline_call(self, *args, **kwargs)
         if args:
             self._note_inputs(args[0])

@@ -183,8 +183,8 @@ class _Tracing(threading.local):
 _tracing = _Tracing()
 
 
-def inlines(model, args):
-    """Whether a call of `model` on `args` runs inline (`inline_call`): a
+def inlines(args):
+    """Whether a call on `args` runs inline (`inline_call`): that of a
     keras_stage subclass called inside a traced call, on symbolic inputs.
     Keras's `Layer.__call__` would make the whole sub-model one node."""
     return (

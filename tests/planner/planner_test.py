@@ -359,16 +359,17 @@ def test_plan_needs_compile():
         model.get_stage_plan()
 
 
+class OneDense(keras_stage.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1, name="dense")
+
+    def call(self, x):
+        return self.dense(x)
+
+
 def test_plan_of_a_subclassed_model_is_the_plan_of_its_call():
-    class Sub(keras_stage.Model):
-        def __init__(self):
-            super().__init__()
-            self.dense = keras.layers.Dense(1, name="dense")
-
-        def call(self, x):
-            return self.dense(x)
-
-    model = Sub()
+    model = OneDense()
     model(np.zeros((1, 4), "float32"))  # tells its input specs
     model.compile(optimizer="sgd", loss="mse", smart_stage=True)
     plan = model.get_stage_plan()
@@ -380,11 +381,7 @@ def test_plan_of_a_subclassed_model_is_the_plan_of_its_call():
 
 
 def test_plan_of_an_unplannable_subclassed_model_explains_itself():
-    class Branching(keras_stage.Model):
-        def __init__(self):
-            super().__init__()
-            self.dense = keras.layers.Dense(1, name="dense")
-
+    class Branching(OneDense):
         def call(self, x):
             if keras.ops.sum(x) > 0:  # Python control flow on a value
                 return self.dense(x)

@@ -9,13 +9,23 @@ import keras_stage
 from keras_stage.planner import subclass_graph
 
 
-class Branches(keras_stage.Model):
+class Out(keras_stage.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.out = keras.layers.Dense(1, name="out")
+
+
+class Lookup(Out):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.lookup = keras.layers.IntegerLookup(
             vocabulary=[1, 2, 3], name="lookup"
         )
-        self.out = keras.layers.Dense(1, name="out")
+
+
+class Branches(Lookup):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         self.extra = keras.layers.Dense(2, name="extra")
 
     def call(self, inputs, training=False):
@@ -60,21 +70,6 @@ def test_a_call_branching_on_training_has_a_graph_per_flag():
     # Built as Keras builds it, the layers the model's own.
     assert model.built
     assert graphs.graph(True).get_layer("out") is model.out
-
-
-class Lookup(keras_stage.Model):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.lookup = keras.layers.IntegerLookup(
-            vocabulary=[1, 2, 3], name="lookup"
-        )
-        self.out = keras.layers.Dense(1, name="out")
-
-
-class Out(keras_stage.Model):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.out = keras.layers.Dense(1, name="out")
 
 
 def test_a_call_ignoring_training_has_one_graph():
