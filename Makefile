@@ -163,16 +163,16 @@ clean:
 	find . -path ./.git -prune -o -type d -name __pycache__ -print0 \
 		| xargs -0 rm -rf
 
-# Benchmarks (see benchmarks/README.md): every workload in every mode,
-# interleaved; writes benchmarks/results/<name>.json and .png and prints a
-# table. `bench` takes under 30 minutes on 2 cores, `bench-quick` under 5.
-# BENCH_ARGS=... passes more options (e.g. --workloads criteo --trunk heavy).
+# Benchmarks (see benchmarks/README.md): `python -m benchmarks bench` times
+# every workload in every mode, the order rotated per round, and prints the
+# speed table; the summary goes to benchmarks/results/bench[-quick].json.
+# BENCH_ARGS=... passes more options (e.g. --workloads criteo --rounds 9).
 BENCH_ARGS ?=
 
 .PHONY: bench bench-quick
 
 bench: venv
-	$(VENV)/bin/python -m benchmarks.run $(BENCH_ARGS)
+	$(VENV)/bin/python -m benchmarks bench $(BENCH_ARGS)
 
 bench-quick: venv
-	$(VENV)/bin/python -m benchmarks.run --quick $(BENCH_ARGS)
+	$(VENV)/bin/python -m benchmarks bench --quick --name quick $(BENCH_ARGS)

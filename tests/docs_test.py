@@ -3,13 +3,17 @@
 `make docs` builds the site with `mkdocs build --strict` (broken links and
 unparsable docstrings fail there). These tests check what a build does not:
 a page missing from the nav, and a public name missing from the API pages.
-They read the files only (no mkdocs, no TensorFlow import), so they also run
-in the io environment.
+They read the files only (no mkdocs, no TensorFlow import; the README's
+example runs in a child process), so they also run in the io environment.
 """
 
 import ast
 import pathlib
 import re
+import subprocess
+import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -414,4 +418,42 @@ def test_the_history_table_is_rendered_from_the_csv():
     assert table == history.markdown(history.read()), (
         "docs/benchmarks.md's history table differs from history.csv: run "
         "`python -m benchmarks.history --docs`."
+    )
+
+
+# -- the figures and outputs a page shows are its files' ----------------------
+
+
+def test_every_table_is_rendered_from_its_result_file():
+    from benchmarks import records
+
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        text = page.read_text()
+        assert records.render(text) == text, (
+            f"{page.name}: a table differs from the result file it names: "
+            "run `python -m benchmarks.history --docs`."
+        )
+
+
+@pytest.mark.timeout(300)
+def test_the_readme_example_stages_and_prints_what_it_shows():
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"## Example.*?```python\n(.*?)```", readme, re.S)[1]
+    shown = re.search(r"It prints.*?```text\n(.*?)```", readme, re.S)[1]
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        check=True,
+    )
+
+    def skeleton(text):
+        # Each line's start, its figures masked: the same lines in order.
+        return [re.sub(r"\d+", "#", line)[:40] for line in text.splitlines()]
+
+    assert skeleton(done.stdout) == skeleton(shown), done.stdout
+    assert done.stdout.count("The call is staged") == shown.count(
+        "The call is staged"
     )

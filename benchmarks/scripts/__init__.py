@@ -1,120 +1,74 @@
 """Whole user scripts, each written once for plain Keras and for staged.
 
-One module per script, each with `run(mode, timer, tiny=False)`: the
-script as a user writes it, in `mode` "plain" (a `keras.Model`,
-preprocessing in the model) or "staged" (the same script with keras_stage's
-three lines: `StagedInput()` right after the inputs, `keras_stage.Model`,
-`compile(..., smart_stage=True)`). Everything else is the same in both
-modes, imports included. A script makes its data first, then calls
-`timer.start()` where it starts building its model, and wraps its first
-`fit`, `evaluate` and `predict` in `timer.measure(...)`; `tiny` shrinks
-its calls to a smoke test's size. A script that cannot run here (an extra
-not installed) raises `Skipped`.
-
-`benchmarks.first_calls --scripts ...` runs each script in fresh processes
-(`one_script`) and compares the modes.
+A module's `run(staged, timer, tiny=False, **options)` is a user's script
+(or a few, by options), keras_stage's three lines (`# 1`, `# 2`, `# 3`)
+taking effect where `staged`; where plain Keras cannot fit the whole
+model, plain is the hand split (`# split`). A script makes its data, then
+calls `timer.start()` and times its first calls in `timer.measure(...)`.
 """
 
 import contextlib
 import importlib
 import time
 
-# In the order `benchmarks.first_calls --scripts` runs them by default.
-SCRIPTS = (
-    "featurespace_seeded",
-    "featurespace",
-    "criteo",
-    "criteo_holdout",
-    "readme",
-    "dcn",
-    "remote",
-    # Plain is the hand split: they run on JAX and torch too.
-    "featurespace_split",
-    "tabular_split",
-    "criteo_split",
-    # A subclassed model (keras-rs's deep retrieval), on every backend.
-    "recommender",
-)
-MODES = ("plain", "staged")
-# The timed parts a script may have, besides the whole script.
-CALLS = ("fit", "evaluate", "evaluate_holdout", "predict")
+TF, ANY = ("tensorflow",), ("tensorflow", "jax", "torch")
+# name: (module, backends, options of its `run`), in a run's order. Off
+# TensorFlow plain Keras cannot fit strings: there only the hand splits run.
+SCRIPTS = {
+    "featurespace_seeded": ("featurespace", TF, {"seeded": True}),
+    "featurespace": ("featurespace", TF, {}),
+    "criteo": ("criteo", TF, {}),
+    "criteo_holdout": ("criteo", TF, {"calls": "holdout"}),
+    "first_calls": ("criteo", TF, {"calls": "first_calls"}),
+    "readme": ("readme", TF, {}),
+    "dcn": ("dcn", TF, {}),
+    "remote": ("remote", TF, {}),
+    "featurespace_split": ("featurespace", ANY, {"split": True}),
+    "tabular_split": ("split", ANY, {"name": "tabular"}),
+    "criteo_split": ("split", ANY, {"name": "criteo_columns"}),
+    "recommender": ("recommender", ANY, {}),
+}
+NEEDS = {"dcn": "keras_rs"}  # modules beyond the primary environment's
 
 
-class Skipped(Exception):
-    """A script cannot run here; the message says why and how to fix it."""
+def one_script(name, staged, tiny=False):
+    """Runs script `name`; returns what its timer timed, in seconds."""
+    module, _, options = SCRIPTS[name]
+    timer = ScriptTimer()
+    module = importlib.import_module(f"benchmarks.scripts.{module}")
+    module.run(staged, timer, tiny=tiny, **options)
+    return timer.stop()
 
 
-def is_staged(mode):
-    """Whether `mode` is "staged" (True) or "plain" (False).
-
-    Raises:
-        ValueError: For any other mode.
-    """
-    if mode not in MODES:
-        raise ValueError(
-            f"Invalid value for argument `mode`. Expected one of {MODES}. "
-            f"Received: mode={mode!r}"
-        )
-    return mode == "staged"
+def datasets(work, batches, seeds=(4, 1, 2, 3)):
+    """`(x, [dataset])`: `batches[i]` batches of `work`'s data from
+    `seeds[i]`, the first shuffled; `x` the first's, to adapt to."""
+    parts = [
+        work.data(count * work.batch_size, seed)
+        for count, seed in zip(batches, seeds, strict=True)
+    ]
+    first = work.dataset(*parts[0], shuffle_seed=0)
+    return parts[0][0], [first] + [work.dataset(*p) for p in parts[1:]]
 
 
 class ScriptTimer:
-    """The seconds of a script from its model's construction to its end.
-
-    `start()` marks where the model starts being built; `measure(name)`
-    times the first call of each name (a later one is not recorded);
-    `stop()` ends the script's time. `seconds` holds `"script"` and each
-    measured call; `started_at` is the `time.perf_counter()` of `start()`.
-    """
+    """A script's seconds from `start()` (its model's construction) to
+    `stop()` (`script`), and of the first call of each name it measures."""
 
     def __init__(self):
-        self.seconds = {}
-        self.started_at = None
+        self.seconds, self.started = {}, None
 
     def start(self):
-        """Starts the script's time (once, before the model is built)."""
-        if self.started_at is not None:
-            raise RuntimeError("ScriptTimer.start() called twice")
-        self.started_at = time.perf_counter()
+        self.started = time.perf_counter()
 
     @contextlib.contextmanager
     def measure(self, name):
-        """Times the block as `name`, if no `name` was timed before."""
-        if self.started_at is None:
-            raise RuntimeError(f"measure({name!r}) before start()")
         started = time.perf_counter()
         yield
         self.seconds.setdefault(name, time.perf_counter() - started)
 
     def stop(self):
-        """Ends the script's time; returns `seconds`."""
-        if self.started_at is None:
-            raise RuntimeError("the script never called timer.start()")
-        self.seconds["script"] = time.perf_counter() - self.started_at
+        if self.started is None:
+            raise RuntimeError("The script never called `timer.start()`.")
+        self.seconds["script"] = time.perf_counter() - self.started
         return self.seconds
-
-
-def one_script(name, mode, tiny=False):
-    """Imports script `name`, runs it in `mode`; returns what was timed.
-
-    Returns:
-        `{"seconds": {...}, "prepare_seconds": ...}` (`prepare_seconds`:
-        the script's imports and data, before `timer.start()`), or
-        `{"skipped": reason}` when the script raised `Skipped`.
-    """
-    if name not in SCRIPTS:
-        raise ValueError(
-            f"Unknown script {name!r}: expected one of {list(SCRIPTS)}"
-        )
-    started = time.perf_counter()
-    timer = ScriptTimer()
-    try:
-        module = importlib.import_module(f"benchmarks.scripts.{name}")
-        module.run(mode, timer, tiny=tiny)
-    except Skipped as skipped:
-        return {"skipped": str(skipped)}
-    seconds = timer.stop()
-    return {
-        "seconds": seconds,
-        "prepare_seconds": timer.started_at - started,
-    }

@@ -1,75 +1,56 @@
-"""A criteo-like script: TSV lines parsed and hashed in the model.
+"""Criteo-like scripts: TSV lines parsed and hashed in the model.
 
-`benchmarks.regimes`' criteo model (`CriteoModel`: the `criteo`
-workload's parsing, hashing and DLRM-like trunk, batch 128) and data:
-`fit` 3 epochs of 100 batches with 20 validation batches every epoch,
-`evaluate` on 20 batches, `predict` on 8, all from `tf.data` datasets,
-seeded as the regimes seed theirs (`criteo_holdout`: with a second
-`evaluate`, on a holdout set).
+The `criteo` workload at batch 128; `calls` is the script: "criteo": `fit`
+3 epochs of 100 batches validating on 20, `evaluate` on 20, `predict` on
+8; "holdout": a second `evaluate`, on a holdout set, before `predict`;
+"first_calls": `fit` 3 epochs of 40 batches validating on 10, `evaluate`
+on 20 three times, `fit` one epoch more.
 """
 
 import keras
-import tensorflow as tf
 
 import keras_stage
-from benchmarks import regimes
-from benchmarks.scripts import is_staged
+from benchmarks.scripts import datasets
+from benchmarks.workloads import workload
 
-SPEC = regimes.CriteoModel()
-# Full size, then `tiny`: (train, validation, evaluate, predict) batches
-# and epochs.
-SIZES = {False: ((100, 20, 20, 8), 3), True: ((2, 1, 1, 1), 1)}
+# (train, validation, evaluate, predict, holdout) batches.
+BATCHES = {"criteo": (100, 20, 20, 8, 20), "first_calls": (40, 10, 20, 1, 1)}
 
 
-def run(mode, timer, tiny=False):
-    """The script in `mode` (see `benchmarks.scripts`)."""
-    script(mode, timer, tiny)
-
-
-def script(mode, timer, tiny=False, holdout=False):
-    """`run`; with `holdout`, a second `evaluate` after the first (as many
-    batches, of other rows)."""
-    staged = is_staged(mode)
-    keras.utils.set_random_seed(regimes.SEED)
-    batches, epochs = SIZES[tiny]
-    batch_size = SPEC.batch_size
-    # `benchmarks.regimes`' seeds of its val_train, val, eval and predict
-    # parts.
-    parts = [
-        SPEC.make_data(count * batch_size, seed)
-        for count, seed in zip(batches, (4, 1, 2, 3), strict=True)
-    ]
-    (train_x, train_y), val, test, (predict_x, _) = parts
-    train_ds = (
-        tf.data.Dataset.from_tensor_slices((train_x, train_y))
-        .shuffle(len(train_y))
-        .batch(batch_size)
+def run(staged, timer, tiny=False, calls="criteo"):
+    """The script (see `benchmarks.scripts`)."""
+    work = workload("criteo", batch_size=128)
+    keras.utils.set_random_seed(0)
+    sizes = BATCHES.get(calls, BATCHES["criteo"])
+    _, (train, val, test, predict, holdout) = datasets(
+        work, (2, 1, 1, 1, 1) if tiny else sizes, seeds=(4, 1, 2, 3, 5)
     )
-    val_ds = tf.data.Dataset.from_tensor_slices(val).batch(batch_size)
-    test_ds = tf.data.Dataset.from_tensor_slices(test).batch(batch_size)
-    predict_ds = tf.data.Dataset.from_tensor_slices(predict_x).batch(batch_size)
-    if holdout:
-        # Rows no other part has (the regimes' seeds are 1 to 4).
-        holdout_ds = tf.data.Dataset.from_tensor_slices(
-            SPEC.make_data(batches[2] * batch_size, 5)
-        ).batch(batch_size)
 
     timer.start()
-    inputs = SPEC.inputs()
+    inputs = work.inputs()
     x = keras_stage.layers.StagedInput()(inputs) if staged else inputs  # 1
-    outputs = SPEC.trunk(SPEC.features(x, None))
+    outputs = work.trunk(work.preprocessing(None)(x))
     model_class = keras_stage.Model if staged else keras.Model  # 2
     model = model_class(inputs, outputs)
     model.compile(
-        **SPEC.compile_kwargs(),
+        **work.compile_kwargs(),
         **({"smart_stage": True} if staged else {}),  # 3
     )
     with timer.measure("fit"):
-        model.fit(train_ds, epochs=epochs, validation_data=val_ds, verbose=0)
+        model.fit(
+            train, epochs=1 if tiny else 3, validation_data=val, verbose=0
+        )
+    if calls == "first_calls":
+        for name in ("evaluate", "evaluate_2", "evaluate_3"):
+            with timer.measure(name):
+                model.evaluate(test, verbose=0)
+        with timer.measure("fit_again"):
+            model.fit(train, epochs=1, validation_data=val, verbose=0)
+        return
     with timer.measure("evaluate"):
-        model.evaluate(test_ds, verbose=0)
-    if holdout:
+        model.evaluate(test, verbose=0)
+    if calls == "holdout":
         with timer.measure("evaluate_holdout"):
-            model.evaluate(holdout_ds, verbose=0)
+            model.evaluate(holdout, verbose=0)
     with timer.measure("predict"):
-        model.predict(predict_ds, verbose=0)
+        model.predict(predict, verbose=0)

@@ -1,23 +1,17 @@
 """README.md's Example: a hashed string column into an embedding, on arrays.
 
-Copied from the README's Example section; plain drops the three numbered
-lines' keras_stage parts (`StagedInput`, `keras_stage.Model`,
-`smart_stage=True`, the `PrefetchCallback`) and the two prints about the
-stage.
+Plain drops the keras_stage parts of its numbered lines.
 """
 
 import keras
 import numpy as np
 
 import keras_stage
-from benchmarks.scripts import is_staged
 
 
-def run(mode, timer, tiny=False):
-    """The README's example in `mode` (see `benchmarks.scripts`)."""
-    staged = is_staged(mode)
-    rows = 64 if tiny else 256
-    epochs = 1 if tiny else 2
+def run(staged, timer, tiny=False):
+    """The script (see `benchmarks.scripts`)."""
+    rows = 64 if tiny else 2048
     words = np.array([f"word{i % 50}" for i in range(rows)], dtype=object)
     labels = np.random.rand(rows, 1).astype("float32")
 
@@ -28,24 +22,18 @@ def run(mode, timer, tiny=False):
     x = keras.layers.Embedding(64, 8, name="emb")(x)
     model_class = keras_stage.Model if staged else keras.Model  # 2
     model = model_class(inputs, keras.layers.Dense(1)(x))
-    model.compile(
-        optimizer="adam",
-        loss="mse",
-        **({"smart_stage": True} if staged else {}),
-    )
+    smart_stage = {"smart_stage": True} if staged else {}  # 2
+    model.compile(optimizer="adam", loss="mse", **smart_stage)
+    callbacks = [keras_stage.callbacks.PrefetchCallback(verbose=1)]  # 3
     with timer.measure("fit"):
         history = model.fit(
             words,
             labels,
             batch_size=32,
-            epochs=epochs,
-            callbacks=(
-                [keras_stage.callbacks.PrefetchCallback(verbose=1)]  # 3
-                if staged
-                else []
-            ),
+            epochs=1 if tiny else 2,
+            callbacks=callbacks if staged else [],  # 3
             verbose=2,
         )
-    if staged:
-        print(model.get_stage_plan().staged_layers)  # [..., 'hash']
-        print(history.history["stage_wait_ratio"])
+    if staged:  # 3
+        print(model.get_stage_plan().staged_layers)  # 3
+        print(history.history["stage_wait_ratio"])  # 3

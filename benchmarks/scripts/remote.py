@@ -1,31 +1,26 @@
-"""The `remote` workload as a script: one `fit(epochs=1)` over its dataset.
+"""The `remote` workload as a script: one `fit(epochs=1)` over 100 batches
+of 256 lines, each batch read remotely (20 ms), parsed and hashed."""
 
-`benchmarks.workloads.remote`'s model (a 20 ms emulated remote read per
-batch, then CSV parsing and hashing, a small trunk) and its dataset of
-100 batches of 256, built and compiled as `benchmarks.modes` builds its
-plain and staged modes.
-"""
+import keras
 
 import keras_stage
-from benchmarks.scripts import is_staged
-from benchmarks.workloads.remote import RemoteWorkload
+from benchmarks.workloads import workload
 
 
-def run(mode, timer, tiny=False):
-    """The script in `mode` (see `benchmarks.scripts`)."""
-    staged = is_staged(mode)
-    workload = RemoteWorkload(steps=2 if tiny else RemoteWorkload.default_steps)
-    workload.raw_data()
-    dataset = workload.raw_dataset()
+def run(staged, timer, tiny=False):
+    """The script (see `benchmarks.scripts`)."""
+    work = workload("remote")
+    dataset = work.dataset(*work.data((2 if tiny else 100) * work.batch_size))
 
     timer.start()
-    if staged:
-        model = workload.whole_model(
-            keras_stage.Model, keras_stage.layers.StagedInput()
-        )
-        model.compile(**workload.compile_kwargs(), smart_stage=True)
-    else:
-        model = workload.whole_model()
-        model.compile(**workload.compile_kwargs())
+    inputs = work.inputs()
+    x = keras_stage.layers.StagedInput()(inputs) if staged else inputs  # 1
+    outputs = work.trunk(work.preprocessing(None)(x))
+    model_class = keras_stage.Model if staged else keras.Model  # 2
+    model = model_class(inputs, outputs)
+    model.compile(
+        **work.compile_kwargs(),
+        **({"smart_stage": True} if staged else {}),  # 3
+    )
     with timer.measure("fit"):
         model.fit(dataset, epochs=1, verbose=0)

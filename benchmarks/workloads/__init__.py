@@ -1,27 +1,42 @@
-"""The benchmark workloads, by name.
+"""The one workload registry: every benchmark's models and data, by name.
 
-Each module holds one workload (its data generator, its preprocessing
-layers, its trunk); this package maps the names used on the command line to
-their classes.
+`workload(name, **overrides)` returns a fresh `Workload` (see `base`), an
+attribute such as `batch_size` or `steps` overridden for a scenario.
 """
 
-from benchmarks.workloads.base import TRUNK_SCALES, Workload, trunk_scale
-from benchmarks.workloads.criteo import CriteoWorkload
-from benchmarks.workloads.images import ImagesWorkload
-from benchmarks.workloads.none import NoneWorkload
-from benchmarks.workloads.remote import RemoteWorkload
-from benchmarks.workloads.seed import SeedWorkload
+from benchmarks.workloads import criteo, images, recommenders, tables, text
+from benchmarks.workloads.base import Workload
 
-# In the order `make bench` runs them.
 WORKLOADS = {
     cls.name: cls
     for cls in (
-        SeedWorkload,
-        CriteoWorkload,
-        RemoteWorkload,
-        ImagesWorkload,
-        NoneWorkload,
+        text.Seed,
+        criteo.Criteo,
+        text.Remote,
+        images.Images,
+        tables.NoneWorkload,
+        tables.Dense,
+        tables.Tabular,
+        tables.FeatureSpaceWorkload,
+        criteo.CriteoColumns,
+        tables.DCN,
+        *recommenders.WORKLOADS.values(),
     )
 }
 
-__all__ = ["TRUNK_SCALES", "WORKLOADS", "Workload", "trunk_scale"]
+
+def workload(name, **overrides):
+    """A fresh workload `name` of `WORKLOADS`, `overrides` set on it."""
+    if name not in WORKLOADS:
+        raise ValueError(
+            f"Unknown workload {name!r}: expected one of {list(WORKLOADS)}."
+        )
+    out = WORKLOADS[name]()
+    for key, value in overrides.items():
+        if not hasattr(out, key):
+            raise ValueError(f"Workload {name!r} has no attribute {key!r}.")
+        setattr(out, key, value)
+    return out
+
+
+__all__ = ["WORKLOADS", "Workload", "workload"]

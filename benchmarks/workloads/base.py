@@ -1,212 +1,121 @@
-"""`Workload`: what every benchmark workload provides, and how it is built.
+"""`Workload`: one model and its data, written once for every benchmark.
 
-This module owns the contract between a workload and the modes that train
-it. A workload is a whole model, `raw inputs -> preprocessing layers ->
-trunk`, plus the raw data it is fed. From those three parts the base class
-builds everything a mode needs: the whole model (optionally with a
-`StagedInput` first), the trunk alone on `keras.Input`s at the cut, the
-preprocessing as a plain function (for a hand-written `tf.data` pipeline),
-and the raw dataset.
-
-The preprocessing is a list of Keras layers. The same classes run in the
-model (plain, SmartStage) and, called as a function, in `dataset.map`
-(expert mode) or `keras_stage.data.stage` (input-bound mode), so every mode
-does exactly the same work per batch.
+A workload is raw data, the preprocessing a user would put in the model
+(parsing, hashing, lookups, decoding) and a trunk. From those the base class
+builds what every mode needs: the whole model (with a `StagedInput` first,
+for keras_stage) and the hand split (the same preprocessing layers in
+`dataset.map`, a `keras.Model` of the trunk). The same layer classes run in
+every mode, so every mode does the same work per batch.
 """
 
 import keras
 import tensorflow as tf
 
-# Scales of the trunk's width for `--trunk`: names for the usual choices;
-# any positive number is also accepted.
-TRUNK_SCALES = {"light": 1.0, "heavy": 4.0}
-
-
-def trunk_scale(value):
-    """The width multiplier of a `--trunk` value ("light", "heavy", "2.5").
-
-    Args:
-        value: A name in `TRUNK_SCALES`, a number, or a string of one.
-
-    Returns:
-        The multiplier, a positive float.
-
-    Raises:
-        ValueError: If `value` is neither a known name nor a positive number.
-    """
-    if isinstance(value, str) and value in TRUNK_SCALES:
-        return TRUNK_SCALES[value]
-    try:
-        scale = float(value)
-    except (TypeError, ValueError):
-        scale = 0.0
-    if not scale > 0:
-        raise ValueError(
-            f"Invalid trunk {value!r}: expected one of "
-            f"{sorted(TRUNK_SCALES)} or a positive width multiplier."
-        )
-    return scale
-
-
-def scaled(width, scale):
-    """`width * scale`, rounded, at least 1."""
-    return max(1, round(width * scale))
-
 
 class Workload:
-    """One benchmark workload: raw data, preprocessing layers and a trunk.
+    """Raw data, preprocessing and a trunk; subclasses fill these in.
 
-    Subclasses set the class attributes and implement `make_raw_data`,
-    `raw_inputs`, `preprocessing` and `trunk`.
-
-    Args:
-        steps: Batches per epoch (one timed repetition is one epoch).
-        trunk: Width multiplier of the trunk, or a name in `TRUNK_SCALES`.
-        batch_size: Batch size; `None` for the workload's default.
-        seed: Seed of the generated data and of the model weights.
-        data_dir: Where a workload that writes files writes them; `None`
-            for a temporary folder removed by `close`.
+    Class attributes: `name`, `description`, `batch_size`, `steps` and
+    `quick_steps` (batches of one timed epoch of `bench`, full and quick),
+    `backends` (where its preprocessing runs in tf.data: off TensorFlow the
+    features must stop before the first non-preprocessing layer).
     """
 
     name = ""
     description = ""
-    default_batch_size = 256
-    # Batches per epoch of `make bench` and of `make bench-quick`: enough
-    # steps that an epoch's time is mostly steps, not its start and end.
-    default_steps = 40
+    batch_size = 256
+    steps = 40
     quick_steps = 12
-    # Default repetitions of `make bench` (and `make bench-quick`) times
-    # this; an explicit `--reps` is taken as it is.
-    reps_factor = 1
+    backends = ("tensorflow",)
 
-    def __init__(
-        self, steps, trunk="light", batch_size=None, seed=0, data_dir=None
-    ):
-        if steps < 1:
-            raise ValueError(f"steps must be at least 1; got {steps}")
-        self.steps = int(steps)
-        self.trunk_scale = trunk_scale(trunk)
-        self.batch_size = int(batch_size or self.default_batch_size)
-        self.seed = seed
-        self.data_dir = data_dir
-        self._raw = None
-
-    # -- to implement -------------------------------------------------------
-
-    def make_raw_data(self):
-        """The raw examples in memory: `(x, y)`, `steps * batch_size` long."""
+    def data(self, rows, seed=0):
+        """`rows` raw examples in memory: `(x, y)`."""
         raise NotImplementedError
 
-    def raw_inputs(self):
-        """Fresh `keras.Input`(s) for one raw example."""
+    def inputs(self):
+        """Fresh `keras.Input`(s) of one raw example."""
         raise NotImplementedError
 
-    def preprocessing(self):
-        """Fresh preprocessing layers, applied in order (may be empty)."""
-        raise NotImplementedError
+    def preprocessing(self, adapt):
+        """A function `x -> features` of fresh preprocessing layers.
+
+        `adapt` is the raw `x` of the training data, for layers that adapt.
+        The function runs on `keras.Input`s and inside `dataset.map`.
+        `None` when there is nothing to preprocess.
+        """
+        return None
 
     def trunk(self, features):
-        """Builds fresh trunk layers on `features`; returns the outputs."""
+        """Fresh trunk layers on `features`; returns the outputs."""
         raise NotImplementedError
 
-    def compile_kwargs(self):
-        """What `compile` gets: optimizer and loss (fresh each call)."""
-        return {"optimizer": keras.optimizers.Adam(1e-3), "loss": "mse"}
-
-    def params(self):
-        """Workload-specific sizes, for the report."""
-        return {}
-
-    # -- built from the above -----------------------------------------------
-
-    def raw_data(self):
-        """`make_raw_data()`, generated once and kept."""
-        if self._raw is None:
-            self._raw = self.make_raw_data()
-        return self._raw
-
-    def raw_dataset(self):
-        """Batches of raw examples and labels: a plain `tf.data` dataset.
-
-        Exactly `steps` batches, tf.data's default options, no map: this
-        is what the plain, staged and input-bound modes are fed.
-        """
-        x, y = self.raw_data()
-        return tf.data.Dataset.from_tensor_slices((x, y)).batch(self.batch_size)
-
-    def preprocess_fn(self):
-        """The preprocessing as a plain function of a raw batch.
-
-        Returns:
-            A function `raw batch -> features` running fresh instances of
-            `preprocessing()`'s layers (in training mode, as in `fit`), or
-            `None` when the workload has no preprocessing.
-        """
-        layers = self.preprocessing()
-        if not layers:
-            return None
-
-        def preprocess(x):
-            for layer in layers:
-                x = layer(x, training=True)
-            return x
-
-        return preprocess
-
-    def whole_model(self, model_class=keras.Model, staged_input=None):
-        """The whole model: raw inputs -> preprocessing -> trunk.
-
-        Args:
-            model_class: `keras.Model` or `keras_stage.Model`.
-            staged_input: A `StagedInput` layer put first, or `None`.
-
-        Returns:
-            An uncompiled model of `model_class`.
-        """
-        keras.utils.set_random_seed(self.seed)
-        inputs = self.raw_inputs()
-        x = inputs if staged_input is None else staged_input(inputs)
-        for layer in self.preprocessing():
-            x = layer(x)
-        return model_class(inputs, self.trunk(x), name=f"{self.name}_whole")
-
-    def trunk_model(self):
-        """The trunk alone, on `keras.Input`s shaped like the features."""
-        # The features' shapes and dtypes, from a symbolic pass of the
-        # preprocessing (compute_output_spec of each layer).
-        features = self.raw_inputs()
-        for layer in self.preprocessing():
-            features = layer(features)
-        keras.utils.set_random_seed(self.seed)
-        if isinstance(features, dict):
-            # Named after their keys: Keras warns about dict inputs
-            # whose tensor names differ from the keys.
-            inputs = {
-                key: keras.Input(t.shape[1:], dtype=t.dtype, name=key)
-                for key, t in features.items()
-            }
-        else:
-            inputs = keras.Input(features.shape[1:], dtype=features.dtype)
-        return keras.Model(
-            inputs, self.trunk(inputs), name=f"{self.name}_trunk"
-        )
-
-    def info(self):
-        """What the report says about the workload."""
-        description = self.description  # the widths of `--trunk light`
-        if self.trunk_scale != 1:
-            description += (
-                f"; trunk widths x{self.trunk_scale:g} (--trunk; the "
-                "sizes are in the JSON's info)"
-            )
+    def compile_kwargs(self, learning_rate=1e-3):
+        """What `compile` gets (fresh objects each call)."""
         return {
-            "description": description,
-            "batch_size": self.batch_size,
-            "steps": self.steps,
-            "trunk_scale": self.trunk_scale,
-            "seed": self.seed,
-            **self.params(),
+            "optimizer": keras.optimizers.Adam(learning_rate),
+            "loss": "mse",
         }
 
-    def close(self):
-        """Removes what the workload wrote (nothing by default)."""
+    # -- built from the above ----------------------------------------------
+
+    def whole(self, base, adapt, staged_input=None, seed=0):
+        """The whole model of class `base`, `staged_input` on its inputs."""
+        keras.utils.set_random_seed(seed)
+        inputs = self.inputs()
+        x = inputs if staged_input is None else staged_input(inputs)
+        preprocess = self.preprocessing(adapt)
+        features = x if preprocess is None else preprocess(x)
+        keras.utils.set_random_seed(seed)
+        return base(inputs, self.trunk(features))
+
+    def split(self, adapt, seed=0):
+        """The hand split: `(preprocess or None, trunk keras.Model)`.
+
+        `preprocess` maps a raw batch's `x` (for `dataset.map`).
+        """
+        keras.utils.set_random_seed(seed)
+        inputs = self.inputs()
+        preprocess = self.preprocessing(adapt)
+        features = inputs if preprocess is None else preprocess(inputs)
+        keras.utils.set_random_seed(seed)
+        trunk_inputs = keras.tree.map_structure_up_to(
+            features, _input_like, features, _names(features)
+        )
+        trunk = keras.Model(trunk_inputs, self.trunk(trunk_inputs))
+        if preprocess is None:
+            return None, trunk
+
+        def mapped(x):
+            out = preprocess(x)
+            # tf.data maps return tuples, not lists; JAX has no int64.
+            if keras.backend.backend() == "jax":
+                out = tf.nest.map_structure(_int32, out)
+            return tuple(out) if isinstance(out, list) else out
+
+        return mapped, trunk
+
+    def dataset(self, x, y=None, shuffle_seed=None):
+        """`x` (and `y`) batched; shuffled every epoch with a seed."""
+        data = tf.data.Dataset.from_tensor_slices(x if y is None else (x, y))
+        if shuffle_seed is not None:
+            rows = len(keras.tree.flatten(x)[0])
+            data = data.shuffle(rows, seed=shuffle_seed)
+        return data.batch(self.batch_size)
+
+
+def _names(features):
+    """Input names for the trunk: a dict's keys, else None per tensor."""
+    if isinstance(features, dict):
+        return {key: key for key in features}
+    return keras.tree.map_structure(lambda _: None, features)
+
+
+def _input_like(tensor, name):
+    dtype = tensor.dtype
+    if dtype == "int64" and keras.backend.backend() == "jax":
+        dtype = "int32"  # as the map casts them: JAX has no int64
+    return keras.Input(tensor.shape[1:], dtype=dtype, name=name)
+
+
+def _int32(tensor):
+    return tf.cast(tensor, tf.int32) if tensor.dtype == tf.int64 else tensor

@@ -19,6 +19,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from benchmarks.workloads.base import Workload
+
 USERS, MOVIES, OCCUPATIONS, GENRES = 600, 400, 21, 18
 AGE_BINS = [18.0, 25.0, 35.0, 45.0, 50.0, 56.0]
 SPARSE, DENSE, HASH_BINS = 8, 4, 1000
@@ -379,3 +381,38 @@ def build(name, base, preprocessed=False, seed=1):
         kwargs["smart_stage"] = True
     model.compile(optimizer=keras.optimizers.Adam(0.01), **kwargs)
     return model
+
+
+class Recommender(Workload):
+    """A recommender of `MODELS` as a workload: `whole` is the subclass with
+    its lookups in `call` (on keras_stage.Model, SmartStage plans it; a
+    StagedInput is its own), `split` the hand split."""
+
+    batch_size, steps, quick_steps = 512, 128, 8
+    backends = ("tensorflow", "jax", "torch")
+
+    def data(self, rows, seed=0):
+        return MODELS[self.name][1](rows, seed)
+
+    def whole(self, base, adapt, staged_input=None, seed=1):
+        keras.utils.set_random_seed(seed)
+        return getattr(models(base), MODELS[self.name][0])(name=self.name)
+
+    def split(self, adapt, seed=1):
+        keras.utils.set_random_seed(seed)
+        cls = getattr(models(keras.Model), MODELS[self.name][0])
+        # The trunk first: its initial weights those of `whole`'s model.
+        trunk = cls(preprocessed=True, name=self.name)
+        return preprocessor(self.name).preprocess, trunk
+
+    def compile_kwargs(self, learning_rate=0.01):
+        return {
+            "optimizer": keras.optimizers.Adam(learning_rate),
+            **MODELS[self.name][2],
+        }
+
+
+WORKLOADS = {
+    name: type(name, (Recommender,), {"name": name, "description": name})
+    for name in MODELS
+}

@@ -1,59 +1,83 @@
 """The torch backend's benchmarks run, at their smallest, on torch.
 
-What is checked is the results' structure and that the staged and the hand
+What is checked is the rows' structure and that the staged and the hand
 split trained the same weights, never their speed.
 """
+
+import argparse
+import subprocess
+import sys
 
 import pytest
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_the_quick_run_compares_staged_with_the_hand_split_and_itself():
-    from benchmarks import jax_backend
+def test_fits_trains_the_hand_splits_weights_and_stages_the_lookups():
+    from benchmarks import runner
+    from benchmarks.modes import MODES
+    from benchmarks.scenarios import fits
 
-    results = jax_backend.run(rounds=1, quick=True, log=lambda line: None)
-    assert results["family"] == "torch_backend"
-    assert results["environment"]["torch"].startswith("2.")
-    assert set(results["workloads"]) == {"tabular", "criteo"}
-    for workload in results["workloads"].values():
-        # Plain Keras cannot fit string inputs on torch: recorded.
-        assert not workload["plain"]["possible"]
-        assert workload["weight_check"]["max_abs_difference"] <= 1e-6
-        assert "staged_input" in workload["staged_plan"]["staged_layers"][0]
-        assert set(workload["modes"]) == set(jax_backend.MODES)
-        assert set(workload["paired_ratios"]) == {
-            "staged/expert",
-            "expert_again/expert",
-        }
-        for ratios in workload["paired_ratios"].values():
-            assert set(ratios) == {"seconds", "steps_seconds"}
-            assert all(ratio > 0 for ratio in ratios.values())
-    table = jax_backend.format_table(results)
-    assert "staged/expert" in table and "impossible on torch" in table
+    scenario = fits.Fits()
+    scenario.epochs = 1
+    # Plain Keras cannot take the string columns on torch.
+    assert scenario.modes == ("expert", "staged", "expert_again")
+    args = argparse.Namespace(quick=True, steps=2)
+    expert, staged = (
+        scenario.setup("dlrm", MODES[name], args)
+        for name in ("expert", "staged")
+    )
+    assert "max_dw" not in expert and staged["max_dw"] <= 1e-6
+    layers = staged["built"].model.get_stage_plan().staged_layers
+    assert {"dense_norm", *(f"hash_{i}" for i in range(8))} <= set(layers)
+    trial = runner.timed(scenario, staged, staged=True)
+    assert trial["metrics"]["seconds"] > 0
+
+
+def test_a_quick_fits_run_has_rows_for_every_mode(monkeypatch):
+    from benchmarks import __main__ as cli
+    from benchmarks import records, runner
+
+    chosen, args = cli.parse(
+        ["fits", "--rounds", "1", "--workloads", "criteo_columns"]
+        + ["--steps", "2"]
+    )
+    monkeypatch.setattr(chosen, "epochs", 1)
+    rows = runner.run(chosen, args, log=lambda line: None)
+    assert {row["mode"] for row in rows} == {"expert", "staged", "expert_again"}
+    (summary,) = records.summarize(rows, chosen.reference, chosen.control)
+    assert summary["control"] == summary["ratio"]["expert_again"] > 0
+    assert summary["ratio"]["staged"] > 0
 
 
 @pytest.mark.slow
 def test_a_split_script_runs_each_mode_in_a_fresh_torch_process():
-    from benchmarks import first_calls
+    from benchmarks import runner
 
-    results = first_calls.run_scripts(
-        ["tabular_split"], 1, log=lambda line: None, tiny=True
+    # The children inherit KERAS_BACKEND=torch: plain is the hand split.
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "scripts", "--rounds", "1"]
+        + ["--scripts", "tabular_split", "--tiny", "--no-write"],
+        cwd=runner.ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
-    section = results["scripts"]["tabular_split"]
-    assert "error" not in section, section.get("error")
-    assert section["keras_backend"] == "torch"
-    assert section["versions"]["torch"].startswith("2.")
-    for mode in first_calls.MODES:
-        (run,) = section["runs"][mode]
-        assert set(run["seconds"]) == {
-            "script",
-            "fit",
-            "evaluate",
-            "predict",
-            "process",
-        }
-    assert set(section["summary"]["script"]["paired"]) == {
-        "staged/plain",
-        "plain_again/plain",
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {}
+    for line in done.stdout.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if cells[0] == "tabular_split":
+            rows[cells[1]] = cells[2:5]
+    assert set(rows) == {
+        "seconds",
+        "script",
+        "fit",
+        "evaluate",
+        "predict",
+        "process",
     }
+    for metric, (plain, staged, control) in rows.items():
+        # Each mode's process: plain's median, staged's and plain_again's
+        # ratios to it.
+        assert min(float(plain), float(staged), float(control)) > 0, metric

@@ -23,7 +23,7 @@ import pytest
 import tensorflow as tf
 
 import keras_stage
-from benchmarks.workloads import heart
+from benchmarks.workloads import tables
 from tests.helpers import (
     check_a_tensorflow_ops_layer_is_staged,
     staged_prefix_outputs,
@@ -327,7 +327,7 @@ def test_training_equals_the_hand_split_pipeline(shuffle):
 
 def feature_space(features):
     """The example's `FeatureSpace`, adapted on `features` as it does."""
-    space = heart.feature_space()
+    space = tables.feature_space()
     space.adapt(tf.data.Dataset.from_tensor_slices(features).batch(32))
     return space
 
@@ -351,7 +351,7 @@ def staged_feature_space_model(features):
 
     The encoded features hang off the FeatureSpace's own inputs: a
     `StagedInput` goes before them by calling them as a nested model (as
-    `benchmarks.regimes.FeatureSpaceModel` builds it).
+    `benchmarks.workloads.tables.FeatureSpaceWorkload` builds it).
     """
     keras.utils.set_random_seed(5)
     space = feature_space(features)
@@ -388,8 +388,8 @@ def heart_dataset(features, labels, shuffle):
 
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_feature_space_training_equals_the_hand_split_pipeline(shuffle):
-    features, labels = heart.make_heart_data(160, seed=7)
-    val_features, val_labels = heart.make_heart_data(40, seed=8)
+    features, labels = tables.heart(160, 7)
+    val_features, val_labels = tables.heart(40, 8)
     model = staged_feature_space_model(features)
     space, trunk = hand_split_feature_space(features)
     assert model.get_stage_plan().staged_layers == ["stage", "encode"]

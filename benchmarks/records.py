@@ -1,0 +1,268 @@
+"""The record schema, its summaries, tables and result files.
+
+A run's raw rows (`runner`) have one schema: `benchmark, workload, mode,
+round, metric, value` and, for a keras_stage mode, `staged_calls` of
+`calls` (the calls its trial decided, and how many of them ran staged) and
+`why` (the reasons logged for those that ran unstaged). `summarize` turns
+them into one summary per workload and metric: each mode's median, its
+paired ratio to the reference (the median over rounds of the ratio within a
+round), the control's ratio (a second run of the reference: the noise a
+ratio has), and how many staged calls ran staged.
+
+Files: the summary goes to `benchmarks/results/<benchmark>[-<name>].json`
+(in git, one per latest run of a family); the raw rows to
+`benchmarks/results/raw/` (ignored by git).
+"""
+
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import time
+
+from benchmarks.runner import ROOT
+
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+
+
+def summarize(rows, reference, control):
+    """One summary per `(workload, metric)` of `rows`, in their order."""
+    groups = {}
+    for row in rows:
+        key = (row["workload"], row["metric"])
+        groups.setdefault(key, {}).setdefault(row["mode"], []).append(row)
+    out = []
+    for (workload, metric), by_mode in groups.items():
+        medians = {
+            mode: statistics.median(r["value"] for r in got)
+            for mode, got in by_mode.items()
+        }
+        summary = {
+            "workload": workload,
+            "metric": metric,
+            "rounds": max(len(got) for got in by_mode.values()),
+            "median": medians,
+            "ratio": _paired(by_mode, reference),
+            "control": None,
+            "staged": {},
+            "why": {},
+        }
+        if "expert" in by_mode and reference != "expert":
+            summary["to_expert"] = _paired(by_mode, "expert")
+        for mode, got in by_mode.items():
+            if got[0]["calls"] is not None:
+                summary["staged"][mode] = [
+                    sum(r["staged_calls"] for r in got),
+                    sum(r["calls"] for r in got),
+                ]
+                reasons = sorted({w for r in got for w in r["why"]})
+                if reasons:
+                    summary["why"][mode] = reasons
+        summary["control"] = summary["ratio"].get(control)
+        out.append(summary)
+    return out
+
+
+def _paired(by_mode, reference):
+    """`{mode: median over rounds of mode / reference in the round}`."""
+    base = {r["round"]: r["value"] for r in by_mode.get(reference, ())}
+    out = {}
+    for mode, got in by_mode.items():
+        pairs = [
+            r["value"] / base[r["round"]] for r in got if base.get(r["round"])
+        ]
+        if mode != reference and pairs:
+            out[mode] = statistics.median(pairs)
+    return out
+
+
+def within_noise(summary, mode, bound=1.0):
+    """Whether `mode`'s ratio is at most `bound` plus the control's
+    distance from 1 (two equal modes differ by that much)."""
+    ratio, control = summary["ratio"].get(mode), summary["control"]
+    if ratio is None:
+        return None
+    return ratio <= bound + (0 if control is None else abs(control - 1))
+
+
+def ran_staged(summary, mode):
+    """`"7/7"`: of a staged mode's calls, how many ran staged ("" for
+    a mode keras_stage does not decide)."""
+    got = summary["staged"].get(mode)
+    if got is None:
+        return ""
+    # Off TensorFlow every call is staged: nothing is decided or logged.
+    return "every call" if got[1] == 0 else f"{got[0]}/{got[1]}"
+
+
+def table(summaries, reference, control, metrics=None):
+    """A markdown table: per workload and metric, the reference's median,
+    every other mode's paired ratio, the control and the staged calls."""
+    modes = []
+    for summary in summaries:
+        modes += [
+            m for m in summary["ratio"] if m not in modes and m != control
+        ]
+    lines = [
+        f"| workload | metric | {reference} | "
+        + " | ".join(f"{m}/{reference}" for m in modes)
+        + f" | control ({control}) | ran staged |",
+        "|---" * (len(modes) + 5) + "|",
+    ]
+    for s in summaries:
+        if metrics and s["metric"] not in metrics:
+            continue
+        ratios = [_fmt(s["ratio"].get(m)) for m in modes]
+        staged = ", ".join(
+            f"{m} {ran_staged(s, m)}" for m in s["staged"] if ran_staged(s, m)
+        )
+        lines.append(
+            f"| {s['workload']} | {s['metric']} | "
+            f"{_fmt(s['median'].get(reference), 3)} | "
+            + " | ".join(ratios)
+            + f" | {_fmt(s['control'])} | {staged} |"
+        )
+    return "\n".join(lines)
+
+
+def _fmt(value, digits=2):
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+# A table in README.md or docs/*.md, rendered from its result file.
+BLOCK = re.compile(
+    r"(<!-- table: (benchmarks/results/[\w.-]+\.json)(?: (\w+))? -->\n)"
+    r".*?(<!-- end of table -->)",
+    re.S,
+)
+
+
+def render(text, root=ROOT):
+    """`text` with each table block rewritten from the file it names.
+
+    A block is `<!-- table: FILE [speed] -->` ... `<!-- end of table -->`;
+    `speed` renders the README's speed table, else `table`.
+    """
+
+    def rendered(match):
+        with open(os.path.join(root, match[2])) as f:
+            result = json.load(f)
+        if match[3] == "speed":
+            body = speed_table(result)
+        else:
+            body = (
+                table(
+                    result["summaries"], result["reference"], result["control"]
+                )
+                + "\n"
+            )
+        return f"{match[1]}\n{body}\n{match[4]}"
+
+    return BLOCK.sub(rendered, text)
+
+
+def environment():
+    """Versions, CPUs, load and the checkout: what makes runs comparable."""
+    import keras  # imported by every scenario anyway
+
+    versions = {"python": platform.python_version(), "keras": keras.__version__}
+    for module in ("tensorflow", "jax", "torch", "keras_stage"):
+        try:
+            versions[module] = __import__(module).__version__
+        except ImportError:
+            pass
+    return {
+        **versions,
+        "backend": keras.backend.backend(),
+        "cpu_count": os.cpu_count(),
+        "loadavg": list(os.getloadavg()),
+        "commit": _git("rev-parse", "--short", "HEAD"),
+        # keras_stage edited but not committed: the commit alone is not it.
+        "dirty": bool(_git("status", "--porcelain", "--", "keras_stage")),
+    }
+
+
+def _git(*args):
+    try:
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def write(benchmark, name, command, rows, summaries, extra=None):
+    """Writes the summary file and the raw rows; returns the summary's path."""
+    stem = benchmark if not name else f"{benchmark}-{name}"
+    stamp = time.strftime("%Y-%m-%d %H:%M")
+    result = {
+        "benchmark": benchmark,
+        "name": name or "",
+        "command": command,
+        "date": stamp,
+        "environment": environment(),
+        **(extra or {}),
+        "summaries": summaries,
+    }
+    path = os.path.join(RESULTS, f"{stem}.json")
+    raw = os.path.join(RESULTS, "raw", f"{stem}-{stamp.replace(' ', '-')}.json")
+    os.makedirs(os.path.dirname(raw), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+    with open(raw, "w") as f:
+        json.dump({**result, "rows": rows}, f)
+    return path
+
+
+# The README's speed table: what each workload's input costs per batch.
+INPUT_WORK = {
+    "remote": "20 ms remote read, then CSV parsing",
+    "seed": "CSV parsing and hashing (DeepRec's example)",
+    "none": "nothing to stage",
+    "criteo": "TSV parsing and hashing, DLRM-like model",
+    "images": "JPEG decoding and augmentation, small CNN",
+}
+
+
+def speed_table(result):
+    """The README's speed table and its notes, from a `bench` summary file.
+
+    Time ratios are paired, to plain Keras (below 1 is faster). A row whose
+    staged calls ran unstaged says why and what a stage could overlap.
+    """
+    lines = [
+        "| Workload | Input work per batch | Time vs plain Keras "
+        "| Control (plain again) | Time vs hand-tuned tf.data | Calls staged |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    notes = []
+    for s in result["summaries"]:
+        if s["metric"] != "seconds":
+            continue
+        name, ratio, control = s["workload"], s["ratio"], s["control"]
+        ran, calls = s["staged"]["staged"]
+        reading = f"{ratio['staged']:.2f}"
+        if within_noise(s, "staged", 1.0) and ratio["staged"] >= 1:
+            reading += " (plain's cost, within the control)"
+        mark = ""
+        if ran < calls:
+            mark = f" [{len(notes) + 1}]"
+            overlap = 1 - ratio["compute_bound"]
+            notes.append(
+                f"[{len(notes) + 1}] `{name}`: {calls - ran} of {calls} "
+                f"calls ran unstaged, the whole model in Keras's step: "
+                f"{'; '.join(s['why'].get('staged', []))} Its input is "
+                f"{overlap:.0%} of plain's time (plain against the trunk "
+                f"alone), the most a stage could overlap on this machine; "
+                f"the hand-tuned pipeline took {ratio['expert']:.2f} of "
+                "plain's time in the same run."
+            )
+        lines.append(
+            f"| `{name}` | {INPUT_WORK.get(name, '')} | {reading}{mark} "
+            f"| {control:.2f} | {s['to_expert']['staged']:.2f} "
+            f"| {ran} of {calls}{mark} |"
+        )
+    return "\n".join(lines + [""] + notes) + "\n"

@@ -1,0 +1,158 @@
+"""The benchmark tool's core: workloads, modes, the paired runner, records.
+
+Speed is never asserted here; what is checked is that every mode does the
+same work (equal losses), that the runner pairs and rotates as it says, and
+that summaries, tables and the history read one schema.
+"""
+
+import json
+import logging
+import pathlib
+
+import numpy as np
+import pytest
+
+from benchmarks import history, records, runner
+from benchmarks.__main__ import parse
+from benchmarks.modes import MODES
+from benchmarks.workloads import WORKLOADS, workload
+
+# The slower workloads' builds run in the long sweep.
+SLOW = ("featurespace", "criteo_columns", "retrieval", "deep_retrieval", "dlrm")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=pytest.mark.long) if name in SLOW else name
+        for name in sorted(WORKLOADS)
+    ],
+)
+def test_every_mode_of_a_workload_does_the_same_work(name):
+    work = workload(name)
+    x, y = work.data(2 * work.batch_size)
+    losses = {}
+    for mode in ("plain", "staged", "expert", "compute_bound"):
+        built = MODES[mode].build(work, x)
+        history_ = built.call("fit", work.dataset(x, y), epochs=1)
+        losses[mode] = history_.history["loss"][0]
+    # `images` flips at random: its draws differ where the flip runs.
+    rtol = 1e-3 if name == "images" else 1e-5
+    np.testing.assert_allclose(
+        list(losses.values()), losses["plain"], rtol=rtol, err_msg=str(losses)
+    )
+
+
+def test_an_unknown_workload_or_mode_is_named():
+    with pytest.raises(ValueError, match="Unknown workload 'nope'"):
+        workload("nope")
+    with pytest.raises(ValueError, match="no attribute 'stepz'"):
+        workload("none", stepz=3)
+    with pytest.raises(ValueError, match="kind 'fast' is not one of"):
+        type(MODES["plain"])("x", "fast")
+
+
+def test_rounds_rotate_the_modes():
+    assert runner.rotated(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert runner.rotated(["a", "b", "c"], 1) == ["b", "c", "a"]
+    assert runner.rotated(["a", "b", "c"], 5) == ["c", "a", "b"]
+
+
+def test_decisions_are_read_from_keras_stages_log():
+    log = logging.getLogger("keras_stage")
+    with runner.decisions_logged() as decisions:
+        log.info("Model 'm': train is staged: nothing is measured yet.")
+        log.info(
+            "Model 'm': test runs the whole model in Keras's step, "
+            "unstaged: it cannot repay its set-up."
+        )
+        log.info("Model 'm': an unrelated line.")
+    assert decisions == [
+        ("train", True, "nothing is measured yet."),
+        ("test", False, "it cannot repay its set-up."),
+    ]
+
+
+def open_text(path):
+    return pathlib.Path(path).read_text()
+
+
+def _row(mode, round_, value, staged=None, why=()):
+    return {
+        "benchmark": "b",
+        "workload": "w",
+        "mode": mode,
+        "round": round_,
+        "metric": "seconds",
+        "value": value,
+        "staged_calls": staged,
+        "calls": None if staged is None else 1,
+        "why": list(why),
+    }
+
+
+def test_summaries_pair_rounds_and_count_staged_calls():
+    rows = [
+        _row("plain", 0, 1.0),
+        _row("plain", 1, 2.0),
+        _row("plain", 2, 4.0),
+        _row("staged", 0, 0.5, 1),
+        _row("staged", 1, 1.0, 1),
+        _row("staged", 2, 8.0, 0, ["too short"]),
+        _row("plain_again", 0, 1.1),
+        _row("plain_again", 1, 2.0),
+        _row("plain_again", 2, 4.0),
+    ]
+    (summary,) = records.summarize(rows, "plain", "plain_again")
+    # Paired: per round 0.5, 0.5, 2.0 -> median 0.5 (of medians: 1.0 / 2.0).
+    assert summary["ratio"]["staged"] == 0.5
+    assert summary["control"] == 1.0
+    assert summary["staged"] == {"staged": [2, 3]}
+    assert summary["why"] == {"staged": ["too short"]}
+    assert records.ran_staged(summary, "staged") == "2/3"
+    assert records.within_noise(summary, "staged")
+    text = records.table([summary], "plain", "plain_again")
+    assert "control (plain_again)" in text and "staged 2/3" in text
+    assert "| w | seconds | 2.000 | 0.50 | 1.00 |" in text
+
+
+def test_a_summary_file_becomes_history_rows(tmp_path, monkeypatch):
+    monkeypatch.setattr(records, "RESULTS", str(tmp_path))
+    rows = [_row("plain", 0, 2.0), _row("staged", 0, 1.0, 1)]
+    summaries = records.summarize(rows, "plain", "plain_again")
+    path = records.write("b", "n", "python -m benchmarks b", rows, summaries)
+    assert json.loads(open_text(path))["summaries"] == summaries
+    (raw,) = (tmp_path / "raw").iterdir()
+    assert len(json.loads(raw.read_text())["rows"]) == 2
+    (row,) = history.rows_of(path)
+    assert (row["family"], row["workload"], row["timing"]) == ("b", "w", "call")
+    assert row["staged/plain"] == "0.5" and row["other"] == "ran staged 1/1"
+    csv = tmp_path / "history.csv"
+    assert history.update([path], str(csv)) == 1
+    assert history.update([path], str(csv)) == 0  # not added twice
+
+
+def test_a_bench_run_records_every_mode_and_its_staged_calls():
+    scenario, args = parse(
+        ["bench", "--workloads", "none", "--steps", "2", "--rounds", "2"]
+    )
+    rows = runner.run(scenario, args, log=lambda line: None)
+    modes = {row["mode"] for row in rows}
+    assert modes == set(scenario.modes)
+    assert sorted(r["round"] for r in rows if r["mode"] == "staged") == [0, 1]
+    staged = [r for r in rows if r["mode"] == "staged"]
+    assert all(r["calls"] >= 1 for r in staged), staged
+    assert all(r["calls"] is None for r in rows if r["mode"] != "staged")
+
+
+def test_a_regime_runs_its_calls_in_every_mode():
+    scenario, args = parse(
+        ["regimes", "--workloads", "tabular", "--regimes", "evaluate_x3"]
+        + ["--tiny", "--rounds", "1", "--modes", "plain,staged,expert"]
+    )
+    rows = runner.run(scenario, args, log=lambda line: None)
+    assert {(r["workload"], r["mode"]) for r in rows} == {
+        ("tabular/evaluate_x3", mode) for mode in ("plain", "staged", "expert")
+    }
+    (staged,) = [r for r in rows if r["mode"] == "staged"]
+    assert staged["calls"] == 2  # evaluate_x3 at its tiny size: 2 calls
