@@ -109,7 +109,7 @@ class Built:
         self.kind = kind
         self.preprocess = preprocess
         self.prefetch = None  # the last staged fit's PrefetchCallback
-        self._kept = {}  # the trunk kind's batches in memory, per dataset
+        self._kept = {}  # the pipeline made of each dataset fed
 
     def feed(self, dataset):
         """What this mode's model is given for `dataset` of raw batches."""
@@ -132,12 +132,10 @@ class Built:
             dataset = dataset.cache()
             for _ in dataset:  # preprocessed once, then read from memory
                 pass
-            self._kept[id(source)] = (
-                source,
-                dataset.prefetch(tf.data.AUTOTUNE),
-            )
-            return self._kept[id(source)][1]
-        return dataset.prefetch(tf.data.AUTOTUNE)
+        # One pipeline per dataset, as a user builds it once and passes it
+        # to every call (a map made per call would trace it per call).
+        self._kept[id(source)] = (source, dataset.prefetch(tf.data.AUTOTUNE))
+        return self._kept[id(source)][1]
 
     def call(self, method, data, callbacks=(), **kwargs):
         """`model.<method>(feed(data), ...)`, quiet; a staged `fit` gets a
