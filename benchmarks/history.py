@@ -83,7 +83,9 @@ def rows_of(path):
 
 def result_files(root=RESULTS_DIR):
     """Every summary under `root` (the raw rows' folder left out)."""
-    return sorted(glob.glob(os.path.join(root, "*.json")))
+    # bench-quick's check runs are not kept (git ignores them too).
+    found = glob.glob(os.path.join(root, "*.json"))
+    return sorted(f for f in found if not f.endswith("-quick.json"))
 
 
 def read(path=HISTORY):

@@ -78,13 +78,15 @@ def _paired(by_mode, reference):
     return out
 
 
-def within_noise(summary, mode, bound=1.0):
+def within_noise(summary, mode, bound=1.0, sign=1):
     """Whether `mode`'s ratio is at most `bound` plus the control's
-    distance from 1 (two equal modes differ by that much)."""
+    distance from 1 (two equal modes differ by that much); `sign=-1`:
+    at least `bound` less that distance."""
     ratio, control = summary["ratio"].get(mode), summary["control"]
     if ratio is None:
         return None
-    return ratio <= bound + (0 if control is None else abs(control - 1))
+    distance = 0 if control is None else abs(control - 1)
+    return sign * ratio <= sign * bound + distance
 
 
 def ran_staged(summary, mode):
@@ -227,11 +229,22 @@ INPUT_WORK = {
 }
 
 
+# What decided a call that ran unstaged (keras_stage's log), for the notes.
+UNSTAGED = {
+    "trial": "a trial that times the whole model's steps once",
+    "does_not_pay": "measured: the stage saves less than its set-up costs",
+    "first_call": "a first call too short to repay a stage",
+    "one_batch": "a call of one batch",
+    "training_loses": "measured: its training loses more than staging saves",
+}
+
+
 def speed_table(result):
     """The README's speed table and its notes, from a `bench` summary file.
 
     Time ratios are paired, to plain Keras (below 1 is faster). A row whose
-    staged calls ran unstaged says why and what a stage could overlap.
+    staged calls ran unstaged says why, and how much of plain's time the
+    input took (plain against the trunk alone): what a stage could overlap.
     """
     lines = [
         "| Workload | Input work per batch | Time vs plain Keras "
@@ -245,24 +258,25 @@ def speed_table(result):
         name, ratio, control = s["workload"], s["ratio"], s["control"]
         ran, calls = s["staged"]["staged"]
         reading = f"{ratio['staged']:.2f}"
-        if within_noise(s, "staged", 1.0) and ratio["staged"] >= 1:
-            reading += " (plain's cost, within the control)"
+        if within_noise(s, "staged") and within_noise(s, "staged", 1.0, -1):
+            reading += " (plain's cost: within the control)"
         mark = ""
         if ran < calls:
             mark = f" [{len(notes) + 1}]"
-            overlap = 1 - ratio["compute_bound"]
+            why = [UNSTAGED.get(k, k) for k in s["why"].get("staged", [])]
             notes.append(
-                f"[{len(notes) + 1}] `{name}`: {calls - ran} of {calls} "
-                f"calls ran unstaged, the whole model in Keras's step: "
-                f"{'; '.join(s['why'].get('staged', []))} Its input is "
-                f"{overlap:.0%} of plain's time (plain against the trunk "
-                f"alone), the most a stage could overlap on this machine; "
-                f"the hand-tuned pipeline took {ratio['expert']:.2f} of "
-                "plain's time in the same run."
+                f"{mark[1:]} `{name}`: {calls - ran} of {calls} calls ran "
+                "unstaged, the whole model in Keras's step "
+                f"({'; '.join(why)}). "
+                f"The trunk alone, on batches in memory, took "
+                f"{ratio['compute_bound']:.2f} of plain's time: at most "
+                f"{max(0, 1 - ratio['compute_bound']):.0%} of it is input a "
+                "stage could overlap on this machine. The hand-tuned pipeline "
+                f"took {ratio['expert']:.2f} of plain's time in the same run."
             )
         lines.append(
             f"| `{name}` | {INPUT_WORK.get(name, '')} | {reading}{mark} "
             f"| {control:.2f} | {s['to_expert']['staged']:.2f} "
-            f"| {ran} of {calls}{mark} |"
+            f"| {ran} of {calls} |"
         )
     return "\n".join(lines + [""] + notes) + "\n"

@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORDS = "BENCHMARK-RECORDS "
 _DECISION = re.compile(
     r"^Model '[^']*': (\w+) (is staged|runs the whole model in Keras's step,"
-    r" unstaged)(?: \[\w+\])?: (.*)$",
+    r" unstaged) \[(\w+)\]: (.*)$",
     re.DOTALL,
 )
 
@@ -90,7 +90,7 @@ class Scenario:
 
 @contextlib.contextmanager
 def decisions_logged():
-    """keras_stage's decisions within: `[(phase, staged, why)]` at the end."""
+    """keras_stage's decisions within: `[(phase, staged, kind, reason)]`."""
     decisions, records = [], []
 
     class Handler(logging.Handler):
@@ -109,8 +109,8 @@ def decisions_logged():
         for record in records:
             match = _DECISION.match(record.getMessage())
             if match:
-                phase, verb, why = match.groups()
-                decisions.append((phase, verb == "is staged", why))
+                phase, verb, kind, why = match.groups()
+                decisions.append((phase, verb == "is staged", kind, why))
 
 
 def timed(scenario, state, staged):
@@ -125,6 +125,7 @@ def timed(scenario, state, staged):
         out.update(
             staged_calls=sum(d[1] for d in decisions),
             calls=len(decisions),
+            # What decided each unstaged call (the log's kind).
             why=sorted({d[2] for d in decisions if not d[1]}),
         )
     return out

@@ -61,16 +61,25 @@ def test_rounds_rotate_the_modes():
 def test_decisions_are_read_from_keras_stages_log():
     log = logging.getLogger("keras_stage")
     with runner.decisions_logged() as decisions:
-        log.info("Model 'm': train is staged: nothing is measured yet.")
+        log.info("Model 'm': train is staged [pays]: it saves 3 ms.")
         log.info(
             "Model 'm': test runs the whole model in Keras's step, "
-            "unstaged: it cannot repay its set-up."
+            "unstaged [does_not_pay]: it cannot repay its set-up."
         )
         log.info("Model 'm': an unrelated line.")
     assert decisions == [
-        ("train", True, "nothing is measured yet."),
-        ("test", False, "it cannot repay its set-up."),
+        ("train", True, "pays", "it saves 3 ms."),
+        ("test", False, "does_not_pay", "it cannot repay its set-up."),
     ]
+
+
+def test_the_decision_line_is_the_one_keras_stage_logs():
+    # The parsed form of keras_stage's own log line (models/call/facts.py).
+    from keras_stage.models.call import facts
+
+    source = pathlib.Path(facts.__file__).read_text()
+    assert '"Model \'%s\': %s %s [%s]: %s."' in source
+    assert "runs the whole model in Keras's step, unstaged" in source
 
 
 def open_text(path):
