@@ -6,7 +6,7 @@
 the rows already there, so the table outlives the files it was built from.
 A row already in the table is not added twice. Every figure is copied from
 the summary: each mode's median and its paired ratio to the reference.
-`--markdown` prints the history table of docs/benchmarks.md; `--docs`
+`--markdown` prints the history table of CHANGELOG.md; `--docs`
 rewrites it and every table of the README and the docs drawn from a result
 file. This module imports neither TensorFlow nor Keras.
 """
@@ -116,10 +116,10 @@ def update(files, path=HISTORY):
     return added
 
 
-# The pages `--docs` rewrites: the history table, and every table block
+# The pages `--docs` rewrites: the history table (CHANGELOG.md), every block
 # (`records.render`) of the README and the docs.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS_PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
+DOCS_PAGE = os.path.join(ROOT, "CHANGELOG.md")
 README = os.path.join(ROOT, "README.md")
 BEGIN = "<!-- history table: python -m benchmarks.history --docs -->"
 END = "<!-- end of the history table -->"

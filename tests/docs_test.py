@@ -328,8 +328,7 @@ def test_contributing_names_the_development_targets():
 
 # A commit hash: 7 to 40 hex digits standing alone, with a digit among them
 # (English words such as "defaced" are letters only), not the digits of a
-# decimal fraction. Only the history table of docs/benchmarks.md names
-# commits.
+# decimal fraction. Only the history table of CHANGELOG.md names commits.
 COMMIT_HASH = re.compile(
     r"(?<![0-9A-Za-z_.,])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![0-9A-Za-z_])"
 )
@@ -346,17 +345,12 @@ MAX_LINES = {"limitations.md": 200, "benchmarks.md": 350}
 
 
 def user_pages():
-    """`(name, text)` of every docs page and the README, the history
-    table of docs/benchmarks.md left out."""
+    """`(name, text)` of every docs page and the README (the history
+    table is in CHANGELOG.md, not among them)."""
     pages = [(f"docs/{p}", (DOCS / p).read_text()) for p in doc_pages()]
     pages.append(("README.md", (ROOT / "README.md").read_text()))
     found = []
     for name, text in pages:
-        if name == "docs/benchmarks.md":
-            text = (
-                text[: text.index(HISTORY_BEGIN)]
-                + text[text.index(HISTORY_END) :]
-            )
         found.append((name, text))
     return found
 
@@ -383,7 +377,7 @@ def test_no_page_names_a_commit():
     }
     assert not found, (
         f"Commit hashes (line, hash) outside the history table of "
-        f"docs/benchmarks.md: {found}. Say what holds now; history goes "
+        f"CHANGELOG.md: {found}. Say what holds now; history goes "
         "into benchmarks/results/history.csv and that table."
     )
 
@@ -412,11 +406,11 @@ def test_the_history_table_is_rendered_from_the_csv():
     # benchmarks.history imports neither TensorFlow nor Keras.
     from benchmarks import history
 
-    text = (DOCS / "benchmarks.md").read_text()
+    text = (ROOT / "CHANGELOG.md").read_text()
     start = text.index(HISTORY_BEGIN) + len(HISTORY_BEGIN)
     table = text[start : text.index(HISTORY_END)].strip() + "\n"
     assert table == history.markdown(history.read()), (
-        "docs/benchmarks.md's history table differs from history.csv: run "
+        "CHANGELOG.md's history table differs from history.csv: run "
         "`python -m benchmarks.history --docs`."
     )
 
