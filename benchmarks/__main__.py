@@ -39,11 +39,8 @@ def parse(argv):
     chosen.arguments(parser)
     args = parser.parse_args(argv[1:])
     args.modes = args.modes.split(",")
-    # What a child process is given: the command without --child.
-    args.argv = list(argv)
-    if args.child:
-        at = args.argv.index("--child")
-        del args.argv[at : at + 3]
+    at = argv.index("--child") if args.child else len(argv)
+    args.argv = [*argv[:at], *argv[at + 3 :]]  # a child's: without --child
     return chosen, args
 
 
@@ -57,17 +54,11 @@ def main(argv=None):
     summaries = records.summarize(rows, chosen.reference, chosen.control)
     print(records.table(summaries, chosen.reference, chosen.control))
     if not args.no_write:
+        command = "python -m benchmarks " + " ".join(argv)
+        extra = dict(reference=chosen.reference, control=chosen.control)
+        extra["modes"] = args.modes
         path = records.write(
-            chosen.name,
-            args.name,
-            "python -m benchmarks " + " ".join(argv),
-            rows,
-            summaries,
-            {
-                "reference": chosen.reference,
-                "control": chosen.control,
-                "modes": args.modes,
-            },
+            chosen.name, args.name, command, rows, summaries, extra
         )
         print(f"wrote {path}")
     return 0

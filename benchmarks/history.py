@@ -1,14 +1,11 @@
 """The history table: one row per benchmark run, workload and metric.
 
-`python -m benchmarks.history [FILE ...]` adds the rows of result files
-(the summaries `python -m benchmarks` writes; default: every
-`benchmarks/results/*.json`) to `benchmarks/results/history.csv`, keeping
-the rows already there, so the table outlives the files it was built from.
-A row already in the table is not added twice. Every figure is copied from
-the summary: each mode's median and its paired ratio to the reference.
-`--markdown` prints the history table of CHANGELOG.md; `--docs`
-rewrites it and every table of the README and the docs drawn from a result
-file. This module imports neither TensorFlow nor Keras.
+`python -m benchmarks.history [FILE ...]` adds the rows of summary files
+(default: every `benchmarks/results/*.json`) missing from
+`benchmarks/results/history.csv`, which so outlives them; each mode's median
+and paired ratio are copied from the summary. `--markdown` prints the
+history table of CHANGELOG.md; `--docs` rewrites it and every table of the
+README and the docs drawn from a result file. Imports no TensorFlow, Keras.
 """
 
 import argparse
@@ -20,16 +17,13 @@ import sys
 
 from benchmarks import records
 
-RESULTS_DIR = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "results"
-)
+RESULTS_DIR, ROOT = records.RESULTS, records.ROOT
 HISTORY = os.path.join(RESULTS_DIR, "history.csv")
-COLUMNS = (
-    "date", "commit", "family", "run", "workload", "timing", "rounds", "size",
-    "unit", "plain", "expert", "staged", "limit", "staged/plain",
-    "staged/expert", "staged/limit", "expert/plain", "control/plain",
-    "ratios", "other",
-)  # fmt: skip
+COLUMNS = tuple(
+    "date commit family run workload timing rounds size unit plain expert"
+    " staged limit staged/plain staged/expert staged/limit expert/plain"
+    " control/plain ratios other".split()
+)
 # What makes a row the same row when the table is appended to.
 KEY = ("run", "commit", "workload", "timing", "plain", "staged")
 
@@ -47,11 +41,13 @@ def rows_of(path):
     env = result["environment"]
     commit = (env.get("commit") or "") + ("+" if env.get("dirty") else "")
     reference = result.get("reference", "plain")
+    plain = reference == "plain"
     stem = os.path.splitext(os.path.basename(path))[0]
     rows = []
     for s in result["summaries"]:
         ratio, median = s["ratio"], s["median"]
         staged = s["staged"].get("staged")
+        other = "" if staged is None else f"ran staged {staged[0]}/{staged[1]}"
         rows.append(
             {
                 "date": result["date"],
@@ -68,14 +64,10 @@ def rows_of(path):
                 "staged": _fmt(median.get("staged")),
                 "limit": _fmt(median.get("compute_bound")),
                 f"staged/{reference}": _fmt(ratio.get("staged")),
-                "expert/plain": _fmt(ratio.get("expert"))
-                if reference == "plain"
-                else "",
+                "expert/plain": _fmt(ratio.get("expert") if plain else None),
                 "control/plain": _fmt(s["control"]),
                 "ratios": "paired",
-                "other": ""
-                if staged is None
-                else f"ran staged {staged[0]}/{staged[1]}",
+                "other": other,
             }
         )
     return rows
@@ -99,26 +91,23 @@ def read(path=HISTORY):
 def update(files, path=HISTORY):
     """Adds the rows of `files` missing from the table; returns how many."""
     rows = read(path)
-    seen = {tuple(row[k] for k in KEY) for row in rows}
-    added = 0
+    before, seen = len(rows), {tuple(row[k] for k in KEY) for row in rows}
     for file in files:
         for row in rows_of(file):
             row = {k: str(row.get(k, "")) for k in COLUMNS}
             if tuple(row[k] for k in KEY) not in seen:
                 seen.add(tuple(row[k] for k in KEY))
                 rows.append(row)
-                added += 1
     rows.sort(key=lambda row: (row["date"], row["family"], row["run"]))
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
-    return added
+    return len(rows) - before
 
 
 # The pages `--docs` rewrites: the history table (CHANGELOG.md), every block
 # (`records.render`) of the README and the docs.
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS_PAGE = os.path.join(ROOT, "CHANGELOG.md")
 README = os.path.join(ROOT, "README.md")
 BEGIN = "<!-- history table: python -m benchmarks.history --docs -->"
@@ -138,44 +127,34 @@ def _feed(row):
 
 def _headline(row):
     """`(name, value)`: staged/plain, or staged/expert where no plain ran."""
-    if row["staged/plain"]:
-        return "staged/plain", row["staged/plain"]
-    if row["staged/expert"]:
-        return "staged/expert", row["staged/expert"]
+    for name in ("staged/plain", "staged/expert"):
+        if row[name]:
+            return name, row[name]
     return "", ""
 
 
-def _when(row, value):
-    commit = row["commit"] or "-"
-    return f"{value} ({row['date'][:10]}, {commit})"
+def _when(row, value, _name):
+    return f"{value} ({row['date'][:10]}, {row['commit'] or '-'})"
 
 
 def markdown(rows):
-    """The history table of docs/benchmarks.md, from the CSV's rows.
+    """The history table of CHANGELOG.md, from the CSV's rows.
 
-    One line per family, workload (and feed, for regimes) and timing: how
-    many runs measured it, the first and the last run's ratio (staged to
-    plain, or to expert where plain Keras cannot run) with its date and
-    commit, and the lowest and highest. Whole calls (`call`) are the
-    headline; the steps alone get a line where more runs timed them than
-    whole calls (the suite timed only steps at first). Of the first
-    calls, only a script's or a model's total time gets a line (the
-    workloads ending in `script` or `total`). Runs of one date
-    keep the table's order, except that a run named `before` comes first
-    (a before/after pair committed together). Rows without a ratio (the
-    determinism verdicts) are left out; the CSV has them.
+    One line per family, workload (and feed, for regimes) and timing: its
+    runs, the first and last run's ratio (staged to plain, else to expert)
+    with date and commit, the lowest and highest. Steps get a line only
+    where more runs timed them than whole calls; first calls only for a
+    script's or model's total. Of one date's runs, `before` comes first.
+    Rows without a ratio (determinism verdicts) are left out.
     """
     groups = {}
     for row in rows:
         name, value = _headline(row)
-        if not value:
-            continue
-        if row["family"] == "first_calls" and not row["workload"].endswith(
-            (" script", " total")
-        ):
+        total = row["workload"].endswith((" script", " total"))
+        if not value or (row["family"] == "first_calls" and not total):
             continue
         key = (row["family"], row["workload"] + _feed(row), row["timing"])
-        groups.setdefault(key, []).append((row, name, value))
+        groups.setdefault(key, []).append((row, value, name))
     lines = [
         "| family | workload | time | ratio | runs | first run | last run "
         "| lowest - highest |",
@@ -190,12 +169,10 @@ def markdown(rows):
             groups[key],
             key=lambda item: (item[0]["date"], "before" not in item[0]["run"]),
         )
-        name = found[-1][1]
-        found = [(row, value) for row, _, value in found]
-        values = [float(value) for _, value in found]
+        values = [float(value) for _, value, _ in found]
         lines.append(
-            f"| {family} | {workload} | {timing} | {name} | {len(found)} "
-            f"| {_when(*found[0])} | {_when(*found[-1])} "
+            f"| {family} | {workload} | {timing} | {found[-1][2]} "
+            f"| {len(found)} | {_when(*found[0])} | {_when(*found[-1])} "
             f"| {min(values):.3f} - {max(values):.3f} |"
         )
     return "\n".join(lines) + "\n"
@@ -205,8 +182,7 @@ def update_docs(rows, page=DOCS_PAGE):
     """Rewrites the history table between `BEGIN` and `END` in `page`."""
     with open(page) as f:
         text = f.read()
-    start = text.index(BEGIN) + len(BEGIN)
-    end = text.index(END)
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
     text = text[:start] + "\n\n" + markdown(rows) + "\n" + text[end:]
     with open(page, "w") as f:
         f.write(text)

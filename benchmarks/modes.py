@@ -1,8 +1,7 @@
 """The modes: the ways one workload is built and fed.
 
-A `Mode` is a name and a `kind`; `build(workload, adapt)` returns a `Built`
-whose `model` is compiled and whose `feed(dataset)` is what that model is
-given for a dataset of raw batches. The kinds:
+A `Mode` is a name and a `kind`; `build(workload, adapt)` returns a `Built`:
+a compiled `model` and `feed(dataset)`, what it is given for raw batches.
 
 - `plain`: the whole model as a `keras.Model`, fed the raw batches.
 - `staged`: keras_stage's three lines: `StagedInput(**options)` first,
@@ -31,13 +30,8 @@ KINDS = ("plain", "staged", "expert", "trunk")
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """A named way of building and feeding a workload.
-
-    Attributes:
-        name: The mode's name in records and tables.
-        kind: One of `KINDS`.
-        options: `StagedInput` options of a `staged` mode.
-    """
+    """A named way of building and feeding a workload: `name` in records,
+    `kind` of `KINDS`, `options` of a `staged` mode's `StagedInput`."""
 
     name: str
     kind: str
@@ -56,21 +50,19 @@ class Mode:
     def build(self, workload, adapt, learning_rate=1e-3, seed=0):
         """The compiled model of this mode and how it is fed."""
         compile_kwargs = workload.compile_kwargs(learning_rate)
+        preprocess = staged_input = None
+        if self.staged:
+            staged_input = keras_stage.layers.StagedInput(**self.options)
+            compile_kwargs["smart_stage"] = True
         if self.kind in ("plain", "staged"):
-            staged_input = None
-            if self.staged:
-                staged_input = keras_stage.layers.StagedInput(**self.options)
-                compile_kwargs["smart_stage"] = True
             base = keras_stage.Model if self.staged else keras.Model
             model = workload.whole(base, adapt, staged_input, seed=seed)
-            model.compile(**compile_kwargs)
-            return Built(model, self.kind)
-        preprocess, model = workload.split(adapt, seed=seed)
+        else:
+            preprocess, model = workload.split(adapt, seed=seed)
         model.compile(**compile_kwargs)
         return Built(model, self.kind, preprocess)
 
 
-# The usual modes, by name.
 MODES = {
     mode.name: mode
     for mode in (
@@ -85,24 +77,9 @@ MODES = {
 }
 
 
-def modes(names):
-    """`[Mode]` of comma-separated or listed `names` (see `MODES`)."""
-    if isinstance(names, str):
-        names = names.split(",")
-    unknown = [name for name in names if name not in MODES]
-    if unknown:
-        raise ValueError(f"Unknown modes {unknown}: expected {list(MODES)}.")
-    return [MODES[name] for name in names]
-
-
 class Built:
-    """A built mode: its compiled `model` and what it is fed.
-
-    Args:
-        model: The compiled model.
-        kind: The mode's kind (see `KINDS`).
-        preprocess: The hand split's map of a raw `x`, or None.
-    """
+    """A built mode: its compiled `model`, its `kind` and, for the hand
+    split, `preprocess`, the map of a raw `x`."""
 
     def __init__(self, model, kind, preprocess=None):
         self.model = model
@@ -115,27 +92,21 @@ class Built:
         """What this mode's model is given for `dataset` of raw batches."""
         if self.kind in ("plain", "staged"):
             return dataset
-        if id(dataset) in self._kept:
-            return self._kept[id(dataset)][1]
-        source = dataset
-        if self.preprocess is not None:
-            preprocess = self.preprocess
-            labelled = isinstance(dataset.element_spec, tuple)
-            dataset = dataset.map(
-                # A 1-tuple: a tuple of features alone would read as (x, y).
-                (lambda x, *y: (preprocess(x), *y))
-                if labelled
-                else (lambda x: (preprocess(x),)),
-                num_parallel_calls=tf.data.AUTOTUNE,
-            )
-        if self.kind == "trunk":
-            dataset = dataset.cache()
-            for _ in dataset:  # preprocessed once, then read from memory
-                pass
-        # One pipeline per dataset, as a user builds it once and passes it
-        # to every call (a map made per call would trace it per call).
-        self._kept[id(source)] = (source, dataset.prefetch(tf.data.AUTOTUNE))
-        return self._kept[id(source)][1]
+        if id(dataset) not in self._kept:
+            # One pipeline per dataset, as a user builds it once for every
+            # call (a map made per call would trace it per call).
+            fed, preprocess = dataset, self.preprocess
+            if preprocess is not None:  # unlabelled: a 1-tuple, not (x, y)
+                fed = fed.map(
+                    lambda x, *y: (preprocess(x), *y),
+                    num_parallel_calls=tf.data.AUTOTUNE,
+                )
+            if self.kind == "trunk":
+                fed = fed.cache()
+                for _ in fed:  # preprocessed once, then read from memory
+                    pass
+            self._kept[id(dataset)] = (dataset, fed.prefetch(tf.data.AUTOTUNE))
+        return self._kept[id(dataset)][1]
 
     def call(self, method, data, callbacks=(), **kwargs):
         """`model.<method>(feed(data), ...)`, quiet; a staged `fit` gets a

@@ -1,17 +1,13 @@
 """The record schema, its summaries, tables and result files.
 
-A run's raw rows (`runner`) have one schema: `benchmark, workload, mode,
-round, metric, value` and, for a keras_stage mode, `staged_calls` of
-`calls` (the calls its trial decided, and how many of them ran staged) and
-`why` (the reasons logged for those that ran unstaged). `summarize` turns
-them into one summary per workload and metric: each mode's median, its
-paired ratio to the reference (the median over rounds of the ratio within a
-round), the control's ratio (a second run of the reference: the noise a
-ratio has), and how many staged calls ran staged.
-
-Files: the summary goes to `benchmarks/results/<benchmark>[-<name>].json`
-(in git, one per latest run of a family); the raw rows to
-`benchmarks/results/raw/` (ignored by git).
+A raw row (`runner`) is `benchmark, workload, mode, round, metric, value`
+and, for a keras_stage mode, `staged_calls` of its trial's `calls` and `why`
+(the kinds logged for those unstaged). `summarize` makes one summary per
+workload and metric: each mode's median, its paired ratio to the reference
+(the median over rounds of the ratio within a round), the control's (a
+second run of the reference: the noise of a ratio) and the staged calls.
+Summaries go to `benchmarks/results/<benchmark>[-<name>].json` (in git), raw
+rows to `benchmarks/results/raw/` (not in git).
 """
 
 import json
@@ -39,13 +35,14 @@ def summarize(rows, reference, control):
             mode: statistics.median(r["value"] for r in got)
             for mode, got in by_mode.items()
         }
+        ratio = _paired(by_mode, reference)
         summary = {
             "workload": workload,
             "metric": metric,
             "rounds": max(len(got) for got in by_mode.values()),
             "median": medians,
-            "ratio": _paired(by_mode, reference),
-            "control": None,
+            "ratio": ratio,
+            "control": ratio.get(control),
             "staged": {},
             "why": {},
         }
@@ -60,7 +57,6 @@ def summarize(rows, reference, control):
                 reasons = sorted({w for r in got for w in r["why"]})
                 if reasons:
                     summary["why"][mode] = reasons
-        summary["control"] = summary["ratio"].get(control)
         out.append(summary)
     return out
 
@@ -102,11 +98,8 @@ def ran_staged(summary, mode):
 def table(summaries, reference, control, metrics=None):
     """A markdown table: per workload and metric, the reference's median,
     every other mode's paired ratio, the control and the staged calls."""
-    modes = []
-    for summary in summaries:
-        modes += [
-            m for m in summary["ratio"] if m not in modes and m != control
-        ]
+    modes = [m for s in summaries for m in s["ratio"] if m != control]
+    modes = list(dict.fromkeys(modes))
     lines = [
         f"| workload | metric | {reference} | "
         + " | ".join(f"{m}/{reference}" for m in modes)
@@ -116,14 +109,13 @@ def table(summaries, reference, control, metrics=None):
     for s in summaries:
         if metrics and s["metric"] not in metrics:
             continue
-        ratios = [_fmt(s["ratio"].get(m)) for m in modes]
         staged = ", ".join(
             f"{m} {ran_staged(s, m)}" for m in s["staged"] if ran_staged(s, m)
         )
         lines.append(
             f"| {s['workload']} | {s['metric']} | "
             f"{_fmt(s['median'].get(reference), 3)} | "
-            + " | ".join(ratios)
+            + " | ".join(_fmt(s["ratio"].get(m)) for m in modes)
             + f" | {_fmt(s['control'])} | {staged} |"
         )
     return "\n".join(lines)
@@ -152,15 +144,9 @@ def render(text, root=ROOT):
         with open(os.path.join(root, match[2])) as f:
             result = json.load(f)
         if match[3] == "speed":
-            body = speed_table(result)
-        else:
-            body = (
-                table(
-                    result["summaries"], result["reference"], result["control"]
-                )
-                + "\n"
-            )
-        return f"{match[1]}\n{body}\n{match[4]}"
+            return f"{match[1]}\n{speed_table(result)}\n{match[4]}"
+        keys = ("summaries", "reference", "control")
+        return f"{match[1]}\n{table(*(result[k] for k in keys))}\n\n{match[4]}"
 
     return BLOCK.sub(rendered, text)
 
@@ -199,15 +185,9 @@ def write(benchmark, name, command, rows, summaries, extra=None):
     """Writes the summary file and the raw rows; returns the summary's path."""
     stem = benchmark if not name else f"{benchmark}-{name}"
     stamp = time.strftime("%Y-%m-%d %H:%M")
-    result = {
-        "benchmark": benchmark,
-        "name": name or "",
-        "command": command,
-        "date": stamp,
-        "environment": environment(),
-        **(extra or {}),
-        "summaries": summaries,
-    }
+    result = dict(benchmark=benchmark, name=name or "", command=command)
+    result = {**result, "date": stamp, "environment": environment()}
+    result = {**result, **(extra or {}), "summaries": summaries}
     path = os.path.join(RESULTS, f"{stem}.json")
     raw = os.path.join(RESULTS, "raw", f"{stem}-{stamp.replace(' ', '-')}.json")
     os.makedirs(os.path.dirname(raw), exist_ok=True)

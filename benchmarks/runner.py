@@ -1,25 +1,23 @@
 """The one paired runner: modes side by side, their order rotated per round.
 
 A `Scenario` says what one trial of a mode is (`setup` once, `trial` per
-round). The runner runs every mode of every case for `rounds` rounds, the
-modes' order rotated by one each round (A B C, B C A, C A B), so drift in
-the machine hits every mode alike, and compares each trial with the
-reference's trial of the same round (a paired ratio). Where it runs:
+round). Every mode of every case runs `rounds` rounds, the order rotated by
+one each round (A B C, B C A, C A B) so drift hits every mode alike, and each
+trial is compared with the reference's of the same round (a paired ratio).
+`Scenario.process` says where:
 
-- `process = "same"`: one process; each mode is set up and warmed up
-  (`warm` untimed trials, after every mode is built: a traced model's
-  first step is slow again after another model was traced) before the
-  rounds, a `gc.collect()` untimed after each trial;
-- `process = "round"`: each trial in a fresh Python process (a script run
-  once, nothing warm); the parent also times the whole process;
-- `process = "case"`: each case in a fresh process (or several, joined:
-  `case_processes`), the modes side by side within it.
+- `"same"`: this process; every mode set up, then warmed up (`warm` untimed
+  trials: a traced model's first step is slow again after another model was
+  traced), a `gc.collect()` untimed after each trial;
+- `"round"`: each trial in a fresh process (nothing warm), also timed whole;
+- `"case"`: each case in fresh processes (several, joined:
+  `case_processes`), its modes side by side within.
 
-Every trial records whether keras_stage staged each call it decided (from
-its INFO log line per call), so a table can say which rows measured a stage.
+A staged trial records which calls keras_stage staged (its INFO log lines).
 """
 
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -30,8 +28,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# A child's one line of results on stdout.
-RECORDS = "BENCHMARK-RECORDS "
+RECORDS = "BENCHMARK-RECORDS "  # starts a child's line of results
 _DECISION = re.compile(
     r"^Model '[^']*': (\w+) (is staged|runs the whole model in Keras's step,"
     r" unstaged) \[(\w+)\]: (.*)$",
@@ -137,20 +134,12 @@ def rotated(items, round_index):
     return list(items[shift:]) + list(items[:shift])
 
 
-def _rows(benchmark, case, mode, round_index, trial):
+def _rows(benchmark, case, mode, index, trial):
     """A trial as the record schema's rows, one per metric."""
+    head = dict(benchmark=benchmark, workload=case, mode=mode, round=index)
+    calls = {key: trial.get(key) for key in ("staged_calls", "calls", "why")}
     return [
-        {
-            "benchmark": benchmark,
-            "workload": case,
-            "mode": mode,
-            "round": round_index,
-            "metric": metric,
-            "value": value,
-            "staged_calls": trial.get("staged_calls"),
-            "calls": trial.get("calls"),
-            "why": trial.get("why"),
-        }
+        {**head, "metric": metric, "value": value, **calls}
         for metric, value in trial["metrics"].items()
     ]
 
@@ -190,28 +179,30 @@ def run(scenario, args, log=print):
         elif scenario.process == "case":
             rows += _case_in_processes(scenario, case, args, rounds, log)
         else:
-            for index in range(rounds):
+            for index in range(rounds):  # process = "round"
                 for mode in rotated(scenario.case_modes(case, args), index):
-                    rows += _round_in_process(scenario, case, mode, index, args)
+                    argv = [*args.argv, "--child", case, mode]
+                    trial, seconds = _child(argv, {}, scenario.timeout)
+                    trial["metrics"]["process"] = seconds
+                    rows += _rows(scenario.name, case, mode, index, trial)
                 log(f"{scenario.name} {case}: round {index + 1}/{rounds}")
     return rows
+
+
+def _python(argv, env):
+    """The arguments of a `python -m benchmarks ARGV` process."""
+    command = [sys.executable, "-m", "benchmarks", *argv]
+    return dict(args=command, cwd=ROOT, env={**os.environ, **env}, text=True)
 
 
 def _child(argv, env, timeout):
     """Runs `python -m benchmarks ARGV`; its records and wall seconds."""
     started = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", *argv],
-        cwd=ROOT,
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        **_python(argv, env), capture_output=True, timeout=timeout
     )
     seconds = time.perf_counter() - started
-    lines = [
-        line for line in done.stdout.splitlines() if line.startswith(RECORDS)
-    ]
+    lines = [s for s in done.stdout.splitlines() if s.startswith(RECORDS)]
     if done.returncode or not lines:
         raise RuntimeError(
             f"`python -m benchmarks {' '.join(argv)}` failed "
@@ -220,26 +211,12 @@ def _child(argv, env, timeout):
     return json.loads(lines[-1][len(RECORDS) :]), seconds
 
 
-def _round_in_process(scenario, case, mode, index, args):
-    trial, seconds = _child(
-        [*args.argv, "--child", case, mode], {}, scenario.timeout
-    )
-    trial["metrics"]["process"] = seconds
-    return _rows(scenario.name, case, mode, index, trial)
-
-
 def _case_in_processes(scenario, case, args, rounds, log):
     argv = [*args.argv, "--child", case, "", "--rounds", str(rounds)]
     envs = scenario.case_processes(case, args)
+    pipe = subprocess.PIPE
     procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "benchmarks", *argv],
-            cwd=ROOT,
-            env={**os.environ, **env},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        subprocess.Popen(**_python(argv, env), stdout=pipe, stderr=pipe)
         for env in envs[1:]
     ]
     try:
@@ -264,9 +241,6 @@ def child(scenario, args, case, mode):
         out = timed(scenario, state, MODES[mode].staged)
         scenario.close(state)
     else:  # process = "case": the modes side by side in this process
-        out = run_same(scenario, case, args, args.rounds, log=_stderr)
+        log = functools.partial(print, file=sys.stderr, flush=True)
+        out = run_same(scenario, case, args, args.rounds, log)
     print(RECORDS + json.dumps(out), flush=True)
-
-
-def _stderr(line):
-    print(line, file=sys.stderr, flush=True)

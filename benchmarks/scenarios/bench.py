@@ -20,7 +20,6 @@ WORKLOADS = ("seed", "criteo", "remote", "images", "none")
 class Bench(Scenario):
     name = "bench"
     modes = ("plain", "staged", "expert", "plain_again", "compute_bound")
-    rounds, quick_rounds = 7, 3
 
     def arguments(self, parser):
         parser.add_argument("--workloads", default=",".join(WORKLOADS))

@@ -1,27 +1,18 @@
 """`calls`: many calls on one dataset object, what a kept stage costs.
 
-A round of a mode is `--calls` calls of `--method` on the same
-`tf.data.Dataset` object, made once in setup (a notebook's repeated
-`evaluate`, a validation set passed to every fit), or with `--new-datasets`
-on a new object of the same data each call (a loop that builds its dataset
-per call: from the second call on, the stage reads a fed source). Methods:
-`evaluate`, `predict`, `fit` (`epochs=1`, shuffled) and `fit-validation`
-(`epochs=3`, 5 batches of validation data each epoch). The staged model has
-`StagedInput(adaptive=False)` (`staged_always`): every call is staged, none
-decided away, so a row measures the stage; the runner's untimed warm-up
-round builds it. Where it runs:
-
-- `--strategy mirrored`: the CPU split into two logical devices, the model
-  built in a `MirroredStrategy` scope over them and called outside it (in
-  it keras_stage's planner cannot yet read a mirrored variable); workload
-  `dense` unless named, since plain Keras takes no strings there;
-- `--service`: the stage on a local tf.data service (a dispatcher and one
-  worker in this process);
-- off TensorFlow (JAX), where plain Keras cannot take strings: the hand
-  split (`expert`, its mapped dataset made once, as its user keeps it) is
-  the reference and `expert_again` the control.
-
-Cases are `<workload>-<method>`.
+A round of a mode is `--calls` calls of `--method` (`evaluate`, `predict`,
+`fit`: `epochs=1`, shuffled; `fit-validation`: `epochs=3`, 5 batches of
+validation data) on one `tf.data.Dataset` made in setup (a notebook's
+repeated `evaluate`, a validation set given to every fit), or with
+`--new-datasets` on a new one of the same data per call (from the second
+call on, the stage reads a fed source). The staged mode is `staged_always`
+(`adaptive=False`): every call staged, so a row measures the stage; the
+untimed warm-up round builds it. `--strategy mirrored`: the model built in
+a `MirroredStrategy` scope over two logical CPUs, called outside it (there
+keras_stage's planner cannot yet read a mirrored variable), workload
+`dense` unless named; `--service`: the stage on a local tf.data service.
+Off TensorFlow the hand split (`expert`, its mapped dataset made once) is
+the reference, `expert_again` the control. Cases are `<workload>-<method>`.
 """
 
 import contextlib
@@ -70,7 +61,6 @@ class Calls(Scenario):
         ("plain", "plain_again") if _TF else ("expert", "expert_again")
     )
     modes = (reference, "staged_always", control)
-    rounds, quick_rounds = 7, 3
 
     def arguments(self, parser):
         parser.add_argument("--workloads", help="comma-separated")
@@ -97,9 +87,8 @@ class Calls(Scenario):
         # First: logical devices are set before TF's runtime starts.
         scope = mirrored().scope if args.strategy else contextlib.nullcontext
         work = workload(name)
-        x, y = work.data(
-            work.batch_size * (args.batches or (6 if args.quick else 20))
-        )
+        batches = args.batches or (6 if args.quick else 20)
+        x, y = work.data(work.batch_size * batches)
         service = None
         if args.service and mode.staged:
             service = LocalService(num_workers=1)

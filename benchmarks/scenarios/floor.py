@@ -1,25 +1,24 @@
 """`floor`: the IO floor and how far overlap can go, per workload.
 
-A round of a mode is one warm `fit(epochs=1)` over the workload's `steps`
-batches, as in `bench`. The reference is the floor when input costs nothing,
-the trunk alone on batches kept in memory (`compute_bound`; the control is a
-second one); each case runs its own modes beside it:
+A round of a mode is one warm `fit(epochs=1)`, as in `bench`. The reference
+is the floor when input costs nothing, the trunk alone on batches kept in
+memory (`compute_bound`, and again as the control); each case adds its own:
 
-- `remote` (the IO floor): the stage against tf.data pipelines of the same
-  reads and parsing built by hand, on a private pool of 16 threads, ending in
-  `prefetch(AUTOTUNE)`: one autotuned map (`pipeline_auto`, what the stage
-  builds at its largest pool), 16 at once (`pipeline_16`), autotune told of
-  2 cores (`pipeline_2cpu`), the reads 16 at once and the parsing one at a
-  time (`pipeline_split`: one parse at most competes with the step). If none
-  is nearer the floor than the stage, the stage's distance is the machine's.
+- `remote` (the IO floor): the stage against hand-built tf.data pipelines of
+  the same reads and parsing on a private pool of 16 threads, ending in
+  `prefetch(AUTOTUNE)`: one autotuned map (`pipeline_auto`, the stage's at
+  its largest pool), 16 at once (`pipeline_16`), autotune told of 2 cores
+  (`pipeline_2cpu`), reads 16 at once and one parse at a time beside the
+  step (`pipeline_split`). If none beats the stage, its distance is the
+  machine's.
 - `images` (thread pools): expert on tf.data's shared pool and on a private
-  one of 16 (`pipeline_auto`); staged on its adaptive pool (the size it ran
-  on is the `thread_pool_size` metric), on 16 and on 2 threads.
+  one of 16 (`pipeline_auto`); staged on its adaptive pool (metric
+  `thread_pool_size`), on 16 and on 2 threads.
 - `criteo` (the overlap bound): plain, expert, staged and `parsing_beside`,
   the trunk while another process parses a batch of the same lines per step
-  on one thread (as the stage's `"auto"` settles): a stage with nothing of
-  its own to pay, the bound of what staging the parsing can buy here; its
-  round waits for the parsing to end (`lag`, ~0 if it kept up).
+  on one thread: a stage with nothing of its own to pay, the bound of what
+  staging the parsing buys; a round waits for the parsing to end (`lag`, ~0
+  if it kept up).
 """
 
 import functools

@@ -14,17 +14,18 @@ import tempfile
 import keras
 import tensorflow as tf
 
+import keras_stage
 from benchmarks.runner import Scenario
 from benchmarks.workloads import workload
 
 # Batches (rows for predict and the FeatureSpace example), epochs, calls.
-SIZES = {
-    "train": 30, "epochs": 8, "val_train": 30, "val": 10, "val_epochs": 4,
-    "eval": 20, "eval_calls": 3, "fit_calls": 4, "predict_rows": 8,
-    "predict_calls": 10, "fresh_trials": 3, "fresh_epochs": 2, "long": 60,
-    "long_epochs": 2, "tuner_trials": 4, "tuner_epochs": 2, "tune": 20,
-    "example_epochs": 20,
-}  # fmt: skip
+_SIZES = (
+    "train 30 epochs 8 val_train 30 val 10 val_epochs 4 eval 20 eval_calls 3"
+    " fit_calls 4 predict_rows 8 predict_calls 10 fresh_trials 3"
+    " fresh_epochs 2 long 60 long_epochs 2 tuner_trials 4 tuner_epochs 2"
+    " tune 20 example_epochs 20"
+).split()
+SIZES = dict(zip(_SIZES[::2], map(int, _SIZES[1::2]), strict=True))
 TINY = {key: 1 if "calls" not in key else 2 for key in SIZES}
 SHORT = ("short_epochs", "validation", "evaluate_x3", "fit_epochs1_x4")
 # Each workload's regimes, batch size and sizes unlike SIZES.
@@ -124,30 +125,25 @@ def tuner_search(run, sizes):
 
     x, more = run.feeds("tune", training=True)
     val_x, val = run.feeds("val")
+
+    def model(hp):
+        rate = hp.Float("learning_rate", 1e-4, 1e-2, sampling="log")
+        return run.mode.build(run.work, run.adapt, rate).model
+
     with tempfile.TemporaryDirectory() as folder:
         tuner = keras_tuner.RandomSearch(
-            lambda hp: (
-                run.mode.build(
-                    run.work,
-                    run.adapt,
-                    hp.Float("learning_rate", 1e-4, 1e-2, sampling="log"),
-                ).model
-            ),
+            model,
             objective="val_loss",
             max_trials=sizes["tuner_trials"],
             seed=0,
             directory=folder,
         )
-        callbacks = []
-        if run.mode.staged:
-            import keras_stage
-
-            callbacks = [keras_stage.callbacks.PrefetchCallback()]
+        prefetch = keras_stage.callbacks.PrefetchCallback
         tuner.search(
             x,
             **more,
             epochs=sizes["tuner_epochs"],
-            callbacks=callbacks,
+            callbacks=[prefetch()] if run.mode.staged else [],
             validation_data=(val_x, val["y"]) if val else val_x,
             verbose=0,
             **({} if more else {"shuffle": False}),

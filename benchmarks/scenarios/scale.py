@@ -1,22 +1,16 @@
 """`scale`: whole fits on JAX over one device, two devices, two processes.
 
-`fits`' trial (a whole `fit(epochs=2)` per round, its weight check after
-the first) in three configurations, each case (`dcn@1x2`: a workload in a
-configuration) in fresh processes, as JAX fixes its devices when it starts:
-
-- `1x1`: one process, one CPU device, no distribution;
-- `1x2`: one process, two host devices
-  (`XLA_FLAGS=--xla_force_host_platform_device_count=2`);
-- `2x1`: two processes joined by `keras.distribution.initialize` (its
-  `KERAS_DISTRIBUTION_*` variables: a coordinator on loopback, gloo
-  collectives), one CPU device each: Keras shards the dataset per process.
-
-With two devices, `keras.distribution.DataParallel` over both. Modes: the
-hand split (`expert`, the reference), keras_stage's three lines (`staged`)
-and `expert_again` (the control); every process fits them in the same
-rotated order (their steps meet in collectives), process 0's rows are kept.
-On 2 cores more devices or processes add no compute: the table says what
-staging costs or saves when Keras distributes, not a speed-up.
+`fits`' trial (`fit(epochs=2)`, weights checked after the first) per case
+(`dcn@1x2`: a workload in a configuration), in fresh processes since JAX
+fixes its devices at start: `1x1` one process, one CPU device; `1x2` one
+process, two host devices (XLA's `DEVICES` flag); `2x1` two processes joined
+by `keras.distribution.initialize` (a coordinator on loopback, gloo
+collectives), one device each, Keras sharding the dataset per process. Two
+devices: `DataParallel` over both. Modes: `expert` (the reference),
+`staged`, `expert_again`; every process fits them in the same rotated order
+(their steps meet in collectives) and process 0's rows are kept. On 2 cores
+more devices add no compute: the table says what staging costs or saves
+when Keras distributes, not a speed-up.
 """
 
 import os

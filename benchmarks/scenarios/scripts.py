@@ -50,8 +50,7 @@ class Scripts(Scenario):
             )
         runnable = []
         for name in names:
-            why = cannot_run(name, backend)
-            if why:
+            if why := cannot_run(name, backend):
                 print(f"scripts: {name} cannot run here: {why}.", flush=True)
             else:
                 runnable.append(name)

@@ -78,7 +78,7 @@ def test_the_decision_line_is_the_one_keras_stage_logs():
     from keras_stage.models.call import facts
 
     source = pathlib.Path(facts.__file__).read_text()
-    assert '"Model \'%s\': %s %s [%s]: %s."' in source
+    assert "\"Model '%s': %s %s [%s]: %s.\"" in source
     assert "runs the whole model in Keras's step, unstaged" in source
 
 
