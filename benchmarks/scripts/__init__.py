@@ -1,10 +1,8 @@
 """Whole user scripts, each written once for plain Keras and for staged.
 
-A module's `run(staged, timer, tiny=False, **options)` is a user's script
-(or a few, by options), keras_stage's three lines (`# 1`, `# 2`, `# 3`)
-taking effect where `staged`; where plain Keras cannot fit the whole
-model, plain is the hand split (`# split`). A script makes its data, then
-calls `timer.start()` and times its first calls in `timer.measure(...)`.
+A module's `run(staged, timer, tiny=False, **options)` is a user's script,
+keras_stage's lines (`# 1`, `# 2`, `# 3`) taking effect where `staged`;
+where plain Keras cannot fit the model, plain is the hand split (`# split`).
 """
 
 import contextlib
@@ -12,8 +10,7 @@ import importlib
 import time
 
 TF, ANY = ("tensorflow",), ("tensorflow", "jax", "torch")
-# name: (module, backends, options of its `run`), in a run's order. Off
-# TensorFlow plain Keras cannot fit strings: there only the hand splits run.
+# name: (module, backends, options of its `run`), in a run's order.
 SCRIPTS = {
     "featurespace_seeded": ("featurespace", TF, {"seeded": True}),
     "featurespace": ("featurespace", TF, {}),
@@ -41,8 +38,8 @@ def one_script(name, staged, tiny=False):
 
 
 def datasets(work, batches, seeds=(4, 1, 2, 3)):
-    """`(x, [dataset])`: `batches[i]` batches of `work`'s data from
-    `seeds[i]`, the first shuffled; `x` the first's, to adapt to."""
+    """`(x, [dataset])`: `batches[i]` batches of data from `seeds[i]`, the
+    first shuffled; `x` the first's, to adapt to."""
     parts = [
         work.data(count * work.batch_size, seed)
         for count, seed in zip(batches, seeds, strict=True)
@@ -52,8 +49,8 @@ def datasets(work, batches, seeds=(4, 1, 2, 3)):
 
 
 class ScriptTimer:
-    """A script's seconds from `start()` (its model's construction) to
-    `stop()` (`script`), and of the first call of each name it measures."""
+    """Seconds from `start()` to `stop()` (`script`), and of the first call
+    of each name measured."""
 
     def __init__(self):
         self.seconds, self.started = {}, None

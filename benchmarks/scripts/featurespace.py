@@ -1,10 +1,9 @@
 """keras.io's "Structured data classification with FeatureSpace".
 
-The example's script (its `FeatureSpace` into Dense(32), Dropout(0.5),
-Dense(1); 20 epochs validating every epoch; a patient predicted) on the
-`featurespace` workload's 242 + 61 rows, as one model fed the raw dicts.
-`seeded`: `keras.utils.set_random_seed(0)` first. `split` (seeded; any
-backend): plain is the example as written, the `FeatureSpace` in the map.
+The example's script on the `featurespace` workload's rows, as one model fed
+the raw dicts. `seeded`: `keras.utils.set_random_seed(0)` first. `split`
+(seeded; any backend): plain is the example as written, the `FeatureSpace`
+in `dataset.map`.
 """
 
 import keras
@@ -40,14 +39,11 @@ def run(staged, timer, tiny=False, seeded=False, split=False):
         predictions = work.trunk(work.preprocessing(train_x)(x))
         model_class = keras_stage.Model if staged else keras.Model  # 2
         model = model_class(inputs=inputs, outputs=predictions)
-        model.compile(
-            **work.compile_kwargs(),
-            **({"smart_stage": True} if staged else {}),  # 3
-        )
+        smart_stage = {"smart_stage": True} if staged else {}  # 3
+        model.compile(**work.compile_kwargs(), **smart_stage)
+    epochs = 1 if tiny else 20
     with timer.measure("fit"):
-        model.fit(
-            train, epochs=1 if tiny else 20, validation_data=val, verbose=2
-        )
+        model.fit(train, epochs=epochs, validation_data=val, verbose=2)
     with timer.measure("predict"):
         predictions = model.predict(sample)
     print(f"This patient: {100 * predictions[0][0]:.1f}% probability.")

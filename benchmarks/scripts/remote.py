@@ -16,11 +16,8 @@ def run(staged, timer, tiny=False):
     inputs = work.inputs()
     x = keras_stage.layers.StagedInput()(inputs) if staged else inputs  # 1
     outputs = work.trunk(work.preprocessing(None)(x))
-    model_class = keras_stage.Model if staged else keras.Model  # 2
-    model = model_class(inputs, outputs)
-    model.compile(
-        **work.compile_kwargs(),
-        **({"smart_stage": True} if staged else {}),  # 3
-    )
+    model = (keras_stage.Model if staged else keras.Model)(inputs, outputs)  # 2
+    smart_stage = {"smart_stage": True} if staged else {}  # 3
+    model.compile(**work.compile_kwargs(), **smart_stage)
     with timer.measure("fit"):
         model.fit(dataset, epochs=1, verbose=0)

@@ -1,9 +1,7 @@
 """keras.io's structured-data model, where plain Keras cannot fit it whole.
 
 Plain is the hand split (every backend): the preprocessing in `dataset.map`,
-a `keras.Model` of the trunk. `fit` 3 epochs validating every epoch,
-`evaluate`, `predict`, on workload `name`: `tabular` (100, 20, 20, 8
-batches) or `criteo_columns` (50, 10, 10, 4).
+a `keras.Model` of the trunk; on workload `name`.
 """
 
 import keras
@@ -35,10 +33,9 @@ def run(staged, timer, tiny=False, name="tabular"):
         model.compile(**work.compile_kwargs())
         feed = Built(model, "expert", preprocess).feed
         train, val, test, predict = map(feed, (train, val, test, predict))
+    epochs = 1 if tiny else 3
     with timer.measure("fit"):
-        model.fit(
-            train, epochs=1 if tiny else 3, validation_data=val, verbose=0
-        )
+        model.fit(train, epochs=epochs, validation_data=val, verbose=0)
     with timer.measure("evaluate"):
         model.evaluate(test, verbose=0)
     with timer.measure("predict"):

@@ -1,8 +1,4 @@
-"""The one workload registry: every benchmark's models and data, by name.
-
-`workload(name, **overrides)` returns a fresh `Workload` (see `base`), an
-attribute such as `batch_size` or `steps` overridden for a scenario.
-"""
+"""The workload registry: every benchmark's models and data, by name."""
 
 from benchmarks.workloads import criteo, images, recommenders, tables, text
 from benchmarks.workloads.base import Workload
@@ -26,7 +22,8 @@ WORKLOADS = {
 
 
 def workload(name, **overrides):
-    """A fresh workload `name` of `WORKLOADS`, `overrides` set on it."""
+    """A fresh workload `name` of `WORKLOADS`, `overrides` (such as
+    `batch_size`) set on it."""
     if name not in WORKLOADS:
         raise ValueError(
             f"Unknown workload {name!r}: expected one of {list(WORKLOADS)}."

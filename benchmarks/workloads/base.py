@@ -1,11 +1,8 @@
 """`Workload`: one model and its data, written once for every benchmark.
 
-A workload is raw data, the preprocessing a user would put in the model
-(parsing, hashing, lookups, decoding) and a trunk. From those the base class
-builds what every mode needs: the whole model (with a `StagedInput` first,
-for keras_stage) and the hand split (the same preprocessing layers in
-`dataset.map`, a `keras.Model` of the trunk). The same layer classes run in
-every mode, so every mode does the same work per batch.
+A workload is raw data, the preprocessing a user would put in the model and
+a trunk; from those come the whole model (a `StagedInput` first, staged) and
+the hand split (the same layers in `dataset.map`, a `keras.Model` trunk).
 """
 
 import keras
@@ -15,17 +12,12 @@ import tensorflow as tf
 class Workload:
     """Raw data, preprocessing and a trunk; subclasses fill these in.
 
-    Class attributes: `name`, `description`, `batch_size`, `steps` and
-    `quick_steps` (batches of one timed epoch of `bench`, full and quick),
-    `backends` (where its preprocessing runs in tf.data: off TensorFlow the
-    features must stop before the first non-preprocessing layer).
+    `steps` and `quick_steps`: batches of one timed epoch of `bench`;
+    `backends`: where its preprocessing runs in tf.data.
     """
 
-    name = ""
-    description = ""
-    batch_size = 256
-    steps = 40
-    quick_steps = 12
+    name = description = ""
+    batch_size, steps, quick_steps = 256, 40, 12
     backends = ("tensorflow",)
 
     def data(self, rows, seed=0):
@@ -37,12 +29,8 @@ class Workload:
         raise NotImplementedError
 
     def preprocessing(self, adapt):
-        """A function `x -> features` of fresh preprocessing layers.
-
-        `adapt` is the raw `x` of the training data, for layers that adapt.
-        The function runs on `keras.Input`s and inside `dataset.map`.
-        `None` when there is nothing to preprocess.
-        """
+        """A function `x -> features` of fresh layers (adapted to `adapt`),
+        for `keras.Input`s and `dataset.map`; None: nothing to preprocess."""
         return None
 
     def trunk(self, features):
@@ -51,35 +39,32 @@ class Workload:
 
     def compile_kwargs(self, learning_rate=1e-3):
         """What `compile` gets (fresh objects each call)."""
-        return {
-            "optimizer": keras.optimizers.Adam(learning_rate),
-            "loss": "mse",
-        }
+        optimizer = keras.optimizers.Adam(learning_rate)
+        return {"optimizer": optimizer, "loss": "mse"}
 
-    # -- built from the above ----------------------------------------------
-
-    def whole(self, base, adapt, staged_input=None, seed=0):
-        """The whole model of class `base`, `staged_input` on its inputs."""
+    def _features(self, adapt, seed, staged_input=None):
         keras.utils.set_random_seed(seed)
         inputs = self.inputs()
         x = inputs if staged_input is None else staged_input(inputs)
         preprocess = self.preprocessing(adapt)
         features = x if preprocess is None else preprocess(x)
         keras.utils.set_random_seed(seed)
+        return inputs, preprocess, features
+
+    def whole(self, base, adapt, staged_input=None, seed=0):
+        """The whole model of class `base`, `staged_input` on its inputs."""
+        inputs, _, features = self._features(adapt, seed, staged_input)
         return base(inputs, self.trunk(features))
 
     def split(self, adapt, seed=0):
-        """The hand split: `(preprocess or None, trunk keras.Model)`.
-
-        `preprocess` maps a raw batch's `x` (for `dataset.map`).
-        """
-        keras.utils.set_random_seed(seed)
-        inputs = self.inputs()
-        preprocess = self.preprocessing(adapt)
-        features = inputs if preprocess is None else preprocess(inputs)
-        keras.utils.set_random_seed(seed)
+        """The hand split: `(preprocess or None, trunk keras.Model)`,
+        `preprocess` mapping a raw batch's `x` (for `dataset.map`)."""
+        _, preprocess, features = self._features(adapt, seed)
+        names = keras.tree.map_structure(lambda _: None, features)
+        if isinstance(features, dict):
+            names = {key: key for key in features}
         trunk_inputs = keras.tree.map_structure_up_to(
-            features, _input_like, features, _names(features)
+            features, _input_like, features, names
         )
         trunk = keras.Model(trunk_inputs, self.trunk(trunk_inputs))
         if preprocess is None:
@@ -87,9 +72,9 @@ class Workload:
 
         def mapped(x):
             out = preprocess(x)
-            # tf.data maps return tuples, not lists; JAX has no int64.
-            if keras.backend.backend() == "jax":
+            if keras.backend.backend() == "jax":  # JAX has no int64
                 out = tf.nest.map_structure(_int32, out)
+            # tf.data's maps return tuples, not lists.
             return tuple(out) if isinstance(out, list) else out
 
         return mapped, trunk
@@ -103,17 +88,10 @@ class Workload:
         return data.batch(self.batch_size)
 
 
-def _names(features):
-    """Input names for the trunk: a dict's keys, else None per tensor."""
-    if isinstance(features, dict):
-        return {key: key for key in features}
-    return keras.tree.map_structure(lambda _: None, features)
-
-
 def _input_like(tensor, name):
     dtype = tensor.dtype
     if dtype == "int64" and keras.backend.backend() == "jax":
-        dtype = "int32"  # as the map casts them: JAX has no int64
+        dtype = "int32"  # as the map casts them
     return keras.Input(tensor.shape[1:], dtype=dtype, name=name)
 
 

@@ -1,12 +1,8 @@
 """`criteo` and `criteo_columns`: Criteo display-ads rows, two ways.
 
-`criteo` takes the rows as TSV lines (a label, 13 integer and 26 categorical
-fields, any of them empty) and parses, log-normalises and hashes them in
-the model (TensorFlow only: the parsing is `tf.io.decode_csv`), then a
-DLRM-like trunk: a bottom MLP, one embedding table for the 26 fields,
-pairwise dot products, a top MLP. `criteo_columns` takes the same fields as
-columns through Keras layers only (`Normalization`, `Hashing`), so it runs
-on every backend; its trunk embeds each field and ends in an MLP.
+`criteo` parses TSV lines in the model (`tf.io.decode_csv`: TensorFlow
+only) into a DLRM-like trunk; `criteo_columns` takes the fields as columns
+through Keras layers only, so it runs on every backend.
 """
 
 import keras
@@ -123,10 +119,8 @@ class Criteo(Workload):
         return keras.layers.Dense(1, activation="sigmoid")(x)
 
     def compile_kwargs(self, learning_rate=1e-3):
-        return {
-            "optimizer": keras.optimizers.Adam(learning_rate),
-            "loss": "binary_crossentropy",
-        }
+        kwargs = super().compile_kwargs(learning_rate)
+        return {**kwargs, "loss": "binary_crossentropy"}
 
 
 class CriteoColumns(Criteo):
@@ -151,10 +145,9 @@ class CriteoColumns(Criteo):
         return x, labels
 
     def inputs(self):
-        inputs = {"dense": keras.Input(shape=(INTEGERS,), name="dense")}
-        for name in self.names:
-            inputs[name] = keras.Input(shape=(), dtype="string", name=name)
-        return inputs
+        dense = keras.Input(shape=(INTEGERS,), name="dense")
+        ids = {n: keras.Input((), dtype="string", name=n) for n in self.names}
+        return {"dense": dense, **ids}
 
     def preprocessing(self, adapt):
         normalize = keras.layers.Normalization(name="dense_norm")
@@ -170,9 +163,7 @@ class CriteoColumns(Criteo):
 
     def trunk(self, columns):
         numeric, *ids = columns
-        embedded = [
-            keras.layers.Embedding(BUCKETS, 8)(column) for column in ids
-        ]
+        embedded = [keras.layers.Embedding(BUCKETS, 8)(i) for i in ids]
         x = keras.layers.Concatenate(name="features")([numeric, *embedded])
         # Named: Keras would name the first Dense "dense", as the input is.
         x = keras.layers.Dense(64, activation="relu", name="hidden")(x)

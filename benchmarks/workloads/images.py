@@ -1,8 +1,7 @@
 """`images`: JPEG files read, decoded, resized and flipped in the model.
 
-The input is a file path; the JPEGs (10 classes of striped patterns with
-noise) are written once to a temporary folder and read back from the page
-cache, as a warm local disk serves them. The trunk is a small CNN.
+The JPEGs (10 classes of noisy stripes) are written once to a temporary
+folder, read back from the page cache as from a warm local disk.
 """
 
 import atexit
@@ -28,9 +27,8 @@ class ReadDecodeJpeg(keras.layers.Layer):
             return tf.ensure_shape(image, (SOURCE, SOURCE, 3))
 
         spec = tf.TensorSpec((SOURCE, SOURCE, 3), tf.uint8)
-        return tf.cast(
-            tf.map_fn(read, paths, fn_output_signature=spec), tf.float32
-        )
+        images = tf.map_fn(read, paths, fn_output_signature=spec)
+        return tf.cast(images, tf.float32)
 
     def compute_output_spec(self, paths):
         return keras.KerasTensor((paths.shape[0], SOURCE, SOURCE, 3), "float32")
@@ -53,8 +51,7 @@ def _write_jpegs(count, seed):
         image[..., label % 3] += 40
         path = os.path.join(folder, f"{index:05d}.jpg")
         encoded = tf.io.encode_jpeg(np.clip(image, 0, 255).astype(np.uint8))
-        with open(path, "wb") as f:
-            f.write(encoded.numpy())
+        tf.io.write_file(path, encoded)
         paths.append(path)
     return paths, labels
 
@@ -72,27 +69,18 @@ class Images(Workload):
     def data(self, rows, seed=0):
         paths, labels = _write_jpegs(min(rows, MAX_FILES), seed)
         cycles = -(-rows // len(paths))  # longer runs cycle through them
-        return np.array((paths * cycles)[:rows], dtype=object), np.tile(
-            labels, cycles
-        )[:rows]
+        paths = np.array((paths * cycles)[:rows], dtype=object)
+        return paths, np.tile(labels, cycles)[:rows]
 
     def inputs(self):
         return keras.Input(shape=(), dtype="string", name="path")
 
     def preprocessing(self, adapt):
-        layers = [
-            ReadDecodeJpeg(name="read_decode_jpeg"),
-            keras.layers.Resizing(TARGET, TARGET),
-            keras.layers.RandomFlip("horizontal", seed=0),
-            keras.layers.Rescaling(1 / 255),
-        ]
-
-        def preprocess(x):
-            for layer in layers:
-                x = layer(x)
-            return x
-
-        return preprocess
+        read = ReadDecodeJpeg(name="read_decode_jpeg")
+        resize = keras.layers.Resizing(TARGET, TARGET)
+        flip = keras.layers.RandomFlip("horizontal", seed=0)
+        rescale = keras.layers.Rescaling(1 / 255)
+        return lambda x: rescale(flip(resize(read(x))))
 
     def trunk(self, images):
         x = images
@@ -103,4 +91,4 @@ class Images(Workload):
 
     def compile_kwargs(self, learning_rate=1e-3):
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        return {"optimizer": keras.optimizers.Adam(learning_rate), "loss": loss}
+        return {**super().compile_kwargs(learning_rate), "loss": loss}

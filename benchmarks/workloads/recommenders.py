@@ -1,19 +1,14 @@
 """keras-rs's recommenders as subclassed models, their lookups in `call`.
 
-keras-rs's examples (keras.io "Recommending movies: retrieval",
-`deep_recommender.py`, `ml_perf/model.py`'s DLRM) subclass `keras.Model`
-and look their string ids up by hand in `dataset.map`. Here the lookups
-move into the models' calls (a tower's into its own call), so SmartStage
-can stage them; `preprocessed=True` builds the same model without them for
-the hand split, `preprocessor(name).preprocess` run in `dataset.map` as
-those examples do. Data is
-MovieLens- and Criteo-shaped and synthetic (no download).
-
-Each model class is defined per base (`keras_stage.Model` staged,
-`keras.Model` plain) by `models(base)`.
+keras-rs's examples (keras.io's retrieval, `deep_recommender.py`, DLRM)
+look string ids up in `dataset.map`; here the lookups are in the models'
+calls, for SmartStage. `preprocessed=True`: the same model without them,
+for the hand split (`preprocessor(name).preprocess` in `dataset.map`).
+Data is synthetic, MovieLens- and Criteo-shaped.
 """
 
 import functools
+import types
 
 import keras
 import numpy as np
@@ -56,8 +51,7 @@ def criteo(rows, seed=0):
 
 
 def dataset(data, batch_size, seed=None, preprocess=None):
-    """A batched `tf.data` dataset of `data`, shuffled with `seed` (None:
-    not shuffled), `preprocess`ed in `dataset.map` (the hand split)."""
+    """`data` batched, shuffled with `seed` unless None, `preprocess`ed."""
     ds = tf.data.Dataset.from_tensor_slices(data)
     if seed is not None:
         ds = ds.shuffle(len(data[1]), seed=seed)
@@ -70,22 +64,21 @@ def dataset(data, batch_size, seed=None, preprocess=None):
     return ds
 
 
-def _vocabulary(prefix, count):
-    return [f"{prefix}{i}" for i in range(1, count + 1)]
+def _ids(prefix, count, name):
+    vocabulary = [f"{prefix}{i}" for i in range(1, count + 1)]
+    return keras.layers.StringLookup(vocabulary=vocabulary, name=name)
 
 
 @functools.cache
 def models(base):
-    """The recommender classes on `base` (`keras_stage.Model` for SmartStage,
-    `keras.Model` plain): a namespace of `Retrieval`, `DeepRetrieval`,
-    `QueryTower`, `CandidateTower` and `DLRM`."""
-    import keras_stage  # the staged models' StagedInput
+    """A namespace of the recommender classes on `base` (`keras.Model` or
+    `keras_stage.Model`, whose models have a StagedInput first)."""
+    import keras_stage
 
     staged = base is not keras.Model
 
     class _LooksUp(base):
-        """A model with lookups (`preprocess`); `preprocessed`: its inputs
-        are already their outputs (the hand split), and it has none."""
+        """A model with lookups (`preprocess`), none if `preprocessed`."""
 
         def __init__(self, preprocessed=False, **kwargs):
             super().__init__(**kwargs)
@@ -95,8 +88,6 @@ def models(base):
             return inputs if self.preprocessed else self.preprocess(inputs)
 
     class _Recommender(_LooksUp):
-        """A StagedInput first where `base` stages."""
-
         def __init__(self, preprocessed=False, **kwargs):
             super().__init__(preprocessed, **kwargs)
             self.stage = (
@@ -111,6 +102,12 @@ def models(base):
         def get_config(self):
             return {**super().get_config(), "preprocessed": self.preprocessed}
 
+        def dot_loss(self, a, b, y, sample_weight):
+            """`loss_fn` of `y` and the dot products of `a`'s, `b`'s rows."""
+            scores = keras.ops.sum(a * b, axis=1, keepdims=True)
+            y = keras.ops.expand_dims(y, -1)
+            return self.loss_fn(y, scores, sample_weight)
+
     class Retrieval(_Recommender):
         """keras.io's basic retrieval: a user and a movie embedding, an
         overridden `compute_loss`, no top-k scoring while training."""
@@ -118,13 +115,9 @@ def models(base):
         def __init__(self, embedding_dimension=32, **kwargs):
             super().__init__(**kwargs)
             self.embedding_dimension = embedding_dimension
-            if not self.preprocessed:  # the hand split's are outside
-                self.user_lookup = keras.layers.StringLookup(
-                    vocabulary=_vocabulary("u", USERS), name="user_lookup"
-                )
-                self.movie_lookup = keras.layers.StringLookup(
-                    vocabulary=_vocabulary("m", MOVIES), name="movie_lookup"
-                )
+            if not self.preprocessed:
+                self.user_lookup = _ids("u", USERS, "user_lookup")
+                self.movie_lookup = _ids("m", MOVIES, "movie_lookup")
             self.user_embedding = keras.layers.Embedding(
                 USERS + 1, embedding_dimension, name="user_embedding"
             )
@@ -153,30 +146,20 @@ def models(base):
             return result
 
         def compute_loss(self, x, y, y_pred, sample_weight, training=True):
-            scores = keras.ops.sum(
-                y_pred["user_embeddings"] * y_pred["movie_embeddings"],
-                axis=1,
-                keepdims=True,
-            )
-            return self.loss_fn(
-                keras.ops.expand_dims(y, -1), scores, sample_weight
-            )
+            pair = y_pred["user_embeddings"], y_pred["movie_embeddings"]
+            return self.dot_loss(*pair, y, sample_weight)
 
         def get_config(self):
-            return {
-                **super().get_config(),
-                "embedding_dimension": self.embedding_dimension,
-            }
+            config = {"embedding_dimension": self.embedding_dimension}
+            return {**super().get_config(), **config}
 
     class QueryTower(_LooksUp):
         """`deep_recommender.py`'s query model, its lookups in its call."""
 
         def __init__(self, preprocessed=False, dimension=32, **kwargs):
             super().__init__(preprocessed, **kwargs)
-            if not self.preprocessed:  # the hand split's are outside
-                self.user_lookup = keras.layers.StringLookup(
-                    vocabulary=_vocabulary("u", USERS), name="user_lookup"
-                )
+            if not self.preprocessed:
+                self.user_lookup = _ids("u", USERS, "user_lookup")
                 self.gender_lookup = keras.layers.StringLookup(
                     vocabulary=["F", "M"], name="gender_lookup"
                 )
@@ -187,16 +170,11 @@ def models(base):
                     vocabulary=list(range(OCCUPATIONS)),
                     name="occupation_lookup",
                 )
+            sizes = {"user": USERS + 1, "gender": 3, "age": len(AGE_BINS) + 1}
+            sizes["occupation"] = OCCUPATIONS + 1
             self.embeddings = {
-                name: keras.layers.Embedding(
-                    size, dimension, name=f"{name}_emb"
-                )
-                for name, size in (
-                    ("user", USERS + 1),
-                    ("gender", 3),
-                    ("age", len(AGE_BINS) + 1),
-                    ("occupation", OCCUPATIONS + 1),
-                )
+                n: keras.layers.Embedding(size, dimension, name=f"{n}_emb")
+                for n, size in sizes.items()
             }
             self.dense = keras.layers.Dense(dimension, name="query_dense")
 
@@ -212,10 +190,7 @@ def models(base):
 
         def call(self, inputs):
             inputs = self.looked_up(inputs)
-            features = [
-                self.embeddings[name](inputs[name])
-                for name in ("user", "gender", "age", "occupation")
-            ]
+            features = [self.embeddings[n](inputs[n]) for n in self.embeddings]
             return self.dense(keras.ops.concatenate(features, axis=1))
 
     class CandidateTower(_LooksUp):
@@ -224,10 +199,8 @@ def models(base):
 
         def __init__(self, preprocessed=False, dimension=32, **kwargs):
             super().__init__(preprocessed, **kwargs)
-            if not self.preprocessed:  # the hand split's are outside
-                self.movie_lookup = keras.layers.StringLookup(
-                    vocabulary=_vocabulary("m", MOVIES), name="movie_lookup"
-                )
+            if not self.preprocessed:
+                self.movie_lookup = _ids("m", MOVIES, "movie_lookup")
                 self.genre_lookup = keras.layers.IntegerLookup(
                     vocabulary=list(range(GENRES)), name="genre_lookup"
                 )
@@ -247,9 +220,7 @@ def models(base):
 
         def call(self, inputs):
             inputs = self.looked_up(inputs)
-            genres = keras.ops.mean(
-                self.genre_embedding(inputs["genres"]), axis=1
-            )
+            genres = keras.ops.mean(self.genre_embedding(inputs["genres"]), 1)
             movie = self.movie_embedding(inputs["movie"])
             return self.dense(keras.ops.concatenate([movie, genres], axis=1))
 
@@ -260,12 +231,9 @@ def models(base):
         def __init__(self, dimension=32, **kwargs):
             super().__init__(**kwargs)
             self.dimension = dimension
-            self.query = QueryTower(
-                self.preprocessed, dimension, name="query_tower"
-            )
-            self.candidate = CandidateTower(
-                self.preprocessed, dimension, name="candidate_tower"
-            )
+            args = (self.preprocessed, dimension)
+            self.query = QueryTower(*args, name="query_tower")
+            self.candidate = CandidateTower(*args, name="candidate_tower")
             self.loss_fn = keras.losses.MeanSquaredError()
 
         def preprocess(self, inputs):
@@ -282,12 +250,8 @@ def models(base):
             }
 
         def compute_loss(self, x, y, y_pred, sample_weight, training=True):
-            scores = keras.ops.sum(
-                y_pred["query"] * y_pred["candidate"], axis=1, keepdims=True
-            )
-            return self.loss_fn(
-                keras.ops.expand_dims(y, -1), scores, sample_weight
-            )
+            pair = y_pred["query"], y_pred["candidate"]
+            return self.dot_loss(*pair, y, sample_weight)
 
         def get_config(self):
             return {**super().get_config(), "dimension": self.dimension}
@@ -300,7 +264,7 @@ def models(base):
         def __init__(self, dimension=16, **kwargs):
             super().__init__(**kwargs)
             self.dimension = dimension
-            if not self.preprocessed:  # the hand split's are outside
+            if not self.preprocessed:
                 self.normalize = keras.layers.Normalization(
                     mean=1.6, variance=4.7, name="dense_norm"
                 )
@@ -342,14 +306,10 @@ def models(base):
         def get_config(self):
             return {**super().get_config(), "dimension": self.dimension}
 
-    class Namespace:
-        pass
-
-    space = Namespace()
-    for cls in (Retrieval, QueryTower, CandidateTower, DeepRetrieval, DLRM):
+    classes = (Retrieval, QueryTower, CandidateTower, DeepRetrieval, DLRM)
+    for cls in classes:
         cls.__qualname__ = cls.__name__
-        setattr(space, cls.__name__, cls)
-    return space
+    return types.SimpleNamespace(**{cls.__name__: cls for cls in classes})
 
 
 # Per model: (its class's name in `models`, data, compile arguments).
@@ -360,23 +320,22 @@ MODELS = {
 }
 
 
+def _class(name, base=keras.Model):
+    return getattr(models(base), MODELS[name][0])
+
+
 def preprocessor(name):
-    """The lookups of model `name` as a function, for `dataset.map`: the
-    hand split's, outside the model it trains (as keras-rs's examples have
-    them; layers Keras cannot compile in a model would turn its XLA off)."""
-    class_name = MODELS[name][0]
-    return getattr(models(keras.Model), class_name)(name=f"{name}_lookups")
+    """Model `name`'s lookups, for the hand split's `dataset.map` (in the
+    model it trains, Keras would turn XLA off)."""
+    return _class(name)(name=f"{name}_lookups")
 
 
 def build(name, base, preprocessed=False, seed=1):
-    """Model `name` of `MODELS` on `base`, compiled with Adam (SmartStage
-    where `base` stages), after `keras.utils.set_random_seed(seed)`."""
-    class_name, _, compile_kwargs = MODELS[name]
+    """Model `name` on `base` after `set_random_seed(seed)`, compiled with
+    Adam (and SmartStage where `base` stages)."""
     keras.utils.set_random_seed(seed)
-    model = getattr(models(base), class_name)(
-        preprocessed=preprocessed, name=name
-    )
-    kwargs = dict(compile_kwargs)
+    model = _class(name, base)(preprocessed=preprocessed, name=name)
+    kwargs = dict(MODELS[name][2])
     if base is not keras.Model and not preprocessed:
         kwargs["smart_stage"] = True
     model.compile(optimizer=keras.optimizers.Adam(0.01), **kwargs)
@@ -384,9 +343,7 @@ def build(name, base, preprocessed=False, seed=1):
 
 
 class Recommender(Workload):
-    """A recommender of `MODELS` as a workload: `whole` is the subclass with
-    its lookups in `call` (on keras_stage.Model, SmartStage plans it; a
-    StagedInput is its own), `split` the hand split."""
+    """A model of `MODELS` as a workload, its own StagedInput in `whole`."""
 
     batch_size, steps, quick_steps = 512, 128, 8
     backends = ("tensorflow", "jax", "torch")
@@ -396,13 +353,12 @@ class Recommender(Workload):
 
     def whole(self, base, adapt, staged_input=None, seed=1):
         keras.utils.set_random_seed(seed)
-        return getattr(models(base), MODELS[self.name][0])(name=self.name)
+        return _class(self.name, base)(name=self.name)
 
     def split(self, adapt, seed=1):
         keras.utils.set_random_seed(seed)
-        cls = getattr(models(keras.Model), MODELS[self.name][0])
         # The trunk first: its initial weights those of `whole`'s model.
-        trunk = cls(preprocessed=True, name=self.name)
+        trunk = _class(self.name)(preprocessed=True, name=self.name)
         return preprocessor(self.name).preprocess, trunk
 
     def compile_kwargs(self, learning_rate=0.01):

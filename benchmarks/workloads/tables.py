@@ -1,14 +1,5 @@
-"""Tables: `none`, `dense`, `tabular`, `featurespace` and `dcn`.
-
-- `none` and `dense`: float features straight into an MLP, nothing to
-  stage: every mode should cost the same; the gap is the machinery's cost.
-- `tabular`: keras.io's structured-data model: numeric columns normalised,
-  string and integer columns looked up or hashed, then an MLP.
-- `featurespace`: keras.io's "Structured data classification with
-  FeatureSpace" on a synthetic heart-disease table (303 rows, 13 columns).
-- `dcn`: keras.io's "Ranking with Deep and Cross Networks" on synthetic
-  MovieLens-100K-shaped ratings, its lookups in the model.
-"""
+"""Tables: `none`, `dense` (nothing to stage: the gap is the machinery's
+cost), keras.io's `tabular`, `featurespace` and `dcn`, on synthetic data."""
 
 import keras
 import numpy as np
@@ -74,17 +65,13 @@ class Tabular(Workload):
         }
         thal = rng.integers(len(_THAL), size=rows)
         x["thal"] = np.array([_THAL[i] for i in thal], dtype=object)
-        x["city"] = np.array(
-            [f"city{i}" for i in rng.integers(40, size=rows)], object
-        )
+        x["city"] = _strings("city{}", rng.integers(40, size=rows))
         x["cp"] = rng.integers(5, size=(rows, 1)).astype("int64")
         score = (x["age"][:, 0] - 50) / 10 + thal - 1 + (x["cp"][:, 0] > 2)
         return x, (score > 0).astype("float32")[:, None]
 
     def inputs(self):
-        inputs = {
-            name: keras.Input(shape=(1,), name=name) for name in self.numeric
-        }
+        inputs = {n: keras.Input(shape=(1,), name=n) for n in self.numeric}
         for name in ("thal", "city"):  # rank 1: Keras rejects 2-D object arrays
             inputs[name] = keras.Input(shape=(), dtype="string", name=name)
         inputs["cp"] = keras.Input(shape=(1,), dtype="int64", name="cp")
@@ -103,14 +90,12 @@ class Tabular(Workload):
         cp = keras.layers.IntegerLookup(
             vocabulary=list(range(5)), output_mode="one_hot"
         )
-        return lambda x: (
-            [norms[n](x[n]) for n in self.numeric]
-            + [
-                thal(x["thal"]),
-                bins(city(x["city"])),
-                cp(x["cp"]),
-            ]
-        )
+
+        def preprocess(x):
+            out = [norms[n](x[n]) for n in self.numeric]
+            return out + [thal(x["thal"]), bins(city(x["city"])), cp(x["cp"])]
+
+        return preprocess
 
     def trunk(self, columns):
         x = keras.layers.Concatenate(name="features")(columns)
@@ -118,11 +103,8 @@ class Tabular(Workload):
         return keras.layers.Dense(1, activation="sigmoid")(x)
 
     def compile_kwargs(self, learning_rate=1e-3):
-        return {
-            "optimizer": keras.optimizers.Adam(learning_rate),
-            "loss": "binary_crossentropy",
-            "metrics": ["accuracy"],
-        }
+        extra = {"loss": "binary_crossentropy", "metrics": ["accuracy"]}
+        return {**super().compile_kwargs(learning_rate), **extra}
 
 
 def heart(rows, seed):
@@ -167,9 +149,8 @@ def heart(rows, seed):
 def feature_space():
     """keras.io's customised `FeatureSpace` of the table, not adapted."""
     fs = keras.utils.FeatureSpace
-    categorical = ("sex", "cp", "fbs", "restecg", "exang", "ca")
     features = {
-        name: fs.integer_categorical(num_oov_indices=0) for name in categorical
+        name: fs.integer_categorical(num_oov_indices=0) for name in CATEGORICAL
     }
     features["thal"] = fs.string_categorical(num_oov_indices=0)
     features["age"] = fs.float_discretized(num_bins=30)
@@ -189,24 +170,16 @@ class FeatureSpaceWorkload(Tabular):
         "string categorical, age in 30 bins, 5 normalised, 2 crosses) -> "
         "Dense(32) -> Dropout(0.5) -> Dense(1, sigmoid)"
     )
-    train_rows, val_rows = (
-        242,
-        61,
-    )  # the example's 303 rows, a fifth to validate
-    backends = ANY
+    train_rows, val_rows = 242, 61  # the example's 303, a fifth to validate
 
     def data(self, rows, seed=0):
         return heart(rows, seed)
 
     def inputs(self):
         # The FeatureSpace's own inputs' dtypes (it makes them once adapted).
-        def dtype(name):
-            if name == "thal":
-                return "string"
-            return "int32" if name in CATEGORICAL else "float32"
-
-        names = sorted(heart(1, 0)[0])
-        return {n: keras.Input((1,), dtype=dtype(n), name=n) for n in names}
+        dtypes = {n: "float32" for n in heart(1, 0)[0]}
+        dtypes.update({n: "int32" for n in CATEGORICAL}, thal="string")
+        return {n: keras.Input((1,), dtype=dtypes[n], name=n) for n in dtypes}
 
     def preprocessing(self, adapt):
         space = feature_space()
@@ -250,23 +223,16 @@ class DCN(Workload):
 
     def data(self, rows, seed=0):
         rng, users = np.random.default_rng(seed), np.random.default_rng(0)
-        gender, age = (
-            users.integers(2, size=943),
-            users.choice([1, 18, 25, 35, 45, 50, 56], 943),
-        )
-        occupation, zip_code = (
-            users.integers(21, size=943),
-            users.integers(795, size=943),
-        )
-        bias_user, bias_movie = (
-            users.normal(0, 0.5, 943),
-            users.normal(0, 0.7, 1682),
-        )
+        gender = users.integers(2, size=943)
+        age = users.choice([1, 18, 25, 35, 45, 50, 56], 943)
+        occupation = users.integers(21, size=943)
+        zip_code = users.integers(795, size=943)
+        bias_user = users.normal(0, 0.5, 943)
+        bias_movie = users.normal(0, 0.7, 1682)
         user = (rng.zipf(1.5, rows) - 1) % 943  # active users, popular movies
         movie = (rng.zipf(1.3, rows) - 1) % 1682
-        stars = (
-            3.5 + bias_user[user] + bias_movie[movie] + rng.normal(0, 0.8, rows)
-        )
+        stars = 3.5 + bias_user[user] + bias_movie[movie]
+        stars += rng.normal(0, 0.8, rows)
         stars += np.where(gender[user] == 1, 0.02, -0.02) * (age[user] - 30)
         x = {
             "movie_id": movie.astype("int64") + 1,
@@ -312,7 +278,5 @@ class DCN(Workload):
         return keras.layers.Dense(1)(x)
 
     def compile_kwargs(self, learning_rate=1e-2):
-        return {
-            "optimizer": keras.optimizers.AdamW(learning_rate),
-            "loss": "mse",
-        }
+        optimizer = keras.optimizers.AdamW(learning_rate)
+        return {"optimizer": optimizer, "loss": "mse"}

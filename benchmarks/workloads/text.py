@@ -1,10 +1,7 @@
 """`seed` and `remote`: CSV lines parsed and hashed in the model.
 
-`seed` is DeepRec's `tf.staged` example, small: lines `user_123,item_45,0.7`
-through `tf.io.decode_csv` and `tf.strings.to_hash_bucket_fast`, two
-embeddings and a Dense trunk. `remote` puts a 20 ms read before each batch:
-a sleep in TensorFlow's C++ runtime (`SleepDataset`), which holds no GIL, as
-TensorFlow's own file systems (`gs://`, `s3://`) do; IO-latency bound.
+`seed` is DeepRec's `tf.staged` example, small. `remote` reads each batch
+20 ms first: a sleep without the GIL, as TensorFlow's `gs://` reads.
 """
 
 import keras
@@ -29,7 +26,6 @@ class ParseCsvLines(keras.layers.Layer):
         }
 
     def compute_output_spec(self, lines):
-        # Keras cannot infer int64 outputs of string inputs by itself.
         return {
             k: keras.KerasTensor(lines.shape, "int64") for k in ("user", "item")
         }
@@ -43,8 +39,7 @@ class RemoteRead(keras.layers.Layer):
         self.seconds = seconds
 
     def call(self, lines):
-        # A one-element dataset through TensorFlow's SleepDataset (a public
-        # raw op), read back in the same graph.
+        # A one-element dataset through TensorFlow's SleepDataset, read back.
         kw = {"output_types": [lines.dtype], "output_shapes": [lines.shape]}
         data = tf.raw_ops.TensorDataset(
             components=[lines], output_shapes=[lines.shape]
