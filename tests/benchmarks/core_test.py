@@ -165,3 +165,18 @@ def test_a_regime_runs_its_calls_in_every_mode():
     }
     (staged,) = [r for r in rows if r["mode"] == "staged"]
     assert staged["calls"] == 2  # evaluate_x3 at its tiny size: 2 calls
+
+
+def test_the_tool_stays_small_and_keeps_only_summaries():
+    root = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+    code = sum(len(p.read_text().splitlines()) for p in root.rglob("*.py"))
+    assert code <= 3500, f"benchmarks/ has {code} lines of Python; keep 3,500"
+    # In git: the history and one summary per latest run of each family;
+    # the raw rows (results/raw/) and bench-quick's checks are ignored.
+    kept = [
+        p
+        for p in (root / "results").iterdir()
+        if p.is_file() and not p.name.endswith("-quick.json")
+    ]
+    lines = sum(len(p.read_text().splitlines()) for p in kept)
+    assert lines <= 10_000, f"benchmarks/results/ keeps {lines} lines"
