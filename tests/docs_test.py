@@ -451,3 +451,26 @@ def test_the_readme_example_stages_and_prints_what_it_shows():
     assert done.stdout.count("The call is staged") == shown.count(
         "The call is staged"
     )
+
+
+def test_every_benchmark_command_of_the_docs_wrote_its_result_file():
+    # Each command docs/benchmarks.md gives is the one its table's file ran.
+    import json
+
+    text = (DOCS / "benchmarks.md").read_text()
+    commands = re.findall(r"-m benchmarks (\w+(?: [^\n#]*)?)", text)
+    commands = [c.strip() for c in commands if not c.startswith("SCENARIO")]
+    commands.append("bench")  # `make bench`
+    assert len(commands) >= 10, commands
+    for command in commands:
+        scenario = command.split()[0]
+        if scenario == "scripts" and "--help" in command:
+            continue
+        name = re.search(r"--name (\S+)", command)
+        stem = scenario + (f"-{name[1]}" if name else "")
+        path = ROOT / "benchmarks" / "results" / f"{stem}.json"
+        assert path.exists(), f"`{command}`: no {path.name}; run it."
+        ran = json.loads(path.read_text())["command"]
+        assert ran == f"python -m benchmarks {command}", (
+            f"{path.name} was written by `{ran}`, the docs give `{command}`"
+        )
