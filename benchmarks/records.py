@@ -107,7 +107,8 @@ def table(summaries, reference, control, metrics=None):
         "|---" * (len(modes) + 5) + "|",
     ]
     for s in summaries:
-        if metrics and s["metric"] not in metrics:
+        # A metric only some modes report (a pool size) has no ratio row.
+        if metrics and s["metric"] not in metrics or not s["ratio"]:
             continue
         staged = ", ".join(
             f"{m} {ran_staged(s, m)}" for m in s["staged"] if ran_staged(s, m)
@@ -127,7 +128,7 @@ def _fmt(value, digits=2):
 
 # A table in README.md or docs/*.md, rendered from its result file.
 BLOCK = re.compile(
-    r"(<!-- table: (benchmarks/results/[\w.-]+\.json)(?: (\w+))? -->\n)"
+    r"(<!-- table: (benchmarks/results/[\w.-]+\.json)(?: ([\w,]+))? -->\n)"
     r".*?(<!-- end of table -->)",
     re.S,
 )
@@ -136,8 +137,9 @@ BLOCK = re.compile(
 def render(text, root=ROOT):
     """`text` with each table block rewritten from the file it names.
 
-    A block is `<!-- table: FILE [speed] -->` ... `<!-- end of table -->`;
-    `speed` renders the README's speed table, else `table`.
+    A block is `<!-- table: FILE [speed|METRICS] -->` ... `<!-- end of
+    table -->`; `speed` renders the README's speed table, else `table` (of
+    the comma-separated METRICS only, when given).
     """
 
     def rendered(match):
@@ -146,7 +148,9 @@ def render(text, root=ROOT):
         if match[3] == "speed":
             return f"{match[1]}\n{speed_table(result)}\n{match[4]}"
         keys = ("summaries", "reference", "control")
-        return f"{match[1]}\n{table(*(result[k] for k in keys))}\n\n{match[4]}"
+        metrics = match[3] and match[3].split(",")
+        body = table(*(result[k] for k in keys), metrics=metrics)
+        return f"{match[1]}\n{body}\n\n{match[4]}"
 
     return BLOCK.sub(rendered, text)
 
