@@ -76,7 +76,7 @@ def compare(name, quick=False, log=print, size=None):
                 started = time.perf_counter()
                 built.call("fit", data, epochs=1)
                 seconds = time.perf_counter() - started
-            ran_staged = any(staged for _, staged, _ in decisions)
+            ran_staged = any(decision[1] for decision in decisions)
             runs[mode].append(
                 {
                     "steps": steps,
