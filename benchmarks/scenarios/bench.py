@@ -20,9 +20,6 @@ WORKLOADS = ("seed", "criteo", "remote", "images", "none")
 class Bench(Scenario):
     name = "bench"
     modes = ("plain", "staged", "expert", "plain_again", "compute_bound")
-    # 7 rounds did not reproduce the cheap-input rows within the control:
-    # about one call in ten here stalls 0.6 s, in every mode.
-    rounds = 11
 
     def arguments(self, parser):
         parser.add_argument("--workloads", default=",".join(WORKLOADS))
