@@ -48,6 +48,16 @@ def datasets(work, batches, seeds=(4, 1, 2, 3)):
     return parts[0][0], [first] + [work.dataset(*p) for p in parts[1:]]
 
 
+def hand_split(work, adapt, parts):
+    """`(compiled trunk model, parts mapped)`: plain where it cannot fit the
+    whole model, the preprocessing in `dataset.map` of each part."""
+    from benchmarks.modes import Built
+
+    preprocess, model = work.split(adapt)
+    model.compile(**work.compile_kwargs())
+    return model, list(map(Built(model, "expert", preprocess).feed, parts))
+
+
 class ScriptTimer:
     """Seconds from `start()` to `stop()` (`script`), and of the first call
     of each name measured."""

@@ -7,8 +7,7 @@ is keras-rs's examples' hand split, the lookups in `dataset.map`.
 import keras
 
 import keras_stage
-from benchmarks.modes import Built
-from benchmarks.scripts import datasets
+from benchmarks.scripts import datasets, hand_split
 from benchmarks.workloads import workload
 
 
@@ -25,10 +24,8 @@ def run(staged, timer, tiny=False):
         smart_stage = {"smart_stage": True} if staged else {}  # 3
         model.compile(**work.compile_kwargs(), **smart_stage)
     else:  # the lookups in `dataset.map`
-        preprocess, model = work.split(None)
-        model.compile(**work.compile_kwargs())
-        feed = Built(model, "expert", preprocess).feed
-        train, val, test, predict = map(feed, (train, val, test, predict))
+        parts = (train, val, test, predict)
+        model, (train, val, test, predict) = hand_split(work, None, parts)
     epochs = 1 if tiny else 3
     with timer.measure("fit"):
         model.fit(train, epochs=epochs, validation_data=val, verbose=0)

@@ -7,8 +7,7 @@ a `keras.Model` of the trunk; on workload `name`.
 import keras
 
 import keras_stage
-from benchmarks.modes import Built
-from benchmarks.scripts import datasets
+from benchmarks.scripts import datasets, hand_split
 from benchmarks.workloads import workload
 
 BATCHES = {"tabular": (100, 20, 20, 8), "criteo_columns": (50, 10, 10, 4)}
@@ -29,10 +28,8 @@ def run(staged, timer, tiny=False, name="tabular"):
         model = keras_stage.Model(inputs, outputs)  # 2
         model.compile(**work.compile_kwargs(), smart_stage=True)  # 3
     else:  # the preprocessing in `dataset.map`
-        preprocess, model = work.split(adapt)
-        model.compile(**work.compile_kwargs())
-        feed = Built(model, "expert", preprocess).feed
-        train, val, test, predict = map(feed, (train, val, test, predict))
+        parts = (train, val, test, predict)
+        model, (train, val, test, predict) = hand_split(work, adapt, parts)
     epochs = 1 if tiny else 3
     with timer.measure("fit"):
         model.fit(train, epochs=epochs, validation_data=val, verbose=0)
