@@ -45,6 +45,8 @@ def rows_of(path):
     stem = os.path.splitext(os.path.basename(path))[0]
     rows = []
     for s in result["summaries"]:
+        if s["metric"] in records.SPREAD:  # in its file: mean and maximum
+            continue
         ratio, median = s["ratio"], s["median"]
         staged = s["staged"].get("staged")
         other = "" if staged is None else f"ran staged {staged[0]}/{staged[1]}"
@@ -192,24 +194,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.history", description=__doc__.split("\n")[0]
     )
-    parser.add_argument(
-        "files",
-        nargs="*",
-        help="summary files (default: every .json in benchmarks/results)",
-    )
-    parser.add_argument(
-        "--out", default=HISTORY, help="the table (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--markdown",
-        action="store_true",
-        help="print the history table of docs/benchmarks.md and stop",
-    )
-    parser.add_argument(
-        "--docs",
-        action="store_true",
-        help="after adding the rows, rewrite that table in the page",
-    )
+    add = parser.add_argument
+    add("files", nargs="*", help="summary files (default: every result)")
+    add("--out", default=HISTORY, help="the table (default: %(default)s)")
+    add("--markdown", action="store_true", help="print CHANGELOG.md's table")
+    add("--docs", action="store_true", help="rewrite it and the docs' tables")
     args = parser.parse_args(argv)
     if args.markdown:
         print(markdown(read(args.out)), end="")

@@ -19,6 +19,7 @@ where the hand split is the reference) measures the noise of a ratio.
 """
 
 import dataclasses
+import time
 
 import keras
 import tensorflow as tf
@@ -26,6 +27,8 @@ import tensorflow as tf
 import keras_stage
 
 KINDS = ("plain", "staged", "expert", "trunk")
+# The tear-down seconds of every `Built.call` (`runner.timed` reads them).
+TEARDOWN = []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +123,14 @@ class Built:
                 callbacks.append(self.prefetch)
             if kwargs.get("validation_data") is not None:
                 kwargs["validation_data"] = self.feed(kwargs["validation_data"])
-        return getattr(self.model, method)(
+        ended = []  # when the call ran its last callback
+        mark = lambda logs=None: ended.append(time.perf_counter())  # noqa: E731
+        hooks = {f"on_{m}_end": mark for m in ("train", "test", "predict")}
+        callbacks.append(keras.callbacks.LambdaCallback(**hooks))
+        out = getattr(self.model, method)(
             self.feed(data), callbacks=callbacks, verbose=0, **kwargs
         )
+        # What Keras did after its last callback: for a plain fit, the
+        # iterator's tear-down (docs/benchmarks.md, "What a call's time is").
+        TEARDOWN.append(time.perf_counter() - ended[-1])
+        return out

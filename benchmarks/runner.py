@@ -42,6 +42,9 @@ class Scenario:
     Subclasses set the attributes and implement `cases`, `setup` and
     `trial`. `trial(state)` runs one round's work; the runner times it as
     `seconds`, and any metrics it returns (a dict) are recorded beside.
+    Where its calls go through `Built.call`, it also records `teardown`,
+    their seconds after their last callback, and `to_end`, `seconds` less
+    that (docs/benchmarks.md, "What a call's time is").
     """
 
     name = ""
@@ -112,12 +115,18 @@ def decisions_logged():
 
 def timed(scenario, state, staged):
     """One trial: `{"metrics", "staged_calls", "calls", "why"}`."""
+    from benchmarks.modes import TEARDOWN
+
+    TEARDOWN.clear()
     with decisions_logged() as decisions:
         started = time.perf_counter()
         metrics = scenario.trial(state) or {}
         seconds = time.perf_counter() - started
     gc.collect()  # untimed, so no trial pays for another's garbage
     out = {"metrics": {"seconds": seconds, **metrics}}
+    if TEARDOWN:  # its calls went through `Built.call`
+        teardown = sum(TEARDOWN)
+        out["metrics"].update(to_end=seconds - teardown, teardown=teardown)
     if staged:
         out.update(
             staged_calls=sum(d[1] for d in decisions),

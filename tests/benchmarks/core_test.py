@@ -125,6 +125,39 @@ def test_summaries_pair_rounds_and_count_staged_calls():
     assert "| w | seconds | 2.000 | 0.50 | 1.00 |" in text
 
 
+def test_the_speed_table_times_calls_to_their_last_callback():
+    # Per mode: the whole call, its time to the last callback, the rest.
+    timings = {
+        "plain": (2.6, 1.3),  # a call that waited 1.3 s in its tear-down
+        "staged": (1.0, 0.001),
+        "expert": (1.2, 0.001),
+        "plain_again": (1.3, 0.001),
+        "compute_bound": (0.9, 0.001),
+    }
+    rows = []
+    for mode, (seconds, teardown) in timings.items():
+        staged = 1 if mode == "staged" else None
+        for metric, value in (
+            ("seconds", seconds),
+            ("to_end", seconds - teardown),
+            ("teardown", teardown),
+        ):
+            rows.append({**_row(mode, 0, value, staged), "metric": metric})
+    summaries = records.summarize(rows, "plain", "plain_again")
+    (teardown,) = [s for s in summaries if s["metric"] == "teardown"]
+    assert teardown["max"]["plain"] == teardown["mean"]["plain"] == 1.3
+    text = records.speed_table({"summaries": summaries})
+    assert "| `w` |  | 0.77 | 1.00 | 0.83 | 1 of 1 |" in text  # 1.0 / 1.3
+    assert "up to 1.30 s in plain Keras's fits and 0.00 s in staged" in text
+    # The generic table shows `to_end`, not the whole call or the tear-down.
+    table = records.table(summaries, "plain", "plain_again")
+    assert "| w | to_end |" in table
+    assert "| w | seconds |" not in table and "teardown" not in table
+    assert "| w | seconds |" in records.table(
+        summaries, "plain", "plain_again", ["seconds"]
+    )
+
+
 def test_a_summary_file_becomes_history_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(records, "RESULTS", str(tmp_path))
     rows = [_row("plain", 0, 2.0), _row("staged", 0, 1.0, 1)]
@@ -141,6 +174,10 @@ def test_a_summary_file_becomes_history_rows(tmp_path, monkeypatch):
     assert history.update([path], str(csv)) == 0  # not added twice
 
 
+def _seconds(rows):
+    return [r for r in rows if r["metric"] == "seconds"]
+
+
 def test_a_bench_run_records_every_mode_and_its_staged_calls():
     scenario, args = parse(
         ["bench", "--workloads", "none", "--steps", "2", "--rounds", "2"]
@@ -148,7 +185,23 @@ def test_a_bench_run_records_every_mode_and_its_staged_calls():
     rows = runner.run(scenario, args, log=lambda line: None)
     modes = {row["mode"] for row in rows}
     assert modes == set(scenario.modes)
-    assert sorted(r["round"] for r in rows if r["mode"] == "staged") == [0, 1]
+    seconds = [r for r in rows if r["metric"] == "seconds"]
+    assert sorted(r["round"] for r in seconds if r["mode"] == "staged") == [
+        0,
+        1,
+    ]
+    # Each trial: the whole call, its time to the last callback and the
+    # tear-down after it, which add up.
+    by_trial = {}
+    for row in rows:
+        key = (row["mode"], row["round"])
+        by_trial.setdefault(key, {})[row["metric"]] = row["value"]
+    for trial in by_trial.values():
+        assert set(trial) == {"seconds", "to_end", "teardown"}
+        assert 0 <= trial["teardown"] < trial["seconds"]
+        assert trial["to_end"] + trial["teardown"] == pytest.approx(
+            trial["seconds"]
+        )
     staged = [r for r in rows if r["mode"] == "staged"]
     assert all(r["calls"] >= 1 for r in staged), staged
     assert all(r["calls"] is None for r in rows if r["mode"] != "staged")
@@ -163,7 +216,7 @@ def test_a_regime_runs_its_calls_in_every_mode():
     assert {(r["workload"], r["mode"]) for r in rows} == {
         ("tabular/evaluate_x3", mode) for mode in ("plain", "staged", "expert")
     }
-    (staged,) = [r for r in rows if r["mode"] == "staged"]
+    (staged,) = [r for r in _seconds(rows) if r["mode"] == "staged"]
     assert staged["calls"] == 2  # evaluate_x3 at its tiny size: 2 calls
 
 

@@ -5,6 +5,7 @@ import pytest
 from benchmarks import runner
 from benchmarks.__main__ import parse
 from benchmarks.modes import MODES
+from keras_stage.data import pipeline_model
 
 
 def _run(*argv):
@@ -24,7 +25,10 @@ def test_calls_stage_every_call_on_one_dataset(method):
         for mode in ("plain", "staged_always", "plain_again")
     }
     staged = [r for r in rows if r["mode"] == "staged_always"]
-    assert sorted(r["round"] for r in staged) == [0, 1]
+    assert sorted(r["round"] for r in staged if r["metric"] == "seconds") == [
+        0,
+        1,
+    ]
     # adaptive=False: every call of a round staged, none decided away.
     assert all(r["staged_calls"] == r["calls"] >= 2 for r in staged), staged
     assert all(r["calls"] is None for r in rows if r["mode"] != "staged_always")
@@ -37,7 +41,11 @@ def test_calls_on_a_new_dataset_each_call_are_staged_too():
         *("--calls", "3", "--batches", "2", "--rounds", "1", "--new-datasets"),
         *("--modes", "plain,staged_always"),
     )
-    (staged,) = [r for r in rows if r["mode"] == "staged_always"]
+    (staged,) = [
+        r
+        for r in rows
+        if r["mode"] == "staged_always" and r["metric"] == "seconds"
+    ]
     assert staged["staged_calls"] == staged["calls"] == 3
     assert staged["value"] > 0
 
@@ -120,9 +128,15 @@ def test_determinism_runs_each_round_in_a_fresh_process():
         "staged_deterministic",
         "staged_always_again",
     }
-    for metrics in by_mode.values():
-        assert {"seconds", "process", "wait_ratio"} <= set(metrics)
+    for mode, metrics in by_mode.items():
+        assert {"seconds", "process", "delivery_seconds_per_batch"} <= set(
+            metrics
+        )
         assert metrics["seconds"]["staged_calls"] == 1
+        # Under op determinism the wait is read from tf.data's model of the
+        # iterator, which TensorFlow 2.16 cannot read (docs/callback.md).
+        timed = mode != "staged_deterministic" or pipeline_model.AVAILABLE
+        assert ("wait_ratio" in metrics) == timed, (mode, sorted(metrics))
 
 
 def test_each_floor_case_runs_its_own_modes():
@@ -153,7 +167,8 @@ def test_the_floor_of_remote_beside_pipelines_built_by_hand():
         *("--modes", modes + ",staged_pool2"),  # not a mode of remote
     )
     assert {r["mode"] for r in rows} == set(modes.split(","))
-    assert all(r["metric"] == "seconds" and r["value"] > 0 for r in rows)
+    assert {r["metric"] for r in rows} == {"seconds", "to_end", "teardown"}
+    assert all(r["value"] > 0 for r in rows if r["metric"] != "teardown")
 
 
 @pytest.mark.timeout(60)
