@@ -58,6 +58,10 @@ def summarize(rows, reference, control):
             "median": medians,
             "ratio": ratio,
             "control": ratio.get(control),
+            # The middle half of the control's ratios: the noise of a ratio.
+            "control_range": _quartiles(
+                _paired(by_mode, reference, True).get(control)
+            ),
             "staged": {},
             "why": {},
         }
@@ -84,8 +88,9 @@ def summarize(rows, reference, control):
     return out
 
 
-def _paired(by_mode, reference):
-    """`{mode: median over rounds of mode / reference in the round}`."""
+def _paired(by_mode, reference, each=False):
+    """`{mode: median over rounds of mode / reference in the round}`; with
+    `each`, `{mode: [the ratio in each round]}`."""
     base = {r["round"]: r["value"] for r in by_mode.get(reference, ())}
     out = {}
     for mode, got in by_mode.items():
@@ -93,18 +98,25 @@ def _paired(by_mode, reference):
             r["value"] / base[r["round"]] for r in got if base.get(r["round"])
         ]
         if mode != reference and pairs:
-            out[mode] = statistics.median(pairs)
+            out[mode] = pairs if each else statistics.median(pairs)
     return out
+
+
+def _quartiles(values):
+    """`[first, third]` quartile of `values` (None for fewer than 2)."""
+    if len(values or ()) > 1:
+        return statistics.quantiles(values, n=4, method="inclusive")[::2]
 
 
 def within_noise(summary, mode, bound=1.0, sign=1):
     """Whether `mode`'s ratio is at most `bound` plus the control's
     distance from 1 (two equal modes differ by that much); `sign=-1`:
     at least `bound` less that distance."""
-    ratio, control = summary["ratio"].get(mode), summary["control"]
+    ratio = summary["ratio"].get(mode)
     if ratio is None:
         return None
-    distance = 0 if control is None else abs(control - 1)
+    control = [summary["control"]] + (summary.get("control_range") or [])
+    distance = max(abs(c - 1) for c in control if c is not None)
     return sign * ratio <= sign * bound + distance
 
 
@@ -119,30 +131,36 @@ def ran_staged(summary, mode):
 
 
 def table(summaries, reference, control, metrics=None):
-    """A markdown table: per workload and metric, the reference's median,
-    every other mode's paired ratio, the control and the staged calls."""
-    modes = [m for s in shown(summaries, metrics) for m in s["ratio"]]
-    modes = [m for m in modes if m != control]
-    modes = list(dict.fromkeys(modes))
-    lines = [
-        f"| workload | metric | {reference} | "
-        + " | ".join(f"{m}/{reference}" for m in modes)
-        + f" | control ({control}) | ran staged |",
-        "|---" * (len(modes) + 5) + "|",
-    ]
-    for s in shown(summaries, metrics):
-        if not s["ratio"]:  # a metric only some modes report (a pool size)
-            continue
-        staged = ", ".join(
-            f"{m} {ran_staged(s, m)}" for m in s["staged"] if ran_staged(s, m)
+    """A markdown table: per workload (and metric, if several), the
+    reference's median, each other mode's paired ratio, the control and the
+    staged calls (named by mode where several modes are staged)."""
+    rows = [s for s in shown(summaries, metrics) if s["ratio"]]  # no pool size
+    modes = dict.fromkeys(m for s in rows for m in s["ratio"] if m != control)
+    staged = dict.fromkeys(m for s in rows for m in s["staged"])
+    one = len({s["metric"] for s in rows}) == 1  # then named in the head
+    head = ["workload"] + ([f"{reference} {rows[0]['metric']}"] if one else [])
+    head += [] if one else ["metric", reference]
+    head += [f"{m}/{reference}" for m in modes]
+    head += [f"control ({control})", "ran staged"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for s in rows:
+        ran = ", ".join(
+            f"{m} {ran_staged(s, m)}" if len(staged) > 1 else ran_staged(s, m)
+            for m in s["staged"]
+            if ran_staged(s, m)
         )
-        lines.append(
-            f"| {s['workload']} | {s['metric']} | "
-            f"{_fmt(s['median'].get(reference), 3)} | "
-            + " | ".join(_fmt(s["ratio"].get(m)) for m in modes)
-            + f" | {_fmt(s['control'])} | {staged} |"
-        )
+        cells = [s["workload"]] + ([] if one else [s["metric"]])
+        cells += [_fmt(s["median"].get(reference), 3)]
+        cells += [_fmt(s["ratio"].get(m)) for m in modes]
+        lines.append("| " + " | ".join(cells + [_control(s), ran]) + " |")
     return "\n".join(lines)
+
+
+def _control(summary):
+    """The control's ratio and, in brackets, the middle half of its rounds'."""
+    low_high = summary.get("control_range")
+    spread = " ({:.2f}-{:.2f})".format(*low_high) if low_high else ""
+    return _fmt(summary["control"]) + spread
 
 
 def _fmt(value, digits=2):
@@ -263,7 +281,7 @@ def speed_table(result):
     for s in summaries:  # to each call's last callback; its tear-down: a note
         if s["metric"] != "to_end":
             continue
-        name, ratio, control = s["workload"], s["ratio"], s["control"]
+        name, ratio = s["workload"], s["ratio"]
         ran, calls = s["staged"]["staged"]
         reading = f"{ratio['staged']:.2f}"
         if within_noise(s, "staged") and within_noise(s, "staged", 1.0, -1):
@@ -274,17 +292,15 @@ def speed_table(result):
             why = [UNSTAGED.get(k, k) for k in s["why"].get("staged", [])]
             notes.append(
                 f"{mark[1:]} `{name}`: {calls - ran} of {calls} calls ran "
-                "unstaged, the whole model in Keras's step "
-                f"({'; '.join(why)}). "
-                f"The trunk alone, on batches in memory, took "
-                f"{ratio['compute_bound']:.2f} of plain's time: at most "
-                f"{max(0, 1 - ratio['compute_bound']):.0%} of it is input a "
-                "stage could overlap on this machine. The hand-tuned pipeline "
-                f"took {ratio['expert']:.2f} of plain's time in the same run."
+                f"unstaged ({'; '.join(why)}). The trunk alone on batches in "
+                f"memory took {ratio['compute_bound']:.2f} of plain's time "
+                f"(input to overlap: at most "
+                f"{max(0, 1 - ratio['compute_bound']):.0%}); the hand-tuned "
+                f"pipeline {ratio['expert']:.2f}."
             )
         lines.append(
             f"| `{name}` | {INPUT_WORK.get(name, '')} | {reading}{mark} "
-            f"| {control:.2f} | {s['to_expert']['staged']:.2f} "
+            f"| {_control(s)} | {s['to_expert']['staged']:.2f} "
             f"| {ran} of {calls} |"
         )
     teardown = [s for s in summaries if s["metric"] == "teardown"]
@@ -292,8 +308,8 @@ def speed_table(result):
     notes.append(
         "Not in the ratios: the tear-down after each fit's last callback, up "
         f"to {worst['plain']:.2f} s in plain Keras's fits and "
-        f"{worst['staged']:.2f} s in staged ones. It is tf.data's tear-down of "
-        "the iterator Keras makes per fit, which a staged fit keeps for its "
-        "next (docs/benchmarks.md)."
+        f"{worst['staged']:.2f} s in the staged model's. It is tf.data's "
+        "tear-down of the iterator Keras makes per fit: a call that runs its "
+        "stage keeps its iterator, one that runs unstaged pays it too."
     )
     return "\n".join(lines + [""] + notes) + "\n"

@@ -474,3 +474,145 @@ def test_every_benchmark_command_of_the_docs_wrote_its_result_file():
         assert ran == f"python -m benchmarks {command}", (
             f"{path.name} was written by `{ran}`, the docs give `{command}`"
         )
+
+
+# -- the docs' size, and every figure of theirs from its file -----------------
+
+# What a user reads to decide and a contributor to start: the README,
+# CONTRIBUTING.md and every page of docs/ (the design doc and the API pages
+# included). CHANGELOG.md's history table of figures is not prose.
+WORD_BUDGET = 20_000
+MAX_PAGE_LINES = 400
+# A figure in prose, then the file and path it comes from (see below).
+FIGURE = re.compile(r"(-?\d+(?:\.\d+)?)(?:x|%| s)?<!-- figure: (\S+) (\S+) -->")
+# A ratio written in prose ("0.12x", "1.06 of plain"): it must be marked.
+RATIO = re.compile(r"\b\d+\.\d+(?:x\b| of (?:plain|the))")
+# `make TARGET` then, before the next target, its time in minutes.
+TARGET_TIME = re.compile(
+    r"make ([\w-]+)\b(?:(?!make )[^\n])*?"
+    r"(?:about |in )?(\d+(?:\.\d+)?)(?:(?: to |-)(\d+(?:\.\d+)?))? minutes?"
+)
+
+
+def docs_files():
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md"]
+    return pages + [DOCS / p for p in doc_pages()]
+
+
+def prose(text):
+    """`text` without its code blocks and rendered tables."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    return re.sub(r"<!-- table: .*?<!-- end of table -->", "", text, flags=re.S)
+
+
+def figure_value(file, path):
+    """The value at `path` of a result file: `workload/metric/key[/mode]`
+    in a summary file, else a `/`-separated path from its top."""
+    import json
+
+    data = json.loads((ROOT / file).read_text())
+    parts = path.split("/")
+    if "summaries" in data:
+        workload, metric, *parts = parts
+        (data,) = [
+            s
+            for s in data["summaries"]
+            if (s["workload"], s["metric"]) == (workload, metric)
+        ]
+    for part in parts:
+        data = data[part]
+    return data
+
+
+def test_the_docs_read_in_under_20000_words():
+    words = {p.name: len(p.read_text().split()) for p in docs_files()}
+    total = sum(words.values())
+    biggest = sorted(words.items(), key=lambda item: -item[1])[:5]
+    assert total <= WORD_BUDGET, (
+        f"The docs have {total} words; keep {WORD_BUDGET}. Largest: {biggest}."
+    )
+
+
+def test_no_user_page_is_over_400_lines():
+    long = {
+        p.name: n
+        for p in docs_files()
+        if (n := len(p.read_text().splitlines())) > MAX_PAGE_LINES
+    }
+    assert not long, f"Pages over {MAX_PAGE_LINES} lines: {long}"
+
+
+def test_every_marked_figure_is_its_files():
+    checked = 0
+    for page in docs_files():
+        for written, file, path in FIGURE.findall(page.read_text()):
+            value = figure_value(file, path)
+            digits = len(written.partition(".")[2])
+            assert f"{value:.{digits}f}" == written, (
+                f"{page.name}: {written} is {value:.{digits}f} in {file} {path}"
+            )
+            checked += 1
+    assert checked, "no figure is marked with its file"
+
+
+def test_every_ratio_in_prose_is_marked_with_its_file():
+    unmarked = {}
+    for page in docs_files():
+        if page.name == "demo.md":  # its figures are its output's (below)
+            continue
+        text = prose(page.read_text())
+        for match in RATIO.finditer(text):
+            if not FIGURE.match(text, match.start()):
+                unmarked.setdefault(page.name, []).append(match.group())
+    assert not unmarked, (
+        f"Ratios in prose without `<!-- figure: FILE PATH -->` after the "
+        f"number: {unmarked}"
+    )
+
+
+def test_the_demo_page_says_what_its_output_shows():
+    text = (DOCS / "demo.md").read_text()
+    shown = "".join(re.findall(r"```.*?```", text, re.S))
+    said = re.findall(r"\b\d+(?:\.\d+)?(?:x|%)", prose(text))
+    missing = [figure for figure in said if figure not in shown]
+    assert not missing, (
+        f"docs/demo.md's text gives figures its output does not: {missing}"
+    )
+
+
+def test_every_make_target_time_is_the_measured_one():
+    import json
+
+    measured = json.loads(
+        (ROOT / "benchmarks" / "results" / "targets.json").read_text()
+    )["minutes"]
+    found = []
+    for page in docs_files():
+        for target, low, high in TARGET_TIME.findall(page.read_text()):
+            if target not in measured:
+                continue
+            low, high = float(low), float(high or low)
+            value = measured[target]
+            # "about N": N is the measured time to the nearest minute.
+            assert low - 0.5 <= value < high + 0.5, (
+                f"{page.name}: `make {target}` takes {value} minutes "
+                f"(targets.json), not {low:g}-{high:g}"
+            )
+            found.append(target)
+    assert {"test", "demo", "bench", "bench-quick"} <= set(found), found
+
+
+def test_each_api_page_names_the_files_of_its_docstrings():
+    # The reference reads in the repository too: each page names the files
+    # whose docstrings `make docs` renders into it.
+    for page in sorted(API.glob("*.md")):
+        text = page.read_text()
+        line = re.search(r"^Docstrings in (.*)\(the site's pages", text, re.M)
+        assert line, f"{page.name} does not say where its docstrings are"
+        files = [ROOT / f for f in re.findall(r"`([\w/]+\.py)`", line[1])]
+        sources = "".join(f.read_text() for f in files)
+        for name in re.findall(r"^::: \S+\.(\w+)$", text, re.M):
+            defined = rf"^(?:class {name}\b|def {name}\(|{name} = )"
+            assert re.search(defined, sources, re.M), (
+                f"{page.name}: {name} is not defined in {line[1]}"
+            )

@@ -130,24 +130,16 @@ def tuner_search(run, sizes):
         rate = hp.Float("learning_rate", 1e-4, 1e-2, sampling="log")
         return run.mode.build(run.work, run.adapt, rate).model
 
+    trials, epochs = sizes["tuner_trials"], sizes["tuner_epochs"]
+    more.update(validation_data=(val_x, val["y"]) if val else val_x, verbose=0)
+    more.update({} if "y" in more else {"shuffle": False})  # a dataset
+    if run.mode.staged:
+        more["callbacks"] = [keras_stage.callbacks.PrefetchCallback()]
     with tempfile.TemporaryDirectory() as folder:
         tuner = keras_tuner.RandomSearch(
-            model,
-            objective="val_loss",
-            max_trials=sizes["tuner_trials"],
-            seed=0,
-            directory=folder,
+            model, "val_loss", trials, seed=0, directory=folder
         )
-        prefetch = keras_stage.callbacks.PrefetchCallback
-        tuner.search(
-            x,
-            **more,
-            epochs=sizes["tuner_epochs"],
-            callbacks=[prefetch()] if run.mode.staged else [],
-            validation_data=(val_x, val["y"]) if val else val_x,
-            verbose=0,
-            **({} if more else {"shuffle": False}),
-        )
+        tuner.search(x, epochs=epochs, **more)
     failed = [t for t in tuner.oracle.trials.values() if t.status == "FAILED"]
     if failed:  # keras-tuner logs a failed trial and goes on
         raise RuntimeError(f"tuner_search: {failed[0].message}")

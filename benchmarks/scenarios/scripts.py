@@ -23,18 +23,11 @@ class Scripts(Scenario):
     rounds, quick_rounds = 5, 3
 
     def arguments(self, parser):
-        parser.add_argument(
-            "--scripts",
-            default="",
-            help="comma-separated, of: "
-            + ",".join(scripts.SCRIPTS)
-            + " (default: all that run on this backend)",
-        )
-        parser.add_argument(
-            "--tiny",
-            action="store_true",
-            help="every script at its smallest: a smoke run, not a measure",
-        )
+        names = ",".join(scripts.SCRIPTS)
+        about = f"comma-separated, of: {names} (default: all on this backend)"
+        parser.add_argument("--scripts", default="", help=about)
+        smoke = "every script at its smallest: a smoke run, not a measure"
+        parser.add_argument("--tiny", action="store_true", help=smoke)
 
     def cases(self, args):
         # Keras's own default; the parent imports neither it nor TensorFlow.

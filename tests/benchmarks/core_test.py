@@ -121,8 +121,17 @@ def test_summaries_pair_rounds_and_count_staged_calls():
     assert records.ran_staged(summary, "staged") == "2/3"
     assert records.within_noise(summary, "staged")
     text = records.table([summary], "plain", "plain_again")
-    assert "control (plain_again)" in text and "staged 2/3" in text
-    assert "| w | seconds | 2.000 | 0.50 | 1.00 |" in text
+    assert (
+        "| workload | plain seconds | staged/plain | control (plain_again) |"
+        in text
+    )
+    # One metric, one staged mode; the control's rounds: 1.1, 1.0, 1.0.
+    assert "| w | 2.000 | 0.50 | 1.00 (1.00-1.05) | 2/3 |" in text
+    assert summary["control_range"] == pytest.approx([1.0, 1.05])
+    # The control's distance from 1 is its range's: 1.04 is within it.
+    within = {**summary, "ratio": {"staged": 1.04}}
+    assert records.within_noise(within, "staged")
+    assert not records.within_noise({**within, "control_range": None}, "staged")
 
 
 def test_the_speed_table_times_calls_to_their_last_callback():
@@ -148,14 +157,15 @@ def test_the_speed_table_times_calls_to_their_last_callback():
     assert teardown["max"]["plain"] == teardown["mean"]["plain"] == 1.3
     text = records.speed_table({"summaries": summaries})
     assert "| `w` |  | 0.77 | 1.00 | 0.83 | 1 of 1 |" in text  # 1.0 / 1.3
-    assert "up to 1.30 s in plain Keras's fits and 0.00 s in staged" in text
+    assert "up to 1.30 s in plain Keras's fits and 0.00 s in the staged" in text
     # The generic table shows `to_end`, not the whole call or the tear-down.
     table = records.table(summaries, "plain", "plain_again")
-    assert "| w | to_end |" in table
-    assert "| w | seconds |" not in table and "teardown" not in table
-    assert "| w | seconds |" in records.table(
-        summaries, "plain", "plain_again", ["seconds"]
+    assert "| workload | plain to_end |" in table
+    assert "seconds" not in table and "teardown" not in table
+    both = records.table(
+        summaries, "plain", "plain_again", ["seconds", "to_end"]
     )
+    assert "| w | seconds | 2.600 | 0.38 |" in both  # two metrics: a column
 
 
 def test_a_summary_file_becomes_history_rows(tmp_path, monkeypatch):

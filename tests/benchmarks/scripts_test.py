@@ -196,5 +196,5 @@ def test_the_command_runs_every_mode_in_its_own_process():
         # Every mode has its row: plain's median, staged's and the
         # control's (plain_again's) ratios to it.
         assert float(plain) > 0 and float(staged) > 0, metric
-        assert float(control) > 0, metric
-        assert re.fullmatch(r"staged \d+/\d+", ran), ran
+        assert float(control.split()[0]) > 0, metric  # then its range
+        assert re.fullmatch(r"\d+/\d+", ran), ran  # one staged mode
