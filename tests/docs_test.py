@@ -616,3 +616,28 @@ def test_each_api_page_names_the_files_of_its_docstrings():
             assert re.search(defined, sources, re.M), (
                 f"{page.name}: {name} is not defined in {line[1]}"
             )
+
+
+# Internal names user pages once gave; the design doc is where they belong.
+INTERNAL_NAMES = re.compile(
+    r"\b(?:FedSource|epoch_sources|StageStats|StageRunner|StagePool|"
+    r"IDLE_CAPACITY|state_access|decision/calls\.py|live_stages|Packer)\b"
+)
+
+
+def test_user_pages_name_only_the_public_api():
+    public = {name for name, _ in public_names()} | {PACKAGE}
+    found = {}
+    for name, text in user_pages():
+        if name == "docs/design.md" or name.startswith("docs/api/"):
+            continue
+        named = re.findall(r"`(keras_stage(?:\.\w+)*)", text)
+        hits = [n for n in named if n not in public]
+        hits += re.findall(r"keras_stage/[\w/]+\.py", text)
+        hits += INTERNAL_NAMES.findall(text)
+        if hits:
+            found[name] = sorted(set(hits))
+    assert not found, (
+        f"User pages name internals: {found}; say what the user sets and "
+        "sees, and put how it works in docs/design.md."
+    )
