@@ -50,7 +50,8 @@ def summarize(rows, reference, control):
             mode: statistics.median(r["value"] for r in got)
             for mode, got in by_mode.items()
         }
-        ratio = _paired(by_mode, reference)
+        each = _paired(by_mode, reference, each=True)
+        ratio = {mode: statistics.median(got) for mode, got in each.items()}
         summary = {
             "workload": workload,
             "metric": metric,
@@ -59,9 +60,7 @@ def summarize(rows, reference, control):
             "ratio": ratio,
             "control": ratio.get(control),
             # The middle half of the control's ratios: the noise of a ratio.
-            "control_range": _quartiles(
-                _paired(by_mode, reference, True).get(control)
-            ),
+            "control_range": _quartiles(each.get(control)),
             "staged": {},
             "why": {},
         }
