@@ -64,7 +64,11 @@ def test_repeated_calls_keep_one_stage_beside_the_hand_split():
         for method in ("evaluate", "fit")
         for mode in chosen.modes
     }
-    assert all(row["value"] > 0 for row in rows)
+    # Every call's time; the tear-down after its last callback may be ~0.
+    assert all(
+        row["value"] > 0 if row["metric"] != "teardown" else row["value"] >= 0
+        for row in rows
+    )
     # keras_stage logs no decision where every call is staged: the calls
     # ran on one stage, kept across calls on the same dataset object.
     state = chosen.setup("tabular-evaluate", MODES["staged_always"], args)
