@@ -41,7 +41,10 @@ def test_a_quick_fits_run_has_rows_for_every_mode(monkeypatch):
     monkeypatch.setattr(chosen, "epochs", 1)
     rows = runner.run(chosen, args, log=lambda line: None)
     assert {row["mode"] for row in rows} == {"expert", "staged", "expert_again"}
-    (summary,) = records.summarize(rows, chosen.reference, chosen.control)
+    summaries = records.summarize(rows, chosen.reference, chosen.control)
+    # The whole call, its time to the last callback and the tear-down after.
+    assert {s["metric"] for s in summaries} == {"seconds", "to_end", "teardown"}
+    (summary,) = [s for s in summaries if s["metric"] == "seconds"]
     assert summary["control"] == summary["ratio"]["expert_again"] > 0
     assert summary["ratio"]["staged"] > 0
 
