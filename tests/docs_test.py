@@ -8,6 +8,7 @@ example runs in a child process), so they also run in the io environment.
 """
 
 import ast
+import json
 import pathlib
 import re
 import subprocess
@@ -349,10 +350,7 @@ def user_pages():
     table is in CHANGELOG.md, not among them)."""
     pages = [(f"docs/{p}", (DOCS / p).read_text()) for p in doc_pages()]
     pages.append(("README.md", (ROOT / "README.md").read_text()))
-    found = []
-    for name, text in pages:
-        found.append((name, text))
-    return found
+    return pages
 
 
 def _hits(pattern, text):
@@ -455,8 +453,6 @@ def test_the_readme_example_stages_and_prints_what_it_shows():
 
 def test_every_benchmark_command_of_the_docs_wrote_its_result_file():
     # Each command docs/benchmarks.md gives is the one its table's file ran.
-    import json
-
     text = (DOCS / "benchmarks.md").read_text()
     commands = re.findall(r"-m benchmarks (\w+(?: [^\n#]*)?)", text)
     commands = [c.strip() for c in commands if not c.startswith("SCENARIO")]
@@ -494,9 +490,10 @@ TARGET_TIME = re.compile(
 )
 
 
-def docs_files():
-    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md"]
-    return pages + [DOCS / p for p in doc_pages()]
+def docs_texts():
+    """`user_pages()` and CONTRIBUTING.md: the docs' size and figures."""
+    contributing = ("CONTRIBUTING.md", (ROOT / "CONTRIBUTING.md").read_text())
+    return user_pages() + [contributing]
 
 
 def prose(text):
@@ -508,8 +505,6 @@ def prose(text):
 def figure_value(file, path):
     """The value at `path` of a result file: `workload/metric/key[/mode]`
     in a summary file, else a `/`-separated path from its top."""
-    import json
-
     data = json.loads((ROOT / file).read_text())
     parts = path.split("/")
     if "summaries" in data:
@@ -525,7 +520,7 @@ def figure_value(file, path):
 
 
 def test_the_docs_read_in_under_20000_words():
-    words = {p.name: len(p.read_text().split()) for p in docs_files()}
+    words = {name: len(text.split()) for name, text in docs_texts()}
     total = sum(words.values())
     biggest = sorted(words.items(), key=lambda item: -item[1])[:5]
     assert total <= WORD_BUDGET, (
@@ -535,21 +530,21 @@ def test_the_docs_read_in_under_20000_words():
 
 def test_no_user_page_is_over_400_lines():
     long = {
-        p.name: n
-        for p in docs_files()
-        if (n := len(p.read_text().splitlines())) > MAX_PAGE_LINES
+        name: n
+        for name, text in docs_texts()
+        if (n := len(text.splitlines())) > MAX_PAGE_LINES
     }
     assert not long, f"Pages over {MAX_PAGE_LINES} lines: {long}"
 
 
 def test_every_marked_figure_is_its_files():
     checked = 0
-    for page in docs_files():
-        for written, file, path in FIGURE.findall(page.read_text()):
+    for page, text in docs_texts():
+        for written, file, path in FIGURE.findall(text):
             value = figure_value(file, path)
             digits = len(written.partition(".")[2])
             assert f"{value:.{digits}f}" == written, (
-                f"{page.name}: {written} is {value:.{digits}f} in {file} {path}"
+                f"{page}: {written} is {value:.{digits}f} in {file} {path}"
             )
             checked += 1
     assert checked, "no figure is marked with its file"
@@ -557,13 +552,13 @@ def test_every_marked_figure_is_its_files():
 
 def test_every_ratio_in_prose_is_marked_with_its_file():
     unmarked = {}
-    for page in docs_files():
-        if page.name == "demo.md":  # its figures are its output's (below)
+    for page, text in docs_texts():
+        if page == "docs/demo.md":  # its figures are its output's (below)
             continue
-        text = prose(page.read_text())
+        text = prose(text)
         for match in RATIO.finditer(text):
             if not FIGURE.match(text, match.start()):
-                unmarked.setdefault(page.name, []).append(match.group())
+                unmarked.setdefault(page, []).append(match.group())
     assert not unmarked, (
         f"Ratios in prose without `<!-- figure: FILE PATH -->` after the "
         f"number: {unmarked}"
@@ -581,21 +576,19 @@ def test_the_demo_page_says_what_its_output_shows():
 
 
 def test_every_make_target_time_is_the_measured_one():
-    import json
-
     measured = json.loads(
         (ROOT / "benchmarks" / "results" / "targets.json").read_text()
     )["minutes"]
     found = []
-    for page in docs_files():
-        for target, low, high in TARGET_TIME.findall(page.read_text()):
+    for page, text in docs_texts():
+        for target, low, high in TARGET_TIME.findall(text):
             if target not in measured:
                 continue
             low, high = float(low), float(high or low)
             value = measured[target]
             # "about N": N is the measured time to the nearest minute.
             assert low - 0.5 <= value < high + 0.5, (
-                f"{page.name}: `make {target}` takes {value} minutes "
+                f"{page}: `make {target}` takes {value} minutes "
                 f"(targets.json), not {low:g}-{high:g}"
             )
             found.append(target)

@@ -25,10 +25,8 @@ def test_calls_stage_every_call_on_one_dataset(method):
         for mode in ("plain", "staged_always", "plain_again")
     }
     staged = [r for r in rows if r["mode"] == "staged_always"]
-    assert sorted(r["round"] for r in staged if r["metric"] == "seconds") == [
-        0,
-        1,
-    ]
+    rounds = sorted(r["round"] for r in staged if r["metric"] == "seconds")
+    assert rounds == [0, 1]
     # adaptive=False: every call of a round staged, none decided away.
     assert all(r["staged_calls"] == r["calls"] >= 2 for r in staged), staged
     assert all(r["calls"] is None for r in rows if r["mode"] != "staged_always")
