@@ -88,10 +88,10 @@ def models(base):
             return inputs if self.preprocessed else self.preprocess(inputs)
 
     class _Recommender(_LooksUp):
-        def __init__(self, preprocessed=False, **kwargs):
+        def __init__(self, preprocessed=False, stage=None, **kwargs):
             super().__init__(preprocessed, **kwargs)
-            self.stage = (
-                keras_stage.layers.StagedInput(name="stage")
+            self.stage = (  # `stage`: the mode's StagedInput, its options
+                stage or keras_stage.layers.StagedInput(name="stage")
                 if staged and not preprocessed
                 else None
             )
@@ -353,7 +353,7 @@ class Recommender(Workload):
 
     def whole(self, base, adapt, staged_input=None, seed=1):
         keras.utils.set_random_seed(seed)
-        return _class(self.name, base)(name=self.name)
+        return _class(self.name, base)(name=self.name, stage=staged_input)
 
     def split(self, adapt, seed=1):
         keras.utils.set_random_seed(seed)

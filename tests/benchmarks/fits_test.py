@@ -29,16 +29,24 @@ def test_every_mode_trains_the_same_weights_and_the_lookups_are_staged():
     args = argparse.Namespace(quick=True, steps=2)
     states = [
         scenario.setup("retrieval", MODES[name], args)
-        for name in ("plain", "staged")
+        for name in ("plain", "staged", "staged_always")
     ]
     # Equal initial weights and batches: one fit each, equal weights.
     assert "max_dw" not in states[0]
-    assert states[1]["max_dw"] <= 1e-6
-    plan = states[1]["built"].model.get_stage_plan()
-    assert {"user_lookup", "movie_lookup"} <= set(plan.staged_layers)
-    trial = runner.timed(scenario, states[1], staged=True)
+    for state in states[1:]:
+        assert state["max_dw"] <= 1e-6
+        plan = state["built"].model.get_stage_plan()
+        assert {"user_lookup", "movie_lookup"} <= set(plan.staged_layers)
+    # adaptive=False: every call staged, and counted so.
+    trial = runner.timed(scenario, states[2], staged=True)
     assert trial["metrics"]["seconds"] > 0
     assert trial["staged_calls"] == trial["calls"] > 0
+    assert trial["why"] == []
+    # Adaptive (two batches of cheap lookups: its second call may time the
+    # whole model's steps): a call that ran unstaged says why.
+    trial = runner.timed(scenario, states[1], staged=True)
+    assert trial["calls"] > 0
+    assert trial["staged_calls"] == trial["calls"] or trial["why"]
 
 
 def test_a_weight_check_that_fails_stops_the_run(monkeypatch):

@@ -17,6 +17,10 @@ TRACE_SHARE = 0.1
 # The staged calls of a phase after which its trial runs whatever its
 # trace costs: calls that repeat repay it.
 LOOP_CALLS = 3
+# The most of a staged step that staged work may be and the trial still
+# run at once: a stage saves at most its work, and on few cores its
+# threads may slow the trunk by more, so the trial finds out early.
+WORK_SHARE = 0.1
 # The most in-memory batches a first call (nothing measured yet) may read
 # and still run unstaged: fewer do not repay a stage's set-up.
 FIRST_CALL_BATCHES = 32
@@ -261,6 +265,14 @@ class PhaseCosts:
             and self.unstaged_step_seconds is None
         )
 
+    def saves_little(self):
+        """Whether the staged work per batch, measured, is at most
+        `WORK_SHARE` of a staged step: all a stage could save."""
+        return (
+            self.batch_seconds is not None
+            and self.batch_seconds <= WORK_SHARE * self.staged_step_seconds
+        )
+
     def saving(self, batches):
         """What staging `batches` batches saves, signed, in seconds."""
         return max(batches - 1, 0) * self.batch_saving()
@@ -369,18 +381,19 @@ class CallCosts:
             return Decision(Kind.UNBOUNDED, {"source": "pipeline"})
         if batches <= 1:
             return Decision(Kind.ONE_BATCH, {"batches": batches})
-        costs = self.phase(phase)
-        if costs.trial_due() and (
-            owed <= TRACE_SHARE * (batches * costs.staged_step_seconds)
-            or costs.staged_calls >= LOOP_CALLS
+        own = self.phase(phase)
+        trial = Decision(Kind.TRIAL, {"batches": batches, "owed": owed})
+        if own.trial_due() and (
+            owed <= TRACE_SHARE * (batches * own.staged_step_seconds)
+            or own.staged_calls >= LOOP_CALLS
         ):
-            return Decision(Kind.TRIAL, {"batches": batches, "owed": owed})
+            return trial
         costs = self.measured_like(phase)
         if not costs.measured():
             if (
                 (costs.build_seconds is None or costs.iterator_seconds is None)
                 and batches <= FIRST_CALL_BATCHES
-                and not self.phase(phase).first_call_skipped
+                and not own.first_call_skipped
             ):
                 return Decision(Kind.FIRST_CALL, {"batches": batches})
             return Decision(Kind.UNMEASURED, {"batches": batches})
@@ -391,6 +404,8 @@ class CallCosts:
         saving = costs.saving(batches)
         starts = unstaged_epochs * (costs.epoch_start_seconds or 0.0)
         gain = saving + owed + starts - set_up
+        if gain > 0 and own.trial_due() and own.saves_little():
+            return trial  # staged for what it owes, it may lose its steps
         return Decision(
             Kind.PAYS if gain > 0 else Kind.DOES_NOT_PAY,
             {
