@@ -235,9 +235,10 @@ def write(benchmark, name, command, rows, summaries, extra=None):
     path = os.path.join(RESULTS, f"{stem}.json")
     raw = os.path.join(RESULTS, "raw", f"{stem}-{stamp.replace(' ', '-')}.json")
     os.makedirs(os.path.dirname(raw), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
+    with open(path, "w") as f:  # a summary a line: short, diffs readable
+        head = json.dumps({**result, "summaries": []}, indent=1)[:-4]
+        body = ",\n  ".join(json.dumps(s) for s in summaries)
+        f.write(f"{head}[\n  {body}\n ]\n}}\n")
     with open(raw, "w") as f:
         json.dump({**result, "rows": rows}, f)
     return path
