@@ -47,6 +47,9 @@ def _assert_demo_reports(out, batches, workload_batches, workloads):
     assert out.count("Stage plan:") == 1 + len(workloads)
     assert out.count("    plain ") == len(workloads)
     assert out.count("    staged ") == len(workloads)
+    # Each fit timed to its last callback, the tear-down after it shown.
+    assert out.count("timed to its last callback") == len(workloads)
+    assert re.search(r"\n    staged .* [\d.]+ s\n", out)
     assert out.count(
         "PrefetchCallback verdict of the last staged epoch"
     ) == len(workloads)

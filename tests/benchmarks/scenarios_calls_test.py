@@ -142,27 +142,33 @@ def test_determinism_runs_each_round_in_a_fresh_process():
 
 def test_each_floor_case_runs_its_own_modes():
     scenario, args = parse(["floor"])
+    # The hand-built pipeline first and last (the reference, the control),
+    # the floor (the trunk alone) in every case.
     assert scenario.case_modes("remote", args) == [
+        "pipeline_auto",
         "compute_bound",
         "staged",
-        "pipeline_auto",
         "pipeline_16",
         "pipeline_2cpu",
         "pipeline_split",
-        "compute_bound_again",
+        "pipeline_auto_again",
     ]
+    for case in ("images", "criteo"):
+        modes = scenario.case_modes(case, args)
+        assert modes[0] == "pipeline_auto" and "compute_bound" in modes
+        assert modes[-1] == "pipeline_auto_again"
     assert "parsing_beside" in scenario.case_modes("criteo", args)
-    scenario, args = parse(["floor", "--modes", "compute_bound,staged_pool2"])
-    assert scenario.case_modes("remote", args) == ["compute_bound"]
+    scenario, args = parse(["floor", "--modes", "pipeline_auto,staged_pool2"])
+    assert scenario.case_modes("remote", args) == ["pipeline_auto"]
     assert scenario.case_modes("images", args) == [
-        "compute_bound",
+        "pipeline_auto",
         "staged_pool2",
     ]
 
 
 @pytest.mark.timeout(120)
 def test_the_floor_of_remote_beside_pipelines_built_by_hand():
-    modes = "compute_bound,pipeline_split,pipeline_2cpu,compute_bound_again"
+    modes = "pipeline_auto,pipeline_split,compute_bound,pipeline_auto_again"
     rows = _run(
         *("floor", "--cases", "remote", "--steps", "2", "--rounds", "1"),
         *("--modes", modes + ",staged_pool2"),  # not a mode of remote
