@@ -179,6 +179,46 @@ def test_a_resized_pool_starts_a_new_iterator_at_the_epoch_boundary():
     assert len(made) == 2
 
 
+class _DroppedIterators:
+    """A pipeline whose iterators (of `range(BATCHES * EPOCHS)`, from the
+    epoch `start` holds) note the thread that drops them, as `_Dropped`."""
+
+    def __init__(self, start):
+        self.start = start
+        self.dropped_on = []
+
+    def __iter__(self):
+        first = int(self.start.numpy()) * BATCHES
+        return _DroppedIterator(range(first, BATCHES * EPOCHS), self)
+
+
+class _DroppedIterator(_Dropped):
+    def __init__(self, values, pipeline):
+        super().__init__(pipeline.dropped_on)
+        self._values = iter(values)
+
+    def __next__(self):
+        return next(self._values)
+
+
+def test_the_iterator_a_resized_pool_replaces_is_dropped_off_the_reader():
+    # A tf.data iterator's teardown waits for its autotuning thread to wake,
+    # whose period doubles as it lives on: dropped on the training thread
+    # between calls, it held a step for up to 25 s (`images`, 2 cores).
+    start, pool = tf.Variable(0, dtype=tf.int64), _Pool(4)
+    pipeline = _DroppedIterators(start)
+    plan = LongLivedEpochs(EPOCHS, BATCHES, 1, start, pipeline)
+    shared = LongLivedIterator(pipeline, plan, lambda _: None, pool=pool)
+    assert _read(EpochView(shared, None), BATCHES) == [0, 1, 2]
+    pool.size = 2
+    assert _read(EpochView(shared, None), BATCHES) == [3, 4, 5]
+    for _ in range(100):
+        if pipeline.dropped_on:
+            break
+        threading.Event().wait(0.05)
+    assert pipeline.dropped_on == [RELEASE_THREAD]
+
+
 def test_without_a_start_a_resized_pool_keeps_the_iterator():
     pool = _Pool(4)
     shared, made = _shared(pool=pool)
