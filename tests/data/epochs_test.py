@@ -155,17 +155,22 @@ def test_the_exit_waits_for_a_teardown_still_running():
     assert not thread.is_alive()
 
 
+def _eventually(condition, seconds=5.0):
+    """Whether `condition()` holds within `seconds` (polled)."""
+    for _ in range(int(seconds / 0.05)):
+        if condition():
+            return True
+        threading.Event().wait(0.05)
+    return bool(condition())
+
+
 def test_a_closed_iterator_drops_its_real_iterator_off_the_callers_thread():
     shared, _ = _shared()
     _read(EpochView(shared, None), 1)
     real = weakref.ref(shared._iterator)
     shared.close()
     # Nothing of the caller holds it: the release thread's drop deletes it.
-    for _ in range(100):
-        if real() is None:
-            break
-        threading.Event().wait(0.05)
-    assert real() is None
+    assert _eventually(lambda: real() is None)
 
 
 def test_a_resized_pool_starts_a_new_iterator_at_the_epoch_boundary():
@@ -212,10 +217,7 @@ def test_the_iterator_a_resized_pool_replaces_is_dropped_off_the_reader():
     assert _read(EpochView(shared, None), BATCHES) == [0, 1, 2]
     pool.size = 2
     assert _read(EpochView(shared, None), BATCHES) == [3, 4, 5]
-    for _ in range(100):
-        if pipeline.dropped_on:
-            break
-        threading.Event().wait(0.05)
+    assert _eventually(lambda: pipeline.dropped_on)
     assert pipeline.dropped_on == [RELEASE_THREAD]
 
 
