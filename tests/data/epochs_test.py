@@ -22,6 +22,7 @@ from keras_stage.data.epochs import (
     release,
 )
 from keras_stage.models.iterators.kept_iterators import EpochView, resolve
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -155,22 +156,13 @@ def test_the_exit_waits_for_a_teardown_still_running():
     assert not thread.is_alive()
 
 
-def _eventually(condition, seconds=5.0):
-    """Whether `condition()` holds within `seconds` (polled)."""
-    for _ in range(int(seconds / 0.05)):
-        if condition():
-            return True
-        threading.Event().wait(0.05)
-    return bool(condition())
-
-
 def test_a_closed_iterator_drops_its_real_iterator_off_the_callers_thread():
     shared, _ = _shared()
     _read(EpochView(shared, None), 1)
     real = weakref.ref(shared._iterator)
     shared.close()
     # Nothing of the caller holds it: the release thread's drop deletes it.
-    assert _eventually(lambda: real() is None)
+    assert wait_until(lambda: real() is None, timeout=5.0)
 
 
 def test_a_resized_pool_starts_a_new_iterator_at_the_epoch_boundary():
@@ -217,7 +209,7 @@ def test_the_iterator_a_resized_pool_replaces_is_dropped_off_the_reader():
     assert _read(EpochView(shared, None), BATCHES) == [0, 1, 2]
     pool.size = 2
     assert _read(EpochView(shared, None), BATCHES) == [3, 4, 5]
-    assert _eventually(lambda: pipeline.dropped_on)
+    assert wait_until(lambda: pipeline.dropped_on, timeout=5.0)
     assert pipeline.dropped_on == [RELEASE_THREAD]
 
 
